@@ -1,0 +1,47 @@
+"""Naive attention math: the ground truth every flashsys attention op is tested against.
+
+It materialises the full score matrix, so it is O(N^2) in memory: use it in float64 on small shapes
+as the reference, or in a low precision as "what plain PyTorch gets" when setting tolerances.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+
+def causal_mask(n_queries: int, n_keys: int, device: torch.device | str | None = None) -> Tensor:
+    """Boolean (Nq, Nk) mask, True where query i may see key j.
+
+    Aligned to the bottom-right corner as in FlashAttention-2: query i sees keys j <= i + (Nk - Nq).
+    With Nq > Nk the first Nq - Nk queries see no key at all.
+    """
+    i = torch.arange(n_queries, device=device)[:, None]
+    j = torch.arange(n_keys, device=device)[None, :]
+    return j <= i + (n_keys - n_queries)
+
+
+def attention_reference(
+    q: Float[Tensor, "*batch Nq D"],
+    k: Float[Tensor, "*batch Nk D"],
+    v: Float[Tensor, "*batch Nk D"],
+    causal: bool = False,
+    softmax_scale: float | None = None,
+) -> tuple[Float[Tensor, "*batch Nq D"], Float[Tensor, "*batch Nq"]]:
+    """Return (O, L): the attention output and the natural-log logsumexp of the scaled scores.
+
+    Computed in the inputs' dtype (differentiable). A query row that sees no key (causal with
+    Nq > Nk) gets O = 0 and L = -inf, the same convention as the flash ops.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if causal:
+        s = s.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    # exp(s - lse) with a safe lse for rows that see nothing, so they give 0 instead of NaN.
+    safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    p = torch.exp(s - safe_lse[..., None])
+    return torch.matmul(p, v), lse

@@ -1,0 +1,64 @@
+"""Input checks shared by every attention op, so bad input fails with a clear message.
+
+Without these, a mismatched shape becomes a silent broadcast, a Triton compile error or an illegal
+memory access. Every message names the argument and the offending shape, dtype or device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_attention_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    is_causal: bool,
+    softmax_scale: float | None,
+    *,
+    op: str,
+    allowed_dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
+    max_head_dim: int | None = None,
+) -> float:
+    """Validate q, k, v and the flags; return the softmax scale to use."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in allowed_dtypes:
+            names = ", ".join(str(d).replace("torch.", "") for d in allowed_dtypes)
+            raise TypeError(f"{op}: {name} has dtype {t.dtype}; supported dtypes are {names}")
+        if t.dim() not in (3, 4):
+            raise ValueError(
+                f"{op}: {name} must have shape (batch, seq, head_dim) or (batch, heads, seq, head_dim), "
+                f"got rank {t.dim()} with shape {tuple(t.shape)}"
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{op}: q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{op}: q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if not (q.dim() == k.dim() == v.dim()):
+        raise ValueError(f"{op}: q, k, v must have the same rank, got {shapes}")
+    if not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
+        raise ValueError(f"{op}: q, k, v must have the same batch (and head) dims, got {shapes}")
+    if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
+        raise ValueError(f"{op}: q, k, v must have the same head_dim (last dim), got {shapes}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"{op}: k and v must have the same sequence length, got {shapes}")
+    if q.shape[-2] == 0 or k.shape[-2] == 0 or q.shape[-1] == 0:
+        raise ValueError(f"{op}: sequence lengths and head_dim must be positive, got {shapes}")
+    if max_head_dim is not None and q.shape[-1] > max_head_dim:
+        raise ValueError(f"{op}: head_dim {q.shape[-1]} is above the supported maximum {max_head_dim} ({shapes})")
+    if not isinstance(is_causal, (bool, int)) or isinstance(is_causal, float):
+        raise TypeError(f"{op}: is_causal must be a bool, got {type(is_causal).__name__}")
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(q.shape[-1])
+    if isinstance(softmax_scale, torch.Tensor) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"{op}: softmax_scale must be a Python float or None, got {type(softmax_scale).__name__}")
+    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"{op}: softmax_scale must be a positive finite number, got {softmax_scale}")
+    return float(softmax_scale)

@@ -1,0 +1,31 @@
+"""Test-wide setup.
+
+Without a GPU the Triton kernels run in Triton's interpreter. TRITON_INTERPRET must be set before
+the module defining the kernels is imported, so it is set here, before anything imports flashsys.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("cpu", deadline=None, max_examples=25, derandomize=False)
+settings.register_profile("gpu", deadline=None, max_examples=60)
+settings.load_profile("gpu" if torch.cuda.is_available() else "cpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    has_cuda = torch.cuda.is_available()
+    n_gpu = torch.cuda.device_count() if has_cuda else 0
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_multi = pytest.mark.skip(reason="needs two or more CUDA devices")
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip_gpu)
+        if "multigpu" in item.keywords and n_gpu < 2:
+            item.add_marker(skip_multi)
