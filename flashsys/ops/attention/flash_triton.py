@@ -29,8 +29,8 @@ from torch import Tensor
 from .validation import check_attention_inputs
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 MAX_HEAD_DIM = 256
+
 
 
 def interpreter_active() -> bool:
@@ -60,11 +60,21 @@ def _load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
 
 
 @triton.jit
+def _dot(a, b, FP32_IEEE: tl.constexpr):
+    """fp32 inputs get true fp32 products (as PyTorch's default matmul); fp16/bf16 use the tensor cores."""
+    if FP32_IEEE:
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
     offs_m, offs_n, offs_d, lo, hi, n_k, causal_offset, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, FP32_IEEE: tl.constexpr,
 ):
     """Online-softmax update of one query tile over key tiles [lo, hi)."""
     for start_n in range(lo, hi, BLOCK_N):
@@ -73,7 +83,7 @@ def _fwd_inner(
                        HEAD_DIM, BLOCK_D, MASKED)
         v = _load_rows(V + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, cols, n_k, offs_d,
                        HEAD_DIM, BLOCK_D, MASKED)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        s = _dot(q, tl.trans(k), FP32_IEEE) * qk_scale
         if MASKED:
             visible = cols[None, :] < n_k
             if IS_CAUSAL:
@@ -86,7 +96,7 @@ def _fwd_inner(
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32_IEEE)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -99,7 +109,7 @@ def _flash_fwd_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_on, stride_od,
     n_heads, n_q, n_k, qk_scale, N_BUCKET,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, FP32_IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program = one query tile of one (batch, head). Writes O and L (natural log)."""
@@ -135,15 +145,15 @@ def _flash_fwd_kernel(
         full_hi = n_k // BLOCK_N * BLOCK_N
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                                offs_m, offs_n, offs_d, 0, full_hi, n_k, causal_offset, qk_scale,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, DOT_PREC)
+                               HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, FP32_IEEE)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                                offs_m, offs_n, offs_d, full_hi, hi, n_k, causal_offset, qk_scale,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, DOT_PREC)
+                               HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, FP32_IEEE)
 
     seen = l_i > 0.0  # False only for queries that see no key (causal, Nq > Nk)
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
-    lse = tl.where(seen, m_i * LN2 + tl.log(l_safe), float("-inf"))
+    lse = tl.where(seen, m_i * 0.6931471805599453 + tl.log(l_safe), float("-inf"))
     row_ok = offs_m < n_q
     tl.store(L + offs_m, lse, mask=row_ok)
     o_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
@@ -179,7 +189,7 @@ def _bwd_dkdv_inner(
     dk, dv, k, v, Q, DO, L, Delta, stride_qn, stride_qd, stride_don, stride_dod,
     offs_n, offs_m_base, offs_d, lo, hi, n_q, causal_offset, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, FP32_IEEE: tl.constexpr,
 ):
     """Accumulate dK, dV of one key tile over query tiles [lo, hi). Works on transposed scores."""
     for start_m in range(lo, hi, BLOCK_M):
@@ -189,22 +199,22 @@ def _bwd_dkdv_inner(
         do = _load_rows(DO + rows[:, None] * stride_don + offs_d[None, :] * stride_dod, rows, n_q, offs_d,
                         HEAD_DIM, BLOCK_D, MASKED)
         if MASKED:
-            lse2 = tl.load(L + rows, mask=rows < n_q, other=0.0) * LOG2E
+            lse2 = tl.load(L + rows, mask=rows < n_q, other=0.0) * 1.4426950408889634
             delta = tl.load(Delta + rows, mask=rows < n_q, other=0.0)
         else:
-            lse2 = tl.load(L + rows) * LOG2E
+            lse2 = tl.load(L + rows) * 1.4426950408889634
             delta = tl.load(Delta + rows)
-        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # (BLOCK_N, BLOCK_M)
+        s_t = _dot(k, tl.trans(q), FP32_IEEE) * qk_scale  # (BLOCK_N, BLOCK_M)
         p_t = tl.math.exp2(s_t - lse2[None, :])
         if MASKED:
             visible = rows[None, :] < n_q
             if IS_CAUSAL:
                 visible = visible & (offs_n[:, None] <= rows[None, :] + causal_offset)
             p_t = tl.where(visible, p_t, 0.0)
-        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PREC)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+        dv += _dot(p_t.to(do.dtype), do, FP32_IEEE)
+        dp_t = _dot(v, tl.trans(do), FP32_IEEE)
         ds_t = p_t * (dp_t - delta[None, :])
-        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PREC)
+        dk += _dot(ds_t.to(q.dtype), q, FP32_IEEE)
     return dk, dv
 
 
@@ -218,7 +228,7 @@ def _flash_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     n_heads, n_q, n_k, qk_scale, softmax_scale, N_BUCKET,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, FP32_IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program = one key tile of one (batch, head): dK and dV, looping over the query tiles that see it."""
@@ -257,13 +267,13 @@ def _flash_bwd_dkdv_kernel(
     full_end = n_q // BLOCK_M * BLOCK_M
     dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q, DO, L, Delta, stride_qn, stride_qd, stride_don, stride_dod,
                              offs_n, offs_m_base, offs_d, lo, tl.minimum(mid, n_q), n_q, causal_offset, qk_scale,
-                             HEAD_DIM, BLOCK_D, BLOCK_M, True, IS_CAUSAL, DOT_PREC)
+                             HEAD_DIM, BLOCK_D, BLOCK_M, True, IS_CAUSAL, FP32_IEEE)
     dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q, DO, L, Delta, stride_qn, stride_qd, stride_don, stride_dod,
                              offs_n, offs_m_base, offs_d, mid, full_end, n_q, causal_offset, qk_scale,
-                             HEAD_DIM, BLOCK_D, BLOCK_M, False, IS_CAUSAL, DOT_PREC)
+                             HEAD_DIM, BLOCK_D, BLOCK_M, False, IS_CAUSAL, FP32_IEEE)
     dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q, DO, L, Delta, stride_qn, stride_qd, stride_don, stride_dod,
                              offs_n, offs_m_base, offs_d, tl.maximum(mid, full_end), n_q, n_q, causal_offset,
-                             qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, True, IS_CAUSAL, DOT_PREC)
+                             qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, True, IS_CAUSAL, FP32_IEEE)
     dk *= softmax_scale
     mask = (offs_n[:, None] < n_k) & (offs_d[None, :] < HEAD_DIM)
     tl.store(DK + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), mask=mask)
@@ -275,7 +285,7 @@ def _bwd_dq_inner(
     dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
     offs_m, offs_n_base, offs_d, lo, hi, n_k, causal_offset, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, FP32_IEEE: tl.constexpr,
 ):
     """Accumulate dQ of one query tile over key tiles [lo, hi)."""
     for start_n in range(lo, hi, BLOCK_N):
@@ -284,16 +294,16 @@ def _bwd_dq_inner(
                        HEAD_DIM, BLOCK_D, MASKED)
         v = _load_rows(V + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, cols, n_k, offs_d,
                        HEAD_DIM, BLOCK_D, MASKED)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        s = _dot(q, tl.trans(k), FP32_IEEE) * qk_scale
         p = tl.math.exp2(s - lse2[:, None])
         if MASKED:
             visible = cols[None, :] < n_k
             if IS_CAUSAL:
                 visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
             p = tl.where(visible, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        dp = _dot(do, tl.trans(v), FP32_IEEE)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
+        dq += _dot(ds.to(k.dtype), k, FP32_IEEE)
     return dq
 
 
@@ -306,7 +316,7 @@ def _flash_bwd_dq_kernel(
     stride_dob, stride_doh, stride_don, stride_dod,
     stride_dqb, stride_dqh, stride_dqn, stride_dqd,
     n_heads, n_q, n_k, qk_scale, softmax_scale, N_BUCKET,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, FP32_IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program = one query tile of one (batch, head): dQ, looping over the key tiles it sees."""
@@ -334,7 +344,7 @@ def _flash_bwd_dq_kernel(
                     HEAD_DIM, BLOCK_D, True)
     row_ok = offs_m < n_q
     lse = tl.load(L + offs_m, mask=row_ok, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)  # rows that see no key: every p is masked anyway
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)  # rows that see no key: every p is masked anyway
     delta = tl.load(Delta + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
@@ -347,10 +357,10 @@ def _flash_bwd_dq_kernel(
         full_hi = n_k // BLOCK_N * BLOCK_N
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                        offs_m, offs_n_base, offs_d, 0, full_hi, n_k, causal_offset, qk_scale,
-                       HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, DOT_PREC)
+                       HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, FP32_IEEE)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                        offs_m, offs_n_base, offs_d, full_hi, hi, n_k, causal_offset, qk_scale,
-                       HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, DOT_PREC)
+                       HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, FP32_IEEE)
     dq *= softmax_scale
     mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     tl.store(DQ + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=mask)
@@ -431,11 +441,6 @@ def _seq_bucket(n: int) -> int:
     return min(triton.next_power_of_2(n), 1 << 16)
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs get true fp32 products (as PyTorch's default matmul); fp16/bf16 use the tensor cores.
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def flash_forward_triton(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     """Launch the forward kernel. Returns (O like q, L float32 of shape q.shape[:-1])."""
     n_heads, n_bh, n_q, n_k, d, block_d = _geometry(q, k)
@@ -446,7 +451,7 @@ def flash_forward_triton(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: f
     kernel[grid](
         q, k, v, o, lse, *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(o),
         n_heads, n_q, n_k, scale * LOG2E, _seq_bucket(max(n_q, n_k)),
-        HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype),
+        HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=causal, FP32_IEEE=q.dtype == torch.float32,
     )
     return o, lse
 
@@ -467,7 +472,7 @@ def flash_backward_triton(
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    common = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype))
+    common = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=causal, FP32_IEEE=q.dtype == torch.float32)
     bucket = _seq_bucket(max(n_q, n_k))
     hd = _head_dim_class(block_d)
     _bwd_dkdv_kernels[hd][lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), n_bh)](
@@ -500,6 +505,37 @@ def _interpreter_upcast(t: Tensor) -> Tensor:
     return t.float() if interpreter_active() and t.dtype == torch.bfloat16 else t
 
 
+# The launchers are registered as custom ops so that torch.compile treats them as opaque calls and
+# launches the same eager Triton kernels (with Triton's own autotuner) instead of re-emitting their
+# source through Inductor, which breaks on kernels that call other @triton.jit helpers.
+
+
+@torch.library.custom_op("flashsys::flash_attention_forward", mutates_args=())
+def flash_attention_forward_op(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor]:
+    up = _interpreter_upcast
+    o, lse = flash_forward_triton(up(q), up(k), up(v), is_causal, softmax_scale)
+    return o.to(q.dtype), lse
+
+
+@flash_attention_forward_op.register_fake
+def _(q, k, v, is_causal, softmax_scale):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("flashsys::flash_attention_backward", mutates_args=())
+def flash_attention_backward_op(
+    q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, is_causal: bool, softmax_scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    up = _interpreter_upcast
+    dq, dk, dv = flash_backward_triton(up(q), up(k), up(v), up(o), lse, up(do.to(q.dtype)), is_causal, softmax_scale)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@flash_attention_backward_op.register_fake
+def _(q, k, v, o, lse, do, is_causal, softmax_scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
 class FlashAttention2Triton(torch.autograd.Function):
     """FlashAttention-2 with Triton forward and backward kernels (CUDA; CPU under TRITON_INTERPRET=1)."""
 
@@ -508,9 +544,7 @@ class FlashAttention2Triton(torch.autograd.Function):
         scale = check_attention_inputs(q, k, v, is_causal, softmax_scale, op="FlashAttention2Triton",
                                        max_head_dim=MAX_HEAD_DIM)
         _check_device(q)
-        o, lse = flash_forward_triton(_interpreter_upcast(q), _interpreter_upcast(k), _interpreter_upcast(v),
-                                      bool(is_causal), scale)
-        o = o.to(q.dtype)
+        o, lse = flash_attention_forward_op(q, k, v, bool(is_causal), scale)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.is_causal, ctx.scale = bool(is_causal), scale
         return o
@@ -518,6 +552,5 @@ class FlashAttention2Triton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do: Tensor):
         q, k, v, o, lse = ctx.saved_tensors
-        up = _interpreter_upcast
-        dq, dk, dv = flash_backward_triton(up(q), up(k), up(v), up(o), lse, up(do.to(q.dtype)), ctx.is_causal, ctx.scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        dq, dk, dv = flash_attention_backward_op(q, k, v, o, lse, do, ctx.is_causal, ctx.scale)
+        return dq, dk, dv, None, None

@@ -1,0 +1,67 @@
+"""Shared checks: compare an attention op against float64 reference math with dtype-scaled tolerances.
+
+Tolerance follows flash-attention's tests: our error against the float64 reference may be at most twice
+the error of plain PyTorch attention computed in the same low precision, plus a small floor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashsys.ops.attention import attention_reference
+
+FLOOR = {torch.float32: 1e-5, torch.float16: 2e-4, torch.bfloat16: 2e-3, torch.float64: 1e-12}
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref||, with ||ref|| floored at unit RMS: a gradient that is exactly zero (one key,
+    say) is then judged by its absolute rounding noise instead of dividing by zero."""
+    x, ref = x.double(), ref.double()
+    assert not torch.isnan(x).any(), "NaN in output"
+    return ((x - ref).norm() / max(ref.norm().item(), ref.numel() ** 0.5)).item()
+
+
+def make_qkv(batch, heads, n_q, n_k, d, dtype, device, seed=None):
+    g = torch.Generator(device="cpu")
+    if seed is not None:
+        g.manual_seed(seed)
+    lead = (batch, heads) if heads else (batch,)
+    q = torch.randn(*lead, n_q, d, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
+    k = torch.randn(*lead, n_k, d, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
+    v = torch.randn(*lead, n_k, d, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
+    do = torch.randn(*lead, n_q, d, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
+    return q, k, v, do
+
+
+def run_op(op, q, k, v, do, causal, scale):
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    o = op.apply(q, k, v, causal, scale)
+    lse = o.grad_fn.saved_tensors[4]
+    o.backward(do)
+    return o.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def run_reference(q, k, v, do, causal, scale, dtype):
+    q, k, v = (x.detach().to(dtype).clone().requires_grad_() for x in (q, k, v))
+    o, lse = attention_reference(q, k, v, causal, scale)
+    o.backward(do.to(dtype))
+    return o.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def assert_matches_reference(op, q, k, v, do, causal, scale):
+    """O, L, dQ, dK, dV of `op` against float64; tolerance scaled by plain PyTorch's low-precision error."""
+    ours = run_op(op, q, k, v, do, causal, scale)
+    exact = run_reference(q, k, v, do, causal, scale, torch.float64)
+    plain = run_reference(q, k, v, do, causal, scale, q.dtype)
+    assert ours[0].dtype == q.dtype and ours[0].shape == q.shape
+    assert ours[1].dtype in (torch.float32, torch.float64) and ours[1].shape == q.shape[:-1]
+    for name, i in (("O", 0), ("dQ", 2), ("dK", 3), ("dV", 4)):
+        assert ours[i].shape == exact[i].shape, name
+        err, base = rel_err(ours[i], exact[i]), rel_err(plain[i], exact[i])
+        assert err <= 2 * base + FLOOR[q.dtype], f"{name}: error {err:.3g} vs plain PyTorch {base:.3g} ({q.dtype})"
+    # L: float32 in every case; rows that see no key are -inf in both.
+    lse, lse_ref = ours[1].double(), exact[1]
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref)), "L: -inf rows differ"
+    finite = ~torch.isinf(lse_ref)
+    if finite.any():
+        assert (lse[finite] - lse_ref[finite]).abs().max().item() <= 1e-4 * (1 + lse_ref[finite].abs().max().item())

@@ -1,0 +1,197 @@
+"""The op contract of design.md §2: saved tensors, strides, torch.compile, dispatch, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashsys.ops.attention import (
+    FlashAttention2Torch,
+    FlashAttention2Triton,
+    attention_reference,
+    flash_attention,
+)
+
+from .attention_checks import assert_matches_reference, make_qkv, rel_err
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+OPS = [FlashAttention2Torch, FlashAttention2Triton]
+
+
+@pytest.mark.parametrize("op", OPS, ids=lambda o: o.__name__)
+@pytest.mark.parametrize("rank4", [False, True])
+def test_saved_tensors_are_q_k_v_o_and_float32_logsumexp(op, rank4):
+    q, k, v, _ = make_qkv(2, 3 if rank4 else None, 40, 24, 32, torch.float16, DEVICE, seed=1)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    o = op.apply(q, k, v, True)
+    saved = o.grad_fn.saved_tensors
+    assert len(saved) == 5
+    assert saved[0] is q and saved[1] is k and saved[2] is v
+    assert saved[3].data_ptr() == o.data_ptr() and saved[3].shape == o.shape
+    lse = saved[4]
+    assert lse.dtype == torch.float32 and lse.shape == q.shape[:-1]
+    assert sum(t.shape == q.shape[:-1] for t in saved) == 1, "L must be the only saved tensor of its shape"
+    _, lse_ref = attention_reference(q.double(), k.double(), v.double(), True)
+    assert torch.allclose(lse.double(), lse_ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("op", OPS, ids=lambda o: o.__name__)
+def test_stride_zero_grad_and_noncontiguous_views(op):
+    """The leaderboard's inputs: views of one tensor, dO = ones with stride 0 from o.sum()."""
+    qkv = torch.randn(3, 2, 37, 2, 32, device=DEVICE).transpose(2, 3)  # (3, B, H, N, D), non-contiguous
+    q, k, v = (x.detach().requires_grad_() for x in qkv.unbind(0))
+    assert not q.is_contiguous()
+    op.apply(q, k, v, True).sum().backward()
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    attention_reference(*ref, causal=True)[0].sum().backward()
+    for ours, exact in zip((q, k, v), ref):
+        assert rel_err(ours.grad, exact.grad) < 1e-5
+
+
+@pytest.mark.parametrize("op", OPS, ids=lambda o: o.__name__)
+def test_rows_that_see_no_key_give_zero_output_and_gradient(op):
+    """Causal with Nq > Nk: the first Nq - Nk queries see no key (bottom-right alignment)."""
+    q, k, v, do = make_qkv(1, 2, 50, 20, 16, torch.float32, DEVICE, seed=3)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    o = op.apply(q, k, v, True)
+    lse = o.grad_fn.saved_tensors[4]
+    o.backward(do)
+    assert torch.all(o[..., :30, :] == 0) and torch.all(torch.isinf(lse[..., :30]))
+    assert torch.all(q.grad[..., :30, :] == 0)
+    assert torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
+
+
+def test_float64_torch_op_is_exact():
+    q, k, v, do = make_qkv(2, None, 70, 90, 24, torch.float64, "cpu", seed=4)
+    assert_matches_reference(FlashAttention2Torch, q, k, v, do, True, 0.3)
+
+
+def test_functional_dispatch_and_forced_backends():
+    q, k, v, _ = make_qkv(1, 2, 20, 20, 16, torch.float32, DEVICE, seed=5)
+    ref, _ = attention_reference(q.double(), k.double(), v.double(), True)
+    for backend in ("auto", "torch", "triton"):
+        out = flash_attention(q, k, v, causal=True, backend=backend)
+        assert rel_err(out, ref) < 1e-5
+    auto = flash_attention(q, k, v, causal=True)
+    assert auto.grad_fn is None  # no grad asked
+    q.requires_grad_()
+    expected = "FlashAttention2Triton" if CUDA else "FlashAttention2Torch"
+    assert expected in type(flash_attention(q, k, v).grad_fn).__name__
+    with pytest.raises(ValueError, match="backend"):
+        flash_attention(q, k, v, backend="cuda")
+
+
+def test_torch_compile_of_torch_op_matches_eager():
+    q, k, v, do = make_qkv(1, 2, 40, 40, 16, torch.float32, DEVICE, seed=6)
+    compiled = torch.compile(FlashAttention2Torch.apply, fullgraph=False)
+    grads = []
+    for fn in (FlashAttention2Torch.apply, compiled):
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        o = fn(qq, kk, vv, True)
+        o.backward(do)
+        grads.append((o.detach(), qq.grad, kk.grad, vv.grad))
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32] if CUDA else [torch.float32])
+def test_torch_compile_of_triton_op_matches_eager(dtype):
+    n = 1000 if CUDA else 40
+    q, k, v, _ = make_qkv(2, 4 if CUDA else 2, n, n, 64 if CUDA else 16, dtype, DEVICE, seed=7)
+    compiled = torch.compile(FlashAttention2Triton.apply)
+    results = []
+    for fn in (FlashAttention2Triton.apply, compiled):
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        o = fn(qq, kk, vv, True)
+        o.sum().backward()
+        results.append((o.detach(), qq.grad, kk.grad, vv.grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_memory_grows_linearly_in_sequence_length_gpu():
+    """Peak extra memory of forward + backward: x4 in N gives about x4 in memory (an N^2 op would give x16)."""
+    peaks = {}
+    for n in (4096, 16384):
+        q, k, v, do = make_qkv(1, 8, n, n, 64, torch.bfloat16, "cuda", seed=8)
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        FlashAttention2Triton.apply(q, k, v, True).backward(do)
+        torch.cuda.synchronize()
+        peaks[n] = torch.cuda.max_memory_allocated() - base
+        del q, k, v, do
+    ratio = peaks[16384] / peaks[4096]
+    assert ratio < 5.0, f"peak memory grew x{ratio:.1f} for x4 sequence length: {peaks}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad input: a clear ValueError/TypeError naming the argument, never a crash or a compile error.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _t(*shape, dtype=torch.float32, device=DEVICE):
+    return torch.randn(*shape, device=device).to(dtype) if dtype.is_floating_point else torch.ones(*shape, dtype=dtype, device=device)
+
+
+BAD_INPUTS = [
+    ("head dims", lambda: (_t(2, 8, 16), _t(2, 8, 32), _t(2, 8, 32)), ValueError, "head_dim"),
+    ("batch dims", lambda: (_t(2, 8, 16), _t(3, 8, 16), _t(3, 8, 16)), ValueError, "batch"),
+    ("head count", lambda: (_t(2, 4, 8, 16), _t(2, 2, 8, 16), _t(2, 2, 8, 16)), ValueError, "batch"),
+    ("dtypes", lambda: (_t(2, 8, 16), _t(2, 8, 16, dtype=torch.float16), _t(2, 8, 16)), TypeError, "dtype"),
+    ("k/v lengths", lambda: (_t(2, 8, 16), _t(2, 8, 16), _t(2, 9, 16)), ValueError, "sequence length"),
+    ("rank 2", lambda: (_t(8, 16), _t(8, 16), _t(8, 16)), ValueError, "rank 2"),
+    ("rank 5", lambda: (_t(1, 2, 2, 8, 16),) * 3, ValueError, "rank 5"),
+    ("mixed ranks", lambda: (_t(1, 8, 16), _t(1, 1, 8, 16), _t(1, 1, 8, 16)), ValueError, "rank"),
+    ("integers", lambda: (_t(2, 8, 16, dtype=torch.int64),) * 3, TypeError, "int64"),
+    ("not a tensor", lambda: ([[1.0]], _t(2, 8, 16), _t(2, 8, 16)), TypeError, "torch.Tensor"),
+    ("empty sequence", lambda: (_t(2, 0, 16), _t(2, 8, 16), _t(2, 8, 16)), ValueError, "positive"),
+]
+
+
+@pytest.mark.parametrize("op", OPS, ids=lambda o: o.__name__)
+@pytest.mark.parametrize("name,make,exc,match", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_raises_clear_error(op, name, make, exc, match):
+    q, k, v = make()
+    with pytest.raises(exc, match=match):
+        op.apply(q, k, v, False)
+
+
+@pytest.mark.parametrize("op", OPS, ids=lambda o: o.__name__)
+def test_bad_scale_and_causal_flag(op):
+    q = _t(1, 8, 16)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        op.apply(q, q, q, False, float("nan"))
+    with pytest.raises(ValueError, match="softmax_scale"):
+        op.apply(q, q, q, False, -1.0)
+    with pytest.raises(TypeError, match="softmax_scale"):
+        op.apply(q, q, q, False, "0.5")
+    with pytest.raises(TypeError, match="is_causal"):
+        op.apply(q, q, q, "yes")
+
+
+def test_triton_rejects_head_dim_above_its_maximum():
+    q = _t(1, 8, 512)
+    with pytest.raises(ValueError, match="head_dim 512"):
+        FlashAttention2Triton.apply(q, q, q, False)
+
+
+def test_mismatched_devices_are_named():
+    if not CUDA:
+        meta = torch.empty(1, 8, 16, device="meta")
+        cpu = _t(1, 8, 16, device="cpu")
+        with pytest.raises(ValueError, match="one device"):
+            FlashAttention2Torch.apply(cpu, meta, meta, False)
+    else:
+        with pytest.raises(ValueError, match="one device"):
+            FlashAttention2Triton.apply(_t(1, 8, 16), _t(1, 8, 16, device="cpu"), _t(1, 8, 16), False)
+
+
+def test_triton_op_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q = _t(1, 8, 16, device="cpu")
+    with pytest.raises(ValueError, match="need CUDA tensors"):
+        FlashAttention2Triton.apply(q, q, q, False)

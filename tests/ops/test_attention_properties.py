@@ -1,0 +1,73 @@
+"""Hypothesis property tests: both FlashAttention-2 ops against float64 reference math on random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flashsys.ops.attention import FlashAttention2Torch, FlashAttention2Triton
+
+from .attention_checks import assert_matches_reference, make_qkv
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+@st.composite
+def attention_case(draw, max_len, head_dims, dtypes):
+    heads = draw(st.sampled_from([None, 1, 2, 3]))
+    return dict(
+        batch=draw(st.integers(1, 2)),
+        heads=heads,
+        n_q=draw(st.integers(1, max_len)),
+        n_k=draw(st.integers(1, max_len)),
+        d=draw(st.sampled_from(head_dims)),
+        dtype=draw(st.sampled_from(dtypes)),
+        causal=draw(st.booleans()),
+        scale=draw(st.one_of(st.none(), st.floats(0.05, 1.5))),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def _check(op, case):
+    q, k, v, do = make_qkv(case["batch"], case["heads"], case["n_q"], case["n_k"], case["d"], case["dtype"], DEVICE,
+                           seed=case["seed"])
+    assert_matches_reference(op, q, k, v, do, case["causal"], case["scale"])
+
+
+ALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@settings(max_examples=20 if CUDA else 30)
+@given(attention_case(max_len=300, head_dims=[16, 32, 48, 64, 80, 96, 128], dtypes=ALL_DTYPES))
+def test_torch_op_matches_reference(case):
+    _check(FlashAttention2Torch, case)
+
+
+# Under the interpreter: tiny sizes, fp32 and fp16 (bf16 is upcast there, so it adds nothing on CPU).
+# On a GPU one test per dtype, so that pytest-xdist spreads the kernel compilations over workers.
+TRITON_DTYPES = ALL_DTYPES if CUDA else [torch.float32, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", TRITON_DTYPES, ids=str)
+@settings(max_examples=12 if CUDA else 7)
+@given(data=st.data())
+def test_triton_op_matches_reference(dtype, data):
+    case = data.draw(
+        attention_case(max_len=1024, head_dims=[16, 32, 64, 80, 96, 128, 256], dtypes=[dtype])
+        if CUDA
+        else attention_case(max_len=80, head_dims=[16, 24, 32, 64, 80], dtypes=[dtype])
+    )
+    _check(FlashAttention2Triton, case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1000, 2048, 4096])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_op_long_sequences_gpu(n, d, causal, dtype):
+    q, k, v, do = make_qkv(1, 4, n, n, d, dtype, "cuda", seed=n + d)
+    assert_matches_reference(FlashAttention2Triton, q, k, v, do, causal, None)
