@@ -56,7 +56,7 @@ TRITON_DTYPES = ALL_DTYPES if CUDA else [torch.float32, torch.float16]
 @given(data=st.data())
 def test_triton_op_matches_reference(dtype, data):
     case = data.draw(
-        attention_case(max_len=1024, head_dims=[16, 32, 64, 80, 96, 128, 256], dtypes=[dtype])
+        attention_case(max_len=1024, head_dims=[16, 64, 80, 128, 256], dtypes=[dtype])
         if CUDA
         else attention_case(max_len=80, head_dims=[16, 24, 32, 64, 80], dtypes=[dtype])
     )
@@ -64,7 +64,7 @@ def test_triton_op_matches_reference(dtype, data):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [1000, 2048, 4096])
+@pytest.mark.parametrize("n", [1000, 4096])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
