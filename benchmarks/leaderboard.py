@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     best = {}
     for label, table in (("fwd", flash_triton._fwd_kernels), ("bwd dK/dV", flash_triton._bwd_dkdv_kernels),
                          ("bwd dQ", flash_triton._bwd_dq_kernels)):
-        cfg = getattr(table[64 if args.head_dim <= 64 else args.head_dim], "best_config", None)
+        cfg = getattr(table[64 if args.head_dim <= 64 else args.head_dim, False], "best_config", None)
         best[label] = str(cfg) if cfg is not None else "chosen inside torch.compile"
 
     dev = torch.cuda.get_device_name()

@@ -6,7 +6,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 nvidia-smi -L | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  FLASHSYS_TRITON_AUTOTUNE=0 timeout -k 10 ${TEST_TIMEOUT:-330} python3 -m pytest -q -n 8 -p no:cacheprovider \
+  FLASHSYS_TRITON_AUTOTUNE=0 timeout -k 10 ${TEST_TIMEOUT:-330} python3 -m pytest -n 8 -p no:cacheprovider -p no:pytest_benchmark \
     --tb=short -rf -v --durations=12 tests/ops ${PYTEST_ARGS:-} > "$OUT/pytest_ops.log" 2>&1
   echo "pytest exit: $?"
   grep -E "FAILED|passed|failed" "$OUT/pytest_ops.log" | grep -v "^\[gw" | tail -30

@@ -395,6 +395,9 @@ _BWD_DQ_TILES = {
     128: [(128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2)],
     256: [(64, 32, 4, 2), (64, 16, 4, 2), (32, 32, 4, 2)],
 }
+# fp32 inputs are the accuracy path, not the speed path: fp32 tiles take twice the shared memory and
+# registers, and the fp16/bf16 tiles above make ptxas crawl or run out of resources. Small tiles for all.
+_FP32_TILES = {64: [(32, 32, 4, 2), (64, 32, 4, 2)], 128: [(32, 32, 4, 2)], 256: [(16, 32, 4, 1)]}
 _AUTOTUNE_KEY = ["N_BUCKET", "HEAD_DIM", "IS_CAUSAL"]
 
 
@@ -408,7 +411,12 @@ def _configs(tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:
 
 
 def _tuned(kernel, table):
-    return {d: triton.autotune(configs=_configs(tiles), key=_AUTOTUNE_KEY)(kernel) for d, tiles in table.items()}
+    """{(head-dim class, is_fp32): autotuned kernel}."""
+    handles = {}
+    for d in table:
+        for fp32, tiles in ((False, table[d]), (True, _FP32_TILES[d])):
+            handles[d, fp32] = triton.autotune(configs=_configs(tiles), key=_AUTOTUNE_KEY)(kernel)
+    return handles
 
 
 _fwd_kernels = _tuned(_flash_fwd_kernel, _FWD_TILES)
@@ -449,7 +457,7 @@ def flash_forward_triton(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: f
     n_heads, n_bh, n_q, n_k, d, block_d = _geometry(q, k)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    kernel = _fwd_kernels[_head_dim_class(block_d)]
+    kernel = _fwd_kernels[_head_dim_class(block_d), q.dtype == torch.float32]
     grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), n_bh)  # noqa: E731
     kernel[grid](
         q, k, v, o, lse, *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(o),
@@ -477,7 +485,7 @@ def flash_backward_triton(
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     common = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=causal, FP32_IEEE=q.dtype == torch.float32)
     bucket = _seq_bucket(max(n_q, n_k))
-    hd = _head_dim_class(block_d)
+    hd = (_head_dim_class(block_d), q.dtype == torch.float32)
     _bwd_dkdv_kernels[hd][lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), n_bh)](
         q, k, v, do, lse, delta, dk, dv,
         *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(do), *_strides4(dk), *_strides4(dv),
