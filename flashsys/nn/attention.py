@@ -1,0 +1,116 @@
+"""Attention modules: the drop-in FlashAttention module, rotary embeddings, and multi-head self-attention."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+
+from ..ops.attention import FlashAttention2Torch, FlashAttention2Triton, attention_reference, flash_attention
+
+ATTENTION_BACKENDS = ("flash", "flash-triton", "flash-torch", "sdpa", "naive")
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, softmax_scale: float | None, backend: str) -> Tensor:
+    """Dispatch one attention call to a named backend; all compute the same function."""
+    if backend == "flash":
+        return flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    if backend == "flash-triton":
+        return FlashAttention2Triton.apply(q, k, v, causal, softmax_scale)
+    if backend == "flash-torch":
+        return FlashAttention2Torch.apply(q, k, v, causal, softmax_scale)
+    if backend == "sdpa":
+        if causal and q.shape[-2] != k.shape[-2]:
+            raise ValueError("backend 'sdpa' aligns the causal mask top-left; use a flash backend for Nq != Nk")
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale)
+    if backend == "naive":
+        return attention_reference(q, k, v, causal, softmax_scale)[0]
+    raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
+
+
+def check_backend(backend: str) -> str:
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
+    return backend
+
+
+class FlashAttention(nn.Module):
+    """Drop-in for `F.scaled_dot_product_attention(q, k, v, is_causal=...)` on (B, H, N, D) tensors.
+
+    Under `torch.autocast`, q, k and v are cast to the autocast dtype first (the kernels take one dtype).
+    """
+
+    def __init__(self, causal: bool = False, softmax_scale: float | None = None, backend: str = "auto") -> None:
+        super().__init__()
+        if backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"FlashAttention: backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+        self.causal, self.softmax_scale, self.backend = causal, softmax_scale, backend
+
+    def forward(
+        self, q: Float[Tensor, "B H Nq D"], k: Float[Tensor, "B H Nk D"], v: Float[Tensor, "B H Nk D"]
+    ) -> Float[Tensor, "B H Nq D"]:
+        device_type = q.device.type
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        return flash_attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return f"causal={self.causal}, softmax_scale={self.softmax_scale}, backend={self.backend!r}"
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE: rotates pairs of head-dim features by position-dependent angles, so q·k depends only on the offset."""
+
+    def __init__(self, head_dim: int, context_length: int, theta: float = 10000.0, device=None) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+        inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+        angles = torch.outer(torch.arange(context_length, device=device, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: Float[Tensor, "... N D"], positions: Int[Tensor, "N"] | None = None) -> Float[Tensor, "... N D"]:
+        n = x.shape[-2]
+        cos, sin = (self.cos[:n], self.sin[:n]) if positions is None else (self.cos[positions], self.sin[positions])
+        x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()
+        out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+        return out.to(x.dtype)
+
+
+class MultiHeadSelfAttention(nn.Module):
+    """Fused q/k/v projection, optional RoPE, attention through a chosen backend, output projection; no biases."""
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        causal: bool = True,
+        rope_theta: float | None = None,
+        context_length: int = 2048,
+        attention_backend: str = "flash",
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        if num_heads <= 0 or d_model % num_heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
+        self.d_model, self.num_heads, self.head_dim = d_model, num_heads, d_model // num_heads
+        self.causal, self.attention_backend = causal, check_backend(attention_backend)
+        self.qkv_proj = nn.Linear(d_model, 3 * d_model, bias=False, device=device, dtype=dtype)
+        self.output_proj = nn.Linear(d_model, d_model, bias=False, device=device, dtype=dtype)
+        self.rope = RotaryEmbedding(self.head_dim, context_length, rope_theta, device) if rope_theta else None
+        for lin in (self.qkv_proj, self.output_proj):
+            nn.init.trunc_normal_(lin.weight, std=math.sqrt(2.0 / (lin.in_features + lin.out_features)))
+
+    def forward(self, x: Float[Tensor, "B N d_model"]) -> Float[Tensor, "B N d_model"]:
+        b, n, _ = x.shape
+        q, k, v = self.qkv_proj(x).view(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        if self.rope is not None:
+            q, k = self.rope(q), self.rope(k)
+        o = attend(q, k, v, causal=self.causal, softmax_scale=None, backend=self.attention_backend)
+        return self.output_proj(o.transpose(1, 2).reshape(b, n, self.d_model))

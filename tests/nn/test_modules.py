@@ -1,0 +1,164 @@
+"""flashsys.nn: the drop-in module, RoPE, presets, backend parity inside the LM, training, checkpointing, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashsys.nn import ATTENTION_BACKENDS, PRESETS, FlashAttention, RotaryEmbedding, TransformerLM
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def _qkv(b, h, n, d, device=DEVICE, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, h, n, d, generator=g).to(device, dtype).requires_grad_() for _ in range(3)]
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attention_module_matches_sdpa(backend, causal):
+    q, k, v = _qkv(2, 3, 33 if not CUDA else 257, 16 if not CUDA else 64)
+    out = FlashAttention(causal=causal, backend=backend)(q, k, v)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=5e-5)
+
+
+def test_flash_attention_module_under_bf16_autocast_and_eval():
+    q, k, v = _qkv(1, 2, 40, 32)
+    module = FlashAttention(causal=True).eval()
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        out = module(q, k, v)
+        ref = F.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), is_causal=True)
+    assert out.dtype == torch.bfloat16
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    err = (out.double() - exact).norm() / exact.norm()
+    base = (ref.double() - exact).norm() / exact.norm()
+    assert err <= 2 * base + 2e-3
+    out.float().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_flash_attention_module_inside_torch_compile():
+    q, k, v = _qkv(1, 2, 24, 16)
+    module = FlashAttention(causal=True)
+    compiled = torch.compile(module)
+    torch.testing.assert_close(compiled(q, k, v), module(q, k, v))
+
+
+def test_rope_scores_depend_only_on_the_offset():
+    rope = RotaryEmbedding(head_dim=16, context_length=64)
+    q, k = torch.randn(16, dtype=torch.float64).float(), torch.randn(16).float()
+    qs = rope(q.expand(64, 16).clone())
+    ks = rope(k.expand(64, 16).clone())
+    scores = qs @ ks.T  # scores[m, n] = <rope(q, m), rope(k, n)>
+    for offset in (-5, 0, 3, 17):
+        diag = torch.diagonal(scores, offset=offset)
+        torch.testing.assert_close(diag, diag[0].expand_as(diag), atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(torch.diagonal(scores, 0)[0], torch.diagonal(scores, 5)[0])
+    # Position 0 is the identity.
+    torch.testing.assert_close(qs[0], q)
+
+
+def test_preset_parameter_counts_on_meta():
+    assert sum(p.numel() for p in TransformerLM.from_preset("small", device="meta").parameters()) == 128_625_408
+    for name, p in PRESETS.items():
+        model = TransformerLM.from_preset(name, vocab_size=10_000, device="meta")
+        expected = 2 * 10_000 * p.d_model + p.num_layers * (4 * p.d_model**2 + 3 * p.d_model * p.d_ff + 2 * p.d_model) + p.d_model
+        assert sum(x.numel() for x in model.parameters()) == expected, name
+        assert all(x.device.type == "meta" for x in model.parameters())
+
+
+def _tiny(backend="flash", **kw):
+    torch.manual_seed(0)
+    return TransformerLM(vocab_size=61, context_length=32, d_model=32, num_layers=2, num_heads=2, d_ff=64,
+                         attention_backend=backend, **kw).to(DEVICE)
+
+
+@pytest.mark.parametrize("backend", [b for b in ATTENTION_BACKENDS if b != "flash"])
+def test_backends_give_the_same_logits_and_gradients(backend):
+    model = _tiny("naive")
+    ids = torch.randint(0, 61, (2, 20), device=DEVICE)
+    ref_logits = model(ids)
+    ref_grads = torch.autograd.grad(ref_logits.square().mean(), list(model.parameters()))
+    model.set_attention_backend(backend)
+    logits = model(ids)
+    grads = torch.autograd.grad(logits.square().mean(), list(model.parameters()))
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_a_few_training_steps_lower_the_loss():
+    model = _tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = torch.randint(0, 61, (4, 24), device=DEVICE)
+    losses = []
+    for _ in range(30):
+        logits = model(ids[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, 61), ids[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_checkpointing_gives_the_same_gradients():
+    ids = torch.randint(0, 61, (2, 16), device=DEVICE)
+    grads = []
+    for ckpt in (False, True):
+        model = _tiny(checkpoint_blocks=ckpt)
+        model(ids).float().logsumexp(-1).mean().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_lm_bf16_backend_parity_gpu():
+    model = TransformerLM(1000, 256, 256, 2, 4, 512).cuda()
+    ids = torch.randint(0, 1000, (2, 256), device="cuda")
+    outs = {}
+    for backend in ("sdpa", "flash-triton", "flash-torch"):
+        model.set_attention_backend(backend)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            outs[backend] = model(ids).float()
+    for backend in ("flash-triton", "flash-torch"):
+        err = (outs[backend] - outs["sdpa"]).norm() / outs["sdpa"].norm()
+        assert err < 2e-2, (backend, err.item())
+
+
+BAD = [
+    (lambda: TransformerLM(100, 16, 30, 1, 4, 64), "divisible"),
+    (lambda: TransformerLM(100, 16, 12, 1, 4, 64), "even head_dim"),
+    (lambda: TransformerLM.from_preset("huge"), "unknown preset"),
+    (lambda: TransformerLM(100, 16, 32, 1, 2, 64, attention_backend="cudnn"), "unknown attention backend"),
+    (lambda: FlashAttention(backend="cuda"), "backend"),
+    (lambda: TransformerLM(0, 16, 32, 1, 2, 64), "vocab_size"),
+]
+
+
+@pytest.mark.parametrize("make,match", BAD, ids=[m for _, m in BAD])
+def test_bad_configuration_is_a_clear_error(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_bad_tokens_and_lengths_are_clear_errors():
+    model = _tiny()
+    with pytest.raises(ValueError, match="exceeds context_length 32"):
+        model(torch.zeros(1, 33, dtype=torch.long, device=DEVICE))
+    with pytest.raises(ValueError, match=r"\[0, 61\)"):
+        model(torch.full((1, 4), 61, dtype=torch.long, device=DEVICE))
+    with pytest.raises(ValueError, match=r"\[0, 61\)"):
+        model(torch.full((1, 4), -1, dtype=torch.long, device=DEVICE))
+    with pytest.raises(ValueError, match="set_attention_backend|unknown attention backend"):
+        model.set_attention_backend("fast")
