@@ -1,0 +1,42 @@
+"""OverlapDDP: each gradient is all-reduced asynchronously the moment autograd has accumulated it."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .base import DataParallelBase
+
+
+class OverlapDDP(DataParallelBase):
+    """Per-parameter asynchronous all-reduce from `register_post_accumulate_grad_hook`, overlapping backward.
+
+    Communication starts while backward is still computing earlier layers; `finish_gradient_synchronization()`
+    waits on the handles and divides by the world size. A parameter must be used on every rank or on none
+    (collectives are issued in hook order, which must be the same on every rank); one unused everywhere keeps
+    a None gradient.
+    """
+
+    def __init__(self, module: nn.Module, process_group=None) -> None:
+        super().__init__(module, process_group)
+        self._handles: list[tuple[nn.Parameter, dist.Work]] = []
+        self._launched: set[int] = set()
+        for p in self._grad_params:
+            p.register_post_accumulate_grad_hook(self._launch)
+
+    def _launch(self, p: nn.Parameter) -> None:
+        if not self._sync_enabled:
+            return
+        if id(p) in self._launched:
+            raise RuntimeError("OverlapDDP: a second backward ran before finish_gradient_synchronization()")
+        self._launched.add(id(p))
+        self._handles.append((p, dist.all_reduce(p.grad, group=self.process_group, async_op=True)))
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for every launched all-reduce and average. A no-op when nothing was launched."""
+        for p, handle in self._handles:
+            handle.wait()
+            p.grad.div_(self.world_size)
+        self._handles.clear()
+        self._launched.clear()

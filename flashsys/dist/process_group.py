@@ -1,0 +1,95 @@
+"""Process-group set-up and tear-down for torchrun (single or multi-node) and for mp.spawn on one machine."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def default_backend() -> str:
+    """NCCL when CUDA is available, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def find_free_port() -> int:
+    """A TCP port that is free right now on this machine (never a hard-coded one)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launched_by_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def _set_device(backend: str, local_rank: int) -> torch.device:
+    if backend == "nccl" or (torch.cuda.is_available() and backend != "gloo"):
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int, torch.device]:
+    """Join the process group that torchrun describes in the environment (env://). Returns (rank, world, device).
+
+    On CUDA each process uses GPU LOCAL_RANK. Works for one node and many
+    (`torchrun --nnodes N --node-rank R --master-addr HOST --master-port PORT --nproc-per-node G ...`).
+    """
+    if not launched_by_torchrun():
+        raise RuntimeError("init_from_env needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (set by torchrun)")
+    backend = backend or default_backend()
+    device = _set_device(backend, int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def init_for_spawn(
+    rank: int, world_size: int, port: int, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> torch.device:
+    """Join a single-machine process group on 127.0.0.1:port. Returns this rank's device."""
+    backend = backend or default_backend()
+    device = _set_device(backend, rank)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return device
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _spawn_entry(rank, fn, world_size, port, backend, timeout_s, args):
+    device = init_for_spawn(rank, world_size, port, backend, timeout_s)
+    try:
+        fn(rank, world_size, device, *args)
+    finally:
+        shutdown()
+
+
+def spawn(
+    fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> None:
+    """Run fn(rank, world_size, device, *args) in world_size processes joined in one process group.
+
+    A free port is chosen at run time. An exception in any rank is raised here with its traceback.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    backend = backend or default_backend()
+    if backend == "nccl" and world_size > torch.cuda.device_count():
+        raise ValueError(f"world_size {world_size} > {torch.cuda.device_count()} CUDA devices for NCCL")
+    mp.spawn(_spawn_entry, args=(fn, world_size, find_free_port(), backend, timeout_s, args), nprocs=world_size,
+             join=True)

@@ -1,0 +1,186 @@
+"""Data-parallel wrappers against a single-process model on the full batch (gloo on CPU, NCCL on 2 GPUs)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from flashsys.dist import BucketedDDP, FlatDDP, NaiveDDP, OverlapDDP, optimal_bucket_bytes, spawn
+from flashsys.nn import TransformerLM
+
+from .toy import AwkwardModel, assert_params_close, loss_fn, make_batches, make_model
+
+VARIANTS = {
+    "naive": lambda m: NaiveDDP(m),
+    "flat": lambda m: FlatDDP(m),
+    "overlap": lambda m: OverlapDDP(m),
+    "bucketed-tiny": lambda m: BucketedDDP(m, bucket_size_mb=1e-6),  # every tensor its own bucket
+    "bucketed-medium": lambda m: BucketedDDP(m, bucket_size_mb=600 / 2**20),
+    "bucketed-unlimited": lambda m: BucketedDDP(m, bucket_size_mb=None),
+    "bucketed-auto": lambda m: BucketedDDP(m, bucket_size_mb="auto"),
+}
+STEPS, PER_RANK = 6, 4
+
+
+def _parity_worker(rank, world, device, variant_names):
+    batches = make_batches(STEPS, PER_RANK * world, device)
+    for name in variant_names:
+        model = make_model(seed=100 + rank, device=device)  # different on every rank: the broadcast must fix it
+        model.scale.mul_(rank + 1)
+        ddp = VARIANTS[name](model)
+        ref = make_model(seed=100, device=device)  # rank 0's initial weights
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+        ddp.finish_gradient_synchronization()  # before any backward: a no-op
+        for step, (x, y) in enumerate(batches):
+            shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+            opt.zero_grad(set_to_none=True)
+            if step < STEPS // 2:
+                loss_fn(ddp(x[shard]), y[shard]).backward()
+            else:  # gradient accumulation over 2 micro-batches: reduce only on the second
+                half = PER_RANK // 2
+                xs, ys = x[shard], y[shard]
+                with ddp.no_sync():
+                    (loss_fn(ddp(xs[:half]), ys[:half]) / 2).backward()
+                (loss_fn(ddp(xs[half:]), ys[half:]) / 2).backward()
+            ddp.finish_gradient_synchronization()
+            ddp.finish_gradient_synchronization()  # twice: a no-op, not a second averaging
+            opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            loss_fn(ref(x), y).backward()
+            ref_opt.step()
+            assert model.unused.weight.grad is None, f"{name}: unused parameter got a gradient"
+            assert model.frozen.weight.grad is None
+            assert torch.equal(model.scale, ref.scale), f"{name}: buffer not broadcast"
+            assert_params_close(model, ref, step, name)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_wrapper_matches_single_process_training_gloo(world):
+    spawn(_parity_worker, world, list(VARIANTS), backend="gloo", timeout_s=120)
+
+
+@pytest.mark.multigpu
+def test_every_wrapper_matches_single_process_training_nccl():
+    spawn(_parity_worker, 2, list(VARIANTS), backend="nccl", timeout_s=120)
+
+
+def _torch_ddp_worker(rank, world, device):
+    def lm():
+        torch.manual_seed(0)
+        return TransformerLM(vocab_size=50, context_length=16, d_model=32, num_layers=2, num_heads=2, d_ff=64).to(device)
+
+    ours = BucketedDDP(lm(), bucket_size_mb=0.01)
+    theirs = torch.nn.parallel.DistributedDataParallel(lm(), bucket_cap_mb=0.01, device_ids=[device.index] if device.type == "cuda" else None)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+    g = torch.Generator().manual_seed(rank)
+    for step in range(5):
+        ids = torch.randint(0, 50, (2, 16), generator=g).to(device)
+        for model, opt in zip((ours, theirs), opts):
+            opt.zero_grad(set_to_none=True)
+            logits = model(ids[:, :-1])
+            F.cross_entropy(logits.reshape(-1, 50), ids[:, 1:].reshape(-1)).backward()
+            if model is ours:
+                ours.finish_gradient_synchronization()
+            opt.step()
+        for a, b in zip(ours.module.parameters(), theirs.module.parameters()):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_bucketed_matches_torch_ddp_on_a_transformer_lm():
+    spawn(_torch_ddp_worker, 2, backend="gloo", timeout_s=120)
+
+
+@pytest.mark.multigpu
+def test_bucketed_matches_torch_ddp_on_a_transformer_lm_nccl():
+    spawn(_torch_ddp_worker, 2, backend="nccl", timeout_s=120)
+
+
+def _misuse_worker(rank, world, device):
+    # Models that differ between ranks: a clear error on every rank, not a hang.
+    model = make_model(0, device)
+    if rank == 1:
+        model.extra = torch.nn.Linear(3, 3).to(device)
+    for wrapper in (NaiveDDP, BucketedDDP):
+        with pytest.raises(ValueError, match="model differs between ranks"):
+            wrapper(model)
+    # A second backward without finish_gradient_synchronization() in between.
+    ddp = BucketedDDP(make_model(0, device))
+    x, y = make_batches(1, 4, device)[0]
+    loss_fn(ddp(x), y).backward()
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss_fn(ddp(x), y).backward()
+
+
+def test_mismatched_models_and_misuse_are_clear_errors():
+    spawn(_misuse_worker, 2, backend="gloo", timeout_s=60)
+
+
+def _dead_rank_worker(rank, world, device):
+    if rank == 1:
+        os._exit(0)  # dies without a word
+    start = time.monotonic()
+    with pytest.raises(Exception):
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        dist.all_reduce(t)
+    assert time.monotonic() - start < 60
+
+
+def test_a_dead_rank_makes_the_others_fail_not_hang():
+    spawn(_dead_rank_worker, 2, backend="gloo", timeout_s=10)
+
+
+def _world_one_worker(rank, world, device):
+    for name, make in VARIANTS.items():
+        model = make_model(0, device)
+        ref = make_model(0, device)
+        ddp = make(model)
+        x, y = make_batches(1, 4, device)[0]
+        loss_fn(ddp(x), y).backward()
+        ddp.finish_gradient_synchronization()
+        loss_fn(ref(x), y).backward()
+        for a, b in zip(model.parameters(), ref.parameters()):
+            assert (a.grad is None) == (b.grad is None)
+            if a.grad is not None:
+                torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_world_size_one():
+    spawn(_world_one_worker, 1, backend="gloo")
+
+
+def _layout_worker(rank, world, device):
+    model = AwkwardModel()
+    one_each = BucketedDDP(model, bucket_size_mb=1e-6)
+    grad_params = [p for p in model.parameters() if p.requires_grad]
+    assert len(one_each.bucket_sizes_bytes) == len(grad_params)
+    assert [b.params[0] for b in one_each._buckets] == list(reversed(grad_params))  # reverse registration order
+    single = BucketedDDP(model, bucket_size_mb=None)
+    assert len(single._buckets) == 2  # one per dtype: fp32 and bf16
+    assert {b.buffer.dtype for b in single._buckets} == {torch.float32, torch.bfloat16}
+    # 600 bytes: hidden.weight (1024 B) exceeds the cap and gets its own bucket; small ones share.
+    medium = BucketedDDP(model, bucket_size_mb=600 / 2**20)
+    for b in medium._buckets:
+        sizes = [p.numel() * p.element_size() for p in b.params]
+        assert len(b.params) == 1 or sum(sizes[:-1]) < 600
+    with pytest.raises(ValueError, match="bucket_size_mb"):
+        BucketedDDP(model, bucket_size_mb=-1)
+
+
+def test_bucket_layout():
+    spawn(_layout_worker, 1, backend="gloo")
+
+
+def test_optimal_bucket_size_formula():
+    s, o, w = 1e9, 50e-6, 50e9
+    b = optimal_bucket_bytes(int(s), o, w)
+    assert abs(b - (s * o * w) ** 0.5) < 2
+    cost = lambda x: s / x * o + x / w  # noqa: E731
+    assert cost(b) <= min(cost(b / 2), cost(b * 2))
+    assert optimal_bucket_bytes(10, 1.0, 1e12) == 2**20  # clamped to at least 1 MiB
