@@ -74,6 +74,10 @@ def _spawn_entry(rank, fn, world_size, port, backend, timeout_s, args):
     device = init_for_spawn(rank, world_size, port, backend, timeout_s)
     try:
         fn(rank, world_size, device, *args)
+        # A sender may finish its last collective before its peers have received everything; closing the
+        # connections then would abort them. Meet once more before tearing down.
+        if dist.is_initialized():
+            dist.barrier()
     finally:
         shutdown()
 

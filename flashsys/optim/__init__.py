@@ -1,0 +1,5 @@
+"""Optimizers for data-parallel training."""
+
+from .sharded import ShardedOptimizer
+
+__all__ = ["ShardedOptimizer"]

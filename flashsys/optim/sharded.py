@@ -1,0 +1,196 @@
+"""ShardedOptimizer: optimizer-state sharding (ZeRO stage 1) around any torch.optim.Optimizer.
+
+Every rank keeps all parameters, but optimizer state (Adam's two moments: twice the model size in fp32) only
+for the parameters it owns. After the owners step their shard, each parameter is broadcast from its owner.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def _group_signature(group: dict[str, Any]) -> str:
+    hyper = sorted((k, repr(v)) for k, v in group.items() if k != "params")
+    shapes = [(tuple(p.shape), str(p.dtype)) for p in group["params"]]
+    return hashlib.sha256(repr((hyper, shapes)).encode()).hexdigest()
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Wrap `optimizer_cls(**kwargs)` so that each rank holds state only for the parameters it owns.
+
+    - Ownership is by whole parameters, per param group, largest first to the least-loaded rank (ties to the
+      lower rank): deterministic on every rank, never by id() or set order.
+    - `step()` steps the local shard with the inner optimizer, then broadcasts every parameter from its owner,
+      one flat buffer per (owner, dtype, device). Results equal the unsharded optimizer's bit for bit.
+    - Hyper-parameters changed in `param_groups` (an LR scheduler) reach the inner optimizer at the next step.
+    - `consolidate_state_dict(to)` then `state_dict()` on rank `to` gives the unsharded optimizer's layout;
+      `load_state_dict()` on every rank restores each shard.
+    - `add_param_group()` must be called on every rank (a signature check catches groups that differ).
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter] | Iterable[dict], optimizer_cls: type[torch.optim.Optimizer],
+                 process_group=None, **kwargs: Any) -> None:
+        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+            raise TypeError(f"ShardedOptimizer: optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}")
+        if not dist.is_initialized():
+            raise RuntimeError("ShardedOptimizer needs an initialised torch.distributed process group")
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self._optimizer_cls, self._inner_kwargs = optimizer_cls, kwargs
+        self._owner: dict[nn.Parameter, int] = {}
+        self._load = [0] * self.world_size
+        self._local: list[list[nn.Parameter]] = []  # owned parameters of each param group
+        self._inner: torch.optim.Optimizer | None = None
+        self._consolidated: dict[str, Any] | None = None
+        super().__init__(params, defaults=kwargs)
+
+    # ------------------------------------------------------------------ partition
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        devices = {p.device for g in self.param_groups for p in g["params"]}
+        if len(devices) > 1:
+            raise ValueError(f"ShardedOptimizer: all parameters must be on one device, got {sorted(map(str, devices))}")
+        self._check_group_on_all_ranks(group)
+        params = group["params"]
+        owned = []
+        for i in sorted(range(len(params)), key=lambda i: (-params[i].numel(), i)):
+            owner = min(range(self.world_size), key=lambda r: (self._load[r], r))
+            self._owner[params[i]] = owner
+            self._load[owner] += params[i].numel() * params[i].element_size()
+        owned = [p for p in params if self._owner[p] == self.rank]
+        self._local.append(owned)
+        inner_group = {**{k: v for k, v in group.items() if k != "params"}, "params": owned}
+        if self._inner is None:
+            self._inner = self._optimizer_cls([inner_group], **self._inner_kwargs)
+            self.defaults = dict(self._inner.defaults)
+        else:
+            self._inner.add_param_group(inner_group)
+        # The outer group carries every default of the inner optimizer, as the unsharded optimizer's would.
+        for k, v in self._inner.param_groups[-1].items():
+            if k != "params":
+                group.setdefault(k, v)
+
+    def _check_group_on_all_ranks(self, group: dict[str, Any]) -> None:
+        sig = _group_signature(group)
+        gathered: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(gathered, sig, group=self.process_group)
+        if len(set(gathered)) != 1:
+            raise ValueError(
+                f"ShardedOptimizer: param group {len(self.param_groups) - 1} differs between ranks "
+                "(parameter shapes, dtypes or hyper-parameters); add_param_group must be called with the same group everywhere"
+            )
+
+    def owner_of(self, p: nn.Parameter) -> int:
+        return self._owner[p]
+
+    @property
+    def inner(self) -> torch.optim.Optimizer:
+        """The wrapped optimizer, holding only this rank's shard."""
+        assert self._inner is not None
+        return self._inner
+
+    # ------------------------------------------------------------------ step
+    def _sync_hyperparameters(self) -> None:
+        for outer, inner in zip(self.param_groups, self.inner.param_groups):
+            for k, v in outer.items():
+                if k != "params":
+                    inner[k] = v
+
+    @torch.no_grad()
+    def _broadcast_parameters(self) -> None:
+        """Each owner sends its parameters in one flat buffer per (dtype, device); everyone unpacks."""
+        for owner in range(self.world_size):
+            by_kind: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if self._owner[p] == owner:
+                        by_kind.setdefault((p.dtype, p.device), []).append(p)
+            src = dist.get_global_rank(self.process_group, owner) if self.process_group is not None else owner
+            for params in by_kind.values():
+                if len(params) == 1:
+                    dist.broadcast(params[0].data, src=src, group=self.process_group)
+                    continue
+                flat = torch.cat([p.data.reshape(-1) for p in params]) if owner == self.rank else torch.empty(
+                    sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+                dist.broadcast(flat, src=src, group=self.process_group)
+                if owner != self.rank:
+                    offset = 0
+                    for p in params:
+                        p.data.copy_(flat[offset : offset + p.numel()].view_as(p))
+                        offset += p.numel()
+
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._sync_hyperparameters()
+        self.inner.step(**kwargs)
+        self._broadcast_parameters()
+        return loss
+
+    # ------------------------------------------------------------------ state dicts
+    def _global_index(self) -> dict[nn.Parameter, int]:
+        return {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every shard's state on rank `to` (a collective: call it on every rank)."""
+        index = self._global_index()
+        inner_sd = self.inner.state_dict()
+        inner_params = [p for g in self._local for p in g]
+        mine = {
+            index[inner_params[i]]: {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in s.items()}
+            for i, s in inner_sd["state"].items()
+        }
+        gathered: list[dict | None] | None = [None] * self.world_size if self.rank == to else None
+        dst = dist.get_global_rank(self.process_group, to) if self.process_group is not None else to
+        dist.gather_object(mine, gathered, dst=dst, group=self.process_group)
+        if self.rank == to:
+            state = {}
+            for part in gathered:  # type: ignore[union-attr]
+                state.update(part)
+            self._consolidated = {"state": dict(sorted(state.items()))}
+        else:
+            self._consolidated = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full state in the unsharded optimizer's layout; only on the rank that consolidated it."""
+        if self._consolidated is None:
+            raise RuntimeError(
+                "ShardedOptimizer.state_dict(): call consolidate_state_dict(to=rank) on every rank first, "
+                "then state_dict() on that rank"
+            )
+        index = self._global_index()
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}
+                  for g in self.param_groups]
+        return {"state": self._consolidated["state"], "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full (consolidated or unsharded) state dict on every rank; each keeps its own shard."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups) or any(
+            len(g["params"]) != len(o["params"]) for g, o in zip(groups, self.param_groups)
+        ):
+            raise ValueError("ShardedOptimizer.load_state_dict: param groups do not match this optimizer's")
+        index = self._global_index()
+        for saved, outer in zip(groups, self.param_groups):
+            outer.update({k: v for k, v in saved.items() if k != "params"})
+        inner_state, inner_groups, n = {}, [], 0
+        for saved, owned in zip(groups, self._local):
+            ids = []
+            for p in owned:
+                g = index[p]
+                if g in state_dict["state"] or str(g) in state_dict["state"]:
+                    inner_state[n] = state_dict["state"].get(g, state_dict["state"].get(str(g)))
+                ids.append(n)
+                n += 1
+            inner_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
+        self.inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
