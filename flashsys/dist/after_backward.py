@@ -19,8 +19,7 @@ class _ReduceAfterBackward(DataParallelBase):
     def __init__(self, module: nn.Module, process_group=None) -> None:
         super().__init__(module, process_group)
         self._pending = False
-        for p in self._grad_params:
-            p.register_post_accumulate_grad_hook(self._mark_pending)
+        self._register_grad_hooks(self._mark_pending)
 
     def _mark_pending(self, _param: torch.Tensor) -> None:
         if self._sync_enabled:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,28 @@ class DataParallelBase(nn.Module):
                 dist.broadcast(t.data, src=src, group=process_group)
         # Unique parameters that receive gradients, in registration order (tied parameters appear once).
         self._grad_params = [p for p in module.parameters() if p.requires_grad]
+        self._hook_handles: list = []
+
+    def _register_grad_hooks(self, method: Callable[[torch.Tensor], None]) -> None:
+        """A post-accumulate-grad hook on every parameter that gets a gradient (frozen ones get none).
+
+        The hook holds only a weak reference to the wrapper: a wrapper that is dropped, or whose hooks were
+        removed, no longer acts when the same model is wrapped again.
+        """
+        ref = weakref.WeakMethod(method)
+
+        def hook(p: torch.Tensor) -> None:
+            bound = ref()
+            if bound is not None:
+                bound(p)
+
+        self._hook_handles += [p.register_post_accumulate_grad_hook(hook) for p in self._grad_params]
+
+    def remove_hooks(self) -> None:
+        """Detach this wrapper from the model's parameters (to wrap the same model again, say)."""
+        for h in self._hook_handles:
+            h.remove()
+        self._hook_handles.clear()
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

@@ -112,8 +112,7 @@ class BucketedDDP(DataParallelBase):
         self._buckets = self._build_buckets(cap_bytes)
         self._where = {id(p): (b, i) for b in self._buckets for i, p in enumerate(b.params)}
         self._next_to_launch = 0
-        for p in self._grad_params:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._register_grad_hooks(self._on_grad_ready)
 
     def _build_buckets(self, cap_bytes: float) -> list[_Bucket]:
         open_: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}

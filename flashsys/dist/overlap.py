@@ -22,8 +22,7 @@ class OverlapDDP(DataParallelBase):
         super().__init__(module, process_group)
         self._handles: list[tuple[nn.Parameter, dist.Work]] = []
         self._launched: set[int] = set()
-        for p in self._grad_params:
-            p.register_post_accumulate_grad_hook(self._launch)
+        self._register_grad_hooks(self._launch)
 
     def _launch(self, p: nn.Parameter) -> None:
         if not self._sync_enabled:

@@ -185,3 +185,29 @@ def test_optimal_bucket_size_formula():
     cost = lambda x: s / x * o + x / w  # noqa: E731
     assert cost(b) <= min(cost(b / 2), cost(b * 2))
     assert optimal_bucket_bytes(10, 1.0, 1e12) == 2**20  # clamped to at least 1 MiB
+
+
+def _rewrap_worker(rank, world, device):
+    """Wrapping the same model again: the first wrapper's hooks must not act any more."""
+    model = make_model(0, device)
+    ref = make_model(0, device)
+    first = OverlapDDP(model)
+    first.remove_hooks()
+    second = BucketedDDP(model, bucket_size_mb=1e-6)
+    del first
+    x, y = make_batches(1, 4, device)[0]
+    loss_fn(second(x), y).backward()
+    second.finish_gradient_synchronization()
+    loss_fn(ref(x), y).backward()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        if b.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad)
+    dropped = NaiveDDP(model)  # dropped without remove_hooks: its weak hooks go quiet
+    del dropped
+    model.zero_grad(set_to_none=True)
+    loss_fn(second(x), y).backward()
+    second.finish_gradient_synchronization()
+
+
+def test_wrapping_the_same_model_again():
+    spawn(_rewrap_worker, 2, backend="gloo")

@@ -83,17 +83,17 @@ def _fwd_inner(
                        HEAD_DIM, BLOCK_D, MASKED)
         v = _load_rows(V + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, cols, n_k, offs_d,
                        HEAD_DIM, BLOCK_D, MASKED)
-        s = _dot(q, tl.trans(k), FP32_IEEE) * qk_scale
+        qk = _dot(q, tl.trans(k), FP32_IEEE)
         if MASKED:
             visible = cols[None, :] < n_k
             if IS_CAUSAL:
                 visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            qk = tl.where(visible, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # qk_scale > 0, so max commutes with it
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])  # one FMA per score
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32_IEEE)

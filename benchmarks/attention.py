@@ -1,0 +1,168 @@
+#!/usr/bin/env python
+"""Attention implementations side by side: forward, backward and forward+backward time, TFLOP/s, peak memory.
+
+Implementations: naive PyTorch attention (eager and torch.compile), FlashAttention2Torch, FlashAttention2Triton,
+and PyTorch SDPA with the flash and cuDNN backends. The sweep: head dims x sequence lengths x dtypes x causal.
+On a CPU the default is a reduced sweep of the implementations that run there.
+
+    python benchmarks/attention.py                       # default sweep for this machine
+    python benchmarks/attention.py --head-dims 64 128 --seq-lens 1024 4096 16384 --dtypes bf16 --causal both
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import ON_GPU, add_common_args, bench_ms, environment, peak_memory, progress, pyplot, run_cell, save_plot, write_table  # noqa: E402
+
+from flashsys.ops.attention import FlashAttention2Torch, FlashAttention2Triton, attention_reference  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def naive(q, k, v, causal):
+    return attention_reference(q, k, v, causal)[0]
+
+
+_compiled_naive = None
+
+
+def compiled_naive(q, k, v, causal):
+    global _compiled_naive
+    if _compiled_naive is None:
+        _compiled_naive = torch.compile(naive)
+    return _compiled_naive(q, k, v, causal)
+
+
+def sdpa(backend):
+    from torch.nn.attention import sdpa_kernel
+
+    def run(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return run
+
+
+def implementations(names):
+    from torch.nn.attention import SDPBackend
+
+    table = {
+        "naive": naive,
+        "naive-compiled": compiled_naive,
+        "flash-torch": lambda q, k, v, c: FlashAttention2Torch.apply(q, k, v, c),
+        "flash-triton": lambda q, k, v, c: FlashAttention2Triton.apply(q, k, v, c),
+        "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
+        "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+    }
+    return {n: table[n] for n in names}
+
+
+def attention_flops(b, h, n, d, causal):
+    fwd = 4 * b * h * n * n * d / (2 if causal else 1)
+    return fwd, 2.5 * fwd
+
+
+def measure(fn, b, h, n, d, dtype, causal, rep):
+    device = "cuda" if ON_GPU else "cpu"
+    q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    do = torch.randn(b, h, n, d, device=device, dtype=dtype)
+    with peak_memory() as mem:
+        out = fn(q, k, v, causal)
+        out.backward(do)
+    fwd_ms = bench_ms(lambda: fn(q, k, v, causal), rep)
+    out = fn(q, k, v, causal)
+    bwd_ms = bench_ms(lambda: out.backward(do, retain_graph=True), rep)
+
+    def fwd_bwd():
+        q.grad = k.grad = v.grad = None
+        fn(q, k, v, causal).backward(do)
+
+    both_ms = bench_ms(fwd_bwd, rep)
+    f_fwd, f_bwd = attention_flops(b, h, n, d, causal)
+    return {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "fwd_bwd_ms": both_ms,
+            "fwd_bwd_TFLOPs": (f_fwd + f_bwd) / both_ms / 1e9, "peak_mem_MB": mem["peak_mb"]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p, "attention")
+    gpu_default = ["naive", "naive-compiled", "flash-torch", "flash-triton", "sdpa-flash", "sdpa-cudnn"]
+    p.add_argument("--impls", nargs="+", default=gpu_default if ON_GPU else ["naive", "flash-torch", "sdpa-math"])
+    p.add_argument("--head-dims", nargs="+", type=int, default=[16, 32, 64, 128] if ON_GPU else [32, 64])
+    p.add_argument("--seq-lens", nargs="+", type=int,
+                   default=[128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536] if ON_GPU else [128, 256, 512])
+    p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["fp32", "bf16"] if ON_GPU else ["fp32"])
+    p.add_argument("--causal", choices=["yes", "no", "both"], default="yes")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=16 if ON_GPU else 4)
+    p.add_argument("--rep", type=int, default=100, help="do_bench rep in ms per measurement")
+    p.add_argument("--max-naive-len", type=int, default=16384, help="skip naive above this length (N^2 memory)")
+    args = p.parse_args(argv)
+    if "sdpa-math" in args.impls:
+        from torch.nn.attention import SDPBackend
+
+        extra = {"sdpa-math": sdpa(SDPBackend.MATH)}
+        names = [n for n in args.impls if n != "sdpa-math"]
+        impls = {**implementations(names), **extra}
+    else:
+        impls = implementations(args.impls)
+    causals = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
+    cells = [(d, n, dt, c, name) for dt in args.dtypes for c in causals for d in args.head_dims
+             for n in args.seq_lens for name in impls]
+    rows = []
+    for d, n, dt, c, name in progress(cells, "attention", args.no_progress):
+        row = {"impl": name, "dtype": dt, "causal": c, "head_dim": d, "seq_len": n}
+        if name.startswith("naive") and n > args.max_naive_len:
+            row["error"] = f"skipped (N > {args.max_naive_len})"
+        elif name == "flash-triton" and not ON_GPU:
+            row["error"] = "unsupported (needs CUDA)"
+        else:
+            row.update(run_cell(lambda: measure(impls[name], args.batch, args.heads, n, d, DTYPES[dt], c, args.rep)))
+        rows.append(row)
+    # Ratio to the strongest SDPA baseline of the same cell.
+    by_cell = {}
+    for r in rows:
+        by_cell.setdefault((r["dtype"], r["causal"], r["head_dim"], r["seq_len"]), []).append(r)
+    for group in by_cell.values():
+        base = [r["fwd_bwd_ms"] for r in group if r["impl"].startswith("sdpa") and "fwd_bwd_ms" in r]
+        for r in group:
+            if base and "fwd_bwd_ms" in r:
+                r["vs_best_sdpa"] = r["fwd_bwd_ms"] / min(base)
+    env = environment()
+    path = write_table(rows, args.out, "attention", "Attention implementations",
+                       [f"batch {args.batch}, heads {args.heads}; times are medians (do_bench on CUDA); "
+                        "TFLOP/s counts 4·B·H·N²·D per forward (halved when causal) and 2.5× that for backward; "
+                        "vs_best_sdpa = fwd_bwd time over the faster SDPA backend's (below 1 is faster)."], env)
+    plt = pyplot()
+    for dt in args.dtypes:
+        for c in causals:
+            fig, axes = plt.subplots(1, len(args.head_dims), figsize=(4.5 * len(args.head_dims), 3.6), squeeze=False)
+            for ax, d in zip(axes[0], args.head_dims):
+                for name in impls:
+                    pts = [(r["seq_len"], r["fwd_bwd_ms"]) for r in rows if r["impl"] == name and r["dtype"] == dt
+                           and r["causal"] == c and r["head_dim"] == d and "fwd_bwd_ms" in r]
+                    if pts:
+                        ax.plot(*zip(*pts), marker="o", label=name)
+                ax.set_xscale("log", base=2)
+                ax.set_yscale("log")
+                ax.set_title(f"D={d}, {dt}, {'causal' if c else 'full'}")
+                ax.set_xlabel("sequence length")
+                ax.set_ylabel("forward+backward (ms)")
+            axes[0][0].legend(fontsize=7)
+            save_plot(fig, args.out, f"attention_{dt}_{'causal' if c else 'full'}")
+            plt.close(fig)
+    print(path.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

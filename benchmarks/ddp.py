@@ -1,0 +1,170 @@
+#!/usr/bin/env python
+"""Data-parallel training steps: total time and the communication left exposed after backward.
+
+Variants: NaiveDDP, FlatDDP, OverlapDDP, BucketedDDP at 1, 10, 100, 1000 MB and "auto", and
+torch.nn.parallel.DistributedDataParallel. A step is forward + backward + gradient synchronisation + SGD step.
+"exposed communication" = step time - the same step without any communication (the model alone), so it
+counts only the part of communication that did not hide behind backward. The plot draws step time against
+bucket size with the overhead model's prediction (compute + (S/b)·o + b/w, with o and w measured here).
+
+    python benchmarks/ddp.py                          # 2 GPUs and the xl preset; on a CPU 2 gloo ranks, a small model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import ON_GPU, add_common_args, environment, pyplot, save_plot, write_table  # noqa: E402
+
+from flashsys.dist import FlatDDP, NaiveDDP, OverlapDDP, BucketedDDP, measure_allreduce_cost, spawn  # noqa: E402
+from flashsys.nn import PRESETS, TransformerLM  # noqa: E402
+
+BUCKETS = [1, 10, 100, 1000]
+
+
+def variants():
+    v = {"none (compute only)": None, "naive": NaiveDDP, "flat": FlatDDP, "overlap": OverlapDDP}
+    for mb in BUCKETS:
+        v[f"bucketed {mb} MB"] = (lambda m, mb=mb: BucketedDDP(m, bucket_size_mb=mb))
+    v["bucketed auto"] = lambda m: BucketedDDP(m, bucket_size_mb="auto")
+    v["torch DDP 25 MB"] = "torch"
+    return v
+
+
+def build(cfg, device):
+    torch.manual_seed(0)
+    return TransformerLM(10_000, cfg["context"], cfg["d_model"], cfg["layers"], cfg["heads"], cfg["d_ff"], device=device)
+
+
+def worker(rank, world, device, cfg, warmup, iters, out_json):
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    else:
+        torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randint(0, 10_000, (cfg["batch"], cfg["context"]), generator=g).to(device)
+    rows = []
+    model = build(cfg, device)
+    total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    o, w = measure_allreduce_cost(device, torch.float32)
+    for name, make in variants().items():
+        if make is None:
+            wrapped = model
+        elif make == "torch":
+            wrapped = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25,
+                                                                device_ids=[device.index] if device.type == "cuda" else None)
+        else:
+            wrapped = make(model)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-5)
+        steps, syncs = [], []
+        for i in range(warmup + iters):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = F.cross_entropy(wrapped(x[:, :-1]).float().reshape(-1, 10_000), x[:, 1:].reshape(-1))
+            loss.backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t1 = time.perf_counter()
+            if hasattr(wrapped, "finish_gradient_synchronization"):
+                wrapped.finish_gradient_synchronization()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t2 = time.perf_counter()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= warmup:
+                steps.append((time.perf_counter() - t0) * 1e3)
+                syncs.append((t2 - t1) * 1e3)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (statistics.fmean(steps), statistics.stdev(steps) if len(steps) > 1 else 0.0,
+                                          statistics.fmean(syncs)))
+        mean = max(gg[0] for gg in gathered)
+        row = {"variant": name, "step_ms": mean, "std_ms": max(gg[1] for gg in gathered),
+               "finish_sync_ms": max(gg[2] for gg in gathered)}
+        if isinstance(make, type) or callable(make) and make not in (None, "torch"):
+            if hasattr(wrapped, "bucket_bytes"):
+                row["bucket_MB"] = round(min(wrapped.bucket_bytes, total_bytes) / 2**20, 1)
+                row["buckets"] = len(wrapped.bucket_sizes_bytes)
+        rows.append(row)
+        if hasattr(wrapped, "remove_hooks"):
+            wrapped.remove_hooks()
+        del wrapped, opt
+        model.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    compute = rows[0]["step_ms"]
+    for r in rows:
+        r["exposed_comm_ms"] = r["step_ms"] - compute
+    if rank == 0:
+        Path(out_json).write_text(json.dumps({"rows": rows, "o_s": o, "w_Bps": w, "total_bytes": total_bytes}))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p, "ddp")
+    p.add_argument("--preset", default="xl" if ON_GPU else None, choices=list(PRESETS))
+    p.add_argument("--context", type=int, default=512 if ON_GPU else 64)
+    p.add_argument("--batch", type=int, default=2, help="per rank")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--backend", choices=["nccl", "gloo"], default="nccl" if ON_GPU else "gloo")
+    args = p.parse_args(argv)
+    if args.preset:
+        pr = PRESETS[args.preset]
+        cfg = dict(d_model=pr.d_model, layers=pr.num_layers, heads=pr.num_heads, d_ff=pr.d_ff)
+    else:
+        cfg = dict(d_model=256, layers=4, heads=4, d_ff=1024)
+    cfg.update(context=args.context + 1, batch=args.batch)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tmp = args.out / ".ddp.json"
+    spawn(worker, args.world_size, cfg, args.warmup, args.iters, str(tmp), backend=args.backend)
+    res = json.loads(tmp.read_text())
+    tmp.unlink()
+    rows, o, w, s = res["rows"], res["o_s"], res["w_Bps"], res["total_bytes"]
+    model_name = args.preset or f"d_model {cfg['d_model']}, {cfg['layers']} layers"
+    path = write_table(rows, args.out, f"ddp_{args.backend}", "Data-parallel training step",
+                       [f"{args.world_size} ranks, {args.backend}, model {model_name} ({s / 2**20:.0f} MB of fp32 "
+                        f"gradients), context {args.context}, batch {args.batch} per rank; mean over {args.iters} steps "
+                        f"after {args.warmup} warm-up (slowest rank). Measured all-reduce cost: o = {o * 1e6:.0f} µs per "
+                        f"call, w = {w / 1e9:.1f} GB/s. exposed_comm_ms = step_ms - the compute-only step."],
+                       environment())
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    pts = [(r["bucket_MB"], r["step_ms"]) for r in rows if r["variant"].startswith("bucketed") and "bucket_MB" in r]
+    ax.plot(*zip(*sorted(pts)), "o", label="BucketedDDP (measured)")
+    compute = rows[0]["step_ms"]
+    import numpy as np
+
+    b = np.logspace(np.log10(0.5), np.log10(max(s / 2**20, 2)), 100)
+    pred = compute + (s / (b * 2**20)) * o * 1e3 + (b * 2**20) / w * 1e3
+    ax.plot(b, pred, "-", label="compute + (S/b)·o + b/w (model)")
+    ax.axhline(compute, color="gray", linestyle=":", label="compute only")
+    for r in rows:
+        if r["variant"] == "torch DDP 25 MB":
+            ax.axhline(r["step_ms"], color="C3", linestyle="--", label="torch DDP 25 MB")
+    ax.set_xscale("log")
+    ax.set_xlabel("bucket size (MB)")
+    ax.set_ylabel("step time (ms)")
+    ax.legend(fontsize=7)
+    save_plot(fig, args.out, f"ddp_{args.backend}")
+    print(path.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,129 @@
+#!/usr/bin/env python
+"""TransformerLM end to end: forward, backward and AdamW-step times, and peak memory, per preset and context.
+
+Batch 4, vocab 10,000. Warm-up steps are kept out of the numbers (`--warmup 0` shows what that does); times are
+mean ± std over `--iters` steps. `--dtype bf16` runs under `torch.autocast(bfloat16)`; `--compile` wraps the
+model in torch.compile; `--attention` picks the attention implementation inside the model.
+
+    python benchmarks/end_to_end.py --presets small medium --contexts 128 256 512 1024 --attention flash
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import ON_GPU, add_common_args, environment, memory_snapshot, nvtx, peak_memory, progress, pyplot, run_cell, save_plot, summarize, sync, write_table  # noqa: E402
+
+from flashsys.nn import PRESETS, TransformerLM  # noqa: E402
+from flashsys.nn.transformer import Preset  # noqa: E402
+
+LOCAL_PRESETS = {"tiny": Preset(256, 1024, 4, 4)}  # for CPU runs
+ATTENTION = {"naive": "naive", "sdpa": "sdpa", "flash": "flash"}
+
+
+def timed(fn):
+    """Time one call (CUDA events on GPU); returns (result, ms)."""
+    import time
+
+    if ON_GPU:
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        out = fn()
+        e.record()
+        e.synchronize()
+        return out, s.elapsed_time(e)
+    t = time.perf_counter()
+    out = fn()
+    return out, (time.perf_counter() - t) * 1e3
+
+
+def measure(preset: str, context: int, args) -> dict:
+    device = "cuda" if ON_GPU else "cpu"
+    p = PRESETS.get(preset) or LOCAL_PRESETS[preset]
+    model = TransformerLM(10_000, context, p.d_model, p.num_layers, p.num_heads, p.d_ff,
+                          attention_backend=ATTENTION[args.attention], device=device)
+    if args.compile:
+        model = torch.compile(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, 10_000, (args.batch, context), device=device)
+    y = torch.randint(0, 10_000, (args.batch, context), device=device)
+    autocast = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if args.dtype == "bf16" else contextlib.nullcontext
+    fwd, bwd, step = [], [], []
+    for i in range(args.warmup + args.iters):
+        with nvtx(f"step {i}", args.nvtx):
+            with nvtx("forward", args.nvtx), autocast():
+                logits, t_f = timed(lambda: model(x))
+            loss = F.cross_entropy(logits.float().view(-1, 10_000), y.view(-1))
+            with nvtx("backward", args.nvtx):
+                _, t_b = timed(loss.backward)
+            with nvtx("optimizer", args.nvtx):
+                _, t_s = timed(opt.step)
+            opt.zero_grad(set_to_none=True)
+        if i >= args.warmup:
+            fwd.append(t_f), bwd.append(t_b), step.append(t_s)
+    del logits, loss
+    with peak_memory() as mem_fwd, torch.no_grad(), autocast():
+        model(x)
+    with peak_memory() as mem_step:
+        with autocast():
+            out = model(x)
+        F.cross_entropy(out.float().view(-1, 10_000), y.view(-1)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    sync()
+    f, b, s = summarize(fwd), summarize(bwd), summarize(step)
+    return {"forward_ms": str(f), "backward_ms": str(b), "optimizer_ms": str(s),
+            "total_ms": f.mean + b.mean + s.mean, "peak_fwd_MB": mem_fwd["peak_mb"], "peak_step_MB": mem_step["peak_mb"]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p, "end_to_end")
+    p.add_argument("--presets", nargs="+", default=list(PRESETS) if ON_GPU else ["tiny"],
+                   choices=list(PRESETS) + list(LOCAL_PRESETS))
+    p.add_argument("--contexts", nargs="+", type=int, default=[128, 256, 512, 1024] if ON_GPU else [64, 128])
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--attention", choices=list(ATTENTION), default="flash")
+    args = p.parse_args(argv)
+    rows = []
+    with memory_snapshot(args.memory_snapshot):
+        for preset, ctx in progress([(a, c) for a in args.presets for c in args.contexts], "end_to_end", args.no_progress):
+            row = {"preset": preset, "context": ctx, "dtype": args.dtype, "attention": args.attention,
+                   "compile": args.compile, "warmup": args.warmup}
+            row.update(run_cell(lambda: measure(preset, ctx, args)))
+            rows.append(row)
+            if ON_GPU:
+                torch.cuda.empty_cache()
+    name = f"end_to_end_{args.dtype}_{args.attention}{'_compiled' if args.compile else ''}_w{args.warmup}"
+    path = write_table(rows, args.out, name, "TransformerLM end to end",
+                       [f"batch {args.batch}, vocab 10,000, AdamW; mean ± std over {args.iters} steps after "
+                        f"{args.warmup} warm-up steps; peak memory is the extra allocated during a forward (no grad) "
+                        "and during a full training step."], environment())
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for preset in args.presets:
+        pts = [(r["context"], r["total_ms"]) for r in rows if r["preset"] == preset and "total_ms" in r]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=preset)
+    ax.set_xlabel("context length")
+    ax.set_ylabel("train step (ms)")
+    ax.set_yscale("log")
+    ax.legend()
+    save_plot(fig, args.out, name)
+    print(path.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,148 @@
+#!/usr/bin/env python
+"""Optimizer-state sharding: memory per rank and step time, with and without it.
+
+Variants: plain AdamW, flashsys ShardedOptimizer(AdamW), torch's ZeroRedundancyOptimizer(AdamW); gradients are
+synchronised by BucketedDDP in every variant. Per rank: allocated memory after model initialisation, before the
+optimizer step (after forward + backward) and after it, the peak, and the optimizer step time. The breakdown
+counts parameters, gradients and optimizer-state tensors directly; activations = peak during forward + backward
+minus what was allocated before it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import ON_GPU, add_common_args, environment, pyplot, save_plot, write_table  # noqa: E402
+
+from flashsys.dist import BucketedDDP, spawn  # noqa: E402
+from flashsys.nn import PRESETS, TransformerLM  # noqa: E402
+from flashsys.optim import ShardedOptimizer  # noqa: E402
+
+MB = 2**20
+
+
+def _allocated(device) -> float:
+    return torch.cuda.memory_allocated(device) / MB if device.type == "cuda" else float("nan")
+
+
+def _state_bytes(opt) -> int:
+    inner = opt.inner if isinstance(opt, ShardedOptimizer) else getattr(opt, "optim", opt)
+    return sum(t.numel() * t.element_size() for s in inner.state.values() for t in s.values()
+               if torch.is_tensor(t) and t.dim() > 0)
+
+
+def worker(rank, world, device, cfg, variant, warmup, iters, out_json):
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        torch.set_num_threads(1)
+    base = _allocated(device)
+    torch.manual_seed(0)
+    model = TransformerLM(10_000, cfg["context"], cfg["d_model"], cfg["layers"], cfg["heads"], cfg["d_ff"], device=device)
+    ddp = BucketedDDP(model, bucket_size_mb=25)
+    after_init = _allocated(device) - base
+    if variant == "AdamW":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    elif variant == "ShardedOptimizer(AdamW)":
+        opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-5)
+    else:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-5)
+    x = torch.randint(0, 10_000, (cfg["batch"], cfg["context"]), device=device)
+    step_ms = []
+    for i in range(warmup + iters):
+        pre_fwd = _allocated(device) - base
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        loss = F.cross_entropy(ddp(x[:, :-1]).float().reshape(-1, 10_000), x[:, 1:].reshape(-1))
+        loss.backward()
+        ddp.finish_gradient_synchronization()
+        activations = (torch.cuda.max_memory_allocated(device) / MB - base - pre_fwd) if device.type == "cuda" else float("nan")
+        before_step = _allocated(device) - base
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            step_ms.append((time.perf_counter() - t) * 1e3)
+        after_step = _allocated(device) - base
+        opt.zero_grad(set_to_none=True)
+    peak = torch.cuda.max_memory_allocated(device) / MB - base if device.type == "cuda" else float("nan")
+    params = sum(p.numel() * p.element_size() for p in model.parameters()) / MB
+    row = {"variant": variant, "rank": rank, "after_init_MB": after_init, "before_step_MB": before_step,
+           "after_step_MB": after_step, "peak_last_step_MB": peak, "step_ms": statistics.fmean(step_ms),
+           "params_MB": params, "grads_MB": params, "optimizer_state_MB": _state_bytes(opt) / MB,
+           "activations_MB": activations}
+    rows = [None] * world
+    dist.all_gather_object(rows, row)
+    if rank == 0:
+        Path(out_json).write_text(json.dumps(rows))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p, "sharded_optimizer")
+    p.add_argument("--preset", default="xl" if ON_GPU else None, choices=list(PRESETS))
+    p.add_argument("--context", type=int, default=512 if ON_GPU else 64)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--backend", choices=["nccl", "gloo"], default="nccl" if ON_GPU else "gloo")
+    args = p.parse_args(argv)
+    if args.preset:
+        pr = PRESETS[args.preset]
+        cfg = dict(d_model=pr.d_model, layers=pr.num_layers, heads=pr.num_heads, d_ff=pr.d_ff)
+    else:
+        cfg = dict(d_model=256, layers=4, heads=4, d_ff=1024)
+    cfg.update(context=args.context + 1, batch=args.batch)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tmp = args.out / ".sharded.json"
+    rows = []
+    for variant in ("AdamW", "ShardedOptimizer(AdamW)", "ZeroRedundancyOptimizer(AdamW)"):
+        spawn(worker, args.world_size, cfg, variant, args.warmup, args.iters, str(tmp), backend=args.backend)
+        rows += json.loads(tmp.read_text())
+    tmp.unlink()
+    full_state = next(r["optimizer_state_MB"] for r in rows if r["variant"] == "AdamW")
+    for r in rows:
+        r["state_vs_total/world"] = r["optimizer_state_MB"] / (full_state / args.world_size)
+    path = write_table(rows, args.out, f"sharded_optimizer_{args.backend}", "Optimizer-state sharding",
+                       [f"{args.world_size} ranks, model {args.preset or cfg}, context {args.context}, batch "
+                        f"{args.batch} per rank, BucketedDDP(25 MB); memory is allocated bytes over the process's "
+                        f"start (CUDA only), step_ms the optimizer step alone (mean over {args.iters} steps). "
+                        "state_vs_total/world: 1.0 means exactly total optimizer state / world size."], environment())
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    labels, parts = [], {k: [] for k in ("params_MB", "grads_MB", "optimizer_state_MB", "activations_MB")}
+    for r in rows:
+        if r["rank"] == 0:
+            labels.append(r["variant"].replace("(AdamW)", ""))
+            for k in parts:
+                parts[k].append(0 if r[k] != r[k] else r[k])
+    bottom = [0.0] * len(labels)
+    for k, vals in parts.items():
+        ax.bar(labels, vals, bottom=bottom, label=k.replace("_MB", ""))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_ylabel("MB on rank 0")
+    ax.legend(fontsize=7)
+    save_plot(fig, args.out, f"sharded_optimizer_{args.backend}")
+    print(path.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
