@@ -27,7 +27,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     - Ownership is by whole parameters, per param group, largest first to the least-loaded rank (ties to the
       lower rank): deterministic on every rank, never by id() or set order.
     - `step()` steps the local shard with the inner optimizer, then broadcasts every parameter from its owner,
-      one flat buffer per (owner, dtype, device). Results equal the unsharded optimizer's bit for bit.
+      packed in flat chunks of at most 128 MB (`broadcast_chunk_bytes`) per (owner, dtype, device). Results
+      equal the unsharded optimizer's bit for bit.
     - Hyper-parameters changed in `param_groups` (an LR scheduler) reach the inner optimizer at the next step.
     - `consolidate_state_dict(to)` then `state_dict()` on rank `to` gives the unsharded optimizer's layout;
       `load_state_dict()` on every rank restores each shard.
@@ -49,6 +50,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._local: list[list[nn.Parameter]] = []  # owned parameters of each param group
         self._inner: torch.optim.Optimizer | None = None
         self._consolidated: dict[str, Any] | None = None
+        self.broadcast_chunk_bytes = 128 * 2**20
         super().__init__(params, defaults=kwargs)
 
     # ------------------------------------------------------------------ partition
@@ -106,7 +108,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _broadcast_parameters(self) -> None:
-        """Each owner sends its parameters in one flat buffer per (dtype, device); everyone unpacks."""
+        """Each owner sends its parameters packed in flat chunks of at most `broadcast_chunk_bytes` per
+        (dtype, device): few large broadcasts, and at most one chunk of extra memory (not a copy of the shard)."""
         for owner in range(self.world_size):
             by_kind: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
             for g in self.param_groups:
@@ -115,17 +118,35 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         by_kind.setdefault((p.dtype, p.device), []).append(p)
             src = dist.get_global_rank(self.process_group, owner) if self.process_group is not None else owner
             for params in by_kind.values():
-                if len(params) == 1:
-                    dist.broadcast(params[0].data, src=src, group=self.process_group)
-                    continue
-                flat = torch.cat([p.data.reshape(-1) for p in params]) if owner == self.rank else torch.empty(
-                    sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-                dist.broadcast(flat, src=src, group=self.process_group)
-                if owner != self.rank:
-                    offset = 0
-                    for p in params:
-                        p.data.copy_(flat[offset : offset + p.numel()].view_as(p))
-                        offset += p.numel()
+                for chunk in self._chunks(params):
+                    self._broadcast_chunk(chunk, owner, src)
+
+    def _chunks(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+        chunks: list[list[nn.Parameter]] = [[]]
+        size = 0
+        for p in params:
+            nbytes = p.numel() * p.element_size()
+            if chunks[-1] and size + nbytes > self.broadcast_chunk_bytes:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(p)
+            size += nbytes
+        return chunks
+
+    def _broadcast_chunk(self, params: list[nn.Parameter], owner: int, src: int) -> None:
+        if len(params) == 1:
+            dist.broadcast(params[0].data, src=src, group=self.process_group)
+            return
+        if owner == self.rank:
+            flat = torch.cat([p.data.reshape(-1) for p in params])
+        else:
+            flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        dist.broadcast(flat, src=src, group=self.process_group)
+        if owner != self.rank:
+            offset = 0
+            for p in params:
+                p.data.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any):  # type: ignore[override]
         loss = None

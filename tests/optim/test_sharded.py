@@ -64,6 +64,7 @@ def _parity_worker(rank, world, device, opt_name, with_scheduler):
     model, ref = _net(device), _net(device)
     params = (p for p in model.parameters() if p.requires_grad)  # a one-shot generator
     opt = ShardedOptimizer(params, cls, **kw)
+    opt.broadcast_chunk_bytes = 1500  # several chunks per owner, and parameters larger than a chunk
     ref_opt = cls([p for p in ref.parameters() if p.requires_grad], **kw)
     sched = ref_sched = None
     if with_scheduler:
