@@ -1,0 +1,61 @@
+"""Every benchmark script runs at a tiny scale on this machine and writes its table, CSV and plot."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+CASES = {
+    "attention": (["--seq-lens", "64", "--head-dims", "16", "--impls", "naive", "flash-torch", "sdpa-math"],
+                  ["attention.md", "attention.csv", "attention_fp32_causal.png"]),
+    "end_to_end": (["--presets", "tiny", "--contexts", "32", "--iters", "2", "--warmup", "1"],
+                   ["end_to_end_fp32_flash_w1.md", "end_to_end_fp32_flash_w1.csv", "end_to_end_fp32_flash_w1.png"]),
+    "allreduce": (["--sizes-mb", "0.1", "1", "--world-sizes", "2", "--iters", "2", "--warmup", "1", "--backend", "gloo"],
+                  ["allreduce_gloo.md", "allreduce_gloo.csv", "allreduce_gloo.png"]),
+    "ddp": (["--iters", "1", "--warmup", "1", "--context", "16", "--backend", "gloo"],
+            ["ddp_gloo.md", "ddp_gloo.csv", "ddp_gloo.png"]),
+    "sharded_optimizer": (["--iters", "1", "--warmup", "0", "--context", "16", "--backend", "gloo"],
+                          ["sharded_optimizer_gloo.md", "sharded_optimizer_gloo.csv", "sharded_optimizer_gloo.png"]),
+}
+
+
+def _run(args, timeout=300):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("script", list(CASES))
+def test_benchmark_script_runs_and_writes_results(script, tmp_path):
+    args, outputs = CASES[script]
+    r = _run([str(BENCH / f"{script}.py"), *args, "--out", str(tmp_path), "--no-progress"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    for name in outputs:
+        assert (tmp_path / name).is_file(), f"{name} missing; have {sorted(p.name for p in tmp_path.iterdir())}"
+    table = (tmp_path / outputs[0]).read_text()
+    assert "- device:" in table and "- command:" in table and "| " in table
+
+
+@pytest.mark.parametrize("script", list(CASES) + ["leaderboard"])
+def test_benchmark_help(script):
+    r = _run([str(BENCH / f"{script}.py"), "--help"], timeout=120)
+    assert r.returncode == 0 and "usage" in r.stdout
+
+
+def test_leaderboard_without_cuda_says_so():
+    r = _run([str(BENCH / "leaderboard.py")], timeout=120)
+    assert r.returncode == 0 and "CUDA" in r.stdout
+
+
+def test_a_failing_cell_is_recorded_not_fatal():
+    sys.path.insert(0, str(BENCH))
+    from harness import run_cell
+
+    def boom():
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2 GiB")
+
+    assert run_cell(boom)["error"] == "OOM"
+    assert run_cell(lambda: (_ for _ in ()).throw(NotImplementedError("no")))["error"].startswith("unsupported")
