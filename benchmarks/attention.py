@@ -138,7 +138,8 @@ def main(argv=None) -> int:
             if base and "fwd_bwd_ms" in r:
                 r["vs_best_sdpa"] = r["fwd_bwd_ms"] / min(base)
     env = environment()
-    path = write_table(rows, args.out, "attention", "Attention implementations",
+    tag = "gpu" if ON_GPU else "cpu"
+    path = write_table(rows, args.out, f"attention_{tag}", "Attention implementations",
                        [f"batch {args.batch}, heads {args.heads}; times are medians (do_bench on CUDA); "
                         "TFLOP/s counts 4·B·H·N²·D per forward (halved when causal) and 2.5× that for backward; "
                         "vs_best_sdpa = fwd_bwd time over the faster SDPA backend's (below 1 is faster)."], env)
@@ -158,7 +159,7 @@ def main(argv=None) -> int:
                 ax.set_xlabel("sequence length")
                 ax.set_ylabel("forward+backward (ms)")
             axes[0][0].legend(fontsize=7)
-            save_plot(fig, args.out, f"attention_{dt}_{'causal' if c else 'full'}")
+            save_plot(fig, args.out, f"attention_{tag}_{dt}_{'causal' if c else 'full'}")
             plt.close(fig)
     print(path.read_text())
     return 0

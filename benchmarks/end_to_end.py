@@ -105,7 +105,7 @@ def main(argv=None) -> int:
             rows.append(row)
             if ON_GPU:
                 torch.cuda.empty_cache()
-    name = f"end_to_end_{args.dtype}_{args.attention}{'_compiled' if args.compile else ''}_w{args.warmup}"
+    name = f"end_to_end_{'gpu' if ON_GPU else 'cpu'}_{args.dtype}_{args.attention}{'_compiled' if args.compile else ''}_w{args.warmup}"
     path = write_table(rows, args.out, name, "TransformerLM end to end",
                        [f"batch {args.batch}, vocab 10,000, AdamW; mean ± std over {args.iters} steps after "
                         f"{args.warmup} warm-up steps; peak memory is the extra allocated during a forward (no grad) "

@@ -148,6 +148,29 @@ def add_common_args(p: argparse.ArgumentParser, script: str) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
+def add_distributed_model_args(p: argparse.ArgumentParser) -> None:
+    """Model and world options of the multi-process benchmarks (xl on 2 GPUs; a small model on 2 CPU ranks)."""
+    from flashsys.nn import PRESETS
+
+    p.add_argument("--preset", default="xl" if ON_GPU else None, choices=list(PRESETS),
+                   help="model preset (default: xl on GPUs; d_model 256, 4 layers on a CPU)")
+    p.add_argument("--context", type=int, default=512 if ON_GPU else 64)
+    p.add_argument("--batch", type=int, default=2, help="per rank")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--backend", choices=["nccl", "gloo"], default="nccl" if ON_GPU else "gloo")
+
+
+def distributed_model_config(args: argparse.Namespace) -> dict:
+    from flashsys.nn import PRESETS
+
+    if args.preset:
+        pr = PRESETS[args.preset]
+        cfg = dict(d_model=pr.d_model, layers=pr.num_layers, heads=pr.num_heads, d_ff=pr.d_ff)
+    else:
+        cfg = dict(d_model=256, layers=4, heads=4, d_ff=1024)
+    return {**cfg, "context": args.context + 1, "batch": args.batch}
+
+
 def progress(items, desc: str, disable: bool = False):
     from tqdm import tqdm
 

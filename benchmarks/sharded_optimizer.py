@@ -24,10 +24,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import ON_GPU, add_common_args, environment, pyplot, save_plot, write_table  # noqa: E402
+from harness import add_common_args, add_distributed_model_args, distributed_model_config, environment, pyplot, save_plot, write_table  # noqa: E402
 
 from flashsys.dist import BucketedDDP, spawn  # noqa: E402
-from flashsys.nn import PRESETS, TransformerLM  # noqa: E402
+from flashsys.nn import TransformerLM  # noqa: E402
 from flashsys.optim import ShardedOptimizer  # noqa: E402
 
 MB = 2**20
@@ -98,18 +98,9 @@ def worker(rank, world, device, cfg, variant, warmup, iters, out_json):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, "sharded_optimizer")
-    p.add_argument("--preset", default="xl" if ON_GPU else None, choices=list(PRESETS))
-    p.add_argument("--context", type=int, default=512 if ON_GPU else 64)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--backend", choices=["nccl", "gloo"], default="nccl" if ON_GPU else "gloo")
+    add_distributed_model_args(p)
     args = p.parse_args(argv)
-    if args.preset:
-        pr = PRESETS[args.preset]
-        cfg = dict(d_model=pr.d_model, layers=pr.num_layers, heads=pr.num_heads, d_ff=pr.d_ff)
-    else:
-        cfg = dict(d_model=256, layers=4, heads=4, d_ff=1024)
-    cfg.update(context=args.context + 1, batch=args.batch)
+    cfg = distributed_model_config(args)
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = args.out / ".sharded.json"
     rows = []

@@ -13,4 +13,4 @@ grep -E "^\| " "$OUT/leaderboard.md"; grep -E "^- (fwd|bwd)" "$OUT/leaderboard.m
 timeout -k 10 ${ATT_TIMEOUT:-200} python3 benchmarks/attention.py --no-progress --out "$OUT/attention" \
   --impls flash-triton sdpa-flash sdpa-cudnn --head-dims 64 128 --seq-lens 1024 2048 4096 8192 16384 \
   --dtypes bf16 --causal both --rep 50 > "$OUT/attention.log" 2>&1
-echo "attention exit: $?"; grep -E "^\| flash-triton" "$OUT/attention/attention.md" | cut -d'|' -f2-6,9,10,12 | head -24
+echo "attention exit: $?"; grep -E "^\| flash-triton" "$OUT/attention/attention_gpu.md" | cut -d'|' -f2-6,9,10,12 | head -24

@@ -12,9 +12,9 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 CASES = {
     "attention": (["--seq-lens", "64", "--head-dims", "16", "--impls", "naive", "flash-torch", "sdpa-math"],
-                  ["attention.md", "attention.csv", "attention_fp32_causal.png"]),
+                  ["attention_cpu.md", "attention_cpu.csv", "attention_cpu_fp32_causal.png"]),
     "end_to_end": (["--presets", "tiny", "--contexts", "32", "--iters", "2", "--warmup", "1"],
-                   ["end_to_end_fp32_flash_w1.md", "end_to_end_fp32_flash_w1.csv", "end_to_end_fp32_flash_w1.png"]),
+                   ["end_to_end_cpu_fp32_flash_w1.md", "end_to_end_cpu_fp32_flash_w1.csv", "end_to_end_cpu_fp32_flash_w1.png"]),
     "allreduce": (["--sizes-mb", "0.1", "1", "--world-sizes", "2", "--iters", "2", "--warmup", "1", "--backend", "gloo"],
                   ["allreduce_gloo.md", "allreduce_gloo.csv", "allreduce_gloo.png"]),
     "ddp": (["--iters", "1", "--warmup", "1", "--context", "16", "--backend", "gloo"],

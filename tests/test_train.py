@@ -88,3 +88,13 @@ def test_help_and_info():
     r = subprocess.run([sys.executable, "-m", "flashsys", "info"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "torch" in r.stdout and "flash-torch" in r.stdout and "works" in r.stdout
+
+
+def test_runs_under_torchrun(tmp_path):
+    """The env:// path: ranks come from torchrun's environment, no processes are spawned by flashsys."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "flashsys", "train", *TINY[:-2], "--steps", "4", "--out", str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 4

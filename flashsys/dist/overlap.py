@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
