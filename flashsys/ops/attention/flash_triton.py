@@ -14,7 +14,7 @@ Choices that pay (measured in benchmarks/results/leaderboard.md):
 - Causal grids launch the heaviest query tiles first.
 - Any stride: rank-3 (B, N, D) and rank-4 (B, H, N, D) views, non-contiguous inputs and a stride-0 dO
   are addressed by their strides, never copied.
-- No `tl.make_block_ptr` (removed in Triton 3.9): plain pointer arithmetic with masks.
+- Plain pointer arithmetic with masks: block pointers were removed in Triton 3.9.
 """
 
 from __future__ import annotations
