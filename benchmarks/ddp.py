@@ -97,10 +97,9 @@ def worker(rank, world, device, cfg, warmup, iters, out_json):
         mean = max(gg[0] for gg in gathered)
         row = {"variant": name, "step_ms": mean, "std_ms": max(gg[1] for gg in gathered),
                "finish_sync_ms": max(gg[2] for gg in gathered)}
-        if isinstance(make, type) or callable(make) and make not in (None, "torch"):
-            if hasattr(wrapped, "bucket_bytes"):
-                row["bucket_MB"] = round(min(wrapped.bucket_bytes, total_bytes) / 2**20, 1)
-                row["buckets"] = len(wrapped.bucket_sizes_bytes)
+        if hasattr(wrapped, "bucket_bytes"):
+            row["bucket_MB"] = round(min(wrapped.bucket_bytes, total_bytes) / 2**20, 1)
+            row["buckets"] = len(wrapped.bucket_sizes_bytes)
         rows.append(row)
         if hasattr(wrapped, "remove_hooks"):
             wrapped.remove_hooks()

@@ -13,8 +13,6 @@ versions, command and date (default: benchmarks/results/leaderboard.md).
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import sys
 from pathlib import Path
 
@@ -93,13 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = getattr(table[64 if args.head_dim <= 64 else args.head_dim, False], "best_config", None)
         best[label] = str(cfg) if cfg is not None else "chosen inside torch.compile"
 
-    dev = torch.cuda.get_device_name()
-    lines = [
-        "# FlashAttention leaderboard timing",
-        "",
-        f"- device: {dev}; torch {torch.__version__}; Triton {triton.__version__}; Python {platform.python_version()}",
-        f"- date: {datetime.date.today().isoformat()}",
-        f"- command: `python benchmarks/leaderboard.py {' '.join(argv if argv is not None else sys.argv[1:])}`".replace(" `", "`"),
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from harness import environment
+
+    lines = ["# FlashAttention leaderboard timing", ""]
+    lines += [f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in environment().items()]
+    lines += [
         f"- shape: batch·heads {args.heads}, seq {args.seq}, head_dim {args.head_dim}, bf16, causal, forward + backward; "
         f"do_bench(rep={args.rep}, warmup={args.warmup}), median",
         "",

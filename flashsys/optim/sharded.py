@@ -51,6 +51,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._inner: torch.optim.Optimizer | None = None
         self._consolidated: dict[str, Any] | None = None
         self.broadcast_chunk_bytes = 128 * 2**20
+        self._plan: tuple | None = None
         super().__init__(params, defaults=kwargs)
 
     # ------------------------------------------------------------------ partition
@@ -106,20 +107,29 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if k != "params":
                     inner[k] = v
 
+    def _broadcast_plan(self) -> list[tuple[int, int, list[nn.Parameter]]]:
+        """(owner, source rank, chunk) for every broadcast of a step. Ownership changes only in
+        add_param_group, so the plan is built once and reused until then."""
+        key = (len(self._owner), self.broadcast_chunk_bytes)
+        if self._plan is None or self._plan[0] != key:
+            plan = []
+            for owner in range(self.world_size):
+                by_kind: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+                for g in self.param_groups:
+                    for p in g["params"]:
+                        if self._owner[p] == owner:
+                            by_kind.setdefault((p.dtype, p.device), []).append(p)
+                src = dist.get_global_rank(self.process_group, owner) if self.process_group is not None else owner
+                plan += [(owner, src, chunk) for params in by_kind.values() for chunk in self._chunks(params)]
+            self._plan = (key, plan)
+        return self._plan[1]
+
     @torch.no_grad()
     def _broadcast_parameters(self) -> None:
         """Each owner sends its parameters packed in flat chunks of at most `broadcast_chunk_bytes` per
         (dtype, device): few large broadcasts, and at most one chunk of extra memory (not a copy of the shard)."""
-        for owner in range(self.world_size):
-            by_kind: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
-            for g in self.param_groups:
-                for p in g["params"]:
-                    if self._owner[p] == owner:
-                        by_kind.setdefault((p.dtype, p.device), []).append(p)
-            src = dist.get_global_rank(self.process_group, owner) if self.process_group is not None else owner
-            for params in by_kind.values():
-                for chunk in self._chunks(params):
-                    self._broadcast_chunk(chunk, owner, src)
+        for owner, src, chunk in self._broadcast_plan():
+            self._broadcast_chunk(chunk, owner, src)
 
     def _chunks(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
         chunks: list[list[nn.Parameter]] = [[]]

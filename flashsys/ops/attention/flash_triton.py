@@ -538,7 +538,7 @@ def flash_attention_backward_op(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, is_causal: bool, softmax_scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     up = _interpreter_upcast
-    dq, dk, dv = flash_backward_triton(up(q), up(k), up(v), up(o), lse, up(do.to(q.dtype)), is_causal, softmax_scale)
+    dq, dk, dv = flash_backward_triton(up(q), up(k), up(v), up(o), lse, up(do), is_causal, softmax_scale)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
