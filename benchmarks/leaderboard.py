@@ -86,10 +86,10 @@ def main(argv: list[str] | None = None) -> int:
 
     ours = rows[0][1] or float("nan")
     best = {}
-    for label, table in (("fwd", flash_triton._fwd_kernels), ("bwd dK/dV", flash_triton._bwd_dkdv_kernels),
-                         ("bwd dQ", flash_triton._bwd_dq_kernels)):
-        cfg = getattr(table[64 if args.head_dim <= 64 else args.head_dim, False], "best_config", None)
-        best[label] = str(cfg) if cfg is not None else "chosen inside torch.compile"
+    for kernel, label in (("fwd", "fwd"), ("dkdv", "bwd dK/dV"), ("dq", "bwd dQ")):
+        found = [cfg for key, cfg in flash_triton.chosen_configs().items()
+                 if key[0] == kernel and key[3] == args.head_dim and key[5] == torch.bfloat16]
+        best[label] = ", ".join(f"{k}={v}" for k, v in found[-1].items()) if found else "not launched"
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from harness import environment

@@ -113,6 +113,38 @@ def test_torch_compile_of_triton_op_matches_eager(dtype):
             assert torch.equal(a, b)
 
 
+def test_eager_calls_skip_the_custom_ops_and_traced_calls_use_them():
+    """Eager calls launch directly (the custom-op dispatch is host time); fake tensors must go through the ops."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flashsys.ops.attention import flash_triton
+
+    plain = torch.randn(2, 3)
+    assert flash_triton._eager(plain, torch.nn.Parameter(torch.randn(2)))
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(plain)
+    assert not flash_triton._eager(plain, fake)
+
+
+def test_launches_after_the_first_reuse_the_chosen_config_bit_for_bit():
+    """The first call goes through Triton's autotuner, later ones launch its choice directly: same numbers."""
+    from flashsys.ops.attention import flash_triton
+
+    q, k, v, do = make_qkv(1, 2, 48, 40, 32, torch.float16, DEVICE, seed=9)
+    flash_triton._chosen_configs.clear()
+    results = []
+    for _ in range(2):
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        o = FlashAttention2Triton.apply(qq, kk, vv, True)
+        o.backward(do)
+        results.append((o.detach(), qq.grad, kk.grad, vv.grad))
+        if not flash_triton.chosen_configs():
+            pytest.fail("no launch config was recorded after the first call")
+    assert {key[0] for key in flash_triton.chosen_configs()} == {"fwd", "dkdv", "dq"}
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.gpu
 def test_memory_grows_linearly_in_sequence_length_gpu():
     """Peak extra memory of forward + backward: x4 in N gives about x4 in memory (an N^2 op would give x16)."""

@@ -12,8 +12,8 @@ Choices that pay (measured in benchmarks/results/leaderboard.md):
 - The backward is atomic-free: one kernel computes dK, dV for a key tile looping over query tiles, another
   computes dQ for a query tile looping over key tiles, after a small kernel that computes D = rowsum(dO*O).
 - Causal grids launch the heaviest query tiles first.
-- Any stride: rank-3 (B, N, D) and rank-4 (B, H, N, D) views, non-contiguous inputs and a stride-0 dO
-  are addressed by their strides, never copied.
+- Any stride: rank-3 (B, N, D) and rank-4 (B, H, N, D) views and non-contiguous inputs are addressed
+  by their strides, never copied; only a dO whose last stride is not 1 (a stride-0 dO) is made dense.
 - Plain pointer arithmetic with masks: block pointers were removed in Triton 3.9.
 """
 
@@ -205,6 +205,9 @@ def _bwd_dkdv_inner(
             lse2 = tl.load(L + rows) * 1.4426950408889634
             delta = tl.load(Delta + rows)
         s_t = _dot(k, tl.trans(q), FP32_IEEE) * qk_scale  # (BLOCK_N, BLOCK_M)
+        # dP^T does not depend on P: issued before the exponentials, the tensor cores work while exp2
+        # runs (dK/dV kernel 2.15 instead of 2.3 ms at the leaderboard shape; the dQ kernel got slower).
+        dp_t = _dot(v, tl.trans(do), FP32_IEEE)
         p_t = tl.math.exp2(s_t - lse2[None, :])
         if MASKED:
             visible = rows[None, :] < n_q
@@ -212,7 +215,6 @@ def _bwd_dkdv_inner(
                 visible = visible & (offs_n[:, None] <= rows[None, :] + causal_offset)
             p_t = tl.where(visible, p_t, 0.0)
         dv += _dot(p_t.to(do.dtype), do, FP32_IEEE)
-        dp_t = _dot(v, tl.trans(do), FP32_IEEE)
         ds_t = p_t * (dp_t - delta[None, :])
         dk += _dot(ds_t.to(q.dtype), q, FP32_IEEE)
     return dk, dv
@@ -373,7 +375,10 @@ def _flash_bwd_dq_kernel(
 # D=64 tiles spill registers). The key adds the sequence-length bucket and the causal flag; Triton adds
 # the tensors' dtypes to the key by itself. Under the interpreter (or FLASHSYS_TRITON_AUTOTUNE=0) each
 # handle keeps only its first config, which is the best single choice we measured.
-
+#
+# Long sequences (N >= LONG_SEQ) at D <= 64 get a handle of their own with only the large tiles that won
+# there in every sweep: with all candidates, timing noise (about 5% between runs) let the autotuner pick
+# a 64x64 forward that is 5% slower than 128x64 at N = 16384.
 # (BLOCK_M, BLOCK_N, num_warps, num_stages), best first.
 _FWD_TILES = {
     64: [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 3),
@@ -383,21 +388,25 @@ _FWD_TILES = {
 }
 # dK/dV kernel: BLOCK_N key rows held in registers, BLOCK_M query rows streamed.
 _BWD_DKDV_TILES = {
-    64: [(64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 4), (64, 64, 4, 4), (32, 128, 8, 4),
-         (64, 128, 8, 2), (16, 128, 4, 4)],
+    64: [(64, 64, 4, 4), (64, 64, 4, 3), (64, 64, 4, 5), (32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3),
+         (16, 128, 4, 4)],
     128: [(32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 2)],
     256: [(32, 64, 4, 2), (16, 64, 4, 2), (32, 32, 4, 2)],
 }
 # dQ kernel: BLOCK_M query rows held, BLOCK_N key rows streamed.
 _BWD_DQ_TILES = {
-    64: [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3), (64, 32, 4, 4),
-         (128, 32, 8, 4)],
+    64: [(128, 64, 8, 4), (128, 64, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 4)],
     128: [(128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2)],
     256: [(64, 32, 4, 2), (64, 16, 4, 2), (32, 32, 4, 2)],
 }
 # fp32 inputs are the accuracy path, not the speed path: fp32 tiles take twice the shared memory and
 # registers, and the fp16/bf16 tiles above make ptxas crawl or run out of resources. Small tiles for all.
 _FP32_TILES = {64: [(32, 32, 4, 2), (64, 32, 4, 2)], 128: [(32, 32, 4, 2)], 256: [(16, 32, 4, 1)]}
+# {head-dim class: tiles} for N >= LONG_SEQ, per kernel (same tuple layout as above).
+LONG_SEQ = 8192
+_FWD_TILES_LONG = {64: [(128, 64, 8, 3), (128, 64, 8, 4)]}
+_BWD_DKDV_TILES_LONG = {64: [(64, 64, 4, 4), (64, 64, 4, 3), (64, 64, 4, 5)]}
+_BWD_DQ_TILES_LONG = {64: [(128, 64, 8, 4), (128, 64, 8, 3)]}
 _AUTOTUNE_KEY = ["N_BUCKET", "HEAD_DIM", "IS_CAUSAL"]
 
 
@@ -410,18 +419,24 @@ def _configs(tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in chosen]
 
 
-def _tuned(kernel, table):
-    """{(head-dim class, is_fp32): autotuned kernel}."""
+def _tuned(kernel, table, long_table):
+    """{(head-dim class, is_fp32, long_seq): autotuned kernel}; long_seq handles exist only where listed."""
     handles = {}
     for d in table:
         for fp32, tiles in ((False, table[d]), (True, _FP32_TILES[d])):
-            handles[d, fp32] = triton.autotune(configs=_configs(tiles), key=_AUTOTUNE_KEY)(kernel)
+            handles[d, fp32, False] = triton.autotune(configs=_configs(tiles), key=_AUTOTUNE_KEY)(kernel)
+        if d in long_table:
+            handles[d, False, True] = triton.autotune(configs=_configs(long_table[d]), key=_AUTOTUNE_KEY)(kernel)
     return handles
 
 
-_fwd_kernels = _tuned(_flash_fwd_kernel, _FWD_TILES)
-_bwd_dkdv_kernels = _tuned(_flash_bwd_dkdv_kernel, _BWD_DKDV_TILES)
-_bwd_dq_kernels = _tuned(_flash_bwd_dq_kernel, _BWD_DQ_TILES)
+def _handle(handles: dict, hd: tuple[int, bool], bucket: int):
+    return handles.get((*hd, bucket >= LONG_SEQ)) or handles[(*hd, False)]
+
+
+_fwd_kernels = _tuned(_flash_fwd_kernel, _FWD_TILES, _FWD_TILES_LONG)
+_bwd_dkdv_kernels = _tuned(_flash_bwd_dkdv_kernel, _BWD_DKDV_TILES, _BWD_DKDV_TILES_LONG)
+_bwd_dq_kernels = _tuned(_flash_bwd_dq_kernel, _BWD_DQ_TILES, _BWD_DQ_TILES_LONG)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -452,17 +467,41 @@ def _seq_bucket(n: int) -> int:
     return min(triton.next_power_of_2(n), 1 << 16)
 
 
+# After the autotuner has chosen a config for a key, later calls launch the JIT kernel with it directly:
+# Triton's Autotuner.run rebuilds its key from every argument on each call, which cost about 45 us of
+# host time per launch on an H100 machine, more than the whole forward kernel takes at N = 1024.
+_chosen_configs: dict[tuple, dict] = {}
+
+
+def chosen_configs() -> dict[tuple, dict]:
+    """{(kernel, (head-dim class, is_fp32), seq bucket, head_dim, causal, dtype): launch config} chosen so far."""
+    return dict(_chosen_configs)
+
+
+def _launch(handle, grid, args: tuple, constexprs: dict, key: tuple) -> None:
+    """Launch an autotuned kernel; `key` must determine the autotuner's own key (seq bucket, dims, flags, dtype)."""
+    meta = _chosen_configs.get(key)
+    if meta is None:
+        handle[grid](*args, **constexprs)
+        best = handle.best_config
+        _chosen_configs[key] = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
+    else:
+        handle.fn[grid(meta)](*args, **constexprs, **meta)
+
+
 def flash_forward_triton(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     """Launch the forward kernel. Returns (O like q, L float32 of shape q.shape[:-1])."""
     n_heads, n_bh, n_q, n_k, d, block_d = _geometry(q, k)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    kernel = _fwd_kernels[_head_dim_class(block_d), q.dtype == torch.float32]
-    grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), n_bh)  # noqa: E731
-    kernel[grid](
-        q, k, v, o, lse, *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(o),
-        n_heads, n_q, n_k, scale * LOG2E, _seq_bucket(max(n_q, n_k)),
-        HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=causal, FP32_IEEE=q.dtype == torch.float32,
+    hd = (_head_dim_class(block_d), q.dtype == torch.float32)
+    bucket = _seq_bucket(max(n_q, n_k))
+    _launch(
+        _handle(_fwd_kernels, hd, bucket), lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), n_bh),
+        (q, k, v, o, lse, *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(o),
+         n_heads, n_q, n_k, scale * LOG2E, bucket),
+        dict(HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=causal, FP32_IEEE=hd[1]),
+        ("fwd", hd, bucket, d, causal, q.dtype),
     )
     return o, lse
 
@@ -474,6 +513,10 @@ def flash_backward_triton(
     n_heads, n_bh, n_q, n_k, d, block_d = _geometry(q, k)
     if do.dtype != q.dtype:
         do = do.to(q.dtype)
+    if do.stride(-1) != 1:
+        # `o.sum().backward()` hands over a stride-0 dO. The kernels read it correctly, but with scalar
+        # instead of vector loads; one dense copy costs far less than that.
+        do = do.contiguous()
     delta = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     pre_block = 64
     _flash_bwd_preprocess_kernel[(triton.cdiv(n_q, pre_block), n_bh)](
@@ -483,18 +526,20 @@ def flash_backward_triton(
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    common = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=causal, FP32_IEEE=q.dtype == torch.float32)
-    bucket = _seq_bucket(max(n_q, n_k))
     hd = (_head_dim_class(block_d), q.dtype == torch.float32)
-    _bwd_dkdv_kernels[hd][lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), n_bh)](
-        q, k, v, do, lse, delta, dk, dv,
-        *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(do), *_strides4(dk), *_strides4(dv),
-        n_heads, n_q, n_k, scale * LOG2E, scale, bucket, **common,
+    common = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=causal, FP32_IEEE=hd[1])
+    bucket = _seq_bucket(max(n_q, n_k))
+    qkv_do = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(do))
+    scalars = (n_heads, n_q, n_k, scale * LOG2E, scale, bucket)
+    _launch(
+        _handle(_bwd_dkdv_kernels, hd, bucket), lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), n_bh),
+        (q, k, v, do, lse, delta, dk, dv, *qkv_do, *_strides4(dk), *_strides4(dv), *scalars),
+        common, ("dkdv", hd, bucket, d, causal, q.dtype),
     )
-    _bwd_dq_kernels[hd][lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), n_bh)](
-        q, k, v, do, lse, delta, dq,
-        *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(do), *_strides4(dq),
-        n_heads, n_q, n_k, scale * LOG2E, scale, bucket, **common,
+    _launch(
+        _handle(_bwd_dq_kernels, hd, bucket), lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), n_bh),
+        (q, k, v, do, lse, delta, dq, *qkv_do, *_strides4(dq), *scalars),
+        common, ("dq", hd, bucket, d, causal, q.dtype),
     )
     return dq, dk, dv
 
@@ -518,14 +563,27 @@ def _interpreter_upcast(t: Tensor) -> Tensor:
 
 # The launchers are registered as custom ops so that torch.compile treats them as opaque calls and
 # launches the same eager Triton kernels (with Triton's own autotuner) instead of re-emitting their
-# source through Inductor, which breaks on kernels that call other @triton.jit helpers.
+# source through Inductor, which breaks on kernels that call other @triton.jit helpers. In eager mode
+# the Function calls the launchers directly: the custom-op dispatch cost 40-70 us of host time per call.
+
+
+def _forward_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor]:
+    up = _interpreter_upcast
+    o, lse = flash_forward_triton(up(q), up(k), up(v), is_causal, softmax_scale)
+    return o.to(q.dtype), lse
+
+
+def _backward_impl(
+    q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, is_causal: bool, softmax_scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    up = _interpreter_upcast
+    dq, dk, dv = flash_backward_triton(up(q), up(k), up(v), up(o), lse, up(do), is_causal, softmax_scale)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 @torch.library.custom_op("flashsys::flash_attention_forward", mutates_args=())
 def flash_attention_forward_op(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor]:
-    up = _interpreter_upcast
-    o, lse = flash_forward_triton(up(q), up(k), up(v), is_causal, softmax_scale)
-    return o.to(q.dtype), lse
+    return _forward_impl(q, k, v, is_causal, softmax_scale)
 
 
 @flash_attention_forward_op.register_fake
@@ -537,14 +595,17 @@ def _(q, k, v, is_causal, softmax_scale):
 def flash_attention_backward_op(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, is_causal: bool, softmax_scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    up = _interpreter_upcast
-    dq, dk, dv = flash_backward_triton(up(q), up(k), up(v), up(o), lse, up(do), is_causal, softmax_scale)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return _backward_impl(q, k, v, o, lse, do, is_causal, softmax_scale)
 
 
 @flash_attention_backward_op.register_fake
 def _(q, k, v, o, lse, do, is_causal, softmax_scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _eager(*tensors: Tensor) -> bool:
+    """True for plain tensors outside torch.compile; traced (fake, functional) tensors need the custom ops."""
+    return not torch.compiler.is_compiling() and all(type(t) in (Tensor, torch.nn.Parameter) for t in tensors)
 
 
 class FlashAttention2Triton(torch.autograd.Function):
@@ -555,7 +616,8 @@ class FlashAttention2Triton(torch.autograd.Function):
         scale = check_attention_inputs(q, k, v, is_causal, softmax_scale, op="FlashAttention2Triton",
                                        max_head_dim=MAX_HEAD_DIM)
         _check_device(q)
-        o, lse = flash_attention_forward_op(q, k, v, bool(is_causal), scale)
+        forward = _forward_impl if _eager(q, k, v) else flash_attention_forward_op
+        o, lse = forward(q, k, v, bool(is_causal), scale)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.is_causal, ctx.scale = bool(is_causal), scale
         return o
@@ -563,5 +625,6 @@ class FlashAttention2Triton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do: Tensor):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = flash_attention_backward_op(q, k, v, o, lse, do, ctx.is_causal, ctx.scale)
+        backward = _backward_impl if _eager(q, do) else flash_attention_backward_op
+        dq, dk, dv = backward(q, k, v, o, lse, do, ctx.is_causal, ctx.scale)
         return dq, dk, dv, None, None

@@ -40,19 +40,9 @@ def check_attention_inputs(
         raise TypeError(f"{op}: q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"{op}: q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-    if not (q.dim() == k.dim() == v.dim()):
-        raise ValueError(f"{op}: q, k, v must have the same rank, got {shapes}")
-    if not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
-        raise ValueError(f"{op}: q, k, v must have the same batch (and head) dims, got {shapes}")
-    if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
-        raise ValueError(f"{op}: q, k, v must have the same head_dim (last dim), got {shapes}")
-    if k.shape[-2] != v.shape[-2]:
-        raise ValueError(f"{op}: k and v must have the same sequence length, got {shapes}")
-    if q.shape[-2] == 0 or k.shape[-2] == 0 or q.shape[-1] == 0:
-        raise ValueError(f"{op}: sequence lengths and head_dim must be positive, got {shapes}")
-    if max_head_dim is not None and q.shape[-1] > max_head_dim:
-        raise ValueError(f"{op}: head_dim {q.shape[-1]} is above the supported maximum {max_head_dim} ({shapes})")
+    problem = _shape_problem(q, k, v, max_head_dim)
+    if problem is not None:
+        raise ValueError(f"{op}: {problem} (q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)})")
     if not isinstance(is_causal, (bool, int)) or isinstance(is_causal, float):
         raise TypeError(f"{op}: is_causal must be a bool, got {type(is_causal).__name__}")
     if softmax_scale is None:
@@ -62,3 +52,21 @@ def check_attention_inputs(
     if not math.isfinite(softmax_scale) or softmax_scale <= 0:
         raise ValueError(f"{op}: softmax_scale must be a positive finite number, got {softmax_scale}")
     return float(softmax_scale)
+
+
+def _shape_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_head_dim: int | None) -> str | None:
+    """What is wrong with the shapes, or None. Separate, so the message is only formatted on error:
+    this check runs on every call, and formatting it eagerly cost about as much as a kernel launch."""
+    if not (q.dim() == k.dim() == v.dim()):
+        return "q, k, v must have the same rank"
+    if not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
+        return "q, k, v must have the same batch (and head) dims"
+    if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
+        return "q, k, v must have the same head_dim (last dim)"
+    if k.shape[-2] != v.shape[-2]:
+        return "k and v must have the same sequence length"
+    if q.shape[-2] == 0 or k.shape[-2] == 0 or q.shape[-1] == 0:
+        return "sequence lengths and head_dim must be positive"
+    if max_head_dim is not None and q.shape[-1] > max_head_dim:
+        return f"head_dim {q.shape[-1]} is above the supported maximum {max_head_dim}"
+    return None
