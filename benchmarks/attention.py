@@ -44,6 +44,11 @@ _compiled_naive = None
 def compiled_naive(q, k, v, causal):
     global _compiled_naive
     if _compiled_naive is None:
+        # The backward-only timing replays one graph (retain_graph=True); a compiled backward that donates
+        # its saved buffers refuses that, so donation is switched off for this benchmark.
+        import torch._functorch.config as functorch_config
+
+        functorch_config.donated_buffer = False
         _compiled_naive = torch.compile(naive)
     return _compiled_naive(q, k, v, causal)
 
@@ -117,6 +122,8 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=16 if ON_GPU else 4)
     p.add_argument("--rep", type=int, default=100, help="do_bench rep in ms per measurement")
     p.add_argument("--max-naive-len", type=int, default=16384, help="skip naive above this length (N^2 memory)")
+    p.add_argument("--max-flash-torch-len", type=int, default=4096,
+                   help="skip flash-torch above this length (its Python loop over tiles takes minutes there)")
     args = p.parse_args(argv)
     if "sdpa-math" in args.impls:
         from torch.nn.attention import SDPBackend
@@ -135,6 +142,8 @@ def main(argv=None) -> int:
         row = {"impl": name, "dtype": dt, "causal": c, "head_dim": d, "seq_len": n, "batch": batch}
         if name.startswith("naive") and n > args.max_naive_len:
             row["error"] = f"skipped (N > {args.max_naive_len})"
+        elif name == "flash-torch" and n > args.max_flash_torch_len:
+            row["error"] = f"skipped (N > {args.max_flash_torch_len})"
         elif name == "flash-triton" and not ON_GPU:
             row["error"] = "unsupported (needs CUDA)"
         else:

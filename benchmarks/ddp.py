@@ -31,7 +31,7 @@ from harness import add_common_args, add_distributed_model_args, distributed_mod
 from flashsys.dist import FlatDDP, NaiveDDP, OverlapDDP, BucketedDDP, measure_allreduce_cost, spawn  # noqa: E402
 from flashsys.nn import TransformerLM  # noqa: E402
 
-BUCKETS = [1, 10, 100, 1000]
+BUCKETS = [1, 10, 25, 100, 1000]  # 25 MB: torch DDP's default, for a like-for-like comparison
 
 
 def variants():
@@ -48,7 +48,7 @@ def build(cfg, device):
     return TransformerLM(10_000, cfg["context"], cfg["d_model"], cfg["layers"], cfg["heads"], cfg["d_ff"], device=device)
 
 
-def worker(rank, world, device, cfg, warmup, iters, out_json):
+def worker(rank, world, device, cfg, warmup, iters, out_json, only=None):
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     else:
@@ -60,6 +60,8 @@ def worker(rank, world, device, cfg, warmup, iters, out_json):
     total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     o, w = measure_allreduce_cost(device, torch.float32)
     for name, make in variants().items():
+        if only and name not in only and make is not None:  # the compute-only row is always measured
+            continue
         if make is None:
             wrapped = model
         elif make == "torch":
@@ -111,18 +113,63 @@ def worker(rank, world, device, cfg, warmup, iters, out_json):
     for r in rows:
         r["exposed_comm_ms"] = r["step_ms"] - compute
     if rank == 0:
-        Path(out_json).write_text(json.dumps({"rows": rows, "o_s": o, "w_Bps": w, "total_bytes": total_bytes}))
+        param_bytes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
+        Path(out_json).write_text(json.dumps({"rows": rows, "o_s": o, "w_Bps": w, "total_bytes": total_bytes,
+                                              "param_bytes": param_bytes}))
+
+
+def bucket_count(param_bytes: list[int], cap: float) -> int:
+    """Buckets BucketedDDP builds for one dtype: parameters in reverse order, one bucket per parameter above cap."""
+    n, current = 0, 0
+    for size in reversed(param_bytes):
+        if size > cap:
+            n += 1 + (current > 0)
+            current = 0
+            continue
+        current += size
+        if current >= cap:
+            n, current = n + 1, 0
+    return n + (current > 0)
+
+
+def plot(rows: list[dict], o: float, w: float, param_bytes: list[int], out: Path, name: str) -> None:
+    """Step time against bucket size, with the overhead model compute + calls(b)·o + b/w drawn over it.
+
+    calls(b) is the real bucket count of the layout (a parameter never splits), not S/b: with 41 MB matrices,
+    every cap below that gives about one call per parameter."""
+    import numpy as np
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    pts = [(r["bucket_MB"], r["step_ms"]) for r in rows if r["variant"].startswith("bucketed") and "bucket_MB" in r]
+    ax.plot(*zip(*sorted(pts)), "o", label="BucketedDDP (measured)")
+    compute = rows[0]["step_ms"]
+    total = sum(param_bytes)
+    b = np.logspace(np.log10(0.5), np.log10(max(total / 2**20, 2)), 100) * 2**20
+    pred = [compute + bucket_count(param_bytes, cap) * o * 1e3 + min(cap, total) / w * 1e3 for cap in b]
+    ax.plot(b / 2**20, pred, "-", label="compute + calls(b)·o + b/w (model)")
+    ax.axhline(compute, color="gray", linestyle=":", label="compute only")
+    for r in rows:
+        if r["variant"] == "torch DDP 25 MB":
+            ax.axhline(r["step_ms"], color="C3", linestyle="--", label="torch DDP 25 MB")
+    ax.set_xscale("log")
+    ax.set_xlabel("bucket size (MB)")
+    ax.set_ylabel("step time (ms)")
+    ax.legend(fontsize=7)
+    save_plot(fig, out, name)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, "ddp")
     add_distributed_model_args(p)
+    p.add_argument("--variants", nargs="+", choices=list(variants()), metavar="NAME",
+                   help=f"measure only these (default: all): {', '.join(variants())}")
     args = p.parse_args(argv)
     cfg = distributed_model_config(args)
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = args.out / ".ddp.json"
-    spawn(worker, args.world_size, cfg, args.warmup, args.iters, str(tmp), backend=args.backend)
+    spawn(worker, args.world_size, cfg, args.warmup, args.iters, str(tmp), args.variants, backend=args.backend)
     res = json.loads(tmp.read_text())
     tmp.unlink()
     rows, o, w, s = res["rows"], res["o_s"], res["w_Bps"], res["total_bytes"]
@@ -133,25 +180,7 @@ def main(argv=None) -> int:
                         f"after {args.warmup} warm-up (slowest rank). Measured all-reduce cost: o = {o * 1e6:.0f} µs per "
                         f"call, w = {w / 1e9:.1f} GB/s. exposed_comm_ms = step_ms - the compute-only step."],
                        environment())
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    pts = [(r["bucket_MB"], r["step_ms"]) for r in rows if r["variant"].startswith("bucketed") and "bucket_MB" in r]
-    ax.plot(*zip(*sorted(pts)), "o", label="BucketedDDP (measured)")
-    compute = rows[0]["step_ms"]
-    import numpy as np
-
-    b = np.logspace(np.log10(0.5), np.log10(max(s / 2**20, 2)), 100)
-    pred = compute + (s / (b * 2**20)) * o * 1e3 + (b * 2**20) / w * 1e3
-    ax.plot(b, pred, "-", label="compute + (S/b)·o + b/w (model)")
-    ax.axhline(compute, color="gray", linestyle=":", label="compute only")
-    for r in rows:
-        if r["variant"] == "torch DDP 25 MB":
-            ax.axhline(r["step_ms"], color="C3", linestyle="--", label="torch DDP 25 MB")
-    ax.set_xscale("log")
-    ax.set_xlabel("bucket size (MB)")
-    ax.set_ylabel("step time (ms)")
-    ax.legend(fontsize=7)
-    save_plot(fig, args.out, f"ddp_{args.backend}")
+    plot(rows, o, w, res["param_bytes"], args.out, f"ddp_{args.backend}")
     print(path.read_text())
     return 0
 
