@@ -3,12 +3,12 @@
 # one 10-minute device call; split it):
 #   bash scripts/gpu_bench_single.sh tests leaderboard attention
 #   bash scripts/gpu_bench_single.sh end_to_end attention_long attention_b1
-#   bash scripts/gpu_bench_single.sh attention_small attention_compiled
+#   bash scripts/gpu_bench_single.sh attention_small attention_compiled attention_short
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 nvidia-smi -L | tee "$OUT/device.txt"
-sections=("$@"); [ ${#sections[@]} -eq 0 ] && sections=(tests leaderboard attention end_to_end attention_long attention_b1 attention_small attention_compiled)
+sections=("$@"); [ ${#sections[@]} -eq 0 ] && sections=(tests leaderboard attention end_to_end attention_long attention_b1 attention_small attention_compiled attention_short)
 for s in "${sections[@]}"; do
   case $s in
   tests)
@@ -38,6 +38,11 @@ for s in "${sections[@]}"; do
       --head-dims 16 32 --seq-lens 1024 4096 16384 --dtypes fp32 bf16 --causal yes --rep 10 \
       > "$OUT/attention_small.log" 2>&1
     echo "attention_small exit: $?"; grep -E "^\| " "$OUT/attention_small/attention_gpu.md" | cut -d'|' -f2-7,10,13 ;;
+  attention_short)  # every implementation at N 128-512 (batch 128-32 at 16k tokens)
+    timeout -k 10 ${ATT_TIMEOUT:-300} python3 benchmarks/attention.py --no-progress --out "$OUT/attention_short" \
+      --head-dims 64 128 --seq-lens 128 256 512 --dtypes bf16 fp32 --causal yes --rep 20 \
+      > "$OUT/attention_short.log" 2>&1
+    echo "attention_short exit: $?"; grep -E "^\| " "$OUT/attention_short/attention_gpu.md" | cut -d'|' -f2-7,10,13,14 ;;
   attention_compiled)  # naive attention eager vs torch.compile, beside ours
     timeout -k 10 200 python3 benchmarks/attention.py --no-progress --out "$OUT/attention_compiled" \
       --impls naive naive-compiled flash-triton --head-dims 64 --seq-lens 1024 4096 --dtypes fp32 bf16 --causal yes \
