@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -54,8 +55,6 @@ def compiled_naive(q, k, v, causal):
 
 
 def sdpa(backend):
-    from torch.nn.attention import sdpa_kernel
-
     def run(q, k, v, causal):
         with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -63,18 +62,15 @@ def sdpa(backend):
     return run
 
 
-def implementations(names):
-    from torch.nn.attention import SDPBackend
-
-    table = {
-        "naive": naive,
-        "naive-compiled": compiled_naive,
-        "flash-torch": lambda q, k, v, c: FlashAttention2Torch.apply(q, k, v, c),
-        "flash-triton": lambda q, k, v, c: FlashAttention2Triton.apply(q, k, v, c),
-        "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
-        "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
-    }
-    return {n: table[n] for n in names}
+IMPLEMENTATIONS = {
+    "naive": naive,
+    "naive-compiled": compiled_naive,
+    "flash-torch": lambda q, k, v, c: FlashAttention2Torch.apply(q, k, v, c),
+    "flash-triton": lambda q, k, v, c: FlashAttention2Triton.apply(q, k, v, c),
+    "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
+    "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+    "sdpa-math": sdpa(SDPBackend.MATH),
+}
 
 
 def attention_flops(b, h, n, d, causal):
@@ -110,7 +106,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, "attention")
     gpu_default = ["naive", "naive-compiled", "flash-torch", "flash-triton", "sdpa-flash", "sdpa-cudnn"]
-    p.add_argument("--impls", nargs="+", default=gpu_default if ON_GPU else ["naive", "flash-torch", "sdpa-math"])
+    p.add_argument("--impls", nargs="+", choices=list(IMPLEMENTATIONS),
+                   default=gpu_default if ON_GPU else ["naive", "flash-torch", "sdpa-math"])
     p.add_argument("--head-dims", nargs="+", type=int, default=[16, 32, 64, 128] if ON_GPU else [32, 64])
     p.add_argument("--seq-lens", nargs="+", type=int,
                    default=[128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536] if ON_GPU else [128, 256, 512])
@@ -125,14 +122,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-flash-torch-len", type=int, default=4096,
                    help="skip flash-torch above this length (its Python loop over tiles takes minutes there)")
     args = p.parse_args(argv)
-    if "sdpa-math" in args.impls:
-        from torch.nn.attention import SDPBackend
-
-        extra = {"sdpa-math": sdpa(SDPBackend.MATH)}
-        names = [n for n in args.impls if n != "sdpa-math"]
-        impls = {**implementations(names), **extra}
-    else:
-        impls = implementations(args.impls)
+    impls = {name: IMPLEMENTATIONS[name] for name in args.impls}
     causals = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
     cells = [(d, n, dt, c, name) for dt in args.dtypes for c in causals for d in args.head_dims
              for n in args.seq_lens for name in impls]

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import add_common_args, add_distributed_model_args, distributed_model_config, environment, pyplot, save_plot, write_table  # noqa: E402
 
 from flashsys.dist import FlatDDP, NaiveDDP, OverlapDDP, BucketedDDP, measure_allreduce_cost, spawn  # noqa: E402
+from flashsys.dist.bucketed import plan_buckets  # noqa: E402
 from flashsys.nn import TransformerLM  # noqa: E402
 
 BUCKETS = [1, 10, 25, 100, 1000]  # 25 MB: torch DDP's default, for a like-for-like comparison
@@ -118,20 +119,6 @@ def worker(rank, world, device, cfg, warmup, iters, out_json, only=None):
                                               "param_bytes": param_bytes}))
 
 
-def bucket_count(param_bytes: list[int], cap: float) -> int:
-    """Buckets BucketedDDP builds for one dtype: parameters in reverse order, one bucket per parameter above cap."""
-    n, current = 0, 0
-    for size in reversed(param_bytes):
-        if size > cap:
-            n += 1 + (current > 0)
-            current = 0
-            continue
-        current += size
-        if current >= cap:
-            n, current = n + 1, 0
-    return n + (current > 0)
-
-
 def plot(rows: list[dict], o: float, w: float, param_bytes: list[int], out: Path, name: str) -> None:
     """Step time against bucket size, with the overhead model compute + calls(b)·o + b/w drawn over it.
 
@@ -146,7 +133,8 @@ def plot(rows: list[dict], o: float, w: float, param_bytes: list[int], out: Path
     compute = rows[0]["step_ms"]
     total = sum(param_bytes)
     b = np.logspace(np.log10(0.5), np.log10(max(total / 2**20, 2)), 100) * 2**20
-    pred = [compute + bucket_count(param_bytes, cap) * o * 1e3 + min(cap, total) / w * 1e3 for cap in b]
+    order = [(None, n) for n in reversed(param_bytes)]  # BucketedDDP fills buckets in reverse order
+    pred = [compute + len(plan_buckets(order, cap)) * o * 1e3 + min(cap, total) / w * 1e3 for cap in b]
     ax.plot(b / 2**20, pred, "-", label="compute + calls(b)·o + b/w (model)")
     ax.axhline(compute, color="gray", linestyle=":", label="compute only")
     for r in rows:

@@ -63,6 +63,32 @@ def measure_allreduce_cost(device: torch.device, dtype: torch.dtype, group=None,
     return o, w
 
 
+def plan_buckets(items: list[tuple[object, int]], cap_bytes: float) -> list[list[int]]:
+    """Group (key, nbytes) items, taken in the order given, into buckets of one key each.
+
+    A bucket closes once it holds at least `cap_bytes`; an item larger than the cap gets a bucket of its own
+    (tensors are never split). Returns the buckets as lists of item indices, in the order they close, then
+    the still-open ones. The benchmarks use it to count the all-reduces a cap gives.
+    """
+    open_: dict[object, list[int]] = {}
+    filled: dict[object, int] = {}
+    closed: list[list[int]] = []
+    for i, (key, nbytes) in enumerate(items):
+        current = open_.setdefault(key, [])
+        if nbytes > cap_bytes:
+            if current:
+                closed.append(current)
+                open_[key], filled[key] = [], 0
+            closed.append([i])
+            continue
+        current.append(i)
+        filled[key] = filled.get(key, 0) + nbytes
+        if filled[key] >= cap_bytes:
+            closed.append(current)
+            open_[key], filled[key] = [], 0
+    return closed + [group for group in open_.values() if group]
+
+
 def optimal_bucket_bytes(total_bytes: int, overhead_s: float, bandwidth_bps: float) -> int:
     """Bucket size that minimises the exposed communication of the overhead model.
 
@@ -115,28 +141,11 @@ class BucketedDDP(DataParallelBase):
         self._register_grad_hooks(self._on_grad_ready)
 
     def _build_buckets(self, cap_bytes: float) -> list[_Bucket]:
-        open_: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
-        closed: list[list[nn.Parameter]] = []
-
-        def nbytes(ps):
-            return sum(p.numel() * p.element_size() for p in ps)
-
-        for p in reversed(self._grad_params):
-            key = (p.dtype, p.device)
-            current = open_.setdefault(key, [])
-            if p.numel() * p.element_size() > cap_bytes:
-                if current:
-                    closed.append(current)
-                closed.append([p])
-                open_[key] = []
-                continue
-            current.append(p)
-            if nbytes(current) >= cap_bytes:
-                closed.append(current)
-                open_[key] = []
-        closed += [ps for ps in open_.values() if ps]
+        order = list(reversed(self._grad_params))  # roughly the order backward produces gradients
+        groups = plan_buckets([((p.dtype, p.device), p.numel() * p.element_size()) for p in order], cap_bytes)
         buckets = []
-        for ps in closed:
+        for group in groups:
+            ps = [order[i] for i in group]
             offsets, n = [], 0
             for p in ps:
                 offsets.append(n)

@@ -178,6 +178,16 @@ def test_bucket_layout():
     spawn(_layout_worker, 1, backend="gloo")
 
 
+def test_plan_buckets_closes_at_the_cap_keeps_keys_apart_and_never_splits():
+    from flashsys.dist.bucketed import plan_buckets
+
+    items = [("fp32", 3), ("bf16", 5), ("fp32", 3), ("fp32", 10), ("bf16", 1), ("fp32", 2)]
+    # bf16 5 reaches the cap of 5 and closes, then fp32 3+3; 10 B is over the cap, alone; the rest stay open.
+    assert plan_buckets(items, 5) == [[1], [0, 2], [3], [5], [4]]  # open ones last, in order of first use of their key
+    assert plan_buckets(items, float("inf")) == [[0, 2, 3, 5], [1, 4]]
+    assert plan_buckets(items, 0.5) == [[i] for i in range(len(items))]
+
+
 def test_optimal_bucket_size_formula():
     s, o, w = 1e9, 50e-6, 50e9
     b = optimal_bucket_bytes(int(s), o, w)

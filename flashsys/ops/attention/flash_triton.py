@@ -32,7 +32,6 @@ LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
 
 
-
 def interpreter_active() -> bool:
     """True when Triton runs kernels on the CPU (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
