@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 from collections.abc import Callable
@@ -11,6 +12,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when it is imported. torch
+# imports it lazily (the first optimizer or compile call imports torch._dynamo, which imports it); if that
+# happens after init_process_group, ten defaults pin the world group, destroy_process_group cannot free it,
+# and gloo's worker threads outlive the interpreter (see `shutdown`). Imported here, before any group
+# exists, the defaults are None.
+if dist.is_available():
+    import torch.distributed.nn.functional  # noqa: E402,F401
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -66,8 +75,18 @@ def init_for_spawn(
 
 
 def shutdown() -> None:
+    """Destroy the process group and join its worker threads while the interpreter is still whole.
+
+    destroy_process_group only unregisters the group. Its C++ object, and gloo's worker threads with it,
+    lives until the last reference goes. If that is at interpreter exit, a worker thread still dropping the
+    last collective's tensors needs the GIL, is ended by the finalising interpreter, and the process aborts
+    ("terminate called without an active exception") after all its work succeeded. Collecting here frees
+    a group held only by reference cycles now, and its destructor joins the threads. (References that are
+    not cycles must be gone too: see the import of torch.distributed.nn.functional above.)
+    """
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()
 
 
 def _spawn_entry(rank, fn, world_size, port, backend, timeout_s, args):

@@ -1,0 +1,54 @@
+"""Process-group tear-down: gloo's worker threads must be gone before the interpreter exits.
+
+A group that outlives `shutdown()` keeps its worker threads until interpreter exit, where one that is still
+releasing the last collective's tensors needs the GIL and aborts the process (SIGABRT, "terminate called
+without an active exception") after all its work succeeded: a rare, load-dependent CI failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from flashsys.dist import BucketedDDP, shutdown, spawn
+
+GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")
+
+
+def _thread_names() -> list[str]:
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:  # the thread ended while we listed
+            pass
+    return names
+
+
+def _teardown_worker(rank, world, device):
+    # The first optimizer imports torch._dynamo, and with it torch.distributed.nn.functional, after the
+    # group exists: the import that used to pin the group. A reference cycle holds the group too.
+    model = torch.nn.Linear(8, 8)
+    ddp = BucketedDDP(model, process_group=dist.group.WORLD)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    cycle = {"ddp": ddp, "group": dist.group.WORLD}
+    cycle["self"] = cycle
+    ddp(torch.randn(4, 8)).sum().backward()
+    ddp.finish_gradient_synchronization()
+    opt.step()
+    dist.barrier()
+    del model, ddp, opt, cycle
+    assert any(n in GLOO_THREADS for n in _thread_names()), "gloo's threads are not named as expected"
+    shutdown()
+    left = [n for n in _thread_names() if n in GLOO_THREADS]
+    assert not left, f"gloo threads still running after shutdown(): {left}"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads thread names from /proc")
+def test_shutdown_joins_gloo_worker_threads():
+    spawn(_teardown_worker, 2, backend="gloo", timeout_s=60)
