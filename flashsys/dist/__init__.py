@@ -1,7 +1,7 @@
 """Data-parallel training over torch.distributed (NCCL on GPUs, gloo on CPUs), launched by torchrun or mp.spawn."""
 
 from .after_backward import FlatDDP, NaiveDDP
-from .base import DataParallelBase, check_same_model_on_all_ranks, model_signature
+from .base import DataParallelBase, check_same_model_on_all_ranks, gather_digests, model_signature
 from .bucketed import BucketedDDP, measure_allreduce_cost, optimal_bucket_bytes
 from .overlap import OverlapDDP
 from .process_group import (
@@ -26,6 +26,7 @@ __all__ = [
     "check_same_model_on_all_ranks",
     "default_backend",
     "find_free_port",
+    "gather_digests",
     "init_for_spawn",
     "init_from_env",
     "launched_by_torchrun",

@@ -19,15 +19,19 @@ def model_signature(module: nn.Module) -> str:
     return "\n".join(parts)
 
 
+def gather_digests(text: str, note: object = None, group=None) -> list[tuple[str, object]]:
+    """(sha256 of `text`, `note`) from every rank, in rank order (a collective): a cheap check that every
+    rank holds the same thing, with a small note per rank for the error message."""
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (hashlib.sha256(text.encode()).hexdigest(), note), group=group)
+    return gathered
+
+
 def check_same_model_on_all_ranks(module: nn.Module, group=None) -> None:
     """Compare a cheap signature across ranks; mismatched models raise here instead of hanging in a collective."""
-    sig = model_signature(module)
-    digest = hashlib.sha256(sig.encode()).hexdigest()
-    gathered: list[tuple[str, int] | None] = [None] * dist.get_world_size(group)
-    n_params = sum(1 for _ in module.parameters())
-    dist.all_gather_object(gathered, (digest, n_params), group=group)
-    if any(g[0] != digest for g in gathered):  # type: ignore[index]
-        detail = ", ".join(f"rank {r}: {g[1]} parameters, signature {g[0][:12]}" for r, g in enumerate(gathered))  # type: ignore[index]
+    gathered = gather_digests(model_signature(module), sum(1 for _ in module.parameters()), group)
+    if len({digest for digest, _ in gathered}) != 1:
+        detail = ", ".join(f"rank {r}: {n} parameters, signature {digest[:12]}" for r, (digest, n) in enumerate(gathered))
         raise ValueError(
             "data parallel: the model differs between ranks (parameter count, order, shapes, dtypes or "
             f"requires_grad): {detail}"

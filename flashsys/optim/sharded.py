@@ -6,7 +6,6 @@ for the parameters it owns. After the owners step their shard, each parameter is
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -14,11 +13,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..dist import gather_digests
+
 
 def _group_signature(group: dict[str, Any]) -> str:
     hyper = sorted((k, repr(v)) for k, v in group.items() if k != "params")
     shapes = [(tuple(p.shape), str(p.dtype)) for p in group["params"]]
-    return hashlib.sha256(repr((hyper, shapes)).encode()).hexdigest()
+    return repr((hyper, shapes))
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -63,7 +64,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"ShardedOptimizer: all parameters must be on one device, got {sorted(map(str, devices))}")
         self._check_group_on_all_ranks(group)
         params = group["params"]
-        owned = []
         for i in sorted(range(len(params)), key=lambda i: (-params[i].numel(), i)):
             owner = min(range(self.world_size), key=lambda r: (self._load[r], r))
             self._owner[params[i]] = owner
@@ -82,10 +82,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 group.setdefault(k, v)
 
     def _check_group_on_all_ranks(self, group: dict[str, Any]) -> None:
-        sig = _group_signature(group)
-        gathered: list[str | None] = [None] * self.world_size
-        dist.all_gather_object(gathered, sig, group=self.process_group)
-        if len(set(gathered)) != 1:
+        gathered = gather_digests(_group_signature(group), group=self.process_group)
+        if len({digest for digest, _ in gathered}) != 1:
             raise ValueError(
                 f"ShardedOptimizer: param group {len(self.param_groups) - 1} differs between ranks "
                 "(parameter shapes, dtypes or hyper-parameters); add_param_group must be called with the same group everywhere"
