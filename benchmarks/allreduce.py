@@ -10,7 +10,6 @@ Runs under torchrun (one world) or spawns its own processes for each world size.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -22,9 +21,11 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import ON_GPU, add_common_args, environment, pyplot, save_plot, write_table  # noqa: E402
+from harness import (  # noqa: E402
+    ON_GPU, add_common_args, environment, pyplot, read_result, save_plot, spawn_for_result, write_result, write_table,
+)
 
-from flashsys.dist import init_from_env, launched_by_torchrun, shutdown, spawn  # noqa: E402
+from flashsys.dist import init_from_env, launched_by_torchrun, shutdown  # noqa: E402
 
 
 def worker(rank, world, device, sizes_mb, warmup, iters, out_json):
@@ -52,8 +53,7 @@ def worker(rank, world, device, sizes_mb, warmup, iters, out_json):
                          "per_rank_ms": " / ".join(f"{g:.3f}" for g in gathered),
                          "algbw_GBps": alg, "busbw_GBps": alg * 2 * (world - 1) / world})
         del buf
-    if rank == 0:
-        Path(out_json).write_text(json.dumps(rows))
+    write_result(rank, out_json, rows)
 
 
 def main(argv=None) -> int:
@@ -67,19 +67,18 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
-    tmp = args.out / ".allreduce_rows.json"
     if launched_by_torchrun():
         rank, world, device = init_from_env(args.backend)
+        tmp = args.out / ".rank0_result.json"
         worker(rank, world, device, args.sizes_mb, args.warmup, args.iters, tmp)
         shutdown()
         if rank != 0:
             return 0
-        rows = json.loads(tmp.read_text())
+        rows = read_result(tmp)
     else:
         for world in args.world_sizes:
-            spawn(worker, world, args.sizes_mb, args.warmup, args.iters, str(tmp), backend=args.backend)
-            rows += json.loads(tmp.read_text())
-    tmp.unlink(missing_ok=True)
+            rows += spawn_for_result(worker, world, args.sizes_mb, args.warmup, args.iters, backend=args.backend,
+                                     scratch_dir=args.out)
     path = write_table(rows, args.out, f"allreduce_{args.backend}", "All-reduce (float32, SUM)",
                        [f"{args.iters} timed calls after {args.warmup} warm-up, each after a barrier; latency is the "
                         "slowest rank's mean."], environment())

@@ -13,7 +13,6 @@ bucket size with the overhead model's prediction (compute + (S/b)·o + b/w, with
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -26,9 +25,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import add_common_args, add_distributed_model_args, distributed_model_config, environment, pyplot, save_plot, write_table  # noqa: E402
+from harness import (  # noqa: E402
+    add_common_args, add_distributed_model_args, distributed_model_config, environment, pyplot, save_plot,
+    spawn_for_result, write_result, write_table,
+)
 
-from flashsys.dist import FlatDDP, NaiveDDP, OverlapDDP, BucketedDDP, measure_allreduce_cost, spawn  # noqa: E402
+from flashsys.dist import FlatDDP, NaiveDDP, OverlapDDP, BucketedDDP, measure_allreduce_cost  # noqa: E402
 from flashsys.dist.bucketed import plan_buckets  # noqa: E402
 from flashsys.nn import TransformerLM  # noqa: E402
 
@@ -49,7 +51,7 @@ def build(cfg, device):
     return TransformerLM(10_000, cfg["context"], cfg["d_model"], cfg["layers"], cfg["heads"], cfg["d_ff"], device=device)
 
 
-def worker(rank, world, device, cfg, warmup, iters, out_json, only=None):
+def worker(rank, world, device, cfg, warmup, iters, only, out_json):
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     else:
@@ -113,10 +115,9 @@ def worker(rank, world, device, cfg, warmup, iters, out_json, only=None):
     compute = rows[0]["step_ms"]
     for r in rows:
         r["exposed_comm_ms"] = r["step_ms"] - compute
-    if rank == 0:
-        param_bytes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
-        Path(out_json).write_text(json.dumps({"rows": rows, "o_s": o, "w_Bps": w, "total_bytes": total_bytes,
-                                              "param_bytes": param_bytes}))
+    param_bytes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
+    write_result(rank, out_json, {"rows": rows, "o_s": o, "w_Bps": w, "total_bytes": total_bytes,
+                                  "param_bytes": param_bytes})
 
 
 def plot(rows: list[dict], o: float, w: float, param_bytes: list[int], out: Path, name: str) -> None:
@@ -156,10 +157,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     cfg = distributed_model_config(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    tmp = args.out / ".ddp.json"
-    spawn(worker, args.world_size, cfg, args.warmup, args.iters, str(tmp), args.variants, backend=args.backend)
-    res = json.loads(tmp.read_text())
-    tmp.unlink()
+    res = spawn_for_result(worker, args.world_size, cfg, args.warmup, args.iters, args.variants, backend=args.backend,
+                           scratch_dir=args.out)
     rows, o, w, s = res["rows"], res["o_s"], res["w_Bps"], res["total_bytes"]
     model_name = args.preset or f"d_model {cfg['d_model']}, {cfg['layers']} layers"
     path = write_table(rows, args.out, f"ddp_{args.backend}", "Data-parallel training step",

@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import csv
 import datetime
+import json
 import math
 import platform
 import statistics
@@ -169,6 +170,30 @@ def distributed_model_config(args: argparse.Namespace) -> dict:
     else:
         cfg = dict(d_model=256, layers=4, heads=4, d_ff=1024)
     return {**cfg, "context": args.context + 1, "batch": args.batch}
+
+
+def write_result(rank: int, path: str | Path, obj) -> None:
+    """Rank 0 hands a worker's result (JSON) to the launching process, which `read_result` takes it from."""
+    if rank == 0:
+        Path(path).write_text(json.dumps(obj))
+
+
+def read_result(path: str | Path):
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def spawn_for_result(worker: Callable, world_size: int, *args, backend: str, scratch_dir: Path):
+    """Run worker(rank, world, device, *args, result_path) in spawned processes and return what rank 0 wrote
+    there with `write_result` (spawned processes cannot return values)."""
+    from flashsys.dist import spawn
+
+    path = scratch_dir / ".rank0_result.json"
+    spawn(worker, world_size, *args, str(path), backend=backend)
+    return read_result(path)
 
 
 def progress(items, desc: str, disable: bool = False):

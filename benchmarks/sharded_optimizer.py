@@ -11,7 +11,6 @@ minus what was allocated before it.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -24,9 +23,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import add_common_args, add_distributed_model_args, distributed_model_config, environment, pyplot, save_plot, write_table  # noqa: E402
+from harness import (  # noqa: E402
+    add_common_args, add_distributed_model_args, distributed_model_config, environment, pyplot, save_plot,
+    spawn_for_result, write_result, write_table,
+)
 
-from flashsys.dist import BucketedDDP, spawn  # noqa: E402
+from flashsys.dist import BucketedDDP  # noqa: E402
 from flashsys.nn import TransformerLM  # noqa: E402
 from flashsys.optim import ShardedOptimizer  # noqa: E402
 
@@ -91,8 +93,7 @@ def worker(rank, world, device, cfg, variant, warmup, iters, out_json):
            "activations_MB": activations}
     rows = [None] * world
     dist.all_gather_object(rows, row)
-    if rank == 0:
-        Path(out_json).write_text(json.dumps(rows))
+    write_result(rank, out_json, rows)
 
 
 def main(argv=None) -> int:
@@ -102,12 +103,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     cfg = distributed_model_config(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    tmp = args.out / ".sharded.json"
     rows = []
     for variant in ("AdamW", "ShardedOptimizer(AdamW)", "ZeroRedundancyOptimizer(AdamW)"):
-        spawn(worker, args.world_size, cfg, variant, args.warmup, args.iters, str(tmp), backend=args.backend)
-        rows += json.loads(tmp.read_text())
-    tmp.unlink()
+        rows += spawn_for_result(worker, args.world_size, cfg, variant, args.warmup, args.iters, backend=args.backend,
+                                 scratch_dir=args.out)
     full_state = next(r["optimizer_state_MB"] for r in rows if r["variant"] == "AdamW")
     for r in rows:
         r["state_vs_total/world"] = r["optimizer_state_MB"] / (full_state / args.world_size)
