@@ -22,6 +22,7 @@ Choices that pay (measured in benchmarks/results/leaderboard.md):
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -32,6 +33,9 @@ from .validation import check_attention_inputs
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
+# The kernels' copies: a @triton.jit function may only read globals that are constexpr.
+_LOG2E: tl.constexpr = tl.constexpr(LOG2E)
+_LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 def interpreter_active() -> bool:
@@ -154,7 +158,7 @@ def _flash_fwd_kernel(
     seen = l_i > 0.0  # False only for queries that see no key (causal, Nq > Nk)
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
-    lse = tl.where(seen, m_i * 0.6931471805599453 + tl.log(l_safe), float("-inf"))
+    lse = tl.where(seen, m_i * _LN2 + tl.log(l_safe), float("-inf"))
     row_ok = offs_m < n_q
     tl.store(L + offs_m, lse, mask=row_ok)
     o_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
@@ -331,7 +335,7 @@ def _flash_bwd_dq_kernel(
                     HEAD_DIM, BLOCK_D, True)
     row_ok = offs_m < n_q
     lse = tl.load(L + offs_m, mask=row_ok, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)  # rows that see no key: every p is masked anyway
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse * _LOG2E)  # rows that see no key: every p is masked anyway
     o = _load_rows(O + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od, offs_m, n_q, offs_d,
                    HEAD_DIM, BLOCK_D, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
@@ -440,20 +444,27 @@ def _strides4(t: Tensor) -> tuple[int, int, int, int]:
     return (t.stride(0), 0, t.stride(1), t.stride(2))
 
 
-def _geometry(q: Tensor, k: Tensor) -> tuple[int, int, int, int, int, int]:
+class _Geometry(NamedTuple):
+    """What the launchers derive from q and k: grid sizes, the padded head dim and the autotune keys."""
+
+    n_heads: int
+    n_bh: int
+    n_q: int
+    n_k: int
+    d: int
+    block_d: int  # head dim padded to a power of two (at least 16)
+    hd: tuple[int, bool]  # (head-dim class, fp32 inputs): picks the autotuned handle
+    bucket: int  # sequence-length bucket of the autotune key
+
+
+def _geometry(q: Tensor, k: Tensor) -> _Geometry:
     n_heads = q.shape[1] if q.dim() == 4 else 1
-    n_bh = q.shape[0] * n_heads
     n_q, n_k, d = q.shape[-2], k.shape[-2], q.shape[-1]
     block_d = max(16, triton.next_power_of_2(d))
-    return n_heads, n_bh, n_q, n_k, d, block_d
-
-
-def _head_dim_class(block_d: int) -> int:
-    return 64 if block_d <= 64 else block_d
-
-
-def _seq_bucket(n: int) -> int:
-    return min(triton.next_power_of_2(n), 1 << 16)
+    head_dim_class = 64 if block_d <= 64 else block_d
+    bucket = min(triton.next_power_of_2(max(n_q, n_k)), 1 << 16)
+    return _Geometry(n_heads, q.shape[0] * n_heads, n_q, n_k, d, block_d,
+                     (head_dim_class, q.dtype == torch.float32), bucket)
 
 
 # After the autotuner has chosen a config for a key, later calls launch the JIT kernel with it directly:
@@ -480,17 +491,15 @@ def _launch(handle, grid, args: tuple, constexprs: dict, key: tuple) -> None:
 
 def flash_forward_triton(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     """Launch the forward kernel. Returns (O like q, L float32 of shape q.shape[:-1])."""
-    n_heads, n_bh, n_q, n_k, d, block_d = _geometry(q, k)
+    g = _geometry(q, k)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    hd = (_head_dim_class(block_d), q.dtype == torch.float32)
-    bucket = _seq_bucket(max(n_q, n_k))
     _launch(
-        _handle(_fwd_kernels, hd, bucket), lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), n_bh),
+        _handle(_fwd_kernels, g.hd, g.bucket), lambda meta: (triton.cdiv(g.n_q, meta["BLOCK_M"]), g.n_bh),
         (q, k, v, o, lse, *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(o),
-         n_heads, n_q, n_k, scale * LOG2E, bucket),
-        dict(HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=causal, FP32_IEEE=hd[1]),
-        ("fwd", hd, bucket, d, causal, q.dtype),
+         g.n_heads, g.n_q, g.n_k, scale * LOG2E, g.bucket),
+        dict(HEAD_DIM=g.d, BLOCK_D=g.block_d, IS_CAUSAL=causal, FP32_IEEE=g.hd[1]),
+        ("fwd", g.hd, g.bucket, g.d, causal, q.dtype),
     )
     return o, lse
 
@@ -502,7 +511,7 @@ def flash_backward_triton(
 
     dO may have any strides, stride 0 included.
     """
-    n_heads, n_bh, n_q, n_k, d, block_d = _geometry(q, k)
+    g = _geometry(q, k)
     if do.dtype != q.dtype:
         do = do.to(q.dtype)
     if do.stride(-1) != 1:
@@ -513,21 +522,19 @@ def flash_backward_triton(
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    hd = (_head_dim_class(block_d), q.dtype == torch.float32)
-    common = dict(HEAD_DIM=d, BLOCK_D=block_d, IS_CAUSAL=causal, FP32_IEEE=hd[1])
-    bucket = _seq_bucket(max(n_q, n_k))
+    common = dict(HEAD_DIM=g.d, BLOCK_D=g.block_d, IS_CAUSAL=causal, FP32_IEEE=g.hd[1])
     qkv_do = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(do))
-    scalars = (n_heads, n_q, n_k, scale * LOG2E, scale, bucket)
+    scalars = (g.n_heads, g.n_q, g.n_k, scale * LOG2E, scale, g.bucket)
     # dQ first: it writes the (L*log2e, D) pairs that the dK/dV kernel reads.
     _launch(
-        _handle(_bwd_dq_kernels, hd, bucket), lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), n_bh),
+        _handle(_bwd_dq_kernels, g.hd, g.bucket), lambda meta: (triton.cdiv(g.n_q, meta["BLOCK_M"]), g.n_bh),
         (q, k, v, do, lse, lse_delta, dq, o, *qkv_do, *_strides4(dq), *_strides4(o), *scalars),
-        common, ("dq", hd, bucket, d, causal, q.dtype),
+        common, ("dq", g.hd, g.bucket, g.d, causal, q.dtype),
     )
     _launch(
-        _handle(_bwd_dkdv_kernels, hd, bucket), lambda meta: (triton.cdiv(n_k, meta["BLOCK_N"]), n_bh),
+        _handle(_bwd_dkdv_kernels, g.hd, g.bucket), lambda meta: (triton.cdiv(g.n_k, meta["BLOCK_N"]), g.n_bh),
         (q, k, v, do, lse_delta, dk, dv, *qkv_do, *_strides4(dk), *_strides4(dv), *scalars),
-        common, ("dkdv", hd, bucket, d, causal, q.dtype),
+        common, ("dkdv", g.hd, g.bucket, g.d, causal, q.dtype),
     )
     return dq, dk, dv
 
