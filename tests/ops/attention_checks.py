@@ -55,10 +55,14 @@ def assert_matches_reference(op, q, k, v, do, causal, scale):
     plain = run_reference(q, k, v, do, causal, scale, q.dtype)
     assert ours[0].dtype == q.dtype and ours[0].shape == q.shape
     assert ours[1].dtype in (torch.float32, torch.float64) and ours[1].shape == q.shape[:-1]
+    # The floor is for rounding noise where plain PyTorch is exact by structure: with one key, dK is exactly
+    # zero there, while ours is the cancellation dP - D summed over the queries, noise that grows like the
+    # square root of the terms (fp32 on an H100: 7e-5 at n_q = 301, d = 256). Scale the floor with it.
+    floor = FLOOR[q.dtype] * max(1.0, (max(q.shape[-2], k.shape[-2]) * q.shape[-1]) ** 0.5 / 128)
     for name, i in (("O", 0), ("dQ", 2), ("dK", 3), ("dV", 4)):
         assert ours[i].shape == exact[i].shape, name
         err, base = rel_err(ours[i], exact[i]), rel_err(plain[i], exact[i])
-        assert err <= 2 * base + FLOOR[q.dtype], f"{name}: error {err:.3g} vs plain PyTorch {base:.3g} ({q.dtype})"
+        assert err <= 2 * base + floor, f"{name}: error {err:.3g} vs plain PyTorch {base:.3g} ({q.dtype})"
     # L: float32 in every case; rows that see no key are -inf in both.
     lse, lse_ref = ours[1].double(), exact[1]
     assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref)), "L: -inf rows differ"
