@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     best = {}
     for kernel, label in (("fwd", "fwd"), ("dkdv", "bwd dK/dV"), ("dq", "bwd dQ")):
         found = [cfg for key, cfg in flash_triton.chosen_configs().items()
-                 if key[0] == kernel and key[3] == args.head_dim and key[5] == torch.bfloat16]
+                 if key.kernel == kernel and key.head_dim == args.head_dim and key.dtype == torch.bfloat16]
         best[label] = ", ".join(f"{k}={v}" for k, v in found[-1].items()) if found else "not launched"
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -423,10 +423,6 @@ def _tuned(kernel, table, long_table):
     return handles
 
 
-def _handle(handles: dict, hd: tuple[int, bool], bucket: int):
-    return handles.get((*hd, bucket >= LONG_SEQ)) or handles[(*hd, False)]
-
-
 _fwd_kernels = _tuned(_flash_fwd_kernel, _FWD_TILES, _FWD_TILES_LONG)
 _bwd_dkdv_kernels = _tuned(_flash_bwd_dkdv_kernel, _BWD_DKDV_TILES, _BWD_DKDV_TILES_LONG)
 _bwd_dq_kernels = _tuned(_flash_bwd_dq_kernel, _BWD_DQ_TILES, _BWD_DQ_TILES_LONG)
@@ -455,6 +451,7 @@ class _Geometry(NamedTuple):
     block_d: int  # head dim padded to a power of two (at least 16)
     hd: tuple[int, bool]  # (head-dim class, fp32 inputs): picks the autotuned handle
     bucket: int  # sequence-length bucket of the autotune key
+    dtype: torch.dtype
 
 
 def _geometry(q: Tensor, k: Tensor) -> _Geometry:
@@ -464,22 +461,37 @@ def _geometry(q: Tensor, k: Tensor) -> _Geometry:
     head_dim_class = 64 if block_d <= 64 else block_d
     bucket = min(triton.next_power_of_2(max(n_q, n_k)), 1 << 16)
     return _Geometry(n_heads, q.shape[0] * n_heads, n_q, n_k, d, block_d,
-                     (head_dim_class, q.dtype == torch.float32), bucket)
+                     (head_dim_class, q.dtype == torch.float32), bucket, q.dtype)
+
+
+class LaunchKey(NamedTuple):
+    """Everything the autotuner's own key depends on (Triton adds the dtype to N_BUCKET, HEAD_DIM, IS_CAUSAL)."""
+
+    kernel: str  # "fwd", "dq" or "dkdv"
+    hd: tuple[int, bool]
+    bucket: int
+    head_dim: int
+    causal: bool
+    dtype: torch.dtype
 
 
 # After the autotuner has chosen a config for a key, later calls launch the JIT kernel with it directly:
 # Triton's Autotuner.run rebuilds its key from every argument on each call, which cost about 45 us of
 # host time per launch on an H100 machine, more than the whole forward kernel takes at N = 1024.
-_chosen_configs: dict[tuple, dict] = {}
+_chosen_configs: dict[LaunchKey, dict] = {}
 
 
-def chosen_configs() -> dict[tuple, dict]:
-    """{(kernel, (head-dim class, is_fp32), seq bucket, head_dim, causal, dtype): launch config} chosen so far."""
+def chosen_configs() -> dict[LaunchKey, dict]:
+    """{LaunchKey: launch config (BLOCK_M, BLOCK_N, num_warps, num_stages)} chosen so far."""
     return dict(_chosen_configs)
 
 
-def _launch(handle, grid, args: tuple, constexprs: dict, key: tuple) -> None:
-    """Launch an autotuned kernel; `key` must determine the autotuner's own key (seq bucket, dims, flags, dtype)."""
+def _launch(kernel: str, handles: dict, g: _Geometry, causal: bool, grid, args: tuple) -> None:
+    """Launch one of the three kernels: its autotuned handle for this geometry on the first call of a key,
+    the JIT kernel with the chosen config after that."""
+    key = LaunchKey(kernel, g.hd, g.bucket, g.d, causal, g.dtype)
+    constexprs = dict(HEAD_DIM=g.d, BLOCK_D=g.block_d, IS_CAUSAL=causal, FP32_IEEE=g.hd[1])
+    handle = handles.get((*g.hd, g.bucket >= LONG_SEQ)) or handles[(*g.hd, False)]
     meta = _chosen_configs.get(key)
     if meta is None:
         handle[grid](*args, **constexprs)
@@ -495,11 +507,9 @@ def flash_forward_triton(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: f
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     _launch(
-        _handle(_fwd_kernels, g.hd, g.bucket), lambda meta: (triton.cdiv(g.n_q, meta["BLOCK_M"]), g.n_bh),
+        "fwd", _fwd_kernels, g, causal, lambda meta: (triton.cdiv(g.n_q, meta["BLOCK_M"]), g.n_bh),
         (q, k, v, o, lse, *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(o),
          g.n_heads, g.n_q, g.n_k, scale * LOG2E, g.bucket),
-        dict(HEAD_DIM=g.d, BLOCK_D=g.block_d, IS_CAUSAL=causal, FP32_IEEE=g.hd[1]),
-        ("fwd", g.hd, g.bucket, g.d, causal, q.dtype),
     )
     return o, lse
 
@@ -522,19 +532,16 @@ def flash_backward_triton(
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    common = dict(HEAD_DIM=g.d, BLOCK_D=g.block_d, IS_CAUSAL=causal, FP32_IEEE=g.hd[1])
     qkv_do = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(do))
     scalars = (g.n_heads, g.n_q, g.n_k, scale * LOG2E, scale, g.bucket)
     # dQ first: it writes the (L*log2e, D) pairs that the dK/dV kernel reads.
     _launch(
-        _handle(_bwd_dq_kernels, g.hd, g.bucket), lambda meta: (triton.cdiv(g.n_q, meta["BLOCK_M"]), g.n_bh),
+        "dq", _bwd_dq_kernels, g, causal, lambda meta: (triton.cdiv(g.n_q, meta["BLOCK_M"]), g.n_bh),
         (q, k, v, do, lse, lse_delta, dq, o, *qkv_do, *_strides4(dq), *_strides4(o), *scalars),
-        common, ("dq", g.hd, g.bucket, g.d, causal, q.dtype),
     )
     _launch(
-        _handle(_bwd_dkdv_kernels, g.hd, g.bucket), lambda meta: (triton.cdiv(g.n_k, meta["BLOCK_N"]), g.n_bh),
+        "dkdv", _bwd_dkdv_kernels, g, causal, lambda meta: (triton.cdiv(g.n_k, meta["BLOCK_N"]), g.n_bh),
         (q, k, v, do, lse_delta, dk, dv, *qkv_do, *_strides4(dk), *_strides4(dv), *scalars),
-        common, ("dkdv", g.hd, g.bucket, g.d, causal, q.dtype),
     )
     return dq, dk, dv
 
