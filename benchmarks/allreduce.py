@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import (  # noqa: E402
-    ON_GPU, add_common_args, environment, pyplot, read_result, save_plot, spawn_for_result, write_result, write_table,
+    ON_GPU, add_common_args, environment, pyplot, read_result, result_path, save_plot, spawn_for_result, write_result,
+    write_table,
 )
 
 from flashsys.dist import init_from_env, launched_by_torchrun, shutdown  # noqa: E402
@@ -69,7 +70,7 @@ def main(argv=None) -> int:
     rows = []
     if launched_by_torchrun():
         rank, world, device = init_from_env(args.backend)
-        tmp = args.out / ".rank0_result.json"
+        tmp = result_path(args.out)
         worker(rank, world, device, args.sizes_mb, args.warmup, args.iters, tmp)
         shutdown()
         if rank != 0:

@@ -11,8 +11,8 @@ On a CPU the default is a reduced sweep of the implementations that run there.
 Batch size: by default on a GPU every cell processes the same number of tokens, batch = tokens // N
 (--tokens 16384, the convention of the FlashAttention papers), so short sequences are measured at a size
 where the GPU has work. `--batch B` fixes the batch instead; at batch 1 and N <= 4096 an eager Triton
-op's host-side cost (Python autograd plus four kernel launches, about 0.4-0.6 ms per forward+backward on
-the H100 machine) is larger than its kernel time, and the table then measures the host, not the GPU.
+op's host-side cost (Python autograd plus three kernel launches per forward+backward) can be larger than
+its kernel time, and the table then measures the host as much as the GPU.
 """
 
 from __future__ import annotations

@@ -172,6 +172,11 @@ def distributed_model_config(args: argparse.Namespace) -> dict:
     return {**cfg, "context": args.context + 1, "batch": args.batch}
 
 
+def result_path(scratch_dir: Path) -> Path:
+    """Where rank 0 leaves its result for the launching process (spawn or torchrun)."""
+    return scratch_dir / ".rank0_result.json"
+
+
 def write_result(rank: int, path: str | Path, obj) -> None:
     """Rank 0 hands a worker's result (JSON) to the launching process, which `read_result` takes it from."""
     if rank == 0:
@@ -191,7 +196,7 @@ def spawn_for_result(worker: Callable, world_size: int, *args, backend: str, scr
     there with `write_result` (spawned processes cannot return values)."""
     from flashsys.dist import spawn
 
-    path = scratch_dir / ".rank0_result.json"
+    path = result_path(scratch_dir)
     spawn(worker, world_size, *args, str(path), backend=backend)
     return read_result(path)
 
