@@ -1,8 +1,12 @@
 """Data-parallel training over torch.distributed (NCCL on GPUs, gloo on CPUs), launched by torchrun or mp.spawn."""
 
-from .after_backward import FlatDDP, NaiveDDP
-from .base import DataParallelBase, check_same_model_on_all_ranks, gather_digests, model_signature
-from .bucketed import BucketedDDP, measure_allreduce_cost, optimal_bucket_bytes
+from .base import DataParallelBase, ReduceAfterBackward
+from .bucketed import BucketedDDP
+from .consistency import check_same_model_on_all_ranks, gather_digests, model_signature
+from .cost_model import measure_allreduce_cost, optimal_bucket_bytes, plan_buckets
+from .flat import FlatDDP
+from .flat_layout import FlatLayout
+from .naive import NaiveDDP
 from .overlap import OverlapDDP
 from .process_group import (
     default_backend,
@@ -14,15 +18,14 @@ from .process_group import (
     spawn,
 )
 
-WRAPPERS = {"naive": NaiveDDP, "flat": FlatDDP, "overlap": OverlapDDP, "bucketed": BucketedDDP}
-
 __all__ = [
     "BucketedDDP",
     "DataParallelBase",
     "FlatDDP",
+    "FlatLayout",
     "NaiveDDP",
     "OverlapDDP",
-    "WRAPPERS",
+    "ReduceAfterBackward",
     "check_same_model_on_all_ranks",
     "default_backend",
     "find_free_port",
@@ -33,6 +36,7 @@ __all__ = [
     "measure_allreduce_cost",
     "model_signature",
     "optimal_bucket_bytes",
+    "plan_buckets",
     "shutdown",
     "spawn",
 ]

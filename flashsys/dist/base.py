@@ -1,9 +1,10 @@
-"""What every flashsys data-parallel wrapper shares: rank-0 broadcast, a model-signature check, no_sync, forward."""
+"""What every flashsys data-parallel wrapper shares: rank-0 broadcast, a model-signature check, no_sync, forward;
+and the base of the two wrappers that reduce only after backward has finished."""
 
 from __future__ import annotations
 
+import abc
 import contextlib
-import hashlib
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -11,34 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-
-def model_signature(module: nn.Module) -> str:
-    """Names, shapes, dtypes and requires_grad of every parameter and buffer, in order: equal models, equal strings."""
-    parts = [f"P {n} {tuple(p.shape)} {p.dtype} {p.requires_grad}" for n, p in module.named_parameters()]
-    parts += [f"B {n} {tuple(b.shape)} {b.dtype}" for n, b in module.named_buffers()]
-    return "\n".join(parts)
+from .consistency import check_same_model_on_all_ranks
 
 
-def gather_digests(text: str, note: object = None, group=None) -> list[tuple[str, object]]:
-    """(sha256 of `text`, `note`) from every rank, in rank order (a collective): a cheap check that every
-    rank holds the same thing, with a small note per rank for the error message."""
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (hashlib.sha256(text.encode()).hexdigest(), note), group=group)
-    return gathered
-
-
-def check_same_model_on_all_ranks(module: nn.Module, group=None) -> None:
-    """Compare a cheap signature across ranks; mismatched models raise here instead of hanging in a collective."""
-    gathered = gather_digests(model_signature(module), sum(1 for _ in module.parameters()), group)
-    if len({digest for digest, _ in gathered}) != 1:
-        detail = ", ".join(f"rank {r}: {n} parameters, signature {digest[:12]}" for r, (digest, n) in enumerate(gathered))
-        raise ValueError(
-            "data parallel: the model differs between ranks (parameter count, order, shapes, dtypes or "
-            f"requires_grad): {detail}"
-        )
-
-
-class DataParallelBase(nn.Module):
+class DataParallelBase(nn.Module, metaclass=abc.ABCMeta):
     """Base of the wrappers. Subclasses implement the gradient reduction.
 
     At construction: the model signature is checked across ranks, then every parameter and buffer (frozen ones
@@ -84,6 +61,7 @@ class DataParallelBase(nn.Module):
         self._hook_handles.clear()
 
     def forward(self, *args, **kwargs):
+        """The wrapped module's forward, unchanged (gradients are synchronised in backward hooks)."""
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -95,5 +73,38 @@ class DataParallelBase(nn.Module):
         finally:
             self._sync_enabled = previous
 
-    def finish_gradient_synchronization(self) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def finish_gradient_synchronization(self) -> None:
+        """Make every rank's `.grad` the average over ranks; call between `loss.backward()` and `optimizer.step()`."""
+
+
+class ReduceAfterBackward(DataParallelBase):
+    """Base of the wrappers that reduce only once backward has finished: tracks whether a synchronised backward
+    has produced gradients since the last reduction."""
+
+    def __init__(self, module: nn.Module, process_group=None) -> None:
+        super().__init__(module, process_group)
+        self._pending = False
+        self._register_grad_hooks(self._mark_pending)
+
+    def _mark_pending(self, _param: torch.Tensor) -> None:
+        if self._sync_enabled:
+            self._pending = True
+
+    def finish_gradient_synchronization(self) -> None:
+        """Average gradients across ranks. A no-op when no synchronised backward ran since the last call."""
+        if not self._pending:
+            return
+        self._pending = False
+        self._reduce()
+
+    def _used_on_any_rank(self) -> list[bool]:
+        """Which parameters have a gradient on at least one rank (one small all-reduce)."""
+        device = self._grad_params[0].device
+        used = torch.tensor([p.grad is not None for p in self._grad_params], dtype=torch.float32, device=device)
+        dist.all_reduce(used, group=self.process_group)
+        return (used > 0).tolist()
+
+    @abc.abstractmethod
+    def _reduce(self) -> None:
+        """All-reduce and average the gradients of `self._grad_params`."""

@@ -6,8 +6,6 @@ Fewer, larger all-reduces than OverlapDDP (less per-call overhead), still overla
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -15,8 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .base import DataParallelBase
-
-MB = 1024 * 1024
+from .cost_model import MB, measure_allreduce_cost, optimal_bucket_bytes, plan_buckets
+from .flat_layout import FlatLayout
 
 
 @dataclass
@@ -26,82 +24,10 @@ class _Bucket:
     extra collective and stay None when no rank used them."""
 
     params: list[nn.Parameter]
-    offsets: list[int]
-    numel: int
-    buffer: torch.Tensor
+    layout: FlatLayout  # where each parameter's gradient sits in `buffer`
+    buffer: torch.Tensor  # layout.numel gradient elements, then len(params) flags
     ready: set[int] = field(default_factory=set)  # indices of params whose gradient is in the buffer
     handle: dist.Work | None = None
-
-
-def measure_allreduce_cost(device: torch.device, dtype: torch.dtype, group=None, repeats: int = 5) -> tuple[float, float]:
-    """Fit t(bytes) = o + bytes / w from all-reduces of 4 KiB and 16 MiB. Returns (o seconds, w bytes/second).
-
-    Every rank gets the same numbers (the max over ranks), so every rank builds the same buckets.
-    """
-    elem = torch.tensor([], dtype=dtype).element_size()
-    sizes = (4096, 16 * MB)
-    times = []
-    for nbytes in sizes:
-        buf = torch.randn(nbytes // elem, device=device).to(dtype)
-        samples = []
-        for i in range(repeats + 1):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            dist.barrier(group=group)
-            start = time.perf_counter()
-            dist.all_reduce(buf, group=group)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i:  # the first call is warm-up
-                samples.append(time.perf_counter() - start)
-        times.append(statistics.median(samples))
-    stats = torch.tensor(times, dtype=torch.float64, device=device if dist.get_backend(group) == "nccl" else "cpu")
-    dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
-    t_small, t_big = stats.tolist()
-    w = (sizes[1] - sizes[0]) / max(t_big - t_small, 1e-9)
-    o = max(t_small - sizes[0] / w, 1e-7)
-    return o, w
-
-
-def plan_buckets(items: list[tuple[object, int]], cap_bytes: float) -> list[list[int]]:
-    """Group (key, nbytes) items, taken in the order given, into buckets of one key each.
-
-    A bucket closes once it holds at least `cap_bytes`; an item larger than the cap gets a bucket of its own
-    (tensors are never split). Returns the buckets as lists of item indices, in the order they close, then
-    the still-open ones. The benchmarks use it to count the all-reduces a cap gives.
-    """
-    open_: dict[object, list[int]] = {}
-    filled: dict[object, int] = {}
-    closed: list[list[int]] = []
-    for i, (key, nbytes) in enumerate(items):
-        current = open_.setdefault(key, [])
-        if nbytes > cap_bytes:
-            if current:
-                closed.append(current)
-                open_[key], filled[key] = [], 0
-            closed.append([i])
-            continue
-        current.append(i)
-        filled[key] = filled.get(key, 0) + nbytes
-        if filled[key] >= cap_bytes:
-            closed.append(current)
-            open_[key], filled[key] = [], 0
-    return closed + [group for group in open_.values() if group]
-
-
-def optimal_bucket_bytes(total_bytes: int, overhead_s: float, bandwidth_bps: float) -> int:
-    """Bucket size that minimises the exposed communication of the overhead model.
-
-    With S gradient bytes in buckets of b bytes there are S/b all-reduces, each costing o + b/w. Communication
-    of all buckets but the last can hide behind backward, but their per-call overheads queue up and surface
-    at the end when backward is short; the last bucket starts only when backward ends and is always exposed:
-
-        exposed(b) ~= (S / b) * o + b / w        minimised at        b* = sqrt(S * o * w)
-
-    clamped to [1 MiB, S].
-    """
-    b = math.sqrt(total_bytes * overhead_s * bandwidth_bps)
-    return int(min(max(b, MB), max(total_bytes, MB)))
 
 
 class BucketedDDP(DataParallelBase):
@@ -146,17 +72,15 @@ class BucketedDDP(DataParallelBase):
         buckets = []
         for group in groups:
             ps = [order[i] for i in group]
-            offsets, n = [], 0
-            for p in ps:
-                offsets.append(n)
-                n += p.numel()
-            buffer = torch.zeros(n + len(ps), dtype=ps[0].dtype, device=ps[0].device)
-            buckets.append(_Bucket(ps, offsets, n, buffer))
+            layout = FlatLayout(ps)
+            buffer = torch.zeros(layout.numel + len(ps), dtype=ps[0].dtype, device=ps[0].device)
+            buckets.append(_Bucket(ps, layout, buffer))
         return buckets
 
     @property
     def bucket_sizes_bytes(self) -> list[int]:
-        return [b.numel * b.buffer.element_size() for b in self._buckets]
+        """Gradient bytes of each bucket, in launch order."""
+        return [b.layout.numel * b.buffer.element_size() for b in self._buckets]
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         if not self._sync_enabled:
@@ -164,19 +88,18 @@ class BucketedDDP(DataParallelBase):
         bucket, i = self._where[id(p)]
         if i in bucket.ready or bucket.handle is not None:
             raise RuntimeError("BucketedDDP: a second backward ran before finish_gradient_synchronization()")
-        off = bucket.offsets[i]
-        bucket.buffer[off : off + p.numel()].copy_(p.grad.reshape(-1))
+        bucket.layout.view(bucket.buffer, i).copy_(p.grad)
         bucket.ready.add(i)
         self._launch_full_buckets()
 
     def _launch(self, bucket: _Bucket) -> None:
-        flags = bucket.buffer[bucket.numel :]
+        flags = bucket.buffer[bucket.layout.numel :]
         if len(bucket.ready) == len(bucket.params):
             flags.fill_(1)
         else:  # at finish: parameters without a gradient this step contribute zeros
-            for i, p in enumerate(bucket.params):
+            for i in range(len(bucket.params)):
                 if i not in bucket.ready:
-                    bucket.buffer[bucket.offsets[i] : bucket.offsets[i] + p.numel()].zero_()
+                    bucket.layout.view(bucket.buffer, i).zero_()
                 flags[i] = 1 if i in bucket.ready else 0
         bucket.handle = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
 
@@ -196,12 +119,11 @@ class BucketedDDP(DataParallelBase):
             self._launch(bucket)
         for bucket in self._buckets:
             bucket.handle.wait()
-            grads = bucket.buffer[: bucket.numel]
-            grads.div_(self.world_size)
+            n = bucket.layout.numel
+            bucket.buffer[:n].div_(self.world_size)
             complete = len(bucket.ready) == len(bucket.params)
-            used = [True] * len(bucket.params) if complete else (bucket.buffer[bucket.numel :] > 0).tolist()
-            for i, p in enumerate(bucket.params):
-                chunk = grads[bucket.offsets[i] : bucket.offsets[i] + p.numel()].view_as(p)
+            used = [True] * len(bucket.params) if complete else (bucket.buffer[n:] > 0).tolist()
+            for i, (p, chunk) in enumerate(zip(bucket.params, bucket.layout.views(bucket.buffer))):
                 if i in bucket.ready:
                     p.grad.copy_(chunk)
                 elif used[i]:

@@ -1,11 +1,13 @@
 """Drop-in modules built on flashsys ops: FlashAttention, attention blocks and a Transformer LM with presets."""
 
 from .attention import ATTENTION_BACKENDS, FlashAttention, MultiHeadSelfAttention, RotaryEmbedding, attend
-from .transformer import PRESETS, RMSNorm, SwiGLU, TransformerBlock, TransformerLM
+from .config import PRESETS, ModelConfig, preset
+from .transformer import RMSNorm, SwiGLU, TransformerBlock, TransformerLM
 
 __all__ = [
     "ATTENTION_BACKENDS",
     "FlashAttention",
+    "ModelConfig",
     "MultiHeadSelfAttention",
     "PRESETS",
     "RMSNorm",
@@ -14,4 +16,5 @@ __all__ = [
     "TransformerBlock",
     "TransformerLM",
     "attend",
+    "preset",
 ]

@@ -9,49 +9,38 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from ..ops.attention import FlashAttention2Torch, FlashAttention2Triton, attention_reference, flash_attention
+from ..ops.attention import CORE_BACKENDS, FLASH_ALIASES, flash_attention, get_backend
 
-ATTENTION_BACKENDS = ("flash", "flash-triton", "flash-torch", "sdpa", "naive")
+# The implementations a model chooses between (the registry's core entries); see flashsys.ops.attention.backends.
+ATTENTION_BACKENDS = CORE_BACKENDS
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, softmax_scale: float | None, backend: str) -> Tensor:
-    """Dispatch one attention call to a named backend; all compute the same function."""
-    if backend == "flash":
-        return flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
-    if backend == "flash-triton":
-        return FlashAttention2Triton.apply(q, k, v, causal, softmax_scale)
-    if backend == "flash-torch":
-        return FlashAttention2Torch.apply(q, k, v, causal, softmax_scale)
-    if backend == "sdpa":
-        if causal and q.shape[-2] != k.shape[-2]:
-            raise ValueError("backend 'sdpa' aligns the causal mask top-left; use a flash backend for Nq != Nk")
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale)
-    if backend == "naive":
-        return attention_reference(q, k, v, causal, softmax_scale)[0]
-    raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
-
-
-def check_backend(backend: str) -> str:
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
-    return backend
+    """Run one attention call through the registered backend called `backend`; all compute the same function."""
+    return get_backend(backend).fn(q, k, v, causal, softmax_scale)
 
 
 class FlashAttention(nn.Module):
     """Drop-in for `F.scaled_dot_product_attention(q, k, v, is_causal=...)` on (B, H, N, D) tensors.
 
     Under `torch.autocast`, q, k and v are cast to the autocast dtype first (the kernels take one dtype).
+
+    Args:
+        causal: bottom-right aligned causal mask (see `flashsys.ops.flash_attention`).
+        softmax_scale: default 1/sqrt(head_dim).
+        backend: "auto", "triton" or "torch", as in `flash_attention`.
     """
 
     def __init__(self, causal: bool = False, softmax_scale: float | None = None, backend: str = "auto") -> None:
         super().__init__()
-        if backend not in ("auto", "triton", "torch"):
-            raise ValueError(f"FlashAttention: backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+        if backend not in FLASH_ALIASES:
+            raise ValueError(f"FlashAttention: backend must be one of {tuple(FLASH_ALIASES)}, got {backend!r}")
         self.causal, self.softmax_scale, self.backend = causal, softmax_scale, backend
 
     def forward(
         self, q: Float[Tensor, "B H Nq D"], k: Float[Tensor, "B H Nk D"], v: Float[Tensor, "B H Nk D"]
     ) -> Float[Tensor, "B H Nq D"]:
+        """Attention output of q over k, v, shaped like q (in the autocast dtype under autocast)."""
         device_type = q.device.type
         if torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
@@ -63,7 +52,13 @@ class FlashAttention(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE: rotates pairs of head-dim features by position-dependent angles, so q·k depends only on the offset."""
+    """RoPE: rotates pairs of head-dim features by position-dependent angles, so q·k depends only on the offset.
+
+    Args:
+        head_dim: the rotated width (even).
+        context_length: positions the cos/sin tables cover.
+        theta: the frequency base.
+    """
 
     def __init__(self, head_dim: int, context_length: int, theta: float = 10000.0, device=None) -> None:
         super().__init__()
@@ -75,6 +70,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", angles.sin(), persistent=False)
 
     def forward(self, x: Float[Tensor, "... N D"], positions: Int[Tensor, "N"] | None = None) -> Float[Tensor, "... N D"]:
+        """x rotated for positions 0..N-1, or for `positions` when given; same dtype as x."""
         n = x.shape[-2]
         cos, sin = (self.cos[:n], self.sin[:n]) if positions is None else (self.cos[positions], self.sin[positions])
         x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()
@@ -83,7 +79,16 @@ class RotaryEmbedding(nn.Module):
 
 
 class MultiHeadSelfAttention(nn.Module):
-    """Fused q/k/v projection, optional RoPE, attention through a chosen backend, output projection; no biases."""
+    """Fused q/k/v projection, optional RoPE, attention through a chosen backend, output projection; no biases.
+
+    Args:
+        d_model: model width, split into `num_heads` heads.
+        num_heads: attention heads.
+        causal: causal self-attention.
+        rope_theta: RoPE base, or None for no rotary embedding.
+        context_length: longest sequence (sizes the RoPE tables).
+        attention_backend: a name from the attention backend registry (`ATTENTION_BACKENDS` for models).
+    """
 
     def __init__(
         self,
@@ -100,7 +105,7 @@ class MultiHeadSelfAttention(nn.Module):
         if num_heads <= 0 or d_model % num_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
         self.d_model, self.num_heads, self.head_dim = d_model, num_heads, d_model // num_heads
-        self.causal, self.attention_backend = causal, check_backend(attention_backend)
+        self.causal, self.attention_backend = causal, get_backend(attention_backend).name
         self.qkv_proj = nn.Linear(d_model, 3 * d_model, bias=False, device=device, dtype=dtype)
         self.output_proj = nn.Linear(d_model, d_model, bias=False, device=device, dtype=dtype)
         self.rope = RotaryEmbedding(self.head_dim, context_length, rope_theta, device) if rope_theta else None
@@ -108,6 +113,7 @@ class MultiHeadSelfAttention(nn.Module):
             nn.init.trunc_normal_(lin.weight, std=math.sqrt(2.0 / (lin.in_features + lin.out_features)))
 
     def forward(self, x: Float[Tensor, "B N d_model"]) -> Float[Tensor, "B N d_model"]:
+        """Self-attention over the sequence dimension of x."""
         b, n, _ = x.shape
         q, k, v = self.qkv_proj(x).view(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         if self.rope is not None:

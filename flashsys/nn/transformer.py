@@ -3,35 +3,19 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from .attention import MultiHeadSelfAttention, check_backend
-
-
-@dataclass(frozen=True)
-class Preset:
-    d_model: int
-    d_ff: int
-    num_layers: int
-    num_heads: int
-
-
-PRESETS: dict[str, Preset] = {
-    "small": Preset(768, 3072, 12, 12),
-    "medium": Preset(1024, 4096, 24, 16),
-    "large": Preset(1280, 5120, 36, 20),
-    "xl": Preset(1600, 6400, 48, 25),
-    "2.7B": Preset(2560, 10240, 32, 32),
-}
+from ..ops.attention import get_backend
+from .attention import MultiHeadSelfAttention
+from .config import ModelConfig, preset
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32 whatever the input dtype."""
+    """x / rms(x) * weight, computed in float32 whatever the input dtype (low-precision sums of squares overflow)."""
 
     def __init__(self, d_model: int, eps: float = 1e-5, device=None, dtype=None) -> None:
         super().__init__()
@@ -39,6 +23,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
 
     def forward(self, x: Tensor) -> Tensor:
+        """Normalise over the last dimension; same dtype as x."""
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
@@ -55,27 +40,44 @@ class SwiGLU(nn.Module):
             nn.init.trunc_normal_(lin.weight, std=math.sqrt(2.0 / (lin.in_features + lin.out_features)))
 
     def forward(self, x: Tensor) -> Tensor:
+        """The gated feed-forward over the last dimension."""
         return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
     """x + attn(norm(x)), then x + ffn(norm(x))."""
 
-    def __init__(self, d_model, num_heads, d_ff, context_length, rope_theta, attention_backend, device=None, dtype=None):
+    def __init__(self, config: ModelConfig, device=None, dtype=None) -> None:
         super().__init__()
-        self.ln1 = RMSNorm(d_model, device=device, dtype=dtype)
-        self.attn = MultiHeadSelfAttention(d_model, num_heads, True, rope_theta, context_length, attention_backend,
-                                           device=device, dtype=dtype)
-        self.ln2 = RMSNorm(d_model, device=device, dtype=dtype)
-        self.ffn = SwiGLU(d_model, d_ff, device=device, dtype=dtype)
+        c = config
+        self.ln1 = RMSNorm(c.d_model, device=device, dtype=dtype)
+        self.attn = MultiHeadSelfAttention(
+            d_model=c.d_model, num_heads=c.num_heads, causal=True, rope_theta=c.rope_theta,
+            context_length=c.context_length, attention_backend=c.attention_backend, device=device, dtype=dtype,
+        )
+        self.ln2 = RMSNorm(c.d_model, device=device, dtype=dtype)
+        self.ffn = SwiGLU(c.d_model, c.d_ff, device=device, dtype=dtype)
 
     def forward(self, x: Tensor) -> Tensor:
+        """One pre-norm block over (B, N, d_model)."""
         x = x + self.attn(self.ln1(x))
         return x + self.ffn(self.ln2(x))
 
 
 class TransformerLM(nn.Module):
-    """Token embedding, pre-norm blocks, final RMSNorm, untied LM head. Returns logits (B, N, vocab)."""
+    """Token embedding, pre-norm blocks, final RMSNorm, untied LM head. Returns logits (B, N, vocab).
+
+    Build it from a config (`TransformerLM.from_config(preset("small", context_length=1024))`), a preset name
+    (`TransformerLM.from_preset("small")`), or the config's fields as arguments, in the order below.
+
+    Args:
+        vocab_size, context_length, d_model, num_layers, num_heads, d_ff, rope_theta, attention_backend,
+        checkpoint_blocks: the fields of `ModelConfig`, which documents them.
+        device, dtype: where and in what dtype to create the parameters.
+
+    Raises:
+        ValueError: naming the first field that cannot build a model.
+    """
 
     def __init__(
         self,
@@ -92,40 +94,50 @@ class TransformerLM(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        for name, value in (("vocab_size", vocab_size), ("context_length", context_length), ("d_model", d_model),
-                            ("num_layers", num_layers), ("num_heads", num_heads), ("d_ff", d_ff)):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if d_model % num_heads:
-            raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
-        if rope_theta is not None and (d_model // num_heads) % 2:
-            raise ValueError(f"RoPE needs an even head_dim; d_model/num_heads = {d_model // num_heads}")
-        self.vocab_size, self.context_length = vocab_size, context_length
-        self.checkpoint_blocks = checkpoint_blocks
-        self.token_embeddings = nn.Embedding(vocab_size, d_model, device=device, dtype=dtype)
+        self.config = c = ModelConfig(
+            d_model=d_model, num_layers=num_layers, num_heads=num_heads, d_ff=d_ff, vocab_size=vocab_size,
+            context_length=context_length, rope_theta=rope_theta, attention_backend=attention_backend,
+            checkpoint_blocks=checkpoint_blocks,
+        ).validate()
+        self.vocab_size, self.context_length = c.vocab_size, c.context_length
+        self.checkpoint_blocks = c.checkpoint_blocks
+        self.token_embeddings = nn.Embedding(c.vocab_size, c.d_model, device=device, dtype=dtype)
         nn.init.trunc_normal_(self.token_embeddings.weight, std=1.0, a=-3.0, b=3.0)
-        self.layers = nn.ModuleList(
-            TransformerBlock(d_model, num_heads, d_ff, context_length, rope_theta, check_backend(attention_backend),
-                             device=device, dtype=dtype)
-            for _ in range(num_layers)
-        )
-        self.ln_final = RMSNorm(d_model, device=device, dtype=dtype)
-        self.lm_head = nn.Linear(d_model, vocab_size, bias=False, device=device, dtype=dtype)
-        nn.init.trunc_normal_(self.lm_head.weight, std=math.sqrt(2.0 / (d_model + vocab_size)))
+        self.layers = nn.ModuleList(TransformerBlock(c, device=device, dtype=dtype) for _ in range(c.num_layers))
+        self.ln_final = RMSNorm(c.d_model, device=device, dtype=dtype)
+        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False, device=device, dtype=dtype)
+        nn.init.trunc_normal_(self.lm_head.weight, std=math.sqrt(2.0 / (c.d_model + c.vocab_size)))
 
     @classmethod
-    def from_preset(cls, name: str, vocab_size: int = 10_000, context_length: int = 512, **kwargs) -> "TransformerLM":
-        if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; choose one of {list(PRESETS)}")
-        p = PRESETS[name]
-        return cls(vocab_size, context_length, p.d_model, p.num_layers, p.num_heads, p.d_ff, **kwargs)
+    def from_config(cls, config: ModelConfig, device=None, dtype=None) -> TransformerLM:
+        """A model of the shape `config` describes, parameters on `device` in `dtype`."""
+        return cls(
+            vocab_size=config.vocab_size, context_length=config.context_length, d_model=config.d_model,
+            num_layers=config.num_layers, num_heads=config.num_heads, d_ff=config.d_ff, rope_theta=config.rope_theta,
+            attention_backend=config.attention_backend, checkpoint_blocks=config.checkpoint_blocks,
+            device=device, dtype=dtype,
+        )
+
+    @classmethod
+    def from_preset(cls, name: str, device=None, dtype=None, **changes) -> TransformerLM:
+        """A model of the named preset (`PRESETS`), with any `ModelConfig` field changed by keyword,
+        e.g. `from_preset("xl", vocab_size=50_257, context_length=1024, attention_backend="sdpa")`."""
+        return cls.from_config(preset(name, **changes), device=device, dtype=dtype)
 
     def set_attention_backend(self, backend: str) -> None:
         """Switch every block's attention implementation (same weights, same function)."""
+        name = get_backend(backend).name
         for layer in self.layers:
-            layer.attn.attention_backend = check_backend(backend)
+            layer.attn.attention_backend = name
+        self.config = self.config.replace(attention_backend=name)
 
     def forward(self, token_ids: Int[Tensor, "B N"]) -> Float[Tensor, "B N vocab"]:
+        """Next-token logits for every position of every sequence.
+
+        Raises:
+            ValueError, TypeError: for a wrong rank or dtype, a sequence longer than `context_length`, or token
+                ids outside [0, vocab_size) (checked outside torch.compile; the check reads two values back).
+        """
         if token_ids.dim() != 2:
             raise ValueError(f"token_ids must have shape (batch, seq), got {tuple(token_ids.shape)}")
         if token_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dist import gather_digests
+from ..dist import FlatLayout, gather_digests
 
 
 def _group_signature(group: dict[str, Any]) -> str:
@@ -34,6 +34,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
     - `consolidate_state_dict(to)` then `state_dict()` on rank `to` gives the unsharded optimizer's layout;
       `load_state_dict()` on every rank restores each shard.
     - `add_param_group()` must be called on every rank (a signature check catches groups that differ).
+
+    Args:
+        params: parameters or param-group dicts, as for any optimizer (a one-shot generator is fine).
+        optimizer_cls: the optimizer to shard, e.g. `torch.optim.AdamW`.
+        process_group: the group to shard over (default: the world).
+        **kwargs: the inner optimizer's arguments (lr, betas, ...).
+
+    Raises:
+        TypeError: when `optimizer_cls` is not a `torch.optim.Optimizer` subclass.
+        RuntimeError: without an initialised process group.
     """
 
     def __init__(self, params: Iterable[nn.Parameter] | Iterable[dict], optimizer_cls: type[torch.optim.Optimizer],
@@ -57,6 +67,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ partition
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group on every rank (a collective); its parameters are assigned to owners, largest first.
+
+        Raises:
+            ValueError: when parameters span devices, or the group differs between ranks.
+        """
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         devices = {p.device for g in self.param_groups for p in g["params"]}
@@ -90,6 +105,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
 
     def owner_of(self, p: nn.Parameter) -> int:
+        """The rank that holds `p`'s optimizer state and steps it."""
         return self._owner[p]
 
     @property
@@ -145,18 +161,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if len(params) == 1:
             dist.broadcast(params[0].data, src=src, group=self.process_group)
             return
+        layout = FlatLayout(params)
         if owner == self.rank:
-            flat = torch.cat([p.data.reshape(-1) for p in params])
+            flat = layout.pack([p.data for p in params])
         else:
-            flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+            flat = torch.empty(layout.numel, dtype=params[0].dtype, device=params[0].device)
         dist.broadcast(flat, src=src, group=self.process_group)
         if owner != self.rank:
-            offset = 0
-            for p in params:
-                p.data.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            layout.unpack(flat, [p.data for p in params])
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any):  # type: ignore[override]
+        """Step this rank's shard with the inner optimizer, then broadcast every parameter from its owner
+        (a collective: call it on every rank). Returns the closure's loss, if a closure was given."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -179,7 +179,7 @@ def test_bucket_layout():
 
 
 def test_plan_buckets_closes_at_the_cap_keeps_keys_apart_and_never_splits():
-    from flashsys.dist.bucketed import plan_buckets
+    from flashsys.dist import plan_buckets
 
     items = [("fp32", 3), ("bf16", 5), ("fp32", 3), ("fp32", 10), ("bf16", 1), ("fp32", 2)]
     # bf16 5 reaches the cap of 5 and closes, then fp32 3+3; 10 B is over the cap, alone; the rest stay open.

@@ -1,28 +1,19 @@
-"""FlashAttention-2: reference math, the tiled PyTorch op, the Triton op, and the functional entry point."""
+"""FlashAttention-2: reference math, the tiled PyTorch op, the Triton op, the backend registry and the
+functional entry point."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from .backends import ATTENTION_BACKENDS, CORE_BACKENDS, FLASH_ALIASES, AttentionBackend, backend_report, get_backend
 from .flash_torch import FlashAttention2Torch
 from .flash_triton import MAX_HEAD_DIM, FlashAttention2Triton, interpreter_active
 from .reference import attention_reference, causal_mask
 
 Backend = Literal["auto", "triton", "torch"]
-BACKENDS = ("auto", "triton", "torch")
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """'auto' picks Triton on CUDA and the tiled PyTorch op elsewhere."""
-    if backend not in BACKENDS:
-        raise ValueError(f"flash_attention: backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    return backend
 
 
 def flash_attention(
@@ -34,23 +25,55 @@ def flash_attention(
     softmax_scale: float | None = None,
     backend: Backend = "auto",
 ) -> Float[Tensor, "*batch Nq D"]:
-    """FlashAttention-2 over (B, N, D) or (B, H, N, D) inputs.
+    """FlashAttention-2: softmax(q kᵀ · softmax_scale) v without materialising the N×N scores.
 
-    `causal=True` with Nq != Nk aligns the mask to the bottom-right corner. `softmax_scale` defaults to
-    1/sqrt(D). `backend` forces "triton" or "torch"; "auto" uses Triton on CUDA.
+    Args:
+        q: queries, (batch, Nq, head_dim) or (batch, heads, Nq, head_dim); fp16, bf16 or fp32; any strides.
+        k: keys, the same rank and leading dims as q, (…, Nk, head_dim). Nk may differ from Nq.
+        v: values, shaped like k.
+        causal: mask future keys. With Nq != Nk the mask is aligned to the bottom-right corner, as in
+            FlashAttention-2: query i sees key j iff j <= i + (Nk - Nq). For Nq = 2, Nk = 5 (1 = visible)::
+
+                keys   0 1 2 3 4
+                q0     1 1 1 1 0
+                q1     1 1 1 1 1
+
+            and for Nq = 5, Nk = 2 the first three queries see no key: their output is 0::
+
+                keys   0 1
+                q0     0 0
+                q1     0 0
+                q2     0 0
+                q3     1 0
+                q4     1 1
+
+        softmax_scale: multiplies the scores before the softmax; default 1/sqrt(head_dim).
+        backend: "auto" (Triton on CUDA tensors, the tiled PyTorch op elsewhere), "triton" or "torch";
+            the short names of the registry's "flash", "flash-triton" and "flash-torch".
+
+    Returns:
+        The attention output, shaped and typed like q. It is differentiable in q, k and v; the backward
+        recomputes the scores from the saved logsumexp.
+
+    Raises:
+        ValueError, TypeError: for mismatched shapes, dtypes or devices, naming the argument.
     """
-    chosen = resolve_backend(backend, q.device if isinstance(q, Tensor) else torch.device("cpu"))
-    fn = FlashAttention2Triton if chosen == "triton" else FlashAttention2Torch
-    return fn.apply(q, k, v, causal, softmax_scale)
+    if backend not in FLASH_ALIASES:
+        raise ValueError(f"flash_attention: backend must be one of {tuple(FLASH_ALIASES)}, got {backend!r}")
+    return get_backend(backend).fn(q, k, v, causal, softmax_scale)
 
 
 __all__ = [
+    "ATTENTION_BACKENDS",
+    "CORE_BACKENDS",
+    "AttentionBackend",
     "FlashAttention2Torch",
     "FlashAttention2Triton",
     "MAX_HEAD_DIM",
     "attention_reference",
+    "backend_report",
     "causal_mask",
     "flash_attention",
+    "get_backend",
     "interpreter_active",
-    "resolve_backend",
 ]

@@ -1,0 +1,147 @@
+"""The command line: `flashsys train` (the main job) and `flashsys info` (what works on this machine).
+
+All argument parsing lives here; it turns flags into a `TrainConfig` and hands that to `flashsys.train`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+
+import torch
+
+from .errors import UsageError
+from .nn import PRESETS, preset
+from .train import TrainConfig
+
+DEMO = PRESETS["demo"]
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `flashsys train`; defaults come from `TrainConfig` and the "demo" preset."""
+    d = TrainConfig()
+    p.add_argument("--preset", choices=list(PRESETS), help="model size preset (overrides the four below)")
+    p.add_argument("--d-model", type=int, default=DEMO.d_model)
+    p.add_argument("--layers", type=int, default=DEMO.num_layers)
+    p.add_argument("--heads", type=int, default=DEMO.num_heads)
+    p.add_argument("--d-ff", type=int, default=DEMO.d_ff)
+    p.add_argument("--context-length", type=int, default=DEMO.context_length)
+    p.add_argument("--world-size", type=int, default=None, help="processes (default: GPUs, or 2 on a CPU)")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch, split over ranks")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--bucket-mb", default="25", help="BucketedDDP bucket size in MB, 'auto' or 'none'")
+    p.add_argument("--no-shard", action="store_true", help="plain AdamW instead of ShardedOptimizer")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype)
+    p.add_argument("--data", default=d.data, help="a UTF-8 text file (default: the bundled Alice text)")
+    p.add_argument("--out", default=d.out)
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, metavar="K")
+    p.add_argument("--stop-after", type=int, default=None, metavar="STEP",
+                   help="end this invocation after STEP (as a time-limited job would); --resume continues the schedule")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument("--seed", type=int, default=d.seed)
+
+
+def _bucket_mb(text: str) -> float | str | None:
+    if text == "auto":
+        return "auto"
+    if text.lower() == "none":
+        return None
+    try:
+        bucket = float(text)
+    except ValueError:
+        raise UsageError(f"--bucket-mb must be a number, 'auto' or 'none', got {text!r}") from None
+    if bucket <= 0:
+        raise UsageError(f"--bucket-mb must be positive, got {bucket}")
+    return bucket
+
+
+def config_from_args(a: argparse.Namespace) -> TrainConfig:
+    """A validated `TrainConfig` from parsed flags.
+
+    Raises:
+        UsageError: naming the flag that is wrong.
+    """
+    from .corpus import VOCAB
+    from .dist import launched_by_torchrun
+
+    if a.preset:
+        model = preset(a.preset, vocab_size=VOCAB, context_length=a.context_length)
+    else:
+        model = DEMO.replace(d_model=a.d_model, num_layers=a.layers, num_heads=a.heads, d_ff=a.d_ff,
+                             context_length=a.context_length)
+    for name, flag in (("d_model", "--d-model"), ("num_layers", "--layers"), ("num_heads", "--heads"),
+                       ("d_ff", "--d-ff"), ("context_length", "--context-length")):
+        if getattr(model, name) <= 0:
+            raise UsageError(f"{flag} must be positive, got {getattr(model, name)}")
+    if model.d_model % model.num_heads or model.head_dim % 2:
+        raise UsageError(f"--d-model {model.d_model} must split into --heads {model.num_heads} heads of even size")
+    cuda = torch.cuda.is_available()
+    if launched_by_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+    else:
+        world = a.world_size if a.world_size is not None else (torch.cuda.device_count() if cuda else 2)
+    if world < 1:
+        raise UsageError(f"--world-size must be at least 1, got {world}")
+    if a.steps < 1 or a.batch_size < 1 or a.lr <= 0:
+        raise UsageError("--steps and --batch-size must be positive and --lr > 0")
+    if world > a.batch_size:
+        raise UsageError(f"--world-size {world} is larger than --batch-size {a.batch_size}: some ranks would get no data")
+    if a.batch_size % world:
+        raise UsageError(f"--batch-size {a.batch_size} must be divisible by the world size {world}")
+    backend = "nccl" if cuda and world <= torch.cuda.device_count() else "gloo"
+    return TrainConfig(model=model, data=a.data, out=a.out, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
+                       warmup=min(20, max(1, a.steps // 10)), world_size=world, backend=backend,
+                       bucket_mb=_bucket_mb(a.bucket_mb), shard=not a.no_shard, compile=a.compile, dtype=a.dtype,
+                       checkpoint_every=a.checkpoint_every, stop_after=a.stop_after, resume=a.resume, seed=a.seed)
+
+
+def cmd_info() -> int:
+    """Print versions, devices and which attention backends work here."""
+    from . import __version__
+    from .ops.attention import backend_report
+
+    print(f"flashsys    {__version__}")
+    print(f"python      {platform.python_version()}")
+    print(f"torch       {torch.__version__}")
+    try:
+        import triton
+
+        print(f"triton      {triton.__version__}")
+    except ImportError as e:
+        print(f"triton      not importable ({e})")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            print(f"device {i}    {torch.cuda.get_device_name(i)}")
+    else:
+        print("devices     CPU only (no CUDA device)")
+    print("attention backends:")
+    for name, ok, why in backend_report():
+        print(f"  {name:15s} {'works' if ok else 'unavailable'}{': ' + why if why else ''}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse `argv` (default: sys.argv) and run the command; returns the exit code (2 for a usage error)."""
+    from .train import run_training
+
+    parser = argparse.ArgumentParser(prog="flashsys", description="FlashAttention-2, data parallel and ZeRO-1 training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a byte-level language model end to end (the main job)",
+                           description="Train a TransformerLM on a text file with FlashAttention, BucketedDDP and "
+                                       "ShardedOptimizer: gloo processes on a CPU, one NCCL process per GPU, "
+                                       "ranks from the environment under torchrun.")
+    add_train_arguments(train)
+    sub.add_parser("info", help="torch/Triton versions, devices, and which attention backends work here")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        return cmd_info()
+    try:
+        run_training(config_from_args(args))
+    except UsageError as e:
+        print(f"flashsys train: error: {e}", file=sys.stderr)
+        return 2
+    return 0

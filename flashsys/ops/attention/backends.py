@@ -1,0 +1,154 @@
+"""Every attention implementation flashsys can run, by name: the one vocabulary of the ops, the modules, the
+command line and the benchmarks.
+
+Each entry computes the same function, `attention(q, k, v, causal, softmax_scale) -> O`, over (B, N, D) or
+(B, H, N, D) tensors, and says whether it can run on a given device. The core entries are what a model
+picks from; the others pin one SDPA kernel or add `torch.compile`, for benchmarks that compare them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .flash_torch import FlashAttention2Torch
+from .flash_triton import FlashAttention2Triton, interpreter_active
+from .reference import attention_reference
+
+AttentionFn = Callable[[Tensor, Tensor, Tensor, bool, "float | None"], Tensor]
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """One named implementation.
+
+    Args:
+        name: the registry key.
+        fn: `fn(q, k, v, causal, softmax_scale) -> O`.
+        description: one line for `flashsys info` and `--help`.
+        runs_on: "any" device, "cuda" only, or "triton": CUDA, or a CPU with TRITON_INTERPRET=1 set before
+            import (Triton's interpreter: slow, for tests).
+        core: True for the implementations a model chooses between; False for benchmark variants.
+    """
+
+    name: str
+    fn: AttentionFn
+    description: str
+    runs_on: str = "any"
+    core: bool = True
+
+    def unavailable_reason(self, device: torch.device | str) -> str | None:
+        """None when this backend can run on `device`, else why not (without running it)."""
+        on_cuda = torch.device(device).type == "cuda"
+        if self.runs_on == "cuda" and not on_cuda:
+            return "needs CUDA"
+        if self.runs_on == "triton" and not (on_cuda or interpreter_active()):
+            return "needs CUDA, or TRITON_INTERPRET=1 set before import (slow, for tests)"
+        return None
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, softmax_scale: float | None = None) -> Tensor:
+        return self.fn(q, k, v, causal, softmax_scale)
+
+
+def _flash_auto(q, k, v, causal, scale):
+    """Triton on CUDA tensors, the tiled PyTorch op elsewhere."""
+    if isinstance(q, Tensor) and q.device.type == "cuda":
+        return FlashAttention2Triton.apply(q, k, v, causal, scale)
+    return FlashAttention2Torch.apply(q, k, v, causal, scale)
+
+
+def _flash_triton(q, k, v, causal, scale):
+    return FlashAttention2Triton.apply(q, k, v, causal, scale)
+
+
+def _flash_torch(q, k, v, causal, scale):
+    return FlashAttention2Torch.apply(q, k, v, causal, scale)
+
+
+def _naive(q, k, v, causal, scale):
+    return attention_reference(q, k, v, causal, scale)[0]
+
+
+def _sdpa(kernel: str | None) -> AttentionFn:
+    """SDPA, letting PyTorch choose its kernel (`kernel=None`) or pinned to one."""
+
+    def run(q, k, v, causal, scale):
+        if causal and q.shape[-2] != k.shape[-2]:
+            raise ValueError("SDPA aligns the causal mask top-left; use a flash backend for Nq != Nk with causal=True")
+        if kernel is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(getattr(SDPBackend, kernel)):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+    return run
+
+
+_compiled_naive: AttentionFn | None = None
+
+
+def _naive_compiled(q, k, v, causal, scale):
+    global _compiled_naive
+    if _compiled_naive is None:
+        _compiled_naive = torch.compile(_naive)
+    return _compiled_naive(q, k, v, causal, scale)
+
+
+_ENTRIES = [
+    AttentionBackend("flash", _flash_auto, "FlashAttention-2: Triton on CUDA, tiled PyTorch elsewhere"),
+    AttentionBackend("flash-triton", _flash_triton, "FlashAttention2Triton (CUDA; CPU only under TRITON_INTERPRET=1)",
+                     runs_on="triton"),
+    AttentionBackend("flash-torch", _flash_torch, "FlashAttention2Torch, the tiled pure-PyTorch op"),
+    AttentionBackend("sdpa", _sdpa(None), "torch.nn.functional.scaled_dot_product_attention, kernel chosen by PyTorch"),
+    AttentionBackend("naive", _naive, "materialised softmax(QK^T)V, the reference math"),
+    AttentionBackend("naive-compiled", _naive_compiled, "the naive math under torch.compile", core=False),
+    AttentionBackend("sdpa-flash", _sdpa("FLASH_ATTENTION"), "SDPA pinned to its FlashAttention-2 kernel",
+                     runs_on="cuda", core=False),
+    AttentionBackend("sdpa-cudnn", _sdpa("CUDNN_ATTENTION"), "SDPA pinned to its cuDNN kernel", runs_on="cuda",
+                     core=False),
+    AttentionBackend("sdpa-efficient", _sdpa("EFFICIENT_ATTENTION"), "SDPA pinned to its memory-efficient kernel",
+                     runs_on="cuda", core=False),
+    AttentionBackend("sdpa-math", _sdpa("MATH"), "SDPA pinned to its math (C++ reference) kernel", core=False),
+]
+ATTENTION_BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in _ENTRIES}
+CORE_BACKENDS: tuple[str, ...] = tuple(b.name for b in _ENTRIES if b.core)
+
+# `flash_attention(backend=...)` and `FlashAttention(backend=...)` take the flash family's short names.
+FLASH_ALIASES = {"auto": "flash", "triton": "flash-triton", "torch": "flash-torch"}
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """The registered backend called `name` (a short flash name such as "triton" works too).
+
+    Raises:
+        ValueError: for an unknown name, listing the known ones.
+    """
+    entry = ATTENTION_BACKENDS.get(FLASH_ALIASES.get(name, name)) if isinstance(name, str) else None
+    if entry is None:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {list(ATTENTION_BACKENDS)}")
+    return entry
+
+
+def backend_report(device: torch.device | str | None = None) -> list[tuple[str, bool, str]]:
+    """(name, works, note) for every backend on `device`: each core backend is run once on a tiny input;
+    benchmark variants are only checked for availability (running `naive-compiled` would compile it)."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    q = torch.randn(1, 2, 16, 16, device=device)
+    report = []
+    for entry in ATTENTION_BACKENDS.values():
+        why = entry.unavailable_reason(device)
+        if why is not None:
+            report.append((entry.name, False, why))
+            continue
+        try:
+            if entry.core:
+                entry(q, q, q, True, None)
+            report.append((entry.name, True, entry.description))
+        except Exception as e:  # report, don't crash
+            report.append((entry.name, False, f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"))
+    return report

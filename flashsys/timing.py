@@ -1,0 +1,103 @@
+"""One way to time work on any device, used by the trainer, the bucket-size cost model and every benchmark.
+
+A host clock read right after a CUDA call measures only the launch: the GPU runs asynchronously. So every
+reading here first waits for the device (`Stopwatch`), or brackets the work with CUDA events (`time_call`).
+Across ranks, `Stopwatch(barrier=True)` starts each interval after a barrier, so all ranks start together and
+the slowest rank's interval is the collective's time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+def synchronize(device: torch.device | str | None) -> None:
+    """Wait for the work queued on `device` (a no-op on a CPU)."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Stopwatch:
+    """Wall-clock intervals (milliseconds) that include the device work queued before each reading.
+
+    `start()` begins an interval (after a barrier on `group` when `barrier=True`); `lap()` returns the time
+    since the previous reading and starts the next; `elapsed()` the time since `start()`.
+    """
+
+    def __init__(self, device: torch.device | str | None = None, *, barrier: bool = False, group=None) -> None:
+        self.device, self.barrier, self.group = device, barrier, group
+        self._t0 = self._last = None
+
+    def start(self) -> Stopwatch:
+        synchronize(self.device)
+        if self.barrier:
+            dist.barrier(group=self.group)
+        self._t0 = self._last = time.perf_counter()
+        return self
+
+    def lap(self) -> float:
+        synchronize(self.device)
+        now = time.perf_counter()
+        ms, self._last = (now - self._last) * 1e3, now
+        return ms
+
+    def elapsed(self) -> float:
+        synchronize(self.device)
+        return (time.perf_counter() - self._t0) * 1e3
+
+
+def time_call(fn: Callable[[], T], device: torch.device | str | None = None) -> tuple[T, float]:
+    """(fn(), milliseconds): CUDA events around the call on a GPU (no host sync before it), the host clock
+    on a CPU."""
+    if device is not None and torch.device(device).type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn()
+        end.record()
+        end.synchronize()
+        return out, start.elapsed_time(end)
+    t = time.perf_counter()
+    out = fn()
+    return out, (time.perf_counter() - t) * 1e3
+
+
+def repeat(fn: Callable[[], object], *, warmup: int, iters: int, device: torch.device | str | None = None,
+           barrier: bool = False, group=None) -> list[float]:
+    """Milliseconds of `iters` calls of fn after `warmup` untimed ones, each call its own Stopwatch interval."""
+    watch = Stopwatch(device, barrier=barrier, group=group)
+    samples = []
+    for i in range(warmup + iters):
+        watch.start()
+        fn()
+        ms = watch.lap()
+        if i >= warmup:
+            samples.append(ms)
+    return samples
+
+
+@dataclass
+class Stats:
+    """Summary of timing samples, in milliseconds."""
+
+    mean: float
+    std: float
+    median: float
+    n: int
+
+    def __str__(self) -> str:
+        return f"{self.mean:.3f} ± {self.std:.3f}"
+
+
+def summarize(samples: list[float]) -> Stats:
+    """Mean, standard deviation (0 for one sample), median and count."""
+    return Stats(statistics.fmean(samples), statistics.stdev(samples) if len(samples) > 1 else 0.0,
+                 statistics.median(samples), len(samples))
