@@ -3,7 +3,7 @@
 Layout of this file (after Liger-Kernel): kernels, then autotune configs, then host launchers, then the
 `torch.autograd.Function`. The pure-PyTorch twin of every kernel is in `flash_torch.py`.
 
-Choices that pay (measured in benchmarks/results/leaderboard.md):
+Choices that pay (each measured in benchmarks/results/kernel_experiments.md, with the ones that did not):
 - Scores are computed in the log2 domain: log2(e) is folded into the softmax scale so the kernels call
   `exp2`; L is still stored in natural log, as the contract asks.
 - Causal masking only costs where it must: every kernel runs an unmasked loop over tiles that are fully
@@ -12,7 +12,7 @@ Choices that pay (measured in benchmarks/results/leaderboard.md):
 - The backward is atomic-free: one kernel computes dQ for a query tile looping over key tiles, then another
   computes dK, dV for a key tile looping over query tiles. The dQ kernel also computes D = rowsum(dO*O)
   and hands the dK/dV kernel one interleaved (L*log2(e), D) pair per query row: its inner loop then reads
-  both with one vector load and no multiply (dK/dV kernel 2.02 -> 1.77 ms at the leaderboard shape).
+  both with one vector load and no multiply.
 - Causal grids launch the heaviest query tiles first.
 - Any stride: rank-3 (B, N, D) and rank-4 (B, H, N, D) views and non-contiguous inputs are addressed
   by their strides, never copied; only a dO whose last stride is not 1 (a stride-0 dO) is made dense.
@@ -21,6 +21,7 @@ Choices that pay (measured in benchmarks/results/leaderboard.md):
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import NamedTuple
 
@@ -49,8 +50,28 @@ def interpreter_active() -> bool:
 
 
 @triton.jit
-def _load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr):
-    """Load a (rows, BLOCK_D) tile; mask rows past n_rows only when asked, head-dim padding always."""
+def _program_start(n_heads, HEAVIEST_LAST: tl.constexpr):
+    """(tile index, flat batch*head index, batch, head) of this program.
+
+    With HEAVIEST_LAST (causal query-tile grids, where the last query tiles see the most keys) the tile order
+    is reversed, so the heaviest tiles start first and the short ones fill the tail."""
+    pid = tl.program_id(0)
+    if HEAVIEST_LAST:
+        pid = tl.num_programs(0) - 1 - pid
+    bh = tl.program_id(1)
+    b = (bh // n_heads).to(tl.int64)
+    h = (bh % n_heads).to(tl.int64)
+    return pid, bh, b, h
+
+
+@triton.jit
+def _load_tile(base, rows, offs_d, stride_n, stride_d, n_rows,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """Load the (rows, BLOCK_D) tile of a (seq, head_dim) matrix at `base`.
+
+    Rows at or past n_rows are masked only with CHECK_ROWS (tiles wholly inside the sequence skip that
+    compare); head-dim padding (HEAD_DIM < BLOCK_D) is always masked. Masked entries read as 0."""
+    ptrs = base + rows[:, None] * stride_n + offs_d[None, :] * stride_d
     if CHECK_ROWS:
         if HEAD_DIM == BLOCK_D:
             x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
@@ -65,6 +86,13 @@ def _load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
 
 
 @triton.jit
+def _store_tile(base, rows, offs_d, stride_n, stride_d, n_rows, x, HEAD_DIM: tl.constexpr):
+    """Store x (float32) into the (rows, head_dim) tile at `base`, in the output's dtype, rows < n_rows only."""
+    mask = (rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM)
+    tl.store(base + rows[:, None] * stride_n + offs_d[None, :] * stride_d, x.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _dot(a, b, FP32_IEEE: tl.constexpr):
     """fp32 inputs get true fp32 products (as PyTorch's default matmul); fp16/bf16 use the tensor cores."""
     if FP32_IEEE:
@@ -75,24 +103,48 @@ def _dot(a, b, FP32_IEEE: tl.constexpr):
 
 
 @triton.jit
+def _visible(q_idx, k_idx, streamed_idx, streamed_len, causal_offset, IS_CAUSAL: tl.constexpr):
+    """Which scores of a tile count: query q_idx may see key k_idx (both broadcast to the tile's 2-D shape).
+
+    The streamed side's index must lie inside its sequence (streamed_idx < streamed_len); with IS_CAUSAL the
+    key must not be in the query's future, bottom-right aligned: k <= q + causal_offset, causal_offset = Nk - Nq.
+    """
+    visible = streamed_idx < streamed_len
+    if IS_CAUSAL:
+        visible = visible & (k_idx <= q_idx + causal_offset)
+    return visible
+
+
+@triton.jit
+def _key_tile_range(start_m, n_k, causal_offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    IS_CAUSAL: tl.constexpr):
+    """(full_hi, hi) for the query tile starting at start_m: key tiles before full_hi are fully visible to every
+    query of the tile (no mask needed); tiles in [full_hi, hi) straddle the diagonal or the sequence end; keys
+    from hi on are seen by none of its queries and are never visited."""
+    if IS_CAUSAL:
+        hi = tl.maximum(tl.minimum(n_k, start_m + BLOCK_M + causal_offset), 0)
+        full_hi = tl.maximum(tl.minimum(n_k, start_m + 1 + causal_offset), 0) // BLOCK_N * BLOCK_N
+    else:
+        hi = n_k
+        full_hi = n_k // BLOCK_N * BLOCK_N
+    return full_hi, hi
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
     offs_m, offs_n, offs_d, lo, hi, n_k, causal_offset, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, FP32_IEEE: tl.constexpr,
 ):
-    """Online-softmax update of one query tile over key tiles [lo, hi)."""
+    """Online-softmax update of one query tile over key tiles [lo, hi) (scores in the log2 domain)."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        k = _load_rows(K + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd, cols, n_k, offs_d,
-                       HEAD_DIM, BLOCK_D, MASKED)
-        v = _load_rows(V + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, cols, n_k, offs_d,
-                       HEAD_DIM, BLOCK_D, MASKED)
+        k = _load_tile(K, cols, offs_d, stride_kn, stride_kd, n_k, HEAD_DIM, BLOCK_D, CHECK_ROWS=MASKED)
+        v = _load_tile(V, cols, offs_d, stride_vn, stride_vd, n_k, HEAD_DIM, BLOCK_D, CHECK_ROWS=MASKED)
         qk = _dot(q, tl.trans(k), FP32_IEEE)
         if MASKED:
-            visible = cols[None, :] < n_k
-            if IS_CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
+            visible = _visible(offs_m[:, None], cols[None, :], cols[None, :], n_k, causal_offset, IS_CAUSAL)
             qk = tl.where(visible, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
@@ -118,12 +170,7 @@ def _flash_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program = one query tile of one (batch, head). Writes O and L (natural log)."""
-    pid_m = tl.program_id(0)
-    if IS_CAUSAL:  # heaviest tiles (last queries see the most keys) first
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    bh = tl.program_id(1)
-    b = (bh // n_heads).to(tl.int64)
-    h = (bh % n_heads).to(tl.int64)
+    pid_m, bh, b, h = _program_start(n_heads, HEAVIEST_LAST=IS_CAUSAL)
     Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + h * stride_kh
     V += b * stride_vb + h * stride_vh
@@ -134,35 +181,26 @@ def _flash_fwd_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_rows(Q + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, offs_m, n_q, offs_d,
-                   HEAD_DIM, BLOCK_D, True)
+    q = _load_tile(Q, offs_m, offs_d, stride_qn, stride_qd, n_q, HEAD_DIM, BLOCK_D, CHECK_ROWS=True)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     causal_offset = n_k - n_q  # query i sees key j <= i + causal_offset (bottom-right aligned)
-    if IS_CAUSAL:
-        hi = tl.maximum(tl.minimum(n_k, start_m + BLOCK_M + causal_offset), 0)
-        full_hi = tl.maximum(tl.minimum(n_k, start_m + 1 + causal_offset), 0) // BLOCK_N * BLOCK_N
-    else:
-        hi = n_k
-        full_hi = n_k // BLOCK_N * BLOCK_N
+    full_hi, hi = _key_tile_range(start_m, n_k, causal_offset, BLOCK_M, BLOCK_N, IS_CAUSAL)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                                offs_m, offs_n, offs_d, 0, full_hi, n_k, causal_offset, qk_scale,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, FP32_IEEE)
+                               HEAD_DIM, BLOCK_D, BLOCK_N, MASKED=False, IS_CAUSAL=IS_CAUSAL, FP32_IEEE=FP32_IEEE)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                                offs_m, offs_n, offs_d, full_hi, hi, n_k, causal_offset, qk_scale,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, FP32_IEEE)
+                               HEAD_DIM, BLOCK_D, BLOCK_N, MASKED=True, IS_CAUSAL=IS_CAUSAL, FP32_IEEE=FP32_IEEE)
 
     seen = l_i > 0.0  # False only for queries that see no key (causal, Nq > Nk)
     l_safe = tl.where(seen, l_i, 1.0)
-    out = acc / l_safe[:, None]
     lse = tl.where(seen, m_i * _LN2 + tl.log(l_safe), float("-inf"))
-    row_ok = offs_m < n_q
-    tl.store(L + offs_m, lse, mask=row_ok)
-    o_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    tl.store(O + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty), mask=o_mask)
+    tl.store(L + offs_m, lse, mask=offs_m < n_q)
+    _store_tile(O, offs_m, offs_d, stride_on, stride_od, n_q, acc / l_safe[:, None], HEAD_DIM)
 
 
 @triton.jit
@@ -172,30 +210,26 @@ def _bwd_dkdv_inner(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, FP32_IEEE: tl.constexpr,
 ):
-    """Accumulate dK, dV of one key tile over query tiles [lo, hi). Works on transposed scores.
+    """Accumulate dK, dV of one key tile over query tiles [lo, hi). Works on transposed scores (keys x queries).
 
-    LseDelta holds (L in log2 units, D) per query row, interleaved, as the dQ kernel wrote them.
+    LseDelta holds (L in log2 units, D) per query row, interleaved, as the dQ kernel wrote them: one vector
+    load per tile, where two 1-D loads would be replicated across the threads.
     """
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m_base
-        q = _load_rows(Q + rows[:, None] * stride_qn + offs_d[None, :] * stride_qd, rows, n_q, offs_d,
-                       HEAD_DIM, BLOCK_D, MASKED)
-        do = _load_rows(DO + rows[:, None] * stride_don + offs_d[None, :] * stride_dod, rows, n_q, offs_d,
-                        HEAD_DIM, BLOCK_D, MASKED)
+        q = _load_tile(Q, rows, offs_d, stride_qn, stride_qd, n_q, HEAD_DIM, BLOCK_D, CHECK_ROWS=MASKED)
+        do = _load_tile(DO, rows, offs_d, stride_don, stride_dod, n_q, HEAD_DIM, BLOCK_D, CHECK_ROWS=MASKED)
         pair = rows[:, None] * 2 + tl.arange(0, 2)[None, :]
         if MASKED:
             lse2, delta = tl.split(tl.load(LseDelta + pair, mask=rows[:, None] < n_q, other=0.0))
         else:
             lse2, delta = tl.split(tl.load(LseDelta + pair))
         s_t = _dot(k, tl.trans(q), FP32_IEEE) * qk_scale  # (BLOCK_N, BLOCK_M)
-        # dP^T does not depend on P: issued before the exponentials, the tensor cores work while exp2
-        # runs (dK/dV kernel 2.15 instead of 2.3 ms at the leaderboard shape; the dQ kernel got slower).
+        # dP^T does not depend on P: issued before the exponentials, the tensor cores work while exp2 runs.
         dp_t = _dot(v, tl.trans(do), FP32_IEEE)
         p_t = tl.math.exp2(s_t - lse2[None, :])
         if MASKED:
-            visible = rows[None, :] < n_q
-            if IS_CAUSAL:
-                visible = visible & (offs_n[:, None] <= rows[None, :] + causal_offset)
+            visible = _visible(rows[None, :], offs_n[:, None], rows[None, :], n_q, causal_offset, IS_CAUSAL)
             p_t = tl.where(visible, p_t, 0.0)
         dv += _dot(p_t.to(do.dtype), do, FP32_IEEE)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -217,10 +251,8 @@ def _flash_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program = one key tile of one (batch, head): dK and dV, looping over the query tiles that see it."""
-    pid_n = tl.program_id(0)  # the first key tiles are seen by the most queries: natural order is heaviest first
-    bh = tl.program_id(1)
-    b = (bh // n_heads).to(tl.int64)
-    h = (bh % n_heads).to(tl.int64)
+    # The first key tiles are seen by the most queries: the natural order already runs the heaviest first.
+    pid_n, bh, b, h = _program_start(n_heads, HEAVIEST_LAST=False)
     Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + h * stride_kh
     V += b * stride_vb + h * stride_vh
@@ -233,10 +265,8 @@ def _flash_bwd_dkdv_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m_base = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    k = _load_rows(K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, offs_n, n_k, offs_d,
-                   HEAD_DIM, BLOCK_D, True)
-    v = _load_rows(V + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, offs_n, n_k, offs_d,
-                   HEAD_DIM, BLOCK_D, True)
+    k = _load_tile(K, offs_n, offs_d, stride_kn, stride_kd, n_k, HEAD_DIM, BLOCK_D, CHECK_ROWS=True)
+    v = _load_tile(V, offs_n, offs_d, stride_vn, stride_vd, n_k, HEAD_DIM, BLOCK_D, CHECK_ROWS=True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -249,19 +279,19 @@ def _flash_bwd_dkdv_kernel(
         lo = 0
         mid = 0
     full_end = n_q // BLOCK_M * BLOCK_M
+    # Three ranges: the diagonal tiles (masked), the fully visible ones, the ragged end of the queries (masked).
     dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q, DO, LseDelta, stride_qn, stride_qd, stride_don, stride_dod,
                              offs_n, offs_m_base, offs_d, lo, tl.minimum(mid, n_q), n_q, causal_offset, qk_scale,
-                             HEAD_DIM, BLOCK_D, BLOCK_M, True, IS_CAUSAL, FP32_IEEE)
+                             HEAD_DIM, BLOCK_D, BLOCK_M, MASKED=True, IS_CAUSAL=IS_CAUSAL, FP32_IEEE=FP32_IEEE)
     dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q, DO, LseDelta, stride_qn, stride_qd, stride_don, stride_dod,
                              offs_n, offs_m_base, offs_d, mid, full_end, n_q, causal_offset, qk_scale,
-                             HEAD_DIM, BLOCK_D, BLOCK_M, False, IS_CAUSAL, FP32_IEEE)
+                             HEAD_DIM, BLOCK_D, BLOCK_M, MASKED=False, IS_CAUSAL=IS_CAUSAL, FP32_IEEE=FP32_IEEE)
     dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q, DO, LseDelta, stride_qn, stride_qd, stride_don, stride_dod,
                              offs_n, offs_m_base, offs_d, tl.maximum(mid, full_end), n_q, n_q, causal_offset,
-                             qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, True, IS_CAUSAL, FP32_IEEE)
-    dk *= softmax_scale
-    mask = (offs_n[:, None] < n_k) & (offs_d[None, :] < HEAD_DIM)
-    tl.store(DK + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), mask=mask)
-    tl.store(DV + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=mask)
+                             qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, MASKED=True, IS_CAUSAL=IS_CAUSAL,
+                             FP32_IEEE=FP32_IEEE)
+    _store_tile(DK, offs_n, offs_d, stride_dkn, stride_dkd, n_k, dk * softmax_scale, HEAD_DIM)
+    _store_tile(DV, offs_n, offs_d, stride_dvn, stride_dvd, n_k, dv, HEAD_DIM)
 
 
 @triton.jit
@@ -274,16 +304,12 @@ def _bwd_dq_inner(
     """Accumulate dQ of one query tile over key tiles [lo, hi)."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n_base
-        k = _load_rows(K + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd, cols, n_k, offs_d,
-                       HEAD_DIM, BLOCK_D, MASKED)
-        v = _load_rows(V + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, cols, n_k, offs_d,
-                       HEAD_DIM, BLOCK_D, MASKED)
+        k = _load_tile(K, cols, offs_d, stride_kn, stride_kd, n_k, HEAD_DIM, BLOCK_D, CHECK_ROWS=MASKED)
+        v = _load_tile(V, cols, offs_d, stride_vn, stride_vd, n_k, HEAD_DIM, BLOCK_D, CHECK_ROWS=MASKED)
         s = _dot(q, tl.trans(k), FP32_IEEE) * qk_scale
         p = tl.math.exp2(s - lse2[:, None])
         if MASKED:
-            visible = cols[None, :] < n_k
-            if IS_CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
+            visible = _visible(offs_m[:, None], cols[None, :], cols[None, :], n_k, causal_offset, IS_CAUSAL)
             p = tl.where(visible, p, 0.0)
         dp = _dot(do, tl.trans(v), FP32_IEEE)
         ds = p * (dp - delta[:, None])
@@ -307,15 +333,9 @@ def _flash_bwd_dq_kernel(
     """One program = one query tile of one (batch, head): dQ, looping over the key tiles it sees.
 
     On the way it writes LseDelta[row] = (L * log2(e), rowsum(dO * O)) for the dK/dV kernel, which runs
-    after it. Two separate float loads per query tile, and the multiply, in the dK/dV inner loop cost 64
-    of its 354 sm_90 instructions per tile (Triton replicates such 1-D loads across the threads).
+    after it: no separate preprocess kernel, and no multiply or second load in the dK/dV inner loop.
     """
-    pid_m = tl.program_id(0)
-    if IS_CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    bh = tl.program_id(1)
-    b = (bh // n_heads).to(tl.int64)
-    h = (bh % n_heads).to(tl.int64)
+    pid_m, bh, b, h = _program_start(n_heads, HEAVIEST_LAST=IS_CAUSAL)
     Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + h * stride_kh
     V += b * stride_vb + h * stride_vh
@@ -329,36 +349,26 @@ def _flash_bwd_dq_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n_base = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_rows(Q + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, offs_m, n_q, offs_d,
-                   HEAD_DIM, BLOCK_D, True)
-    do = _load_rows(DO + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod, offs_m, n_q, offs_d,
-                    HEAD_DIM, BLOCK_D, True)
+    q = _load_tile(Q, offs_m, offs_d, stride_qn, stride_qd, n_q, HEAD_DIM, BLOCK_D, CHECK_ROWS=True)
+    do = _load_tile(DO, offs_m, offs_d, stride_don, stride_dod, n_q, HEAD_DIM, BLOCK_D, CHECK_ROWS=True)
     row_ok = offs_m < n_q
     lse = tl.load(L + offs_m, mask=row_ok, other=0.0)
     lse2 = tl.where(lse == float("-inf"), 0.0, lse * _LOG2E)  # rows that see no key: every p is masked anyway
-    o = _load_rows(O + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od, offs_m, n_q, offs_d,
-                   HEAD_DIM, BLOCK_D, True)
+    o = _load_tile(O, offs_m, offs_d, stride_on, stride_od, n_q, HEAD_DIM, BLOCK_D, CHECK_ROWS=True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     pair = offs_m[:, None] * 2 + tl.arange(0, 2)[None, :]
     tl.store(LseDelta + pair, tl.join(lse2, delta), mask=row_ok[:, None])
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     causal_offset = n_k - n_q
-    if IS_CAUSAL:
-        hi = tl.maximum(tl.minimum(n_k, start_m + BLOCK_M + causal_offset), 0)
-        full_hi = tl.maximum(tl.minimum(n_k, start_m + 1 + causal_offset), 0) // BLOCK_N * BLOCK_N
-    else:
-        hi = n_k
-        full_hi = n_k // BLOCK_N * BLOCK_N
+    full_hi, hi = _key_tile_range(start_m, n_k, causal_offset, BLOCK_M, BLOCK_N, IS_CAUSAL)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                        offs_m, offs_n_base, offs_d, 0, full_hi, n_k, causal_offset, qk_scale,
-                       HEAD_DIM, BLOCK_D, BLOCK_N, False, IS_CAUSAL, FP32_IEEE)
+                       HEAD_DIM, BLOCK_D, BLOCK_N, MASKED=False, IS_CAUSAL=IS_CAUSAL, FP32_IEEE=FP32_IEEE)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                        offs_m, offs_n_base, offs_d, full_hi, hi, n_k, causal_offset, qk_scale,
-                       HEAD_DIM, BLOCK_D, BLOCK_N, True, IS_CAUSAL, FP32_IEEE)
-    dq *= softmax_scale
-    mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    tl.store(DQ + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=mask)
+                       HEAD_DIM, BLOCK_D, BLOCK_N, MASKED=True, IS_CAUSAL=IS_CAUSAL, FP32_IEEE=FP32_IEEE)
+    _store_tile(DQ, offs_m, offs_d, stride_dqn, stride_dqd, n_q, dq * softmax_scale, HEAD_DIM)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -433,11 +443,31 @@ _bwd_dq_kernels = _tuned(_flash_bwd_dq_kernel, _BWD_DQ_TILES, _BWD_DQ_TILES_LONG
 # ----------------------------------------------------------------------------------------------------
 
 
-def _strides4(t: Tensor) -> tuple[int, int, int, int]:
-    """(batch, head, seq, dim) strides; a rank-3 tensor is one head per batch entry."""
-    if t.dim() == 4:
-        return tuple(t.stride())  # type: ignore[return-value]
-    return (t.stride(0), 0, t.stride(1), t.stride(2))
+def _strides(name: str, t: Tensor) -> dict[str, int]:
+    """{stride_<name>b, stride_<name>h, stride_<name>n, stride_<name>d}: a rank-3 tensor is one head per batch."""
+    sb, sh, sn, sd = t.stride() if t.dim() == 4 else (t.stride(0), 0, t.stride(1), t.stride(2))
+    return {f"stride_{name}b": sb, f"stride_{name}h": sh, f"stride_{name}n": sn, f"stride_{name}d": sd}
+
+
+_runtime_arg_names: dict[object, tuple[str, ...]] = {}
+
+
+def _positional(kernel, named: dict) -> tuple:
+    """The runtime arguments of `kernel` (a JITFunction) in its signature's order, taken from `named` by name.
+
+    Arguments are built by name, so a stride can never land in another's slot; they are passed positionally,
+    the cheapest way through Triton's launcher. Constexprs and N_BUCKET (appended by `_launch`) are left out."""
+    names = _runtime_arg_names.get(kernel)
+    if names is None:
+        # `.fn` is the Python function under both a JITFunction and the interpreter's InterpretedFunction.
+        params = inspect.signature(kernel.fn).parameters.values()
+        names = tuple(p.name for p in params if "constexpr" not in str(p.annotation) and p.name != "N_BUCKET")
+        _runtime_arg_names[kernel] = names
+    if len(named) != len(names) or not all(n in named for n in names):
+        # a launcher out of step with its kernel: fail here, not with wrong numbers
+        missing = [n for n in names if n not in named]
+        raise TypeError(f"{kernel.__name__}: launch arguments missing {missing}, unexpected {sorted(set(named) - set(names))}")
+    return tuple(named[n] for n in names)
 
 
 class _Geometry(NamedTuple):
@@ -449,7 +479,8 @@ class _Geometry(NamedTuple):
     n_k: int
     d: int
     block_d: int  # head dim padded to a power of two (at least 16)
-    hd: tuple[int, bool]  # (head-dim class, fp32 inputs): picks the autotuned handle
+    head_dim_class: int  # 64 (for d <= 64), 128 or 256: which tile table, and so which autotuned handle
+    fp32: bool  # fp32 inputs: exact-fp32 dots and their own small tiles
     bucket: int  # sequence-length bucket of the autotune key
     dtype: torch.dtype
 
@@ -458,17 +489,18 @@ def _geometry(q: Tensor, k: Tensor) -> _Geometry:
     n_heads = q.shape[1] if q.dim() == 4 else 1
     n_q, n_k, d = q.shape[-2], k.shape[-2], q.shape[-1]
     block_d = max(16, triton.next_power_of_2(d))
-    head_dim_class = 64 if block_d <= 64 else block_d
     bucket = min(triton.next_power_of_2(max(n_q, n_k)), 1 << 16)
-    return _Geometry(n_heads, q.shape[0] * n_heads, n_q, n_k, d, block_d,
-                     (head_dim_class, q.dtype == torch.float32), bucket, q.dtype)
+    return _Geometry(n_heads=n_heads, n_bh=q.shape[0] * n_heads, n_q=n_q, n_k=n_k, d=d, block_d=block_d,
+                     head_dim_class=64 if block_d <= 64 else block_d, fp32=q.dtype == torch.float32,
+                     bucket=bucket, dtype=q.dtype)
 
 
 class LaunchKey(NamedTuple):
     """Everything the autotuner's own key depends on (Triton adds the dtype to N_BUCKET, HEAD_DIM, IS_CAUSAL)."""
 
     kernel: str  # "fwd", "dq" or "dkdv"
-    hd: tuple[int, bool]
+    head_dim_class: int
+    fp32: bool
     bucket: int
     head_dim: int
     causal: bool
@@ -476,8 +508,10 @@ class LaunchKey(NamedTuple):
 
 
 # After the autotuner has chosen a config for a key, later calls launch the JIT kernel with it directly:
-# Triton's Autotuner.run rebuilds its key from every argument on each call, which cost about 45 us of
-# host time per launch on an H100 machine, more than the whole forward kernel takes at N = 1024.
+# Triton's Autotuner.run rebuilds its key from every argument on each call, which costs more host time per
+# launch than a short kernel takes (kernel_experiments.md). This reads two attributes of Triton's Autotuner
+# that are not documented API: `.fn` (the JITFunction it wraps) and `.best_config` (set by its run); a Triton
+# that renames them fails on the first launch, loudly.
 _chosen_configs: dict[LaunchKey, dict] = {}
 
 
@@ -486,12 +520,13 @@ def chosen_configs() -> dict[LaunchKey, dict]:
     return dict(_chosen_configs)
 
 
-def _launch(kernel: str, handles: dict, g: _Geometry, causal: bool, grid, args: tuple) -> None:
-    """Launch one of the three kernels: its autotuned handle for this geometry on the first call of a key,
-    the JIT kernel with the chosen config after that."""
-    key = LaunchKey(kernel, g.hd, g.bucket, g.d, causal, g.dtype)
-    constexprs = dict(HEAD_DIM=g.d, BLOCK_D=g.block_d, IS_CAUSAL=causal, FP32_IEEE=g.hd[1])
-    handle = handles.get((*g.hd, g.bucket >= LONG_SEQ)) or handles[(*g.hd, False)]
+def _launch(kernel: str, handles: dict, g: _Geometry, causal: bool, grid, named: dict) -> None:
+    """Launch one of the three kernels with its runtime arguments `named`: its autotuned handle for this
+    geometry on the first call of a key, the JIT kernel with the chosen config after that."""
+    key = LaunchKey(kernel, g.head_dim_class, g.fp32, g.bucket, g.d, causal, g.dtype)
+    constexprs = dict(HEAD_DIM=g.d, BLOCK_D=g.block_d, IS_CAUSAL=causal, FP32_IEEE=g.fp32)
+    handle = handles.get((g.head_dim_class, g.fp32, g.bucket >= LONG_SEQ)) or handles[(g.head_dim_class, g.fp32, False)]
+    args = (*_positional(handle.fn, named), g.bucket)  # N_BUCKET, the autotune key, is the last runtime argument
     meta = _chosen_configs.get(key)
     if meta is None:
         handle[grid](*args, **constexprs)
@@ -508,8 +543,8 @@ def flash_forward_triton(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: f
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     _launch(
         "fwd", _fwd_kernels, g, causal, lambda meta: (triton.cdiv(g.n_q, meta["BLOCK_M"]), g.n_bh),
-        (q, k, v, o, lse, *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(o),
-         g.n_heads, g.n_q, g.n_k, scale * LOG2E, g.bucket),
+        dict(Q=q, K=k, V=v, O=o, L=lse, **_strides("q", q), **_strides("k", k), **_strides("v", v),
+             **_strides("o", o), n_heads=g.n_heads, n_q=g.n_q, n_k=g.n_k, qk_scale=scale * LOG2E),
     )
     return o, lse
 
@@ -532,16 +567,17 @@ def flash_backward_triton(
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    qkv_do = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(do))
-    scalars = (g.n_heads, g.n_q, g.n_k, scale * LOG2E, scale, g.bucket)
+    shared = dict(Q=q, K=k, V=v, DO=do, LseDelta=lse_delta, **_strides("q", q), **_strides("k", k),
+                  **_strides("v", v), **_strides("do", do), n_heads=g.n_heads, n_q=g.n_q, n_k=g.n_k,
+                  qk_scale=scale * LOG2E, softmax_scale=scale)
     # dQ first: it writes the (L*log2e, D) pairs that the dK/dV kernel reads.
     _launch(
         "dq", _bwd_dq_kernels, g, causal, lambda meta: (triton.cdiv(g.n_q, meta["BLOCK_M"]), g.n_bh),
-        (q, k, v, do, lse, lse_delta, dq, o, *qkv_do, *_strides4(dq), *_strides4(o), *scalars),
+        dict(shared, L=lse, DQ=dq, O=o, **_strides("dq", dq), **_strides("o", o)),
     )
     _launch(
         "dkdv", _bwd_dkdv_kernels, g, causal, lambda meta: (triton.cdiv(g.n_k, meta["BLOCK_N"]), g.n_bh),
-        (q, k, v, do, lse_delta, dk, dv, *qkv_do, *_strides4(dk), *_strides4(dv), *scalars),
+        dict(shared, DK=dk, DV=dv, **_strides("dk", dk), **_strides("dv", dv)),
     )
     return dq, dk, dv
 
