@@ -15,10 +15,10 @@ test: install
 	$(PY) -m pytest -q
 
 bench-attention: install
-	$(PY) benchmarks/attention.py
+	$(PY) -m benchmarks.attention
 
 leaderboard: install
-	$(PY) benchmarks/leaderboard.py
+	$(PY) -m benchmarks.leaderboard
 
 clean:
 	rm -rf .venv .pytest_cache .hypothesis

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """All-reduce latency, algorithm bandwidth and bus bandwidth: gloo on CPU, NCCL on GPU.
 
 Sizes 1 MB ... 1 GB of float32, world sizes as the machine allows. Every rank times its own calls; the times are
@@ -11,22 +10,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from harness import (  # noqa: E402
+from benchmarks.harness import (
     ON_GPU, add_common_args, environment, pyplot, read_result, result_path, save_plot, spawn_for_result, write_result,
     write_table,
 )
-
-from flashsys.dist import init_from_env, launched_by_torchrun, shutdown  # noqa: E402
+from flashsys.dist import init_from_env, launched_by_torchrun, shutdown
+from flashsys.timing import repeat
 
 
 def worker(rank, world, device, sizes_mb, warmup, iters, out_json):
@@ -34,17 +27,7 @@ def worker(rank, world, device, sizes_mb, warmup, iters, out_json):
     for mb in sizes_mb:
         n = int(mb * 2**20) // 4
         buf = torch.randn(n, device=device)
-        times = []
-        for i in range(warmup + iters):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            dist.barrier()
-            t = time.perf_counter()
-            dist.all_reduce(buf)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i >= warmup:
-                times.append((time.perf_counter() - t) * 1e3)
+        times = repeat(lambda: dist.all_reduce(buf), warmup=warmup, iters=iters, device=device, barrier=True)
         gathered = [None] * world
         dist.all_gather_object(gathered, statistics.fmean(times))
         if rank == 0:

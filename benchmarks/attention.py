@@ -1,12 +1,11 @@
-#!/usr/bin/env python
 """Attention implementations side by side: forward, backward and forward+backward time, TFLOP/s, peak memory.
 
 Implementations: naive PyTorch attention (eager and torch.compile), FlashAttention2Torch, FlashAttention2Triton,
 and PyTorch SDPA with the flash and cuDNN backends. The sweep: head dims x sequence lengths x dtypes x causal.
 On a CPU the default is a reduced sweep of the implementations that run there.
 
-    python benchmarks/attention.py                       # default sweep for this machine
-    python benchmarks/attention.py --head-dims 64 128 --seq-lens 1024 4096 16384 --dtypes bf16 --causal both
+    python -m benchmarks.attention                       # default sweep for this machine
+    python -m benchmarks.attention --head-dims 64 128 --seq-lens 1024 4096 16384 --dtypes bf16 --causal both
 
 Batch size: by default on a GPU every cell processes the same number of tokens, batch = tokens // N
 (--tokens 16384, the convention of the FlashAttention papers), so short sequences are measured at a size
@@ -18,59 +17,27 @@ its kernel time, and the table then measures the host as much as the GPU.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from harness import ON_GPU, add_common_args, bench_ms, environment, peak_memory, progress, pyplot, run_cell, save_plot, write_table  # noqa: E402
-
-from flashsys.ops.attention import FlashAttention2Torch, FlashAttention2Triton, attention_reference  # noqa: E402
+from benchmarks.harness import (
+    ON_GPU, add_common_args, bench_ms, environment, peak_memory, progress, pyplot, run_cell, save_plot, write_table,
+)
+from flashsys.ops.attention import ATTENTION_BACKENDS
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def naive(q, k, v, causal):
-    return attention_reference(q, k, v, causal)[0]
-
-
-_compiled_naive = None
-
-
-def compiled_naive(q, k, v, causal):
-    global _compiled_naive
-    if _compiled_naive is None:
+def implementation(name: str):
+    """The registry's backend `name` as fn(q, k, v, causal)."""
+    if name == "naive-compiled":
         # The backward-only timing replays one graph (retain_graph=True); a compiled backward that donates
         # its saved buffers refuses that, so donation is switched off for this benchmark.
         import torch._functorch.config as functorch_config
 
         functorch_config.donated_buffer = False
-        _compiled_naive = torch.compile(naive)
-    return _compiled_naive(q, k, v, causal)
-
-
-def sdpa(backend):
-    def run(q, k, v, causal):
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-    return run
-
-
-IMPLEMENTATIONS = {
-    "naive": naive,
-    "naive-compiled": compiled_naive,
-    "flash-torch": lambda q, k, v, c: FlashAttention2Torch.apply(q, k, v, c),
-    "flash-triton": lambda q, k, v, c: FlashAttention2Triton.apply(q, k, v, c),
-    "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
-    "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
-    "sdpa-math": sdpa(SDPBackend.MATH),
-}
+    backend = ATTENTION_BACKENDS[name]
+    return lambda q, k, v, causal: backend(q, k, v, causal)
 
 
 def attention_flops(b, h, n, d, causal):
@@ -106,7 +73,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, "attention")
     gpu_default = ["naive", "naive-compiled", "flash-torch", "flash-triton", "sdpa-flash", "sdpa-cudnn"]
-    p.add_argument("--impls", nargs="+", choices=list(IMPLEMENTATIONS),
+    p.add_argument("--impls", nargs="+", choices=list(ATTENTION_BACKENDS),
                    default=gpu_default if ON_GPU else ["naive", "flash-torch", "sdpa-math"])
     p.add_argument("--head-dims", nargs="+", type=int, default=[16, 32, 64, 128] if ON_GPU else [32, 64])
     p.add_argument("--seq-lens", nargs="+", type=int,
@@ -122,7 +89,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-flash-torch-len", type=int, default=4096,
                    help="skip flash-torch above this length (its Python loop over tiles takes minutes there)")
     args = p.parse_args(argv)
-    impls = {name: IMPLEMENTATIONS[name] for name in args.impls}
+    impls = {name: implementation(name) for name in args.impls}
     causals = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
     cells = [(d, n, dt, c, name) for dt in args.dtypes for c in causals for d in args.head_dims
              for n in args.seq_lens for name in impls]
@@ -134,8 +101,8 @@ def main(argv=None) -> int:
             row["error"] = f"skipped (N > {args.max_naive_len})"
         elif name == "flash-torch" and n > args.max_flash_torch_len:
             row["error"] = f"skipped (N > {args.max_flash_torch_len})"
-        elif name == "flash-triton" and not ON_GPU:
-            row["error"] = "unsupported (needs CUDA)"
+        elif (why := ATTENTION_BACKENDS[name].unavailable_reason("cuda" if ON_GPU else "cpu")) is not None:
+            row["error"] = f"unsupported ({why.split(',')[0]})"
         else:
             row.update(run_cell(lambda: measure(impls[name], batch, args.heads, n, d, DTYPES[dt], c, args.rep)))
         rows.append(row)

@@ -1,38 +1,31 @@
-#!/usr/bin/env python
 """Data-parallel training steps: total time and the communication left exposed after backward.
 
-Variants: NaiveDDP, FlatDDP, OverlapDDP, BucketedDDP at 1, 10, 100, 1000 MB and "auto", and
+Variants: NaiveDDP, FlatDDP, OverlapDDP, BucketedDDP at 1, 10, 25, 100, 1000 MB and "auto", and
 torch.nn.parallel.DistributedDataParallel. A step is forward + backward + gradient synchronisation + SGD step.
 "exposed communication" = step time - the same step without any communication (the model alone), so it
 counts only the part of communication that did not hide behind backward. The plot draws step time against
 bucket size with the overhead model's prediction (compute + (S/b)·o + b/w, with o and w measured here).
 
-    python benchmarks/ddp.py                          # 2 GPUs and the xl preset; on a CPU 2 gloo ranks, a small model
+    python -m benchmarks.ddp                          # 2 GPUs and the xl preset; on a CPU 2 gloo ranks, the tiny preset
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from harness import (  # noqa: E402
+from benchmarks.harness import (
     add_common_args, add_distributed_model_args, distributed_model_config, environment, pyplot, save_plot,
-    spawn_for_result, write_result, write_table,
+    spawn_for_result, token_batch, write_result, write_table,
 )
-
-from flashsys.dist import FlatDDP, NaiveDDP, OverlapDDP, BucketedDDP, measure_allreduce_cost  # noqa: E402
-from flashsys.dist.bucketed import plan_buckets  # noqa: E402
-from flashsys.nn import TransformerLM  # noqa: E402
+from flashsys.dist import BucketedDDP, FlatDDP, NaiveDDP, OverlapDDP, measure_allreduce_cost, plan_buckets
+from flashsys.nn import TransformerLM
+from flashsys.timing import Stopwatch
 
 BUCKETS = [1, 10, 25, 100, 1000]  # 25 MB: torch DDP's default, for a like-for-like comparison
 
@@ -46,20 +39,15 @@ def variants():
     return v
 
 
-def build(cfg, device):
-    torch.manual_seed(0)
-    return TransformerLM(10_000, cfg["context"], cfg["d_model"], cfg["layers"], cfg["heads"], cfg["d_ff"], device=device)
-
-
-def worker(rank, world, device, cfg, warmup, iters, only, out_json):
+def worker(rank, world, device, cfg, batch, warmup, iters, only, out_json):
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     else:
         torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randint(0, 10_000, (cfg["batch"], cfg["context"]), generator=g).to(device)
+    x = token_batch(cfg, batch, device, torch.Generator().manual_seed(rank))
     rows = []
-    model = build(cfg, device)
+    torch.manual_seed(0)
+    model = TransformerLM.from_config(cfg, device=device)
     total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     o, w = measure_allreduce_cost(device, torch.float32)
     for name, make in variants().items():
@@ -74,28 +62,20 @@ def worker(rank, world, device, cfg, warmup, iters, only, out_json):
             wrapped = make(model)
         opt = torch.optim.SGD(model.parameters(), lr=1e-5)
         steps, syncs = [], []
+        watch = Stopwatch(device, barrier=True)
         for i in range(warmup + iters):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = F.cross_entropy(wrapped(x[:, :-1]).float().reshape(-1, 10_000), x[:, 1:].reshape(-1))
+            watch.start()
+            loss = F.cross_entropy(wrapped(x[:, :-1]).float().reshape(-1, cfg.vocab_size), x[:, 1:].reshape(-1))
             loss.backward()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t1 = time.perf_counter()
+            watch.lap()
             if hasattr(wrapped, "finish_gradient_synchronization"):
                 wrapped.finish_gradient_synchronization()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t2 = time.perf_counter()
+            sync_ms = watch.lap()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
             if i >= warmup:
-                steps.append((time.perf_counter() - t0) * 1e3)
-                syncs.append((t2 - t1) * 1e3)
+                steps.append(watch.elapsed())
+                syncs.append(sync_ms)
         gathered = [None] * world
         dist.all_gather_object(gathered, (statistics.fmean(steps), statistics.stdev(steps) if len(steps) > 1 else 0.0,
                                           statistics.fmean(syncs)))
@@ -157,12 +137,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     cfg = distributed_model_config(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    res = spawn_for_result(worker, args.world_size, cfg, args.warmup, args.iters, args.variants, backend=args.backend,
-                           scratch_dir=args.out)
+    res = spawn_for_result(worker, args.world_size, cfg, args.batch, args.warmup, args.iters, args.variants,
+                           backend=args.backend, scratch_dir=args.out)
     rows, o, w, s = res["rows"], res["o_s"], res["w_Bps"], res["total_bytes"]
-    model_name = args.preset or f"d_model {cfg['d_model']}, {cfg['layers']} layers"
     path = write_table(rows, args.out, f"ddp_{args.backend}", "Data-parallel training step",
-                       [f"{args.world_size} ranks, {args.backend}, model {model_name} ({s / 2**20:.0f} MB of fp32 "
+                       [f"{args.world_size} ranks, {args.backend}, model {args.preset} ({s / 2**20:.0f} MB of fp32 "
                         f"gradients), context {args.context}, batch {args.batch} per rank; mean over {args.iters} steps "
                         f"after {args.warmup} warm-up (slowest rank). Measured all-reduce cost: o = {o * 1e6:.0f} µs per "
                         f"call, w = {w / 1e9:.1f} GB/s. exposed_comm_ms = step_ms - the compute-only step."],

@@ -1,72 +1,49 @@
-#!/usr/bin/env python
 """TransformerLM end to end: forward, backward and AdamW-step times, and peak memory, per preset and context.
 
 Batch 4, vocab 10,000. Warm-up steps are kept out of the numbers (`--warmup 0` shows what that does); times are
 mean ± std over `--iters` steps. `--dtype bf16` runs under `torch.autocast(bfloat16)`; `--compile` wraps the
 model in torch.compile; `--attention` picks the attention implementation inside the model.
 
-    python benchmarks/end_to_end.py --presets small medium --contexts 128 256 512 1024 --attention flash
+    python -m benchmarks.end_to_end --presets small medium --contexts 128 256 512 1024 --attention flash
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from harness import ON_GPU, add_common_args, environment, memory_snapshot, nvtx, peak_memory, progress, pyplot, run_cell, save_plot, summarize, sync, write_table  # noqa: E402
-
-from flashsys.nn import PRESETS, TransformerLM  # noqa: E402
-from flashsys.nn.transformer import Preset  # noqa: E402
-
-LOCAL_PRESETS = {"tiny": Preset(256, 1024, 4, 4)}  # for CPU runs
-ATTENTION = {"naive": "naive", "sdpa": "sdpa", "flash": "flash"}
+from benchmarks.harness import (
+    DEVICE, ON_GPU, add_common_args, environment, memory_snapshot, nvtx, peak_memory, progress, pyplot, run_cell,
+    save_plot, summarize, sync, token_batch, write_table,
+)
+from flashsys.nn import PRESETS, TransformerLM, preset
+from flashsys.ops.attention import ATTENTION_BACKENDS
+from flashsys.timing import time_call
 
 
-def timed(fn):
-    """Time one call (CUDA events on GPU); returns (result, ms)."""
-    import time
-
-    if ON_GPU:
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        out = fn()
-        e.record()
-        e.synchronize()
-        return out, s.elapsed_time(e)
-    t = time.perf_counter()
-    out = fn()
-    return out, (time.perf_counter() - t) * 1e3
-
-
-def measure(preset: str, context: int, args) -> dict:
-    device = "cuda" if ON_GPU else "cpu"
-    p = PRESETS.get(preset) or LOCAL_PRESETS[preset]
-    model = TransformerLM(10_000, context, p.d_model, p.num_layers, p.num_heads, p.d_ff,
-                          attention_backend=ATTENTION[args.attention], device=device)
+def measure(preset_name: str, context: int, args) -> dict:
+    device = DEVICE
+    cfg = preset(preset_name, vocab_size=10_000, context_length=context, attention_backend=args.attention)
+    model = TransformerLM.from_config(cfg, device=device)
     if args.compile:
         model = torch.compile(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randint(0, 10_000, (args.batch, context), device=device)
-    y = torch.randint(0, 10_000, (args.batch, context), device=device)
-    autocast = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if args.dtype == "bf16" else contextlib.nullcontext
+    x = token_batch(cfg, args.batch, device)
+    y = token_batch(cfg, args.batch, device)
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if args.dtype == "bf16" else contextlib.nullcontext
     fwd, bwd, step = [], [], []
     for i in range(args.warmup + args.iters):
         with nvtx(f"step {i}", args.nvtx):
             with nvtx("forward", args.nvtx), autocast():
-                logits, t_f = timed(lambda: model(x))
+                logits, t_f = time_call(lambda: model(x), device)
             loss = F.cross_entropy(logits.float().view(-1, 10_000), y.view(-1))
             with nvtx("backward", args.nvtx):
-                _, t_b = timed(loss.backward)
+                _, t_b = time_call(loss.backward, device)
             with nvtx("optimizer", args.nvtx):
-                _, t_s = timed(opt.step)
+                _, t_s = time_call(opt.step, device)
             opt.zero_grad(set_to_none=True)
         if i >= args.warmup:
             fwd.append(t_f), bwd.append(t_b), step.append(t_s)
@@ -88,13 +65,14 @@ def measure(preset: str, context: int, args) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, "end_to_end")
-    p.add_argument("--presets", nargs="+", default=list(PRESETS) if ON_GPU else ["tiny"],
-                   choices=list(PRESETS) + list(LOCAL_PRESETS))
+    gpu_presets = ["small", "medium", "large", "xl", "2.7B"]
+    p.add_argument("--presets", nargs="+", default=gpu_presets if ON_GPU else ["tiny"], choices=list(PRESETS))
     p.add_argument("--contexts", nargs="+", type=int, default=[128, 256, 512, 1024] if ON_GPU else [64, 128])
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--compile", action="store_true")
-    p.add_argument("--attention", choices=list(ATTENTION), default="flash")
+    p.add_argument("--attention", choices=list(ATTENTION_BACKENDS), default="flash",
+                   help="attention backend inside the model (the registry of flashsys.ops.attention)")
     args = p.parse_args(argv)
     rows = []
     with memory_snapshot(args.memory_snapshot):

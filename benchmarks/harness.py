@@ -1,6 +1,7 @@
 """The measurement harness every benchmark script shares.
 
-- Timing: warm-up steps kept out of the numbers; on CUDA each step is timed with CUDA events, on a CPU with
+- Timing: `flashsys.timing` (the one timer of the project, also used by the trainer and BucketedDDP's cost
+  model); warm-up steps kept out of the numbers; on CUDA each step is timed with CUDA events, on a CPU with
   perf_counter; mean, std and median in milliseconds.
 - Memory: peak allocated bytes on CUDA (`torch.cuda.max_memory_allocated`) around a region.
 - Profiling: `--nvtx` wraps regions in NVTX ranges for `nsys`; `--memory-snapshot PATH` records a
@@ -19,59 +20,33 @@ import datetime
 import json
 import math
 import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from flashsys.nn import PRESETS, ModelConfig, preset
+from flashsys.timing import Stats, summarize, synchronize, time_call
+
 RESULTS = Path(__file__).parent / "results"
 ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
-
-@dataclass
-class Stats:
-    mean: float
-    std: float
-    median: float
-    n: int
-
-    def __str__(self) -> str:
-        return f"{self.mean:.3f} ± {self.std:.3f}"
+__all__ = ["Stats", "summarize"]  # re-exported from flashsys.timing for the scripts
 
 
 def sync() -> None:
-    if ON_GPU:
-        torch.cuda.synchronize()
+    """Wait for this process's GPU work (no-op on a CPU)."""
+    synchronize(DEVICE)
 
 
 def time_steps(step: Callable[[], object], warmup: int, iters: int) -> Stats:
-    """Run `step` warmup times untimed, then iters times timed; milliseconds."""
+    """Run `step` warmup times untimed, then iters times timed (CUDA events on a GPU); milliseconds."""
     for _ in range(warmup):
         step()
     sync()
-    samples = []
-    for _ in range(iters):
-        if ON_GPU:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            step()
-            samples.append((time.perf_counter() - t) * 1e3)
-    return summarize(samples)
-
-
-def summarize(samples: list[float]) -> Stats:
-    return Stats(statistics.fmean(samples), statistics.stdev(samples) if len(samples) > 1 else 0.0,
-                 statistics.median(samples), len(samples))
+    return summarize([time_call(step, DEVICE)[1] for _ in range(iters)])
 
 
 def bench_ms(fn: Callable[[], object], rep_ms: int = 200, warmup_ms: int = 50) -> float:
@@ -99,6 +74,7 @@ def peak_memory() -> Iterator[dict]:
 
 @contextlib.contextmanager
 def nvtx(name: str, enabled: bool) -> Iterator[None]:
+    """An NVTX range around the block for nsys, when enabled and on a GPU."""
     if enabled and ON_GPU:
         torch.cuda.nvtx.range_push(name)
         try:
@@ -125,6 +101,7 @@ def memory_snapshot(path: str | None) -> Iterator[None]:
 
 
 def failure_label(exc: BaseException) -> str:
+    """"OOM" or "unsupported (ExceptionType)": what a failed cell's row says."""
     if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
         return "OOM"
     return f"unsupported ({type(exc).__name__})"
@@ -141,6 +118,7 @@ def run_cell(fn: Callable[[], dict]) -> dict:
 
 
 def add_common_args(p: argparse.ArgumentParser, script: str) -> None:
+    """--warmup, --iters, --out, --nvtx, --memory-snapshot and --no-progress, shared by every script."""
     p.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps (0 shows what skipping it does)")
     p.add_argument("--iters", type=int, default=10, help="timed steps")
     p.add_argument("--out", type=Path, default=RESULTS / script, help="results directory")
@@ -150,26 +128,23 @@ def add_common_args(p: argparse.ArgumentParser, script: str) -> None:
 
 
 def add_distributed_model_args(p: argparse.ArgumentParser) -> None:
-    """Model and world options of the multi-process benchmarks (xl on 2 GPUs; a small model on 2 CPU ranks)."""
-    from flashsys.nn import PRESETS
-
-    p.add_argument("--preset", default="xl" if ON_GPU else None, choices=list(PRESETS),
-                   help="model preset (default: xl on GPUs; d_model 256, 4 layers on a CPU)")
+    """Model and world options of the multi-process benchmarks (xl on 2 GPUs; the tiny preset on 2 CPU ranks)."""
+    p.add_argument("--preset", default="xl" if ON_GPU else "tiny", choices=list(PRESETS),
+                   help="model preset (default: xl on GPUs, tiny on a CPU)")
     p.add_argument("--context", type=int, default=512 if ON_GPU else 64)
     p.add_argument("--batch", type=int, default=2, help="per rank")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--backend", choices=["nccl", "gloo"], default="nccl" if ON_GPU else "gloo")
 
 
-def distributed_model_config(args: argparse.Namespace) -> dict:
-    from flashsys.nn import PRESETS
+def distributed_model_config(args: argparse.Namespace) -> ModelConfig:
+    """The benchmark model: the preset, vocab 10,000, room for `--context` inputs plus the shifted target."""
+    return preset(args.preset, vocab_size=10_000, context_length=args.context + 1)
 
-    if args.preset:
-        pr = PRESETS[args.preset]
-        cfg = dict(d_model=pr.d_model, layers=pr.num_layers, heads=pr.num_heads, d_ff=pr.d_ff)
-    else:
-        cfg = dict(d_model=256, layers=4, heads=4, d_ff=1024)
-    return {**cfg, "context": args.context + 1, "batch": args.batch}
+
+def token_batch(cfg: ModelConfig, batch: int, device, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Random token ids (batch, context_length): inputs are [:, :-1], next-token targets [:, 1:]."""
+    return torch.randint(0, cfg.vocab_size, (batch, cfg.context_length), generator=generator).to(device)
 
 
 def result_path(scratch_dir: Path) -> Path:
@@ -184,6 +159,7 @@ def write_result(rank: int, path: str | Path, obj) -> None:
 
 
 def read_result(path: str | Path):
+    """What `write_result` left at `path` (the file is removed)."""
     path = Path(path)
     try:
         return json.loads(path.read_text())
@@ -202,18 +178,20 @@ def spawn_for_result(worker: Callable, world_size: int, *args, backend: str, scr
 
 
 def progress(items, desc: str, disable: bool = False):
+    """A tqdm bar on stderr over `items`."""
     from tqdm import tqdm
 
     return tqdm(list(items), desc=desc, disable=disable, file=sys.stderr, dynamic_ncols=True)
 
 
 def environment() -> dict[str, str]:
+    """Device, versions, date and command: the header of every result file."""
     env = {
         "device": torch.cuda.get_device_name() if ON_GPU else f"CPU ({platform.processor() or platform.machine()})",
         "torch": torch.__version__,
         "python": platform.python_version(),
         "date": datetime.date.today().isoformat(),
-        "command": "python " + " ".join(sys.argv),
+        "command": command_line(),
     }
     try:
         import triton
@@ -224,6 +202,15 @@ def environment() -> dict[str, str]:
     if ON_GPU:
         env["gpus"] = str(torch.cuda.device_count())
     return env
+
+
+def command_line() -> str:
+    """How this script was started, as `python -m benchmarks.<name> ...` when run as a module."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:
+        return "python -m " + " ".join([spec.name, *sys.argv[1:]])
+    return "python " + " ".join(sys.argv)
 
 
 def fmt(v) -> str:
@@ -261,6 +248,7 @@ def write_table(rows: list[dict], out_dir: Path, name: str, title: str, notes: l
 
 
 def save_plot(fig, out_dir: Path, name: str) -> Path:
+    """Save `fig` as <out_dir>/<name>.png."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.png"
     fig.tight_layout()
@@ -269,6 +257,7 @@ def save_plot(fig, out_dir: Path, name: str) -> Path:
 
 
 def pyplot():
+    """matplotlib.pyplot with the file-only Agg backend."""
     import matplotlib
 
     matplotlib.use("Agg")

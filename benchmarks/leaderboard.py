@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """FlashAttention leaderboard timing: exactly the course leaderboard's test, beside PyTorch SDPA.
 
     q, k, v = torch.randn(3, 16, 16384, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True).unbind(0)
@@ -6,8 +5,10 @@
     step: flash(q, k, v, True).sum().backward()   timed by triton.testing.do_bench(rep=10000, warmup=1000)
 
 The same step runs through SDPA's flash and cuDNN backends on 4-D views of the same data, and the
-gradients of all three are compared before anything is timed. Writes a Markdown table with device,
-versions, command and date (default: benchmarks/results/leaderboard.md).
+gradients of all three are compared before anything is timed. Writes a Markdown table and a CSV with
+device, versions, command and date (default: benchmarks/results/leaderboard.md and .csv).
+
+    python -m benchmarks.leaderboard
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.harness import RESULTS, environment, write_table
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -26,17 +29,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--rep", type=int, default=10000, help="do_bench rep in ms (leaderboard: 10000)")
     ap.add_argument("--warmup", type=int, default=1000, help="do_bench warmup in ms (leaderboard: 1000)")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "leaderboard.md")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="results directory")
+    ap.add_argument("--name", default="leaderboard", help="file name (without .md/.csv) of the table")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("leaderboard.py times CUDA kernels; no CUDA device here. See benchmarks/attention.py for a CPU run.")
+        print("benchmarks.leaderboard times CUDA kernels; no CUDA device here. See benchmarks.attention for a CPU run.")
         return 0
 
     import triton
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from flashsys.ops.attention import FlashAttention2Triton
+    from flashsys.ops.attention import ATTENTION_BACKENDS, FlashAttention2Triton
     from flashsys.ops.attention import flash_triton
 
     torch.manual_seed(0)
@@ -47,16 +49,17 @@ def main(argv: list[str] | None = None) -> int:
     def flash_step():
         flash(q, k, v, True).sum().backward()
 
-    def sdpa_step(backend):
+    def sdpa_step(name):
+        sdpa = ATTENTION_BACKENDS[name]
+
         def step():
-            with sdpa_kernel(backend):
-                F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True).sum().backward()
+            sdpa(q[None], k[None], v[None], True).sum().backward()
         return step
 
     variants = [
         ("flashsys FlashAttention2Triton (torch.compile)", flash_step),
-        ("PyTorch SDPA, flash backend", sdpa_step(SDPBackend.FLASH_ATTENTION)),
-        ("PyTorch SDPA, cuDNN backend", sdpa_step(SDPBackend.CUDNN_ATTENTION)),
+        ("PyTorch SDPA, flash backend", sdpa_step("sdpa-flash")),
+        ("PyTorch SDPA, cuDNN backend", sdpa_step("sdpa-cudnn")),
     ]
     base = q._base  # the (3, H, N, D) leaf that q, k, v are views of
 
@@ -77,43 +80,28 @@ def main(argv: list[str] | None = None) -> int:
     for name, step in variants:
         g = grads[name]
         if isinstance(g, Exception):
-            rows.append((name, None, f"failed: {type(g).__name__}: {str(g).splitlines()[0][:80]}", None))
+            rows.append({"implementation": name, "error": f"failed: {type(g).__name__}: {str(g).splitlines()[0][:80]}"})
             continue
         err = ((g - ref).norm() / ref.norm()).item() if isinstance(ref, torch.Tensor) else float("nan")
         # Exactly the leaderboard's call, so do_bench's default statistic: the mean over all repetitions.
         ms = triton.testing.do_bench(step, rep=args.rep, warmup=args.warmup)
-        rows.append((name, ms, f"{err:.2e}", flops / ms / 1e9))
+        rows.append({"implementation": name, "time_ms": ms, "TFLOP/s": flops / ms / 1e9,
+                     "grad_rel_err_vs_sdpa_flash": f"{err:.2e}"})
         print(f"{name}: {ms:.3f} ms", flush=True)
+    ours = rows[0].get("time_ms", float("nan"))
+    for r in rows:
+        if "time_ms" in r:
+            r["vs_flashsys"] = f"{r['time_ms'] / ours:.2f}×"
 
-    ours = rows[0][1] or float("nan")
-    best = {}
+    notes = [f"Shape: batch·heads {args.heads}, seq {args.seq}, head_dim {args.head_dim}, bf16, causal, forward + "
+             f"backward; do_bench(rep={args.rep}, warmup={args.warmup}), its default statistic (the mean).", "",
+             "Autotuned configs (eager launches):"]
     for kernel, label in (("fwd", "fwd"), ("dkdv", "bwd dK/dV"), ("dq", "bwd dQ")):
         found = [cfg for key, cfg in flash_triton.chosen_configs().items()
                  if key.kernel == kernel and key.head_dim == args.head_dim and key.dtype == torch.bfloat16]
-        best[label] = ", ".join(f"{k}={v}" for k, v in found[-1].items()) if found else "not launched"
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from harness import environment
-
-    lines = ["# FlashAttention leaderboard timing", ""]
-    lines += [f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in environment().items()]
-    lines += [
-        f"- shape: batch·heads {args.heads}, seq {args.seq}, head_dim {args.head_dim}, bf16, causal, forward + backward; "
-        f"do_bench(rep={args.rep}, warmup={args.warmup}), its default statistic (mean)",
-        "",
-        "| implementation | time (ms) | vs flashsys | TFLOP/s | grad rel. error vs SDPA-flash |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for name, ms, err, tflops in rows:
-        if ms is None:
-            lines.append(f"| {name} | — | — | — | {err} |")
-        else:
-            lines.append(f"| {name} | {ms:.3f} | {ms / ours:.2f}× | {tflops:.0f} | {err} |")
-    lines += ["", "Autotuned configs (eager launches):", ""] + [f"- {k}: {v}" for k, v in best.items()]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+        notes.append(f"- {label}: " + (", ".join(f"{k}={v}" for k, v in found[-1].items()) if found else "not launched"))
+    path = write_table(rows, args.out, args.name, "FlashAttention leaderboard timing", notes, environment())
+    print(path.read_text())
     return 0
 
 

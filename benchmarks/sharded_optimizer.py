@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Optimizer-state sharding: memory per rank and step time, with and without it.
 
 Variants: plain AdamW, flashsys ShardedOptimizer(AdamW), torch's ZeroRedundancyOptimizer(AdamW); gradients are
@@ -12,25 +11,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from harness import (  # noqa: E402
+from benchmarks.harness import (
     add_common_args, add_distributed_model_args, distributed_model_config, environment, pyplot, save_plot,
-    spawn_for_result, write_result, write_table,
+    spawn_for_result, token_batch, write_result, write_table,
 )
-
-from flashsys.dist import BucketedDDP  # noqa: E402
-from flashsys.nn import TransformerLM  # noqa: E402
-from flashsys.optim import ShardedOptimizer  # noqa: E402
+from flashsys.dist import BucketedDDP
+from flashsys.nn import TransformerLM
+from flashsys.optim import ShardedOptimizer
+from flashsys.timing import Stopwatch
 
 MB = 2**20
 
@@ -45,7 +38,7 @@ def _state_bytes(opt) -> int:
                if torch.is_tensor(t) and t.dim() > 0)
 
 
-def worker(rank, world, device, cfg, variant, warmup, iters, out_json):
+def worker(rank, world, device, cfg, batch, variant, warmup, iters, out_json):
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.cuda.reset_peak_memory_stats(device)
@@ -53,7 +46,7 @@ def worker(rank, world, device, cfg, variant, warmup, iters, out_json):
         torch.set_num_threads(1)
     base = _allocated(device)
     torch.manual_seed(0)
-    model = TransformerLM(10_000, cfg["context"], cfg["d_model"], cfg["layers"], cfg["heads"], cfg["d_ff"], device=device)
+    model = TransformerLM.from_config(cfg, device=device)
     ddp = BucketedDDP(model, bucket_size_mb=25)
     after_init = _allocated(device) - base
     if variant == "AdamW":
@@ -64,25 +57,22 @@ def worker(rank, world, device, cfg, variant, warmup, iters, out_json):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-5)
-    x = torch.randint(0, 10_000, (cfg["batch"], cfg["context"]), device=device)
+    x = token_batch(cfg, batch, device)
     step_ms = []
+    watch = Stopwatch(device)
     for i in range(warmup + iters):
         pre_fwd = _allocated(device) - base
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        loss = F.cross_entropy(ddp(x[:, :-1]).float().reshape(-1, 10_000), x[:, 1:].reshape(-1))
+        loss = F.cross_entropy(ddp(x[:, :-1]).float().reshape(-1, cfg.vocab_size), x[:, 1:].reshape(-1))
         loss.backward()
         ddp.finish_gradient_synchronization()
         activations = (torch.cuda.max_memory_allocated(device) / MB - base - pre_fwd) if device.type == "cuda" else float("nan")
         before_step = _allocated(device) - base
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t = time.perf_counter()
+        watch.start()
         opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
         if i >= warmup:
-            step_ms.append((time.perf_counter() - t) * 1e3)
+            step_ms.append(watch.lap())
         after_step = _allocated(device) - base
         opt.zero_grad(set_to_none=True)
     peak = torch.cuda.max_memory_allocated(device) / MB - base if device.type == "cuda" else float("nan")
@@ -105,13 +95,13 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for variant in ("AdamW", "ShardedOptimizer(AdamW)", "ZeroRedundancyOptimizer(AdamW)"):
-        rows += spawn_for_result(worker, args.world_size, cfg, variant, args.warmup, args.iters, backend=args.backend,
-                                 scratch_dir=args.out)
+        rows += spawn_for_result(worker, args.world_size, cfg, args.batch, variant, args.warmup, args.iters,
+                                 backend=args.backend, scratch_dir=args.out)
     full_state = next(r["optimizer_state_MB"] for r in rows if r["variant"] == "AdamW")
     for r in rows:
         r["state_vs_total/world"] = r["optimizer_state_MB"] / (full_state / args.world_size)
     path = write_table(rows, args.out, f"sharded_optimizer_{args.backend}", "Optimizer-state sharding",
-                       [f"{args.world_size} ranks, model {args.preset or cfg}, context {args.context}, batch "
+                       [f"{args.world_size} ranks, model {args.preset}, context {args.context}, batch "
                         f"{args.batch} per rank, BucketedDDP(25 MB); memory is allocated bytes over the process's "
                         f"start (CUDA only), step_ms the optimizer step alone (mean over {args.iters} steps). "
                         "state_vs_total/world: 1.0 means exactly total optimizer state / world size."], environment())

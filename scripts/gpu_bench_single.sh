@@ -16,46 +16,46 @@ for s in "${sections[@]}"; do
       --tb=short -rf -v tests/ops tests/nn > "$OUT/pytest_gpu.log" 2>&1
     echo "pytest exit: $?"; grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/pytest_gpu.log" | grep -v "^\[gw" | tail -15 ;;
   leaderboard)
-    timeout -k 10 160 python3 benchmarks/leaderboard.py --out "$OUT/leaderboard.md" > "$OUT/leaderboard.log" 2>&1
+    timeout -k 10 160 python3 -m benchmarks.leaderboard --out "$OUT" > "$OUT/leaderboard.log" 2>&1
     grep -E "^\| |^- (fwd|bwd)" "$OUT/leaderboard.md" ;;
   attention)  # headline: ours vs SDPA, bf16, D 64/128, constant 16k tokens per cell
-    timeout -k 10 ${ATT_TIMEOUT:-240} python3 benchmarks/attention.py --no-progress --out "$OUT/attention" \
+    timeout -k 10 ${ATT_TIMEOUT:-240} python3 -m benchmarks.attention --no-progress --out "$OUT/attention" \
       --impls flash-triton sdpa-flash sdpa-cudnn --head-dims 64 128 --seq-lens 1024 2048 4096 8192 16384 32768 \
       --dtypes bf16 --causal both --rep 30 > "$OUT/attention.log" 2>&1
     echo "attention exit: $?"; grep -E "^\| flash-triton" "$OUT/attention/attention_gpu.md" | cut -d'|' -f3-7,10,13 ;;
   attention_long)  # the longest sequences, batch 1
-    timeout -k 10 120 python3 benchmarks/attention.py --no-progress --out "$OUT/attention_long" \
+    timeout -k 10 120 python3 -m benchmarks.attention --no-progress --out "$OUT/attention_long" \
       --impls flash-triton sdpa-flash sdpa-cudnn --head-dims 64 128 --seq-lens 65536 --dtypes bf16 --rep 20 \
       > "$OUT/attention_long.log" 2>&1
     echo "attention_long exit: $?"; grep -E "^\| " "$OUT/attention_long/attention_gpu.md" | cut -d'|' -f2-7,10,13 ;;
   attention_b1)  # batch 1, short sequences: where an eager op's host-side cost shows
-    timeout -k 10 100 python3 benchmarks/attention.py --no-progress --out "$OUT/attention_b1" --batch 1 \
+    timeout -k 10 100 python3 -m benchmarks.attention --no-progress --out "$OUT/attention_b1" --batch 1 \
       --impls flash-triton sdpa-flash sdpa-cudnn --head-dims 64 --seq-lens 1024 2048 4096 --dtypes bf16 --causal both \
       --rep 30 > "$OUT/attention_b1.log" 2>&1
     echo "attention_b1 exit: $?"; grep -E "^\| " "$OUT/attention_b1/attention_gpu.md" | cut -d'|' -f2-10 ;;
   attention_small)  # every implementation at head dims 16 and 32, fp32 and bf16
-    timeout -k 10 ${ATT_TIMEOUT:-420} python3 benchmarks/attention.py --no-progress --out "$OUT/attention_small" \
+    timeout -k 10 ${ATT_TIMEOUT:-420} python3 -m benchmarks.attention --no-progress --out "$OUT/attention_small" \
       --head-dims 16 32 --seq-lens 1024 4096 16384 --dtypes fp32 bf16 --causal yes --rep 10 \
       > "$OUT/attention_small.log" 2>&1
     echo "attention_small exit: $?"; grep -E "^\| " "$OUT/attention_small/attention_gpu.md" | cut -d'|' -f2-7,10,13 ;;
   attention_short)  # every implementation at N 128-512 (batch 128-32 at 16k tokens)
-    timeout -k 10 ${ATT_TIMEOUT:-300} python3 benchmarks/attention.py --no-progress --out "$OUT/attention_short" \
+    timeout -k 10 ${ATT_TIMEOUT:-300} python3 -m benchmarks.attention --no-progress --out "$OUT/attention_short" \
       --head-dims 64 128 --seq-lens 128 256 512 --dtypes bf16 fp32 --causal yes --rep 20 \
       > "$OUT/attention_short.log" 2>&1
     echo "attention_short exit: $?"; grep -E "^\| " "$OUT/attention_short/attention_gpu.md" | cut -d'|' -f2-7,10,13,14 ;;
   attention_compiled)  # naive attention eager vs torch.compile, beside ours
-    timeout -k 10 200 python3 benchmarks/attention.py --no-progress --out "$OUT/attention_compiled" \
+    timeout -k 10 200 python3 -m benchmarks.attention --no-progress --out "$OUT/attention_compiled" \
       --impls naive naive-compiled flash-triton --head-dims 64 --seq-lens 1024 4096 --dtypes fp32 bf16 --causal yes \
       --rep 20 > "$OUT/attention_compiled.log" 2>&1
     echo "attention_compiled exit: $?"; grep -E "^\| " "$OUT/attention_compiled/attention_gpu.md" | cut -d'|' -f2-7,10,11,13 ;;
   end_to_end)
     for dt in ${E2E_DTYPES:-fp32 bf16}; do
-      timeout -k 10 ${E2E_TIMEOUT:-300} python3 benchmarks/end_to_end.py --no-progress --out "$OUT/end_to_end" --dtype $dt \
+      timeout -k 10 ${E2E_TIMEOUT:-300} python3 -m benchmarks.end_to_end --no-progress --out "$OUT/end_to_end" --dtype $dt \
         --warmup 2 --iters 5 > "$OUT/end_to_end_$dt.log" 2>&1
       echo "end_to_end $dt exit: $?"; grep -E "^\| " "$OUT/end_to_end/end_to_end_gpu_${dt}_flash_w2.md" | cut -c1-150
     done
     [ -n "${E2E_SKIP_W0:-}" ] && continue
-    timeout -k 10 60 python3 benchmarks/end_to_end.py --no-progress --out "$OUT/end_to_end" --presets small medium \
+    timeout -k 10 60 python3 -m benchmarks.end_to_end --no-progress --out "$OUT/end_to_end" --presets small medium \
       --warmup 0 --iters 5 > "$OUT/end_to_end_w0.log" 2>&1  # what skipping warm-up does
     echo "end_to_end w0 exit: $?"; grep -E "^\| " "$OUT/end_to_end/end_to_end_gpu_fp32_flash_w0.md" | cut -c1-150 ;;
   *) echo "unknown section $s"; exit 2 ;;

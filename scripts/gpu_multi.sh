@@ -10,10 +10,10 @@ timeout -k 5 80 python3 -m pytest -p no:cacheprovider -p no:pytest_benchmark -q 
 echo "nccl tests exit: $?"; tail -3 "$OUT/pytest_nccl.log"
 worlds=(2); [ "$n_gpu" -ge 4 ] && worlds=(2 4)
 for w in "${worlds[@]}"; do
-  timeout -k 5 110 python3 benchmarks/ddp.py --world-size $w --warmup 2 --iters 8 --out "$OUT/ddp_w$w" > "$OUT/ddp_w$w.log" 2>&1
+  timeout -k 5 110 python3 -m benchmarks.ddp --world-size $w --warmup 2 --iters 8 --out "$OUT/ddp_w$w" > "$OUT/ddp_w$w.log" 2>&1
   echo "ddp world $w exit: $?"; grep -E "^\|" "$OUT/ddp_w$w/ddp_nccl.md" | cut -c1-160; grep -E "o = " "$OUT/ddp_w$w/ddp_nccl.md" | cut -c1-300
-  timeout -k 5 110 python3 benchmarks/sharded_optimizer.py --world-size $w --warmup 1 --iters 3 --out "$OUT/sharded_w$w" > "$OUT/sharded_w$w.log" 2>&1
+  timeout -k 5 110 python3 -m benchmarks.sharded_optimizer --world-size $w --warmup 1 --iters 3 --out "$OUT/sharded_w$w" > "$OUT/sharded_w$w.log" 2>&1
   echo "sharded world $w exit: $?"; grep -E "^\|" "$OUT/sharded_w$w/sharded_optimizer_nccl.md" | cut -d'|' -f2-9,12
 done
-timeout -k 5 60 python3 benchmarks/allreduce.py --warmup 3 --iters 10 --out "$OUT/allreduce" > "$OUT/allreduce.log" 2>&1
+timeout -k 5 60 python3 -m benchmarks.allreduce --warmup 3 --iters 10 --out "$OUT/allreduce" > "$OUT/allreduce.log" 2>&1
 echo "allreduce exit: $?"; grep -E "^\|" "$OUT/allreduce/allreduce_nccl.md"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+ROOT = Path(__file__).resolve().parent.parent
 
 CASES = {
     "attention": (["--seq-lens", "64", "--head-dims", "16", "--impls", "naive", "flash-torch", "sdpa-math"],
@@ -24,14 +24,16 @@ CASES = {
 }
 
 
-def _run(args, timeout=300):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout)
+def _run(script, *args, timeout=300):
+    """`python -m benchmarks.<script> ARGS` from the repository root, as the README runs them."""
+    return subprocess.run([sys.executable, "-m", f"benchmarks.{script}", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
 
 
 @pytest.mark.parametrize("script", list(CASES))
 def test_benchmark_script_runs_and_writes_results(script, tmp_path):
     args, outputs = CASES[script]
-    r = _run([str(BENCH / f"{script}.py"), *args, "--out", str(tmp_path), "--no-progress"])
+    r = _run(script, *args, "--out", str(tmp_path), "--no-progress")
     assert r.returncode == 0, r.stderr[-3000:]
     for name in outputs:
         assert (tmp_path / name).is_file(), f"{name} missing; have {sorted(p.name for p in tmp_path.iterdir())}"
@@ -41,18 +43,17 @@ def test_benchmark_script_runs_and_writes_results(script, tmp_path):
 
 @pytest.mark.parametrize("script", list(CASES) + ["leaderboard"])
 def test_benchmark_help(script):
-    r = _run([str(BENCH / f"{script}.py"), "--help"], timeout=120)
+    r = _run(script, "--help", timeout=120)
     assert r.returncode == 0 and "usage" in r.stdout
 
 
 def test_leaderboard_without_cuda_says_so():
-    r = _run([str(BENCH / "leaderboard.py")], timeout=120)
+    r = _run("leaderboard", timeout=120)
     assert r.returncode == 0 and "CUDA" in r.stdout
 
 
 def test_a_failing_cell_is_recorded_not_fatal():
-    sys.path.insert(0, str(BENCH))
-    from harness import run_cell
+    from benchmarks.harness import run_cell
 
     def boom():
         raise RuntimeError("CUDA out of memory. Tried to allocate 2 GiB")
