@@ -38,6 +38,7 @@ class Stopwatch:
         self._t0 = self._last = None
 
     def start(self) -> Stopwatch:
+        """Begin an interval (after the device's queued work and, with barrier=True, the other ranks)."""
         synchronize(self.device)
         if self.barrier:
             dist.barrier(group=self.group)
@@ -45,12 +46,14 @@ class Stopwatch:
         return self
 
     def lap(self) -> float:
+        """Milliseconds since the previous reading (start or lap); starts the next lap."""
         synchronize(self.device)
         now = time.perf_counter()
         ms, self._last = (now - self._last) * 1e3, now
         return ms
 
     def elapsed(self) -> float:
+        """Milliseconds since start()."""
         synchronize(self.device)
         return (time.perf_counter() - self._t0) * 1e3
 

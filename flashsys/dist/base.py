@@ -20,6 +20,14 @@ class DataParallelBase(nn.Module, metaclass=abc.ABCMeta):
 
     At construction: the model signature is checked across ranks, then every parameter and buffer (frozen ones
     too) is broadcast from rank 0. The wrapper registers no parameters of its own; the model is `.module`.
+
+    Args:
+        module: the model, already on this rank's device.
+        process_group: the group to average over (default: the world).
+
+    Raises:
+        RuntimeError: without an initialised process group.
+        ValueError: when the model differs between ranks.
     """
 
     def __init__(self, module: nn.Module, process_group=None) -> None:

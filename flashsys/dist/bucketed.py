@@ -42,6 +42,15 @@ class BucketedDDP(DataParallelBase):
     - Buckets are launched strictly in order, on every rank, as soon as they and all before them are full;
       `finish_gradient_synchronization()` launches what is left (parameters without a gradient contribute
       zeros and a used-flag of 0), waits, and averages.
+
+    Args:
+        module: the model, already on this rank's device.
+        bucket_size_mb: bucket cap in MiB, `None` (one bucket per dtype and device) or `"auto"` (measured).
+        process_group: the group to average over (default: the world).
+
+    Raises:
+        ValueError: for a bucket size that is not a positive number, None or "auto"; or a model that differs
+            between ranks.
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float | str | None = 25.0, process_group=None) -> None:

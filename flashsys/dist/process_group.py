@@ -37,6 +37,7 @@ def find_free_port() -> int:
 
 
 def launched_by_torchrun() -> bool:
+    """True when torchrun's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are all in the environment."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
@@ -107,7 +108,18 @@ def spawn(
 ) -> None:
     """Run fn(rank, world_size, device, *args) in world_size processes joined in one process group.
 
-    A free port is chosen at run time. An exception in any rank is raised here with its traceback.
+    A free port is chosen at run time. Each process is torn down with `shutdown()` after fn returns.
+
+    Args:
+        fn: a picklable (module-level) function.
+        world_size: number of processes.
+        *args: passed to fn after (rank, world_size, device); must be picklable.
+        backend: "nccl" or "gloo" (default: NCCL when CUDA is available).
+        timeout_s: the process group's collective timeout.
+
+    Raises:
+        ValueError: for world_size < 1, or more NCCL ranks than GPUs.
+        torch.multiprocessing.ProcessRaisedException: when fn raises in any rank (with its traceback).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")

@@ -39,6 +39,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
+        """d_model // num_heads."""
         return self.d_model // self.num_heads
 
     def replace(self, **changes) -> ModelConfig:

@@ -187,7 +187,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
 
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather every shard's state on rank `to` (a collective: call it on every rank)."""
+        """Gather every shard's state on rank `to` (a collective: call it on every rank); `state_dict()` on that
+        rank then returns it. States are moved to the CPU on the way."""
         index = self._global_index()
         inner_sd = self.inner.state_dict()
         inner_params = [p for g in self._local for p in g]
@@ -207,7 +208,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._consolidated = None
 
     def state_dict(self) -> dict[str, Any]:
-        """The full state in the unsharded optimizer's layout; only on the rank that consolidated it."""
+        """The full state in the unsharded optimizer's layout; only on the rank that consolidated it.
+
+        Raises:
+            RuntimeError: on a rank that did not receive the consolidated state.
+        """
         if self._consolidated is None:
             raise RuntimeError(
                 "ShardedOptimizer.state_dict(): call consolidate_state_dict(to=rank) on every rank first, "
@@ -219,7 +224,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return {"state": self._consolidated["state"], "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a full (consolidated or unsharded) state dict on every rank; each keeps its own shard."""
+        """Load a full (consolidated, or the unsharded optimizer's) state dict on every rank; each keeps its own
+        shard.
+
+        Raises:
+            ValueError: when the param groups do not match this optimizer's.
+        """
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(
             len(g["params"]) != len(o["params"]) for g, o in zip(groups, self.param_groups)

@@ -1,4 +1,4 @@
-"""The op contract of design.md §2: saved tensors, strides, torch.compile, dispatch, and bad input."""
+"""The op contract (README "Using it"): saved tensors, strides, torch.compile, dispatch, and bad input."""
 
 from __future__ import annotations
 

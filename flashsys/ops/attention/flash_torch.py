@@ -98,10 +98,15 @@ def flash_backward_torch(
 
 
 class FlashAttention2Torch(torch.autograd.Function):
-    """FlashAttention-2 as a tiled pure-PyTorch autograd.Function (CPU or GPU, fp16/bf16/fp32/fp64)."""
+    """FlashAttention-2 as a tiled pure-PyTorch autograd.Function (CPU or GPU, fp16/bf16/fp32/fp64).
+
+    `FlashAttention2Torch.apply(q, k, v, is_causal=False, softmax_scale=None)`; arguments, masks and errors as in
+    `flashsys.ops.flash_attention`. Saves q, k, v, O and the float32 (float64 for float64 inputs) logsumexp L.
+    """
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False, softmax_scale: float | None = None) -> Tensor:
+        """Returns O, shaped and typed like q."""
         scale = check_attention_inputs(
             q, k, v, is_causal, softmax_scale, op="FlashAttention2Torch", allowed_dtypes=FLOAT_DTYPES + (torch.float64,)
         )
@@ -112,6 +117,7 @@ class FlashAttention2Torch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do: Tensor):
+        """(dQ, dK, dV, None, None): the scores are recomputed tile by tile from q, k and L."""
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = flash_backward_torch(q, k, v, o, lse, do, ctx.is_causal, ctx.scale)
         return dq, dk, dv, None, None

@@ -647,10 +647,16 @@ def _eager(*tensors: Tensor) -> bool:
 
 
 class FlashAttention2Triton(torch.autograd.Function):
-    """FlashAttention-2 with Triton forward and backward kernels (CUDA; CPU under TRITON_INTERPRET=1)."""
+    """FlashAttention-2 with Triton forward and backward kernels (CUDA; CPU under TRITON_INTERPRET=1).
+
+    `FlashAttention2Triton.apply(q, k, v, is_causal=False, softmax_scale=None)`; arguments, masks and errors as in
+    `flashsys.ops.flash_attention`, head_dim up to 256. Saves q, k, v, O and the float32 natural-log logsumexp L.
+    `torch.compile(FlashAttention2Triton.apply)` works: under compile the kernels run through custom ops.
+    """
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False, softmax_scale: float | None = None) -> Tensor:
+        """Returns O, shaped and typed like q."""
         scale = check_attention_inputs(q, k, v, is_causal, softmax_scale, op="FlashAttention2Triton",
                                        max_head_dim=MAX_HEAD_DIM)
         _check_device(q)
@@ -662,6 +668,7 @@ class FlashAttention2Triton(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do: Tensor):
+        """(dQ, dK, dV, None, None) from the dQ kernel, then the dK/dV kernel; dO may have any strides."""
         q, k, v, o, lse = ctx.saved_tensors
         backward = _backward_impl if _eager(q, do) else flash_attention_backward_op
         dq, dk, dv = backward(q, k, v, o, lse, do, ctx.is_causal, ctx.scale)

@@ -18,6 +18,13 @@ def causal_mask(n_queries: int, n_keys: int, device: torch.device | str | None =
 
     Aligned to the bottom-right corner as in FlashAttention-2: query i sees keys j <= i + (Nk - Nq).
     With Nq > Nk the first Nq - Nk queries see no key at all.
+
+    Args:
+        n_queries, n_keys: Nq and Nk.
+        device: where to build the mask.
+
+    Returns:
+        A bool tensor of shape (n_queries, n_keys).
     """
     i = torch.arange(n_queries, device=device)[:, None]
     j = torch.arange(n_keys, device=device)[None, :]
@@ -31,10 +38,17 @@ def attention_reference(
     causal: bool = False,
     softmax_scale: float | None = None,
 ) -> tuple[Float[Tensor, "*batch Nq D"], Float[Tensor, "*batch Nq"]]:
-    """Return (O, L): the attention output and the natural-log logsumexp of the scaled scores.
+    """The attention output and logsumexp, computed naively (the whole score matrix in memory).
 
-    Computed in the inputs' dtype (differentiable). A query row that sees no key (causal with
-    Nq > Nk) gets O = 0 and L = -inf, the same convention as the flash ops.
+    Args:
+        q, k, v: as for `flash_attention`; any floating dtype, float64 included.
+        causal: bottom-right aligned causal mask (`causal_mask`).
+        softmax_scale: default 1/sqrt(head_dim).
+
+    Returns:
+        (O, L): O shaped like q, and L = logsumexp of the scaled scores in natural log, shaped q.shape[:-1],
+        both in the inputs' dtype and differentiable. A query row that sees no key (causal with Nq > Nk)
+        gets O = 0 and L = -inf, the same convention as the flash ops.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     s = torch.matmul(q, k.transpose(-2, -1)) * scale
