@@ -14,6 +14,7 @@ import torch
 
 from .errors import UsageError
 from .nn import PRESETS, preset
+from .ops.attention import ATTENTION_BACKENDS
 from .train import TrainConfig
 
 DEMO = PRESETS["demo"]
@@ -28,6 +29,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=DEMO.num_heads)
     p.add_argument("--d-ff", type=int, default=DEMO.d_ff)
     p.add_argument("--context-length", type=int, default=DEMO.context_length)
+    p.add_argument("--attention", choices=list(ATTENTION_BACKENDS), default=DEMO.attention_backend,
+                   help="attention implementation inside the model (see `flashsys info`)")
     p.add_argument("--world-size", type=int, default=None, help="processes (default: GPUs, or 2 on a CPU)")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch, split over ranks")
@@ -69,10 +72,10 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
     from .dist import launched_by_torchrun
 
     if a.preset:
-        model = preset(a.preset, vocab_size=VOCAB, context_length=a.context_length)
+        model = preset(a.preset, vocab_size=VOCAB, context_length=a.context_length, attention_backend=a.attention)
     else:
         model = DEMO.replace(d_model=a.d_model, num_layers=a.layers, num_heads=a.heads, d_ff=a.d_ff,
-                             context_length=a.context_length)
+                             context_length=a.context_length, attention_backend=a.attention)
     for name, flag in (("d_model", "--d-model"), ("num_layers", "--layers"), ("num_heads", "--heads"),
                        ("d_ff", "--d-ff"), ("context_length", "--context-length")):
         if getattr(model, name) <= 0:

@@ -98,3 +98,12 @@ def test_runs_under_torchrun(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 4
+
+
+def test_attention_flag_and_resume_with_another_backend(tmp_path):
+    """--attention picks the model's backend from the registry; a checkpoint resumes under another one (same
+    weights), but not with another shape."""
+    assert _train(tmp_path, "--steps", "4", "--checkpoint-every", "2", "--stop-after", "2", "--attention", "naive") == 0
+    assert _train(tmp_path, "--steps", "4", "--resume", "--attention", "sdpa") == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 4

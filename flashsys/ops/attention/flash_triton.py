@@ -466,7 +466,7 @@ def _positional(kernel, named: dict) -> tuple:
     if len(named) != len(names) or not all(n in named for n in names):
         # a launcher out of step with its kernel: fail here, not with wrong numbers
         missing = [n for n in names if n not in named]
-        raise TypeError(f"{kernel.__name__}: launch arguments missing {missing}, unexpected {sorted(set(named) - set(names))}")
+        raise TypeError(f"{kernel.fn.__name__}: launch arguments missing {missing}, unexpected {sorted(set(named) - set(names))}")
     return tuple(named[n] for n in names)
 
 
@@ -602,7 +602,8 @@ def _interpreter_upcast(t: Tensor) -> Tensor:
 # The launchers are registered as custom ops so that torch.compile treats them as opaque calls and
 # launches the same eager Triton kernels (with Triton's own autotuner) instead of re-emitting their
 # source through Inductor, which breaks on kernels that call other @triton.jit helpers. In eager mode
-# the Function calls the launchers directly: the custom-op dispatch cost 40-70 us of host time per call.
+# the Function calls the launchers directly: the custom-op dispatch costs more host time than a short kernel
+# (kernel_experiments.md, "Host-side choices").
 
 
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor]:

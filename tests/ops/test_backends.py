@@ -1,0 +1,74 @@
+"""The attention backend registry: one name per implementation, all computing the same function."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashsys.ops.attention import ATTENTION_BACKENDS, CORE_BACKENDS, attention_reference, backend_report, get_backend
+
+from .attention_checks import rel_err
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_short_flash_names_resolve_to_registry_entries():
+    assert get_backend("auto").name == "flash"
+    assert get_backend("triton").name == "flash-triton"
+    assert get_backend("torch").name == "flash-torch"
+    assert CORE_BACKENDS == ("flash", "flash-triton", "flash-torch", "sdpa", "naive")
+    for bad in ("cudnn", "", None, 3):
+        with pytest.raises(ValueError, match="unknown attention backend"):
+            get_backend(bad)
+
+
+@pytest.mark.parametrize("name", [n for n in ATTENTION_BACKENDS if n != "naive-compiled"])
+def test_every_available_backend_matches_float64_reference(name):
+    backend = ATTENTION_BACKENDS[name]
+    if backend.unavailable_reason(DEVICE) is not None:
+        pytest.skip(backend.unavailable_reason(DEVICE))
+    # fp16 on a GPU, where SDPA's flash and cuDNN kernels take no fp32; fp32 on a CPU.
+    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 3, 37, 16, generator=g).to(DEVICE, dtype) for _ in range(3))
+    ref = attention_reference(q.double(), k.double(), v.double(), True, 0.3)[0]
+    out = backend(q, k, v, True, 0.3)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert rel_err(out, ref) < (5e-3 if dtype == torch.float16 else 1e-5)
+
+
+def test_unavailable_reason_without_cuda():
+    if DEVICE == "cuda":
+        pytest.skip("has CUDA")
+    assert ATTENTION_BACKENDS["sdpa-cudnn"].unavailable_reason("cpu") == "needs CUDA"
+    assert ATTENTION_BACKENDS["flash"].unavailable_reason("cpu") is None
+    assert ATTENTION_BACKENDS["flash-triton"].unavailable_reason("cpu") is None  # conftest sets TRITON_INTERPRET=1
+
+
+def test_backend_report_lists_every_backend_once():
+    report = backend_report()
+    assert [name for name, _, _ in report] == list(ATTENTION_BACKENDS)
+    works = {name: ok for name, ok, _ in report}
+    assert works["flash"] and works["flash-torch"] and works["naive"]
+
+
+def test_sdpa_refuses_causal_with_unequal_lengths():
+    q, k = torch.randn(1, 4, 8), torch.randn(1, 6, 8)
+    with pytest.raises(ValueError, match="top-left"):
+        get_backend("sdpa")(q, k, k, True)
+
+
+def test_launcher_arguments_are_checked_against_the_kernel_signature():
+    from flashsys.ops.attention import flash_triton
+
+    kernel = flash_triton._fwd_kernels[64, False, False].fn
+    q = torch.randn(1, 8, 16)
+    named = dict(Q=q, K=q, V=q, O=q, L=q, **flash_triton._strides("q", q), **flash_triton._strides("k", q),
+                 **flash_triton._strides("v", q), **flash_triton._strides("o", q), n_heads=1, n_q=8, n_k=8, qk_scale=1.0)
+    args = flash_triton._positional(kernel, named)
+    assert args[:5] == (q, q, q, q, q) and args[-4:] == (1, 8, 8, 1.0)
+    del named["stride_kn"]
+    with pytest.raises(TypeError, match="stride_kn"):
+        flash_triton._positional(kernel, named)
+    with pytest.raises(TypeError, match="unexpected"):
+        flash_triton._positional(kernel, {**named, "stride_kn": 1, "stride_xx": 3})

@@ -1,0 +1,37 @@
+"""flashsys.timing: the one timer of the trainer, the cost model and the benchmarks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from flashsys.timing import Stopwatch, repeat, summarize, time_call
+
+
+def test_stopwatch_laps_add_up_to_elapsed():
+    watch = Stopwatch("cpu").start()
+    time.sleep(0.02)
+    first = watch.lap()
+    time.sleep(0.01)
+    second = watch.lap()
+    total = watch.elapsed()
+    assert first >= 19 and second >= 9
+    assert first + second <= total + 1e-6
+
+
+def test_time_call_returns_the_result_and_milliseconds():
+    out, ms = time_call(lambda: time.sleep(0.01) or 42, "cpu")
+    assert out == 42 and ms >= 9
+
+
+def test_repeat_times_only_the_timed_calls():
+    calls = []
+    samples = repeat(lambda: calls.append(1), warmup=2, iters=5, device="cpu")
+    assert len(calls) == 7 and len(samples) == 5 and all(s >= 0 for s in samples)
+
+
+def test_summarize():
+    s = summarize([1.0, 2.0, 3.0, 10.0])
+    assert s.mean == pytest.approx(4.0) and s.median == pytest.approx(2.5) and s.n == 4
+    assert summarize([5.0]).std == 0.0
