@@ -9,6 +9,7 @@ Runs under torchrun (one world) or spawns its own processes for each world size.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 
 import torch
@@ -27,7 +28,7 @@ def worker(rank, world, device, sizes_mb, warmup, iters, out_json):
     for mb in sizes_mb:
         n = int(mb * 2**20) // 4
         buf = torch.randn(n, device=device)
-        times = repeat(lambda: dist.all_reduce(buf), warmup=warmup, iters=iters, device=device, barrier=True)
+        times = repeat(functools.partial(dist.all_reduce, buf), warmup=warmup, iters=iters, device=device, barrier=True)
         gathered = [None] * world
         dist.all_gather_object(gathered, statistics.fmean(times))
         if rank == 0:

@@ -76,10 +76,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     rows = []
     with memory_snapshot(args.memory_snapshot):
-        for preset, ctx in progress([(a, c) for a in args.presets for c in args.contexts], "end_to_end", args.no_progress):
-            row = {"preset": preset, "context": ctx, "dtype": args.dtype, "attention": args.attention,
+        for preset_name, ctx in progress([(a, c) for a in args.presets for c in args.contexts], "end_to_end",
+                                         args.no_progress):
+            row = {"preset": preset_name, "context": ctx, "dtype": args.dtype, "attention": args.attention,
                    "compile": args.compile, "warmup": args.warmup}
-            row.update(run_cell(lambda: measure(preset, ctx, args)))
+            row.update(run_cell(lambda: measure(preset_name, ctx, args)))
             rows.append(row)
             if ON_GPU:
                 torch.cuda.empty_cache()
@@ -90,10 +91,10 @@ def main(argv=None) -> int:
                         "and during a full training step."], environment())
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    for preset in args.presets:
-        pts = [(r["context"], r["total_ms"]) for r in rows if r["preset"] == preset and "total_ms" in r]
+    for preset_name in args.presets:
+        pts = [(r["context"], r["total_ms"]) for r in rows if r["preset"] == preset_name and "total_ms" in r]
         if pts:
-            ax.plot(*zip(*pts), marker="o", label=preset)
+            ax.plot(*zip(*pts), marker="o", label=preset_name)
     ax.set_xlabel("context length")
     ax.set_ylabel("train step (ms)")
     ax.set_yscale("log")
