@@ -14,6 +14,12 @@ from ..ops.attention import CORE_BACKENDS, FLASH_ALIASES, flash_attention, get_b
 ATTENTION_BACKENDS = CORE_BACKENDS
 
 
+def check_rope_theta(theta: object) -> None:
+    """RoPE's base must be a positive finite number: a negative one gives NaN tables, 0 silently turns RoPE off."""
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+        raise ValueError(f"rope_theta must be a positive finite number (or None for no RoPE), got {theta!r}")
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, softmax_scale: float | None, backend: str) -> Tensor:
     """Run one attention call through the registered backend called `backend`; all compute the same function."""
     return get_backend(backend).fn(q, k, v, causal, softmax_scale)
@@ -63,6 +69,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+        check_rope_theta(theta)
         inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
         angles = torch.outer(torch.arange(context_length, device=device, dtype=torch.float32), inv_freq)
         self.register_buffer("cos", angles.cos(), persistent=False)
@@ -101,18 +108,34 @@ class MultiHeadSelfAttention(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        if num_heads <= 0 or d_model % num_heads:
+        for name, value in (("d_model", d_model), ("num_heads", num_heads), ("context_length", context_length)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"MultiHeadSelfAttention: {name} must be a positive integer, got {value!r}")
+        if d_model % num_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
         self.d_model, self.num_heads, self.head_dim = d_model, num_heads, d_model // num_heads
         self.causal, self.attention_backend = causal, get_backend(attention_backend).name
         self.qkv_proj = nn.Linear(d_model, 3 * d_model, bias=False, device=device, dtype=dtype)
         self.output_proj = nn.Linear(d_model, d_model, bias=False, device=device, dtype=dtype)
-        self.rope = RotaryEmbedding(self.head_dim, context_length, rope_theta, device) if rope_theta else None
+        self.rope = RotaryEmbedding(self.head_dim, context_length, rope_theta, device) if rope_theta is not None else None
         for lin in (self.qkv_proj, self.output_proj):
             nn.init.trunc_normal_(lin.weight, std=math.sqrt(2.0 / (lin.in_features + lin.out_features)))
 
     def forward(self, x: Float[Tensor, "B N d_model"]) -> Float[Tensor, "B N d_model"]:
-        """Self-attention over the sequence dimension of x."""
+        """Self-attention over the sequence dimension of x.
+
+        Raises:
+            ValueError, TypeError: for input that is not a floating (batch, seq, d_model) tensor, or a sequence
+                longer than the RoPE tables' context_length.
+        """
+        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
+            shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"MultiHeadSelfAttention: x must have shape (batch, seq, {self.d_model}), got {shape}")
+        if not x.is_floating_point():
+            raise TypeError(f"MultiHeadSelfAttention: x must be a floating-point tensor, got {x.dtype}")
+        if self.rope is not None and x.shape[1] > self.rope.cos.shape[0]:
+            raise ValueError(f"MultiHeadSelfAttention: sequence length {x.shape[1]} exceeds the RoPE tables' "
+                             f"context_length {self.rope.cos.shape[0]}")
         b, n, _ = x.shape
         q, k, v = self.qkv_proj(x).view(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         if self.rope is not None:

@@ -54,6 +54,10 @@ class ModelConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
+        if self.rope_theta is not None:
+            from .attention import check_rope_theta
+
+            check_rope_theta(self.rope_theta)
         if self.rope_theta is not None and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim; d_model/num_heads = {self.head_dim}")
         from ..ops.attention.backends import get_backend

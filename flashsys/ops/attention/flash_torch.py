@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .validation import FLOAT_DTYPES, check_attention_inputs
+from .validation import FLOAT_DTYPES, check_attention_inputs, refuse_double_backward
 
 DEFAULT_TILE = 64  # at least 16 x 16, as the algorithm asks
 
@@ -60,7 +60,9 @@ def flash_forward_torch(
             l = alpha * l + p.sum(dim=-1)
             o = alpha[..., None] * o + torch.matmul(p, v_t)
             m = m_new
-        seen = l > 0
+        # Only a row that saw no key has l == 0 (a seen row's largest term is exp(0) = 1); NaN in q or k makes
+        # l NaN, and NaN != 0, so NaN propagates to O and L as in the reference.
+        seen = l != 0
         out[..., q0 : q0 + rows, :] = torch.where(seen[..., None], o / torch.where(seen, l, 1.0)[..., None], 0.0).to(q.dtype)
         lse[..., q0 : q0 + rows] = torch.where(seen, m + torch.log(torch.where(seen, l, 1.0)), float("-inf"))
     return out, lse
@@ -118,6 +120,7 @@ class FlashAttention2Torch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do: Tensor):
         """(dQ, dK, dV, None, None): the scores are recomputed tile by tile from q, k and L."""
+        refuse_double_backward("FlashAttention2Torch")
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = flash_backward_torch(q, k, v, o, lse, do, ctx.is_causal, ctx.scale)
         return dq, dk, dv, None, None

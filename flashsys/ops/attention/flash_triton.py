@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .validation import check_attention_inputs
+from .validation import check_attention_inputs, refuse_double_backward
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -670,6 +670,7 @@ class FlashAttention2Triton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do: Tensor):
         """(dQ, dK, dV, None, None) from the dQ kernel, then the dK/dV kernel; dO may have any strides."""
+        refuse_double_backward("FlashAttention2Triton")
         q, k, v, o, lse = ctx.saved_tensors
         backward = _backward_impl if _eager(q, do) else flash_attention_backward_op
         dq, dk, dv = backward(q, k, v, o, lse, do, ctx.is_causal, ctx.scale)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -43,15 +44,29 @@ def check_attention_inputs(
     problem = _shape_problem(q, k, v, max_head_dim)
     if problem is not None:
         raise ValueError(f"{op}: {problem} (q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)})")
-    if not isinstance(is_causal, (bool, int)) or isinstance(is_causal, float):
-        raise TypeError(f"{op}: is_causal must be a bool, got {type(is_causal).__name__}")
+    if not isinstance(is_causal, (bool, np.bool_)):  # 2 or 0.5 would be "truthy" and silently mean causal
+        raise TypeError(f"{op}: is_causal must be True or False, got {type(is_causal).__name__} {is_causal!r}")
     if softmax_scale is None:
         return 1.0 / math.sqrt(q.shape[-1])
-    if isinstance(softmax_scale, torch.Tensor) or not isinstance(softmax_scale, (int, float)):
-        raise TypeError(f"{op}: softmax_scale must be a Python float or None, got {type(softmax_scale).__name__}")
+    if isinstance(softmax_scale, (bool, np.bool_, torch.Tensor)) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"{op}: softmax_scale must be a Python float or None, got {type(softmax_scale).__name__} "
+                        f"{softmax_scale!r}")
     if not math.isfinite(softmax_scale) or softmax_scale <= 0:
         raise ValueError(f"{op}: softmax_scale must be a positive finite number, got {softmax_scale}")
     return float(softmax_scale)
+
+
+def refuse_double_backward(op: str) -> None:
+    """Raise when a backward runs with create_graph=True (grad mode on inside backward).
+
+    The flash backward recomputes attention from the saved logsumexp; differentiating that recomputation
+    again gives wrong second-order gradients, so it is refused with a message instead of silently."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{op}: double backward is not supported (backward ran with create_graph=True, as in gradgradcheck or "
+            "a gradient penalty). Use the 'naive' attention backend (flashsys.ops.attention_reference) for "
+            "higher-order gradients."
+        )
 
 
 def _shape_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_head_dim: int | None) -> str | None:
