@@ -1,7 +1,15 @@
-"""Training checkpoints: written atomically, validated before a run resumes from one."""
+"""Training checkpoints: checksummed, written atomically, validated before a run resumes from one.
+
+File format: one header line `FLASHSYS-CHECKPOINT 1 <sha256 of the payload>`, then the payload, a `torch.save`
+of plain containers and tensors. A flipped byte anywhere fails the checksum (or the header) and the run refuses
+to resume instead of training on garbage; the payload is loaded with `weights_only=True`, so a checkpoint can
+hold only data, never code.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
 from pathlib import Path
 
@@ -10,8 +18,11 @@ import torch
 from .errors import UsageError
 
 CHECKPOINT = "checkpoint.pt"
+MAGIC = b"FLASHSYS-CHECKPOINT 1 "
 # ModelConfig fields that change how the model computes, not what its weights are: a run may resume with others.
 _NOT_SHAPE = ("attention_backend", "checkpoint_blocks")
+# TrainConfig fields that decide the trajectory: resuming with other values is not a continuation of the run.
+TRAJECTORY_FIELDS = ("seed", "batch_size", "lr", "warmup", "data", "dtype")
 
 
 def _shape(model_config: dict) -> dict:
@@ -19,29 +30,61 @@ def _shape(model_config: dict) -> dict:
 
 
 def save_checkpoint_atomically(obj: dict, path: Path) -> None:
-    """torch.save to a temporary file, then rename: readers see the old file or the new one, never half of one."""
+    """Write `obj` with a checksum to a temporary file, then rename: readers see the old file or the new one,
+    never half of one."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    payload = buffer.getvalue()
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    torch.save(obj, tmp)
+    with open(tmp, "wb") as f:
+        f.write(MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n")
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)  # atomic on POSIX
 
 
-def read_checkpoint(path: Path, model_config: dict, steps: int) -> dict:
-    """Load a checkpoint and check that it can continue a run of `model_config` (a dict) to `steps`: the model's
-    shape must match (its attention backend may differ).
+def load_checkpoint(path: Path) -> dict:
+    """The verified contents of a checkpoint file.
 
     Raises:
-        UsageError: when it is missing, corrupted, not a flashsys checkpoint, of another model or past `steps`.
+        UsageError: when it is missing, not a flashsys checkpoint, or corrupted (checksum mismatch).
     """
     if not path.is_file():
         raise UsageError(f"--resume: no checkpoint at {path}")
+    raw = path.read_bytes()
+    header, _, payload = raw.partition(b"\n")
+    if not header.startswith(MAGIC):
+        raise UsageError(f"--resume: {path} is corrupted or not a flashsys checkpoint (no checkpoint header)")
+    if hashlib.sha256(payload).hexdigest().encode() != header[len(MAGIC):]:
+        raise UsageError(f"--resume: checkpoint {path} is corrupted (checksum mismatch); it was damaged after it "
+                         "was written. Resume from another copy or start again.")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # truncated or not a checkpoint at all
+        ckpt = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except Exception as e:  # a valid checksum over a payload torch cannot read: written by something else
         raise UsageError(f"--resume: checkpoint {path} is corrupted or unreadable ({type(e).__name__})") from None
-    if not isinstance(ckpt, dict) or not {"model", "optimizer", "step", "config"} <= ckpt.keys():
+    if not isinstance(ckpt, dict) or not {"model", "optimizer", "step", "config", "history"} <= ckpt.keys():
         raise UsageError(f"--resume: {path} is not a flashsys checkpoint")
-    if _shape(ckpt["config"]["model"]) != _shape(model_config):
-        raise UsageError(f"--resume: checkpoint model {ckpt['config']['model']} does not match the requested {model_config}")
-    if ckpt["step"] > steps:
-        raise UsageError(f"--resume: checkpoint is at step {ckpt['step']}, beyond --steps {steps}")
+    return ckpt
+
+
+def read_checkpoint(path: Path, config: dict, force: bool = False) -> dict:
+    """Load a checkpoint and check that it can continue a run of `config` (a TrainConfig as a dict): the model's
+    shape must match (its attention backend may differ), the checkpoint's step must not be past `steps`, and the
+    settings that decide the trajectory (seed, batch size, lr, warm-up, data, dtype) must be the same unless
+    `force`.
+
+    Raises:
+        UsageError: naming what is wrong or what differs.
+    """
+    ckpt = load_checkpoint(path)
+    saved = ckpt["config"]
+    if _shape(saved["model"]) != _shape(config["model"]):
+        raise UsageError(f"--resume: checkpoint model {saved['model']} does not match the requested {config['model']}")
+    if ckpt["step"] > config["steps"]:
+        raise UsageError(f"--resume: checkpoint is at step {ckpt['step']}, beyond --steps {config['steps']}")
+    differs = [f"{k} {saved.get(k)!r} -> {config[k]!r}" for k in TRAJECTORY_FIELDS if saved.get(k) != config[k]]
+    if differs and not force:
+        raise UsageError(f"--resume: the checkpoint was trained with other settings ({', '.join(differs)}); the "
+                         "resumed run would not continue it. Use the same flags, or add --force to resume anyway.")
     return ckpt

@@ -6,6 +6,7 @@ All argument parsing lives here; it turns flags into a `TrainConfig` and hands t
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import sys
@@ -13,7 +14,7 @@ import sys
 import torch
 
 from .errors import UsageError
-from .nn import PRESETS, preset
+from .nn import PRESETS, ModelConfig, preset
 from .ops.attention import ATTENTION_BACKENDS
 from .train import TrainConfig
 
@@ -46,6 +47,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="end this invocation after STEP (as a time-limited job would); --resume continues the schedule")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--timeout", type=float, default=d.timeout_s, metavar="SECONDS",
+                   help="a rank that waits longer than this for the others fails (default %(default)s)")
+    p.add_argument("--force", action="store_true",
+                   help="--resume even when the checkpoint was trained with another seed, batch size, lr or data")
 
 
 def _bucket_mb(text: str) -> float | str | None:
@@ -60,6 +65,47 @@ def _bucket_mb(text: str) -> float | str | None:
     if bucket <= 0:
         raise UsageError(f"--bucket-mb must be positive, got {bucket}")
     return bucket
+
+
+def training_bytes_estimate(model: ModelConfig, batch_per_rank: int) -> int:
+    """A lower bound on one rank's memory for a training step: fp32 weights, gradients and AdamW's two moments,
+    plus the activations backward keeps (about 16 floats per token per layer in the blocks, and the logits with
+    their float copy and gradient). Real use is higher; this is only to refuse what cannot possibly fit."""
+    c = model
+    params = 2 * c.vocab_size * c.d_model + c.num_layers * (4 * c.d_model**2 + 3 * c.d_model * c.d_ff)
+    tokens = batch_per_rank * c.context_length
+    activations = tokens * (c.num_layers * 16 * c.d_model + 3 * c.vocab_size)
+    return 4 * (4 * params + activations)
+
+
+def _available_bytes(on_gpu: bool) -> int | None:
+    if on_gpu:
+        return torch.cuda.get_device_properties(0).total_memory
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_memory(model: ModelConfig, batch_per_rank: int, world: int, on_gpu: bool) -> None:
+    """Refuse a run whose lower-bound memory estimate exceeds what the machine has, before any process starts
+    (a CPU worker that runs out is killed by the kernel with no message).
+
+    Raises:
+        UsageError: saying how much the step needs at least and how much there is.
+    """
+    available = _available_bytes(on_gpu)
+    if available is None:
+        return
+    need = training_bytes_estimate(model, batch_per_rank) * (1 if on_gpu else world)
+    if need > available:
+        where = "GPU memory per rank" if on_gpu else f"available memory for {world} rank(s)"
+        raise UsageError(f"--batch-size {batch_per_rank * world} needs at least {need / 2**30:.1f} GiB, but there is "
+                         f"{available / 2**30:.1f} GiB of {where}; lower --batch-size or --context-length")
 
 
 def config_from_args(a: argparse.Namespace) -> TrainConfig:
@@ -89,17 +135,29 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         world = a.world_size if a.world_size is not None else (torch.cuda.device_count() if cuda else 2)
     if world < 1:
         raise UsageError(f"--world-size must be at least 1, got {world}")
-    if a.steps < 1 or a.batch_size < 1 or a.lr <= 0:
-        raise UsageError("--steps and --batch-size must be positive and --lr > 0")
+    if a.steps < 1 or a.batch_size < 1:
+        raise UsageError(f"--steps and --batch-size must be positive, got {a.steps} and {a.batch_size}")
+    if not math.isfinite(a.lr) or a.lr <= 0:
+        raise UsageError(f"--lr must be a positive finite number, got {a.lr}")
+    if a.checkpoint_every < 0:
+        raise UsageError(f"--checkpoint-every must be 0 (never) or positive, got {a.checkpoint_every}")
+    if a.stop_after is not None and a.stop_after < 1:
+        raise UsageError(f"--stop-after must be at least 1, got {a.stop_after}")
+    if not a.out.strip():
+        raise UsageError("--out must name a directory, got an empty string")
+    if not math.isfinite(a.timeout) or a.timeout <= 0:
+        raise UsageError(f"--timeout must be a positive number of seconds, got {a.timeout}")
     if world > a.batch_size:
         raise UsageError(f"--world-size {world} is larger than --batch-size {a.batch_size}: some ranks would get no data")
     if a.batch_size % world:
         raise UsageError(f"--batch-size {a.batch_size} must be divisible by the world size {world}")
     backend = "nccl" if cuda and world <= torch.cuda.device_count() else "gloo"
+    check_memory(model, a.batch_size // world, world, backend == "nccl")
     return TrainConfig(model=model, data=a.data, out=a.out, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
                        warmup=min(20, max(1, a.steps // 10)), world_size=world, backend=backend,
                        bucket_mb=_bucket_mb(a.bucket_mb), shard=not a.no_shard, compile=a.compile, dtype=a.dtype,
-                       checkpoint_every=a.checkpoint_every, stop_after=a.stop_after, resume=a.resume, seed=a.seed)
+                       checkpoint_every=a.checkpoint_every, stop_after=a.stop_after, resume=a.resume, seed=a.seed,
+                       timeout_s=a.timeout, force=a.force)
 
 
 def cmd_info() -> int:
@@ -129,6 +187,8 @@ def cmd_info() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse `argv` (default: sys.argv) and run the command; returns the exit code (2 for a usage error)."""
+    from .dist import SpawnError
+    from .errors import TrainingDiverged
     from .train import run_training
 
     parser = argparse.ArgumentParser(prog="flashsys", description="FlashAttention-2, data parallel and ZeRO-1 training.")
@@ -147,4 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"flashsys train: error: {e}", file=sys.stderr)
         return 2
+    except (SpawnError, TrainingDiverged) as e:
+        print(f"flashsys train: failed: {e}", file=sys.stderr)
+        return 1
     return 0

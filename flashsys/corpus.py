@@ -26,8 +26,12 @@ def load_corpus(path: str | Path, context_length: int) -> torch.Tensor:
         UsageError: for a missing, empty, non-UTF-8 or too-short file.
     """
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise UsageError(f"data file not found: {p}")
+    if p.is_dir():
+        raise UsageError(f"--data {p} is a directory; give a UTF-8 text file")
+    if not p.is_file():  # a device such as /dev/null, a FIFO or a socket: reading it could block or never end
+        raise UsageError(f"--data {p} is not a regular file (a device, FIFO or socket); give a UTF-8 text file")
     raw = p.read_bytes()
     if not raw:
         raise UsageError(f"data file is empty: {p}")

@@ -9,10 +9,13 @@ seeded by (seed, s), the learning rate is a function of s, and the checkpoint ho
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
+import tempfile
+from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,11 +26,11 @@ import torch.nn.functional as F
 
 from .checkpoint import CHECKPOINT, read_checkpoint, save_checkpoint_atomically
 from .corpus import DEFAULT_DATA, VOCAB, batch_for_step, eval_batch, load_corpus, split_corpus
-from .errors import UsageError
+from .errors import TrainingDiverged, UsageError
 from .nn import PRESETS, ModelConfig, TransformerLM
 from .timing import Stopwatch
 
-__all__ = ["TrainConfig", "Trainer", "UsageError", "run_training", "train_worker"]
+__all__ = ["TrainConfig", "Trainer", "TrainingDiverged", "UsageError", "run_training", "train_worker"]
 
 
 @dataclass
@@ -53,6 +56,8 @@ class TrainConfig:
     seed: int = 0
     sample_length: int = 200
     eval_batches: int = 8
+    timeout_s: float = 300.0  # a rank that waits longer than this in a collective fails instead of hanging
+    force: bool = False  # resume even when the checkpoint's trajectory settings differ
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -126,7 +131,7 @@ class Trainer:
         self.autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else nullcontext
         self.start_step, self.history = 0, []
         if cfg.resume:
-            ckpt = read_checkpoint(self.out / CHECKPOINT, asdict(cfg.model), cfg.steps)
+            ckpt = read_checkpoint(self.out / CHECKPOINT, asdict(cfg), cfg.force)
             self.model.load_state_dict(ckpt["model"])
             self.opt.load_state_dict(ckpt["optimizer"])
             self.start_step, self.history = ckpt["step"], ckpt["history"]
@@ -149,7 +154,14 @@ class Trainer:
         self.opt.step()
         loss_avg = loss.detach().clone()
         dist.all_reduce(loss_avg)
-        return loss_avg.item() / self.world
+        mean = loss_avg.item() / self.world
+        if not math.isfinite(mean):  # every rank sees the same all-reduced value, so all stop together
+            last = self.history[-1][0] if self.history else self.start_step
+            kept = (f"the last checkpoint in {self.out / CHECKPOINT} is untouched"
+                    if (self.out / CHECKPOINT).exists() else "no checkpoint was written (see --checkpoint-every)")
+            raise TrainingDiverged(f"the training loss is {mean} at step {step + 1} (last finite loss at step {last}); "
+                                   f"{kept}. Lower --lr, or try --dtype float32.")
+        return mean
 
     def checkpoint(self, step: int) -> None:
         """Save weights, consolidated optimizer state and history after `step` (a collective when sharded)."""
@@ -196,7 +208,7 @@ class Trainer:
         dist.all_gather(peaks, peak)
         if self.rank != 0:
             return
-        torch.save(self.model.state_dict(), self.out / "final_model.pt")
+        save_or_rescue(self.model.state_dict(), self.out / "final_model.pt")
         sample = generate(self.model, "Alice ", cfg.sample_length, cfg.model.context_length, device, seed=cfg.seed)
         summary = {
             "steps": cfg.steps,
@@ -212,6 +224,17 @@ class Trainer:
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         _plot_loss(self.history, val_loss, self.out / "loss.png")
         print_summary(summary, self.out)
+
+
+def save_or_rescue(state: dict, path: Path) -> None:
+    """torch.save to `path`; if that fails (disk full, directory gone), save to a new temporary directory instead
+    and raise an error that says where the weights are, so finished training is never lost to a failed write."""
+    try:
+        torch.save(state, path)
+    except (OSError, RuntimeError) as e:  # torch.save reports a missing directory as a RuntimeError
+        rescue = Path(tempfile.mkdtemp(prefix="flashsys-rescue-")) / path.name
+        torch.save(state, rescue)
+        raise OSError(f"could not write {path} ({e}); the trained weights were saved to {rescue} instead") from e
 
 
 def train_worker(rank: int, world: int, device: torch.device, cfg: TrainConfig) -> None:
@@ -251,24 +274,82 @@ def print_summary(s: dict, out: Path) -> None:
         print(f"    | {line}")
 
 
+def check_output_dir(out: Path) -> None:
+    """Create `out` and prove it writable now, before any training that could be lost at save time.
+
+    Raises:
+        UsageError: when it cannot be created or written.
+    """
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"--out {out} is not a writable directory ({e.strerror or e})") from None
+
+
+@contextlib.contextmanager
+def run_directory_lock(out: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `out` for the whole run, so two runs never write one directory.
+
+    Raises:
+        UsageError: when another live process holds it (the lock dies with its process, so no stale locks).
+    """
+    import fcntl
+
+    lock_path = out / ".flashsys.lock"
+    f = open(lock_path, "a+")
+    try:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise UsageError(f"--out {out} is in use by another flashsys run ({holder}); use another --out, or wait "
+                             "for that run to end") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()}")
+        f.flush()
+        yield
+    finally:
+        f.close()
+
+
 def run_training(cfg: TrainConfig) -> None:
     """Validate everything that can be validated before processes start, then train (spawned ranks, or this
-    process as one rank under torchrun)."""
+    process as one rank under torchrun). The launching process holds the run directory's lock throughout."""
     from .dist import init_from_env, launched_by_torchrun, shutdown, spawn
 
     load_corpus(cfg.data, cfg.model.context_length)
     out = Path(cfg.out)
     if cfg.resume:
-        read_checkpoint(out / CHECKPOINT, asdict(cfg.model), cfg.steps)
-    out.mkdir(parents=True, exist_ok=True)
+        read_checkpoint(out / CHECKPOINT, asdict(cfg), cfg.force)
     if launched_by_torchrun():
-        rank, world, device = init_from_env(cfg.backend)
+        rank, world, device = init_from_env(cfg.backend, timeout_s=cfg.timeout_s)
         try:
-            train_worker(rank, world, device, cfg)
-            dist.barrier()
+            with contextlib.ExitStack() as stack:
+                # Rank 0 writes the outputs: it checks and locks the directory, and every rank learns the outcome,
+                # so a bad --out is the same clear error on all ranks instead of a hang at the first collective.
+                problem = [None]
+                if rank == 0:
+                    try:
+                        check_output_dir(out)
+                        stack.enter_context(run_directory_lock(out))
+                    except UsageError as e:
+                        problem = [str(e)]
+                dist.broadcast_object_list(problem, src=0)
+                if problem[0] is not None:
+                    raise UsageError(problem[0])
+                train_worker(rank, world, device, cfg)
+                dist.barrier()
         finally:
             shutdown()
     else:
-        print(f"flashsys train: {cfg.world_size} process(es), {cfg.backend}, model {asdict(cfg.model)}, "
-              f"{'ShardedOptimizer(AdamW)' if cfg.shard else 'AdamW'}, BucketedDDP(bucket_mb={cfg.bucket_mb})", flush=True)
-        spawn(train_worker, cfg.world_size, cfg, backend=cfg.backend)
+        check_output_dir(out)
+        with run_directory_lock(out):
+            print(f"flashsys train: {cfg.world_size} process(es), {cfg.backend}, model {asdict(cfg.model)}, "
+                  f"{'ShardedOptimizer(AdamW)' if cfg.shard else 'AdamW'}, BucketedDDP(bucket_mb={cfg.bucket_mb})",
+                  flush=True)
+            spawn(train_worker, cfg.world_size, cfg, backend=cfg.backend, timeout_s=cfg.timeout_s)

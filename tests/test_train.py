@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -107,3 +108,122 @@ def test_attention_flag_and_resume_with_another_backend(tmp_path):
     assert _train(tmp_path, "--steps", "4", "--resume", "--attention", "sdpa") == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 4
+
+
+def test_a_corrupted_checkpoint_is_refused_not_trained_on(tmp_path, capsys):
+    """64 flipped bytes in the middle of a checkpoint: the checksum catches it (it used to train at loss=nan)."""
+    assert _train(tmp_path, "--steps", "4", "--checkpoint-every", "2", "--stop-after", "2") == 0
+    path = tmp_path / "checkpoint.pt"
+    raw = bytearray(path.read_bytes())
+    mid = len(raw) // 2
+    raw[mid : mid + 64] = bytes(b ^ 0xFF for b in raw[mid : mid + 64])
+    path.write_bytes(bytes(raw))
+    capsys.readouterr()
+    assert _train(tmp_path, "--steps", "4", "--resume") == 2
+    assert "checksum mismatch" in capsys.readouterr().err
+
+
+def test_resume_with_other_trajectory_settings_needs_force(tmp_path, capsys):
+    assert _train(tmp_path, "--steps", "4", "--checkpoint-every", "2", "--stop-after", "2") == 0
+    capsys.readouterr()
+    assert _train(tmp_path, "--steps", "4", "--resume", "--seed", "5", "--lr", "0.01") == 2
+    err = capsys.readouterr().err
+    assert "seed 0 -> 5" in err and "lr 0.003 -> 0.01" in err and "--force" in err
+    assert _train(tmp_path, "--steps", "4", "--resume", "--seed", "5", "--force") == 0
+
+
+def test_a_diverging_run_stops_with_a_clear_error_and_keeps_its_last_good_checkpoint(tmp_path, capsys):
+    from flashsys.checkpoint import load_checkpoint
+
+    assert _train(tmp_path, "--steps", "30", "--lr", "1e6", "--checkpoint-every", "1") == 1
+    err = capsys.readouterr().err
+    assert "training loss is nan" in err and "failed first: TrainingDiverged" in err  # every rank sees the NaN
+    ckpt = load_checkpoint(tmp_path / "checkpoint.pt")  # verified: intact
+    assert all(math.isfinite(loss) for _, loss in ckpt["history"])
+    assert not (tmp_path / "final_model.pt").exists()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--checkpoint-every", "-1"], "--checkpoint-every must be 0"),
+    (["--stop-after", "0"], "--stop-after must be at least 1"),
+    (["--lr", "inf"], "--lr must be a positive finite number"),
+    (["--lr", "nan"], "--lr must be a positive finite number"),
+    (["--timeout", "0"], "--timeout must be a positive number"),
+    (["--batch-size", "1000000"], "needs at least"),
+    (["--data", "/dev/null"], "not a regular file"),
+    (["--data", "/tmp"], "is a directory"),
+], ids=lambda v: v if isinstance(v, str) else "-".join(v))
+def test_bad_flags_are_refused_before_training(tmp_path, capsys, flags, message):
+    assert _train(tmp_path / "out", *flags) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out" / "final_model.pt").exists()
+
+
+def test_empty_and_unwritable_out_are_refused_before_training(tmp_path, capsys):
+    assert main(["train", *TINY, "--out", ""]) == 2
+    assert "--out must name a directory" in capsys.readouterr().err
+    assert main(["train", *TINY, "--out", "/proc/self/flashsys"]) == 2
+    assert "not a writable directory" in capsys.readouterr().err
+
+
+def test_two_runs_cannot_share_an_output_directory(tmp_path, capsys):
+    from flashsys.train import run_directory_lock
+
+    with run_directory_lock(tmp_path):  # as another live run would hold it
+        assert _train(tmp_path, "--steps", "2") == 2
+    assert "in use by another flashsys run" in capsys.readouterr().err
+    assert _train(tmp_path, "--steps", "2") == 0  # the lock dies with its holder
+
+
+def test_a_failed_final_save_keeps_the_weights(tmp_path):
+    from flashsys.train import save_or_rescue
+
+    state = {"w": torch.arange(3.0)}
+    with pytest.raises(OSError, match="saved to") as info:
+        save_or_rescue(state, tmp_path / "gone" / "final_model.pt")
+    rescued = Path(str(info.value).rsplit("saved to ", 1)[1].split(" instead")[0])
+    assert torch.equal(torch.load(rescued)["w"], state["w"])
+
+
+def test_ranks_die_with_their_launcher(tmp_path):
+    """SIGKILL the launcher of a long run: its ranks must not train on and write --out (they used to)."""
+    import os
+    import signal
+    import time
+
+    launcher = subprocess.Popen([sys.executable, "-m", "flashsys", "train", *TINY, "--steps", "100000",
+                                 "--out", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+
+    def children() -> list[int]:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+            except OSError:
+                continue
+            ppid = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:"))
+            state = next(line.split()[1] for line in status.splitlines() if line.startswith("State:"))
+            if ppid == launcher.pid and state != "Z":
+                found.append(int(pid))
+        return found
+
+    try:
+        deadline = time.time() + 120
+        while len(children()) < 2 and time.time() < deadline:
+            time.sleep(0.5)
+        ranks = children()
+        assert len(ranks) >= 2, "the ranks did not start"
+        time.sleep(3)  # let them get into training
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        deadline = time.time() + 20
+        alive = ranks
+        while alive and time.time() < deadline:
+            time.sleep(0.5)
+            alive = [pid for pid in ranks if Path(f"/proc/{pid}").exists()
+                     and "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()]
+        assert not alive, f"ranks {alive} outlived their launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()

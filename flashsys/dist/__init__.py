@@ -9,6 +9,7 @@ from .flat_layout import FlatLayout
 from .naive import NaiveDDP
 from .overlap import OverlapDDP
 from .process_group import (
+    SpawnError,
     default_backend,
     find_free_port,
     init_for_spawn,
@@ -26,6 +27,7 @@ __all__ = [
     "NaiveDDP",
     "OverlapDDP",
     "ReduceAfterBackward",
+    "SpawnError",
     "check_same_model_on_all_ranks",
     "default_backend",
     "find_free_port",

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import datetime
 import gc
+import json
 import os
+import signal
 import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -90,16 +98,76 @@ def shutdown() -> None:
     gc.collect()
 
 
-def _spawn_entry(rank, fn, world_size, port, backend, timeout_s, args):
-    device = init_for_spawn(rank, world_size, port, backend, timeout_s)
+class SpawnError(RuntimeError):
+    """One or more spawned ranks failed. The message names every rank's own exception, the first failure first
+    (with its traceback): the others are usually its consequences, such as a peer's closed connection.
+
+    Attributes:
+        failures: [{"rank", "type", "message", "traceback", "time"}] of the ranks that reported, in time order.
+    """
+
+    def __init__(self, failures: list[dict], world_size: int, cause: BaseException) -> None:
+        self.failures = failures
+        lines = []
+        if failures:
+            first = failures[0]
+            lines.append(f"rank {first['rank']} failed first: {first['type']}: {first['message']}")
+            lines += ["", first["traceback"].rstrip(), ""]
+        reported = {f["rank"] for f in failures}
+        for f in failures[1:]:
+            lines.append(f"rank {f['rank']}: {f['type']}: {f['message'].splitlines()[0] if f['message'] else ''}")
+        exit_code = getattr(cause, "exit_code", None)
+        for rank in range(world_size):
+            if rank in reported:
+                continue
+            if getattr(cause, "error_index", None) == rank and getattr(cause, "signal_name", None):
+                lines.append(f"rank {rank}: killed by {cause.signal_name}"
+                             + (" (out of memory?)" if cause.signal_name == "SIGKILL" else ""))
+            elif getattr(cause, "error_index", None) == rank and exit_code is not None:
+                lines.append(f"rank {rank}: exited with code {exit_code}")
+            else:
+                lines.append(f"rank {rank}: stopped by the launcher after the failure above")
+        super().__init__("\n".join(lines))
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """End this rank when its launcher ends, however it ends (SIGKILL included): a rank left behind would train
+    on and write the run's outputs. Linux delivers SIGKILL on the parent's death (prctl PR_SET_PDEATHSIG); a
+    watchdog thread covers other systems and the race where the parent died before the prctl."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+        except (OSError, AttributeError):
+            pass
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="flashsys-parent-watchdog", daemon=True).start()
+
+
+def _spawn_entry(rank, fn, world_size, port, backend, timeout_s, args, parent_pid, error_dir):
+    _die_with_parent(parent_pid)
     try:
-        fn(rank, world_size, device, *args)
-        # A sender may finish its last collective before its peers have received everything; closing the
-        # connections then would abort them. Meet once more before tearing down.
-        if dist.is_initialized():
-            dist.barrier()
-    finally:
-        shutdown()
+        device = init_for_spawn(rank, world_size, port, backend, timeout_s)
+        try:
+            fn(rank, world_size, device, *args)
+            # A sender may finish its last collective before its peers have received everything; closing the
+            # connections then would abort them. Meet once more before tearing down.
+            if dist.is_initialized():
+                dist.barrier()
+        finally:
+            shutdown()
+    except BaseException as e:
+        report = {"rank": rank, "type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc(),
+                  "time": time.time()}
+        Path(error_dir, f"rank{rank}.json").write_text(json.dumps(report))
+        raise
 
 
 def spawn(
@@ -108,23 +176,36 @@ def spawn(
 ) -> None:
     """Run fn(rank, world_size, device, *args) in world_size processes joined in one process group.
 
-    A free port is chosen at run time. Each process is torn down with `shutdown()` after fn returns.
+    A free port is chosen at run time. Each process is torn down with `shutdown()` after fn returns, and ends
+    if the launching process ends.
 
     Args:
         fn: a picklable (module-level) function.
         world_size: number of processes.
         *args: passed to fn after (rank, world_size, device); must be picklable.
         backend: "nccl" or "gloo" (default: NCCL when CUDA is available).
-        timeout_s: the process group's collective timeout.
+        timeout_s: the process group's collective timeout: a rank that waits longer fails.
 
     Raises:
         ValueError: for world_size < 1, or more NCCL ranks than GPUs.
-        torch.multiprocessing.ProcessRaisedException: when fn raises in any rank (with its traceback).
+        SpawnError: when any rank fails, naming each rank's own exception, the first failure first.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     backend = backend or default_backend()
     if backend == "nccl" and world_size > torch.cuda.device_count():
         raise ValueError(f"world_size {world_size} > {torch.cuda.device_count()} CUDA devices for NCCL")
-    mp.spawn(_spawn_entry, args=(fn, world_size, find_free_port(), backend, timeout_s, args), nprocs=world_size,
-             join=True)
+    with tempfile.TemporaryDirectory(prefix="flashsys-spawn-") as error_dir:
+        try:
+            mp.spawn(_spawn_entry, args=(fn, world_size, find_free_port(), backend, timeout_s, args, os.getpid(),
+                                         error_dir), nprocs=world_size, join=True)
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            time.sleep(0.2)  # let ranks that are failing at this moment finish writing their reports
+            failures = []
+            for path in Path(error_dir).glob("rank*.json"):
+                try:
+                    failures.append(json.loads(path.read_text()))
+                except (OSError, ValueError):
+                    pass
+            failures.sort(key=lambda f: f["time"])
+            raise SpawnError(failures, world_size, e) from None
