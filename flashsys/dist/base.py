@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import hashlib
 import weakref
-from collections.abc import Callable, Iterator
+from array import array
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -46,6 +48,13 @@ class DataParallelBase(nn.Module, metaclass=abc.ABCMeta):
         # Unique parameters that receive gradients, in registration order (tied parameters appear once).
         self._grad_params = [p for p in module.parameters() if p.requires_grad]
         self._hook_handles: list = []
+        # Which parameters were trainable when wrapped: hooks exist for exactly those.
+        self._all_params = list(module.parameters())
+        self._trainable = [p.requires_grad for p in self._all_params]
+        # A side channel for cross-rank checks at each synchronisation. On its own group, a check never pairs
+        # with a gradient collective still pending on the main group, whatever went wrong there.
+        ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+        self._control_group = dist.new_group(ranks=ranks, backend="gloo") if self.world_size > 1 else None
 
     def _register_grad_hooks(self, method: Callable[[torch.Tensor], None]) -> None:
         """A post-accumulate-grad hook on every parameter that gets a gradient (frozen ones get none).
@@ -69,8 +78,45 @@ class DataParallelBase(nn.Module, metaclass=abc.ABCMeta):
         self._hook_handles.clear()
 
     def forward(self, *args, **kwargs):
-        """The wrapped module's forward, unchanged (gradients are synchronised in backward hooks)."""
+        """The wrapped module's forward, unchanged (gradients are synchronised in backward hooks).
+
+        Raises:
+            RuntimeError: when a parameter was frozen or unfrozen after wrapping (its gradient would not be
+                synchronised, or would be waited for forever).
+        """
+        if any(p.requires_grad != t for p, t in zip(self._all_params, self._trainable)):
+            changed = [n for (n, p), t in zip(self.module.named_parameters(), self._trainable) if p.requires_grad != t]
+            raise RuntimeError(
+                f"{type(self).__name__}: requires_grad changed after wrapping for {changed}; gradients are "
+                "synchronised for the parameters that were trainable when the model was wrapped. Wrap the model "
+                "again after freezing or unfreezing (call remove_hooks() on the old wrapper first)."
+            )
         return self.module(*args, **kwargs)
+
+    def _check_ranks_agree(self, ran_backward: bool, launched: Sequence[int] = ()) -> None:
+        """Compare, across ranks, whether each ran a synchronised backward and which gradients it launched
+        (indices, in order), before any rank waits on a gradient collective. A mismatch would pair collectives
+        wrongly (garbage or a hang); here it becomes the same clear error on every rank."""
+        if self._control_group is None:
+            return
+        digest = int.from_bytes(hashlib.blake2b(array("q", launched).tobytes(), digest_size=7).digest(), "little")
+        mine = torch.tensor([int(ran_backward), digest], dtype=torch.int64)
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(gathered, mine, group=self._control_group)
+        ran = [bool(g[0]) for g in gathered]
+        name = type(self).__name__
+        if len(set(ran)) > 1:
+            raise RuntimeError(
+                f"{name}: backward ran on ranks {[r for r, x in enumerate(ran) if x]} but not on ranks "
+                f"{[r for r, x in enumerate(ran) if not x]} before finish_gradient_synchronization(); every rank "
+                "must run a backward each step (or all of them under no_sync())."
+            )
+        if len({int(g[1]) for g in gathered}) > 1:
+            raise RuntimeError(
+                f"{name}: the ranks reduced different sets of gradients: a parameter was used on some ranks only. "
+                f"{name} needs every parameter used on every rank or on none; BucketedDDP handles parameters "
+                "unused on some ranks."
+            )
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -100,7 +146,12 @@ class ReduceAfterBackward(DataParallelBase):
             self._pending = True
 
     def finish_gradient_synchronization(self) -> None:
-        """Average gradients across ranks. A no-op when no synchronised backward ran since the last call."""
+        """Average gradients across ranks. A no-op when no synchronised backward ran since the last call.
+
+        Raises:
+            RuntimeError: when backward ran on some ranks but not on others.
+        """
+        self._check_ranks_agree(self._pending)
         if not self._pending:
             return
         self._pending = False

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .base import DataParallelBase
+from .consistency import gather_digests
 from .cost_model import MB, measure_allreduce_cost, optimal_bucket_bytes, plan_buckets
 from .flat_layout import FlatLayout
 
@@ -60,9 +61,9 @@ class BucketedDDP(DataParallelBase):
             if self._grad_params:
                 p0 = self._grad_params[0]
                 self.overhead_s, self.bandwidth_bps = measure_allreduce_cost(p0.device, p0.dtype, process_group)
-            else:
-                self.overhead_s, self.bandwidth_bps = 0.0, float("inf")
-            cap_bytes: float = optimal_bucket_bytes(total_bytes, self.overhead_s, self.bandwidth_bps)
+                cap_bytes: float = optimal_bucket_bytes(total_bytes, self.overhead_s, self.bandwidth_bps)
+            else:  # nothing to reduce: no buckets, nothing to measure
+                self.overhead_s, self.bandwidth_bps, cap_bytes = 0.0, float("inf"), math.inf
         elif bucket_size_mb is None:
             cap_bytes = math.inf
         elif isinstance(bucket_size_mb, (int, float)) and bucket_size_mb > 0:
@@ -71,6 +72,12 @@ class BucketedDDP(DataParallelBase):
             raise ValueError(f"bucket_size_mb must be a positive number, None or 'auto', got {bucket_size_mb!r}")
         self.bucket_bytes = cap_bytes
         self._buckets = self._build_buckets(cap_bytes)
+        layout = [(len(b.params), b.layout.numel, str(b.buffer.dtype)) for b in self._buckets]
+        gathered = gather_digests(repr(layout), (len(layout), bucket_size_mb), process_group)
+        if len({digest for digest, _ in gathered}) != 1:
+            detail = ", ".join(f"rank {r}: {n} buckets (bucket_size_mb={mb!r})" for r, (_, (n, mb)) in enumerate(gathered))
+            raise ValueError(f"BucketedDDP: the bucket layout differs between ranks ({detail}); every rank must use "
+                             "the same bucket_size_mb")
         self._where = {id(p): (b, i) for b in self._buckets for i, p in enumerate(b.params)}
         self._next_to_launch = 0
         self._register_grad_hooks(self._on_grad_ready)
@@ -121,8 +128,14 @@ class BucketedDDP(DataParallelBase):
             self._next_to_launch += 1
 
     def finish_gradient_synchronization(self) -> None:
-        """Launch the buckets still waiting, wait for all, average and copy back. A no-op after no backward."""
-        if self._next_to_launch == 0 and not any(b.ready for b in self._buckets):
+        """Launch the buckets still waiting, wait for all, average and copy back. A no-op after no backward.
+
+        Raises:
+            RuntimeError: when backward ran on some ranks but not on others (checked before waiting on anything).
+        """
+        ran_backward = self._next_to_launch > 0 or any(b.ready for b in self._buckets)
+        self._check_ranks_agree(ran_backward)
+        if not ran_backward:
             return
         for bucket in self._buckets[self._next_to_launch :]:
             self._launch(bucket)

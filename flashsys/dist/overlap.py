@@ -21,6 +21,7 @@ class OverlapDDP(DataParallelBase):
         super().__init__(module, process_group)
         self._handles: list[tuple[nn.Parameter, dist.Work]] = []
         self._launched: set[int] = set()
+        self._index = {id(p): i for i, p in enumerate(self._grad_params)}
         self._register_grad_hooks(self._launch)
 
     def _launch(self, p: nn.Parameter) -> None:
@@ -32,7 +33,13 @@ class OverlapDDP(DataParallelBase):
         self._handles.append((p, dist.all_reduce(p.grad, group=self.process_group, async_op=True)))
 
     def finish_gradient_synchronization(self) -> None:
-        """Wait for every launched all-reduce and average. A no-op when nothing was launched."""
+        """Wait for every launched all-reduce and average. A no-op when nothing was launched.
+
+        Raises:
+            RuntimeError: when the ranks launched different gradients (a parameter used on some ranks only, or a
+                backward skipped on one rank), before waiting on anything.
+        """
+        self._check_ranks_agree(bool(self._handles), [self._index[id(p)] for p, _ in self._handles])
         for p, handle in self._handles:
             handle.wait()
             p.grad.div_(self.world_size)

@@ -230,12 +230,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: when the param groups do not match this optimizer's.
         """
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+            keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError("ShardedOptimizer.load_state_dict: expected a dict with 'state' and 'param_groups' (what "
+                             f"state_dict() returns after consolidate_state_dict()), got {keys}")
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(
             len(g["params"]) != len(o["params"]) for g, o in zip(groups, self.param_groups)
         ):
-            raise ValueError("ShardedOptimizer.load_state_dict: param groups do not match this optimizer's")
+            raise ValueError("ShardedOptimizer.load_state_dict: param groups do not match this optimizer's "
+                             f"({[len(g['params']) for g in groups]} parameters per group in the state dict, "
+                             f"{[len(g['params']) for g in self.param_groups]} here)")
         index = self._global_index()
+        params = list(index)
+        for key, per_param in state_dict["state"].items():
+            g = int(key)
+            if not 0 <= g < len(params):
+                raise ValueError(f"ShardedOptimizer.load_state_dict: state for parameter {g}, but there are {len(params)}")
+            for name, value in per_param.items():
+                if torch.is_tensor(value) and value.dim() > 0 and value.shape != params[g].shape:
+                    raise ValueError(f"ShardedOptimizer.load_state_dict: state {name!r} of parameter {g} has shape "
+                                     f"{tuple(value.shape)}, but the parameter has {tuple(params[g].shape)}")
         for saved, outer in zip(groups, self.param_groups):
             outer.update({k: v for k, v in saved.items() if k != "params"})
         inner_state, inner_groups, n = {}, [], 0

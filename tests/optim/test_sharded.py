@@ -144,6 +144,14 @@ def _state_dict_worker(rank, world, device):
         _train_step(fresh, fresh_opt, x, y)
     for p, q in zip(fresh.parameters(), ref.parameters()):
         assert torch.equal(p, q), "training did not continue bit-identically after the state-dict round trip"
+    # A state dict of another model, or without param_groups: refused at load, not inside a later step().
+    with pytest.raises(ValueError, match="expected a dict with 'state' and 'param_groups'"):
+        fresh_opt.load_state_dict({"state": saved["optim"]["state"]})
+    wrong = {"state": {i: {k: (v[..., :1] if torch.is_tensor(v) and v.dim() else v) for k, v in s.items()}
+                       for i, s in saved["optim"]["state"].items()},
+             "param_groups": saved["optim"]["param_groups"]}
+    with pytest.raises(ValueError, match=r"state 'exp_avg' of parameter 0 has shape"):
+        fresh_opt.load_state_dict(wrong)
 
 
 def test_state_dict_round_trip_continues_bit_exactly():

@@ -1,0 +1,103 @@
+"""Misuse of the data-parallel wrappers is a clear error on every rank, never a hang or a silent desync."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flashsys.dist import BucketedDDP, FlatDDP, NaiveDDP, OverlapDDP, spawn
+
+from .toy import loss_fn, make_batches, make_model
+
+WRAPPERS = {
+    "naive": NaiveDDP,
+    "flat": FlatDDP,
+    "overlap": OverlapDDP,
+    "bucketed": lambda m, process_group=None: BucketedDDP(m, bucket_size_mb=1e-6, process_group=process_group),
+}
+
+
+def _unfreeze_worker(rank, world, device):
+    for name, make in WRAPPERS.items():
+        for change in ("unfreeze", "freeze"):
+            model = make_model(0, device)
+            ddp = make(model)
+            x, y = make_batches(1, 4, device)[0]
+            loss_fn(ddp(x), y).backward()
+            ddp.finish_gradient_synchronization()
+            if change == "unfreeze":
+                model.frozen.requires_grad_(True)  # it used to get local, unsynchronised gradients
+            else:
+                model.hidden.requires_grad_(False)
+            with pytest.raises(RuntimeError, match=r"requires_grad changed after wrapping for \['(frozen|hidden)"):
+                ddp(x)
+            ddp.remove_hooks()
+
+
+def test_changing_requires_grad_after_wrapping_is_an_error():
+    spawn(_unfreeze_worker, 2, backend="gloo", timeout_s=60)
+
+
+def _bucket_size_worker(rank, world, device):
+    with pytest.raises(ValueError, match="bucket layout differs between ranks"):
+        BucketedDDP(make_model(0, device), bucket_size_mb=1e-6 if rank == 0 else None)
+    # "auto" with nothing to train: no buckets, and synchronisation is a no-op (it used to fail on a NaN size).
+    model = make_model(0, device).requires_grad_(False)
+    ddp = BucketedDDP(model, bucket_size_mb="auto")
+    assert ddp.bucket_sizes_bytes == []
+    ddp.finish_gradient_synchronization()
+
+
+def test_bucket_layouts_must_agree_and_auto_handles_no_trainable_parameters():
+    spawn(_bucket_size_worker, 2, backend="gloo", timeout_s=60)
+
+
+def _skipped_backward_worker(rank, world, device, name):
+    # A group of its own with a short timeout: after the error, rank 0's gradient collectives stay pending there.
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3))
+    ddp = WRAPPERS[name](make_model(0, device), process_group=group)
+    x, y = make_batches(1, 4, device)[0]
+    out = ddp(x)
+    if rank == 0:
+        loss_fn(out, y).backward()
+    with pytest.raises(RuntimeError, match=r"backward ran on ranks \[0\] but not on ranks \[1\]"):
+        ddp.finish_gradient_synchronization()
+
+
+@pytest.mark.parametrize("name", list(WRAPPERS))
+def test_a_backward_skipped_on_one_rank_is_an_error_not_a_hang(name):
+    spawn(_skipped_backward_worker, 2, name, backend="gloo", timeout_s=60)
+
+
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x, use_b: bool):
+        return self.b(self.a(x)) if use_b else self.a(x)
+
+
+def _used_on_one_rank_worker(rank, world, device):
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3))
+    torch.manual_seed(0)
+    ddp = OverlapDDP(_Branchy(), process_group=group)
+    ddp(torch.randn(2, 4), use_b=rank == 0).sum().backward()
+    with pytest.raises(RuntimeError, match="a parameter was used on some ranks only"):
+        ddp.finish_gradient_synchronization()
+    # BucketedDDP handles it: the unused parameter's gradient is rank 0's, averaged.
+    torch.manual_seed(0)
+    model = _Branchy()
+    bucketed = BucketedDDP(model, bucket_size_mb=1e-6)
+    bucketed(torch.ones(2, 4), use_b=rank == 0).sum().backward()
+    bucketed.finish_gradient_synchronization()
+    assert model.b.weight.grad is not None and torch.isfinite(model.b.weight.grad).all()
+
+
+def test_overlap_with_a_parameter_used_on_one_rank_is_an_error_not_garbage():
+    spawn(_used_on_one_rank_worker, 2, backend="gloo", timeout_s=60)
