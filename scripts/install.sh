@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install flashsys with its test and bench extras.
+# Create .venv and install flashsys with its test extra.
 #
 # Why a script: a bare `torch` requirement on a machine with no torch pulls several GB of CUDA wheels.
 # On a machine without a GPU we install the CPU build of torch first, so the later `pip install -e .`
@@ -30,6 +30,6 @@ else
     "$VENV/bin/python" -m pip install -q "$CPU_TORCH"
   fi
 fi
-"$VENV/bin/python" -m pip install -q -e ".[test,bench]"
+"$VENV/bin/python" -m pip install -q -e ".[test]"
 touch "$VENV/.stamp"
 echo "[install] done: $("$VENV/bin/python" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')"

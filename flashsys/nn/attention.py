@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+from einops import rearrange
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
@@ -136,9 +137,8 @@ class MultiHeadSelfAttention(nn.Module):
         if self.rope is not None and x.shape[1] > self.rope.cos.shape[0]:
             raise ValueError(f"MultiHeadSelfAttention: sequence length {x.shape[1]} exceeds the RoPE tables' "
                              f"context_length {self.rope.cos.shape[0]}")
-        b, n, _ = x.shape
-        q, k, v = self.qkv_proj(x).view(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = rearrange(self.qkv_proj(x), "b n (three h d) -> three b h n d", three=3, h=self.num_heads).unbind(0)
         if self.rope is not None:
             q, k = self.rope(q), self.rope(k)
         o = attend(q, k, v, causal=self.causal, softmax_scale=None, backend=self.attention_backend)
-        return self.output_proj(o.transpose(1, 2).reshape(b, n, self.d_model))
+        return self.output_proj(rearrange(o, "b h n d -> b n (h d)"))

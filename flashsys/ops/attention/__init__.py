@@ -10,8 +10,32 @@ from torch import Tensor
 
 from .backends import ATTENTION_BACKENDS, CORE_BACKENDS, FLASH_ALIASES, AttentionBackend, backend_report, get_backend
 from .flash_torch import FlashAttention2Torch
-from .flash_triton import MAX_HEAD_DIM, FlashAttention2Triton, interpreter_active
 from .reference import attention_reference, causal_mask
+from .triton_env import interpreter_active
+
+MAX_HEAD_DIM = 256  # the Triton op's largest head dim (flash_triton checks it)
+
+
+def triton_op():
+    """`FlashAttention2Triton`, importing Triton on first use.
+
+    Raises:
+        ImportError: naming what to install, where Triton is missing.
+    """
+    try:
+        from .flash_triton import FlashAttention2Triton
+    except ImportError as e:
+        raise ImportError(f"FlashAttention2Triton needs Triton, which is not importable here ({e}). Install it "
+                          "(pip install triton, on Linux), or use the tiled PyTorch op: "
+                          "flash_attention(..., backend='torch') or FlashAttention2Torch") from e
+    return FlashAttention2Triton
+
+
+def __getattr__(name: str):
+    # `from flashsys.ops.attention import FlashAttention2Triton` imports Triton only when asked for.
+    if name == "FlashAttention2Triton":
+        return triton_op()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 Backend = Literal["auto", "triton", "torch"]
 

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .flash_torch import FlashAttention2Torch
-from .flash_triton import FlashAttention2Triton, interpreter_active
 from .reference import attention_reference
+from .triton_env import interpreter_active, triton_problem
 
 AttentionFn = Callable[[Tensor, Tensor, Tensor, bool, "float | None"], Tensor]
 
@@ -46,8 +46,11 @@ class AttentionBackend:
         on_cuda = torch.device(device).type == "cuda"
         if self.runs_on == "cuda" and not on_cuda:
             return "needs CUDA"
-        if self.runs_on == "triton" and not (on_cuda or interpreter_active()):
-            return "needs CUDA, or TRITON_INTERPRET=1 set before import (slow, for tests)"
+        if self.runs_on == "triton":
+            if triton_problem() is not None:
+                return triton_problem()
+            if not (on_cuda or interpreter_active()):
+                return "needs CUDA, or TRITON_INTERPRET=1 set before import (slow, for tests)"
         return None
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, softmax_scale: float | None = None) -> Tensor:
@@ -57,12 +60,14 @@ class AttentionBackend:
 def _flash_auto(q, k, v, causal, scale):
     """Triton on CUDA tensors, the tiled PyTorch op elsewhere."""
     if isinstance(q, Tensor) and q.device.type == "cuda":
-        return FlashAttention2Triton.apply(q, k, v, causal, scale)
+        return _flash_triton(q, k, v, causal, scale)
     return FlashAttention2Torch.apply(q, k, v, causal, scale)
 
 
 def _flash_triton(q, k, v, causal, scale):
-    return FlashAttention2Triton.apply(q, k, v, causal, scale)
+    from . import triton_op  # imports Triton on first use only
+
+    return triton_op().apply(q, k, v, causal, scale)
 
 
 def _flash_torch(q, k, v, causal, scale):

@@ -30,18 +30,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import MAX_HEAD_DIM  # the package defines it, so it is known without importing Triton
+from .triton_env import interpreter_active
 from .validation import check_attention_inputs, refuse_double_backward
 
 LOG2E = 1.4426950408889634
-MAX_HEAD_DIM = 256
 # The kernels' copies: a @triton.jit function may only read globals that are constexpr.
 _LOG2E: tl.constexpr = tl.constexpr(LOG2E)
 _LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
-
-
-def interpreter_active() -> bool:
-    """True when Triton runs kernels on the CPU (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ----------------------------------------------------------------------------------------------------

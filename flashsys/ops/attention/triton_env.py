@@ -1,0 +1,24 @@
+"""Whether Triton is here, and whether it runs kernels in its CPU interpreter, without importing the kernels.
+
+Triton is imported lazily: the tiled PyTorch op, the modules and the trainer work where Triton is not installed
+(macOS, Windows, a CPU-only machine), and only the Triton op asks for it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+
+def interpreter_active() -> bool:
+    """True when Triton runs kernels on the CPU (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_problem() -> str | None:
+    """None when Triton can be imported, else why not (without importing it)."""
+    try:
+        found = importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules, as a test does
+        found = False
+    return None if found else "Triton is not installed (pip install triton; it ships for Linux)"
