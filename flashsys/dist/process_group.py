@@ -153,21 +153,28 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def _spawn_entry(rank, fn, world_size, port, backend, timeout_s, args, parent_pid, error_dir):
     _die_with_parent(parent_pid)
+
+    def report(e: BaseException) -> None:
+        Path(error_dir, f"rank{rank}.json").write_text(json.dumps(
+            {"rank": rank, "type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc(),
+             "time": time.time()}))
+
     try:
         device = init_for_spawn(rank, world_size, port, backend, timeout_s)
-        try:
-            fn(rank, world_size, device, *args)
-            # A sender may finish its last collective before its peers have received everything; closing the
-            # connections then would abort them. Meet once more before tearing down.
-            if dist.is_initialized():
-                dist.barrier()
-        finally:
-            shutdown()
     except BaseException as e:
-        report = {"rank": rank, "type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc(),
-                  "time": time.time()}
-        Path(error_dir, f"rank{rank}.json").write_text(json.dumps(report))
+        report(e)
         raise
+    try:
+        fn(rank, world_size, device, *args)
+        # A sender may finish its last collective before its peers have received everything; closing the
+        # connections then would abort them. Meet once more before tearing down.
+        if dist.is_initialized():
+            dist.barrier()
+    except BaseException as e:
+        report(e)  # before shutdown(): closing the connections is what makes the peers fail in turn
+        raise
+    finally:
+        shutdown()
 
 
 def spawn(

@@ -52,3 +52,21 @@ def _teardown_worker(rank, world, device):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads thread names from /proc")
 def test_shutdown_joins_gloo_worker_threads():
     spawn(_teardown_worker, 2, backend="gloo", timeout_s=60)
+
+
+def _rank0_fails_late(rank, world, device):
+    dist.barrier()
+    if rank == 0:
+        raise PermissionError("cannot write /proc/self/final_model.pt")
+    dist.barrier()  # rank 1 waits here: its own error is only the closed connection
+
+
+def test_the_launcher_reports_every_ranks_own_error_first_failure_first():
+    from flashsys.dist import SpawnError
+
+    with pytest.raises(SpawnError) as info:
+        spawn(_rank0_fails_late, 2, backend="gloo", timeout_s=30)
+    message = str(info.value)
+    assert message.startswith("rank 0 failed first: PermissionError: cannot write /proc/self/final_model.pt")
+    assert "Traceback" in message and "\nrank 1: " in message
+    assert info.value.failures[0]["rank"] == 0
