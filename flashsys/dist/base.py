@@ -26,13 +26,17 @@ class DataParallelBase(nn.Module, metaclass=abc.ABCMeta):
     Args:
         module: the model, already on this rank's device.
         process_group: the group to average over (default: the world).
+        cross_rank_checks: at each synchronisation, compare on a gloo side channel whether every rank ran backward
+            and reduced the same gradients, so a skipped backward or a parameter used on some ranks only is a
+            clear error instead of a hang or garbage. Costs one small CPU all-gather per step, at which the ranks'
+            host threads meet; False turns it off.
 
     Raises:
         RuntimeError: without an initialised process group.
         ValueError: when the model differs between ranks.
     """
 
-    def __init__(self, module: nn.Module, process_group=None) -> None:
+    def __init__(self, module: nn.Module, process_group=None, cross_rank_checks: bool = True) -> None:
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(f"{type(self).__name__} needs an initialised torch.distributed process group")
@@ -54,7 +58,8 @@ class DataParallelBase(nn.Module, metaclass=abc.ABCMeta):
         # A side channel for cross-rank checks at each synchronisation. On its own group, a check never pairs
         # with a gradient collective still pending on the main group, whatever went wrong there.
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-        self._control_group = dist.new_group(ranks=ranks, backend="gloo") if self.world_size > 1 else None
+        checks = cross_rank_checks and self.world_size > 1
+        self._control_group = dist.new_group(ranks=ranks, backend="gloo") if checks else None
 
     def _register_grad_hooks(self, method: Callable[[torch.Tensor], None]) -> None:
         """A post-accumulate-grad hook on every parameter that gets a gradient (frozen ones get none).
@@ -136,8 +141,8 @@ class ReduceAfterBackward(DataParallelBase):
     """Base of the wrappers that reduce only once backward has finished: tracks whether a synchronised backward
     has produced gradients since the last reduction."""
 
-    def __init__(self, module: nn.Module, process_group=None) -> None:
-        super().__init__(module, process_group)
+    def __init__(self, module: nn.Module, process_group=None, cross_rank_checks: bool = True) -> None:
+        super().__init__(module, process_group, cross_rank_checks)
         self._pending = False
         self._register_grad_hooks(self._mark_pending)
 

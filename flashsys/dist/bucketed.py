@@ -48,14 +48,16 @@ class BucketedDDP(DataParallelBase):
         module: the model, already on this rank's device.
         bucket_size_mb: bucket cap in MiB, `None` (one bucket per dtype and device) or `"auto"` (measured).
         process_group: the group to average over (default: the world).
+        cross_rank_checks: see DataParallelBase.
 
     Raises:
         ValueError: for a bucket size that is not a positive number, None or "auto"; or a model that differs
             between ranks.
     """
 
-    def __init__(self, module: nn.Module, bucket_size_mb: float | str | None = 25.0, process_group=None) -> None:
-        super().__init__(module, process_group)
+    def __init__(self, module: nn.Module, bucket_size_mb: float | str | None = 25.0, process_group=None,
+                 cross_rank_checks: bool = True) -> None:
+        super().__init__(module, process_group, cross_rank_checks)
         total_bytes = sum(p.numel() * p.element_size() for p in self._grad_params)
         if bucket_size_mb == "auto":
             if self._grad_params:

@@ -17,8 +17,8 @@ class OverlapDDP(DataParallelBase):
     a None gradient.
     """
 
-    def __init__(self, module: nn.Module, process_group=None) -> None:
-        super().__init__(module, process_group)
+    def __init__(self, module: nn.Module, process_group=None, cross_rank_checks: bool = True) -> None:
+        super().__init__(module, process_group, cross_rank_checks)
         self._handles: list[tuple[nn.Parameter, dist.Work]] = []
         self._launched: set[int] = set()
         self._index = {id(p): i for i, p in enumerate(self._grad_params)}
