@@ -249,8 +249,10 @@ def cli_tries(tmp: Path) -> dict:
 
     def orphans():
         out = tmp / "orphan"
+        # As a background job of a non-interactive shell: SIGINT ignored, and the ranks inherit that.
         launcher = subprocess.Popen([PY, "-m", "flashsys", "train", *TINY, "--steps", "100000", "--out", str(out)],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
         time.sleep(8)
         kids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == launcher.pid]
         os.kill(launcher.pid, signal.SIGKILL)
@@ -258,7 +260,7 @@ def cli_tries(tmp: Path) -> dict:
         time.sleep(5)
         alive = [p for p in kids if Path(f"/proc/{p}").exists() and "State:\tZ" not in _status(p)]
         return "correct" if kids and not alive else ("data lost" if alive else "unclear")
-    t["launcher killed: ranks end with it"] = orphans
+    t["launcher (background job) killed: ranks end with it"] = orphans
 
     def resume_ok():
         a, b = tmp / "straight", tmp / "split"

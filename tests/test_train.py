@@ -186,14 +186,16 @@ def test_a_failed_final_save_keeps_the_weights(tmp_path):
 
 
 def test_ranks_die_with_their_launcher(tmp_path):
-    """SIGKILL the launcher of a long run: its ranks must not train on and write --out (they used to)."""
+    """SIGKILL the launcher of a long run started as a background job of a non-interactive shell (SIGINT
+    ignored, and inherited): its ranks must not train on and write --out. torch's spawn makes SIGINT the ranks'
+    parent-death signal, which such ranks ignore; they used to survive."""
     import os
     import signal
     import time
 
     launcher = subprocess.Popen([sys.executable, "-m", "flashsys", "train", *TINY, "--steps", "100000",
                                  "--out", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
 
     def children() -> list[int]:
         found = []
