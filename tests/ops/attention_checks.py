@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from flashsys.ops.attention import attention_reference
+from flashsys.ops.attention import attention_reference, causal_mask
 
 FLOOR = {torch.float32: 5e-5, torch.float16: 2e-4, torch.bfloat16: 2e-3, torch.float64: 1e-12}
 
@@ -48,11 +48,32 @@ def run_reference(q, k, v, do, causal, scale, dtype):
     return o.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
+def flash_algorithm_gradients(q, k, v, do, causal, scale, dtype):
+    """(dQ, dK) of FlashAttention-2's backward done exactly in float64, except for what its contract fixes: the
+    saved O is in the input dtype, and D = rowsum(dO * O) uses that rounded O.
+
+    dS = P * (dP - D) cancels where P is nearly one-hot (few visible keys); D's rounding then dominates dQ and dK
+    for every implementation that keeps the contract (flash-attn too), however exact the rest of its arithmetic.
+    The error of these gradients is the floor such an implementation can reach."""
+    q, k, v, do = (x.double() for x in (q, k, v, do))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = q @ k.transpose(-2, -1) * scale
+    if causal:
+        s = s.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows that see no key: P = 0
+    o_saved = (p @ v).to(dtype).double()
+    ds = p * (do @ v.transpose(-2, -1) - (do * o_saved).sum(-1, keepdim=True))
+    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale
+
+
 def assert_matches_reference(op, q, k, v, do, causal, scale):
-    """O, L, dQ, dK, dV of `op` against float64; tolerance scaled by plain PyTorch's low-precision error."""
+    """O, L, dQ, dK, dV of `op` against float64. The tolerance is twice the larger of plain PyTorch's error in the
+    same precision and, for dQ and dK, the error the FlashAttention-2 contract itself implies (D from the saved,
+    rounded O: `flash_algorithm_gradients`), plus a small floor."""
     ours = run_op(op, q, k, v, do, causal, scale)
     exact = run_reference(q, k, v, do, causal, scale, torch.float64)
     plain = run_reference(q, k, v, do, causal, scale, q.dtype)
+    algorithm = dict(zip((2, 3), flash_algorithm_gradients(q, k, v, do, causal, scale, q.dtype)))
     assert ours[0].dtype == q.dtype and ours[0].shape == q.shape
     assert ours[1].dtype in (torch.float32, torch.float64) and ours[1].shape == q.shape[:-1]
     # The floor is for rounding noise where plain PyTorch is exact by structure: with one key, dK is exactly
@@ -62,7 +83,9 @@ def assert_matches_reference(op, q, k, v, do, causal, scale):
     for name, i in (("O", 0), ("dQ", 2), ("dK", 3), ("dV", 4)):
         assert ours[i].shape == exact[i].shape, name
         err, base = rel_err(ours[i], exact[i]), rel_err(plain[i], exact[i])
-        assert err <= 2 * base + floor, f"{name}: error {err:.3g} vs plain PyTorch {base:.3g} ({q.dtype})"
+        inherent = rel_err(algorithm[i], exact[i]) if i in algorithm else 0.0
+        assert err <= 2 * max(base, inherent) + floor, (
+            f"{name}: error {err:.3g} vs plain PyTorch {base:.3g}, contract floor {inherent:.3g} ({q.dtype})")
     # L: float32 in every case; rows that see no key are -inf in both.
     lse, lse_ref = ours[1].double(), exact[1]
     assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref)), "L: -inf rows differ"
