@@ -62,13 +62,14 @@ def test_launcher_arguments_are_checked_against_the_kernel_signature():
     from flashsys.ops.attention import flash_triton
 
     kernel = flash_triton._fwd_kernels[64, False, False].fn
-    q = torch.randn(1, 8, 16)
-    named = dict(Q=q, K=q, V=q, O=q, L=q, **flash_triton._strides("q", q), **flash_triton._strides("k", q),
-                 **flash_triton._strides("v", q), **flash_triton._strides("o", q), n_heads=1, n_q=8, n_k=8, qk_scale=1.0)
+    q, k = torch.randn(1, 8, 16), torch.randn(2, 1, 8, 16).transpose(1, 2)[0]  # k: rank 3, non-contiguous
+    named = dict(Q=q, K=k, V=q, O=q, L=q, n_heads=1, n_q=8, n_k=8, qk_scale=1.0)
     args = flash_triton._positional(kernel, named)
-    assert args[:5] == (q, q, q, q, q) and args[-4:] == (1, 8, 8, 1.0)
-    del named["stride_kn"]
-    with pytest.raises(TypeError, match="stride_kn"):
+    assert args[:5] == (q, k, q, q, q) and args[-4:] == (1, 8, 8, 1.0)
+    # Strides are derived from each tensor, in the kernel's (batch, head, seq, dim) order.
+    assert args[5:13] == (*q.stride()[:1], 0, *q.stride()[1:], k.stride(0), 0, k.stride(1), k.stride(2))
+    del named["K"]
+    with pytest.raises(TypeError, match=r"missing \['K'\]"):
         flash_triton._positional(kernel, named)
     with pytest.raises(TypeError, match="unexpected"):
-        flash_triton._positional(kernel, {**named, "stride_kn": 1, "stride_xx": 3})
+        flash_triton._positional(kernel, {**named, "K": k, "stride_xx": 3})

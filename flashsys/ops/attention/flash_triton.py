@@ -21,6 +21,7 @@ Choices that pay (each measured in benchmarks/results/kernel_experiments.md, wit
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from typing import NamedTuple
@@ -30,9 +31,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import MAX_HEAD_DIM  # the package defines it, so it is known without importing Triton
 from .triton_env import interpreter_active
-from .validation import check_attention_inputs, refuse_double_backward
+from .validation import MAX_HEAD_DIM, check_attention_inputs, refuse_double_backward
 
 LOG2E = 1.4426950408889634
 # The kernels' copies: a @triton.jit function may only read globals that are constexpr.
@@ -439,31 +439,48 @@ _bwd_dq_kernels = _tuned(_flash_bwd_dq_kernel, _BWD_DQ_TILES, _BWD_DQ_TILES_LONG
 # ----------------------------------------------------------------------------------------------------
 
 
-def _strides(name: str, t: Tensor) -> dict[str, int]:
-    """{stride_<name>b, stride_<name>h, stride_<name>n, stride_<name>d}: a rank-3 tensor is one head per batch."""
-    sb, sh, sn, sd = t.stride() if t.dim() == 4 else (t.stride(0), 0, t.stride(1), t.stride(2))
-    return {f"stride_{name}b": sb, f"stride_{name}h": sh, f"stride_{name}n": sn, f"stride_{name}d": sd}
+def _strides4(t: Tensor) -> tuple[int, int, int, int]:
+    """(batch, head, seq, dim) strides; a rank-3 tensor is one head per batch entry."""
+    return t.stride() if t.dim() == 4 else (t.stride(0), 0, t.stride(1), t.stride(2))
 
 
-_runtime_arg_names: dict[object, tuple[str, ...]] = {}
+class _LaunchPlan(NamedTuple):
+    """How to build a kernel's runtime arguments from the tensors and scalars a launcher names."""
+
+    slots: tuple[tuple[str, int | None], ...]  # per argument: (name, None) or (tensor name, stride axis)
+    named: frozenset[str]  # the names a launcher must pass
+    strided: tuple[str, ...]  # the tensors whose strides are arguments
+
+
+@functools.cache
+def _launch_plan(kernel) -> _LaunchPlan:
+    """The plan of `kernel`'s runtime arguments, in signature order: a `stride_<tensor><b|h|n|d>` argument is
+    derived from that tensor, every other one is passed by name. Constexprs and N_BUCKET (appended by
+    `_launch`) are left out. `.fn` is the Python function under both a JITFunction and the interpreter's
+    InterpretedFunction."""
+    slots = []
+    for p in inspect.signature(kernel.fn).parameters.values():
+        if "constexpr" in str(p.annotation) or p.name == "N_BUCKET":
+            continue
+        if p.name.startswith("stride_"):
+            slots.append((p.name[len("stride_"):-1].upper(), "bhnd".index(p.name[-1])))
+        else:
+            slots.append((p.name, None))
+    named = frozenset(name for name, axis in slots if axis is None)
+    strided = tuple(dict.fromkeys(name for name, axis in slots if axis is not None))
+    return _LaunchPlan(tuple(slots), named, strided)
 
 
 def _positional(kernel, named: dict) -> tuple:
-    """The runtime arguments of `kernel` (a JITFunction) in its signature's order, taken from `named` by name.
-
-    Arguments are built by name, so a stride can never land in another's slot; they are passed positionally,
-    the cheapest way through Triton's launcher. Constexprs and N_BUCKET (appended by `_launch`) are left out."""
-    names = _runtime_arg_names.get(kernel)
-    if names is None:
-        # `.fn` is the Python function under both a JITFunction and the interpreter's InterpretedFunction.
-        params = inspect.signature(kernel.fn).parameters.values()
-        names = tuple(p.name for p in params if "constexpr" not in str(p.annotation) and p.name != "N_BUCKET")
-        _runtime_arg_names[kernel] = names
-    if len(named) != len(names) or not all(n in named for n in names):
-        # a launcher out of step with its kernel: fail here, not with wrong numbers
-        missing = [n for n in names if n not in named]
-        raise TypeError(f"{kernel.fn.__name__}: launch arguments missing {missing}, unexpected {sorted(set(named) - set(names))}")
-    return tuple(named[n] for n in names)
+    """The runtime arguments of `kernel` in its signature's order: tensors and scalars taken from `named` by name,
+    every stride derived from its tensor. Nothing is placed by position at a call site, so no stride can land
+    in another's slot; the result is passed positionally, the cheapest way through Triton's launcher."""
+    plan = _launch_plan(kernel)
+    if named.keys() != plan.named:  # a launcher out of step with its kernel: fail here, not with wrong numbers
+        raise TypeError(f"{kernel.fn.__name__}: launch arguments missing {sorted(plan.named - named.keys())}, "
+                        f"unexpected {sorted(named.keys() - plan.named)}")
+    strides = {name: _strides4(named[name]) for name in plan.strided}
+    return tuple([named[name] if axis is None else strides[name][axis] for name, axis in plan.slots])
 
 
 class _Geometry(NamedTuple):
@@ -539,8 +556,7 @@ def flash_forward_triton(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: f
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     _launch(
         "fwd", _fwd_kernels, g, causal, lambda meta: (triton.cdiv(g.n_q, meta["BLOCK_M"]), g.n_bh),
-        dict(Q=q, K=k, V=v, O=o, L=lse, **_strides("q", q), **_strides("k", k), **_strides("v", v),
-             **_strides("o", o), n_heads=g.n_heads, n_q=g.n_q, n_k=g.n_k, qk_scale=scale * LOG2E),
+        dict(Q=q, K=k, V=v, O=o, L=lse, n_heads=g.n_heads, n_q=g.n_q, n_k=g.n_k, qk_scale=scale * LOG2E),
     )
     return o, lse
 
@@ -563,17 +579,16 @@ def flash_backward_triton(
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    shared = dict(Q=q, K=k, V=v, DO=do, LseDelta=lse_delta, **_strides("q", q), **_strides("k", k),
-                  **_strides("v", v), **_strides("do", do), n_heads=g.n_heads, n_q=g.n_q, n_k=g.n_k,
+    shared = dict(Q=q, K=k, V=v, DO=do, LseDelta=lse_delta, n_heads=g.n_heads, n_q=g.n_q, n_k=g.n_k,
                   qk_scale=scale * LOG2E, softmax_scale=scale)
     # dQ first: it writes the (L*log2e, D) pairs that the dK/dV kernel reads.
     _launch(
         "dq", _bwd_dq_kernels, g, causal, lambda meta: (triton.cdiv(g.n_q, meta["BLOCK_M"]), g.n_bh),
-        dict(shared, L=lse, DQ=dq, O=o, **_strides("dq", dq), **_strides("o", o)),
+        dict(shared, L=lse, DQ=dq, O=o),
     )
     _launch(
         "dkdv", _bwd_dkdv_kernels, g, causal, lambda meta: (triton.cdiv(g.n_k, meta["BLOCK_N"]), g.n_bh),
-        dict(shared, DK=dk, DV=dv, **_strides("dk", dk), **_strides("dv", dv)),
+        dict(shared, DK=dk, DV=dv),
     )
     return dq, dk, dv
 
