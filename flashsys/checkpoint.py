@@ -1,7 +1,7 @@
 """Training checkpoints: checksummed, written atomically, validated before a run resumes from one.
 
 File format: one header line `FLASHSYS-CHECKPOINT 1 <sha256 of the payload>`, then the payload, a `torch.save`
-of plain containers and tensors. A flipped byte anywhere fails the checksum (or the header) and the run refuses
+of plain containers and tensors. Both directions stream: memory stays at one checkpoint, as with plain torch.save. A flipped byte anywhere fails the checksum (or the header) and the run refuses
 to resume instead of training on garbage; the payload is loaded with `weights_only=True`, so a checkpoint can
 hold only data, never code.
 """
@@ -9,7 +9,6 @@ hold only data, never code.
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 from pathlib import Path
 
@@ -29,16 +28,27 @@ def _shape(model_config: dict) -> dict:
     return {k: v for k, v in model_config.items() if k not in _NOT_SHAPE}
 
 
+def _sha256_from(f, offset: int) -> str:
+    """SHA-256 of the file's bytes from `offset` to the end, read in chunks (checkpoints can be many GB)."""
+    f.seek(offset)
+    digest = hashlib.sha256()
+    while chunk := f.read(1 << 24):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
 def save_checkpoint_atomically(obj: dict, path: Path) -> None:
     """Write `obj` with a checksum to a temporary file, then rename: readers see the old file or the new one,
-    never half of one."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    payload = buffer.getvalue()
+    never half of one. The payload streams to disk; the header is filled in once it is hashed."""
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n")
-        f.write(payload)
+    header_len = len(MAGIC) + 64 + 1
+    with open(tmp, "w+b") as f:
+        f.write(b"\0" * header_len)
+        torch.save(obj, f)
+        f.flush()
+        digest = _sha256_from(f, header_len)
+        f.seek(0)
+        f.write(MAGIC + digest.encode() + b"\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)  # atomic on POSIX
@@ -52,17 +62,18 @@ def load_checkpoint(path: Path) -> dict:
     """
     if not path.is_file():
         raise UsageError(f"--resume: no checkpoint at {path}")
-    raw = path.read_bytes()
-    header, _, payload = raw.partition(b"\n")
-    if not header.startswith(MAGIC):
-        raise UsageError(f"--resume: {path} is corrupted or not a flashsys checkpoint (no checkpoint header)")
-    if hashlib.sha256(payload).hexdigest().encode() != header[len(MAGIC):]:
-        raise UsageError(f"--resume: checkpoint {path} is corrupted (checksum mismatch); it was damaged after it "
-                         "was written. Resume from another copy or start again.")
-    try:
-        ckpt = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
-    except Exception as e:  # a valid checksum over a payload torch cannot read: written by something else
-        raise UsageError(f"--resume: checkpoint {path} is corrupted or unreadable ({type(e).__name__})") from None
+    with open(path, "rb") as f:
+        header = f.readline(len(MAGIC) + 64 + 1)
+        if not header.startswith(MAGIC) or not header.endswith(b"\n"):
+            raise UsageError(f"--resume: {path} is corrupted or not a flashsys checkpoint (no checkpoint header)")
+        if _sha256_from(f, len(header)).encode() != header[len(MAGIC):-1]:
+            raise UsageError(f"--resume: checkpoint {path} is corrupted (checksum mismatch); it was damaged after "
+                             "it was written. Resume from another copy or start again.")
+        f.seek(len(header))
+        try:
+            ckpt = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # a valid checksum over a payload torch cannot read: written by something else
+            raise UsageError(f"--resume: checkpoint {path} is corrupted or unreadable ({type(e).__name__})") from None
     if not isinstance(ckpt, dict) or not {"model", "optimizer", "step", "config", "history"} <= ckpt.keys():
         raise UsageError(f"--resume: {path} is not a flashsys checkpoint")
     return ckpt
