@@ -17,11 +17,11 @@ import torch.nn.functional as F
 
 from benchmarks.harness import (
     DEVICE, ON_GPU, add_common_args, environment, memory_snapshot, nvtx, peak_memory, progress, pyplot, run_cell,
-    save_plot, summarize, sync, token_batch, write_table,
+    save_plot, sync, token_batch, write_table,
 )
 from flashsys.nn import PRESETS, TransformerLM, preset
 from flashsys.ops.attention import ATTENTION_BACKENDS
-from flashsys.timing import time_call
+from flashsys.timing import summarize, time_call
 
 
 def measure(preset_name: str, context: int, args) -> dict:

@@ -27,26 +27,16 @@ from pathlib import Path
 import torch
 
 from flashsys.nn import PRESETS, ModelConfig, preset
-from flashsys.timing import Stats, summarize, synchronize, time_call
+from flashsys.timing import repeat, summarize, synchronize
 
 RESULTS = Path(__file__).parent / "results"
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
-__all__ = ["Stats", "summarize"]  # re-exported from flashsys.timing for the scripts
-
 
 def sync() -> None:
     """Wait for this process's GPU work (no-op on a CPU)."""
     synchronize(DEVICE)
-
-
-def time_steps(step: Callable[[], object], warmup: int, iters: int) -> Stats:
-    """Run `step` warmup times untimed, then iters times timed (CUDA events on a GPU); milliseconds."""
-    for _ in range(warmup):
-        step()
-    sync()
-    return summarize([time_call(step, DEVICE)[1] for _ in range(iters)])
 
 
 def bench_ms(fn: Callable[[], object], rep_ms: int = 200, warmup_ms: int = 50) -> float:
@@ -55,7 +45,7 @@ def bench_ms(fn: Callable[[], object], rep_ms: int = 200, warmup_ms: int = 50) -
         import triton
 
         return triton.testing.do_bench(fn, rep=rep_ms, warmup=warmup_ms, return_mode="median")
-    return time_steps(fn, warmup=1, iters=5).median
+    return summarize(repeat(fn, warmup=1, iters=5, device=DEVICE)).median
 
 
 @contextlib.contextmanager

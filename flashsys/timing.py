@@ -52,9 +52,11 @@ class Stopwatch:
         ms, self._last = (now - self._last) * 1e3, now
         return ms
 
-    def elapsed(self) -> float:
-        """Milliseconds since start()."""
-        synchronize(self.device)
+    def elapsed(self, sync: bool = True) -> float:
+        """Milliseconds since start(). `sync=False` reads the host clock alone, for a progress display: a device
+        sync every step would cost the throughput it displays."""
+        if sync:
+            synchronize(self.device)
         return (time.perf_counter() - self._t0) * 1e3
 
 

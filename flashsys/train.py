@@ -189,7 +189,7 @@ class Trainer:
             self.history.append((step + 1, self.train_step(step)))
             tokens += cfg.batch_size * cfg.model.context_length
             if bar is not None:
-                bar.set_postfix(loss=f"{self.history[-1][1]:.3f}", tok_s=f"{tokens / (watch.elapsed() / 1e3):,.0f}")
+                bar.set_postfix(loss=f"{self.history[-1][1]:.3f}", tok_s=f"{tokens / (watch.elapsed(sync=False) / 1e3):,.0f}")
                 bar.update(1)
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                 self.checkpoint(step + 1)

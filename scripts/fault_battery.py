@@ -112,19 +112,24 @@ def make():
 """
 
 
-def dist_try(body: str, message: str, timeout: float = 90) -> str:
+def run_dist(body: str, timeout: float = 90) -> tuple[int | None, str]:
+    """(exit code or None on time-out, output) of `body` run as worker(rank, world, device) on 2 gloo ranks; the
+    launcher prints OK when every rank returned."""
     code = DIST + "def worker(rank, world, device):\n" + textwrap.indent(textwrap.dedent(body), "    ") + \
-        "\nif __name__ == '__main__':\n    spawn(worker, 2, backend='gloo', timeout_s=30)\n"
+        "\nif __name__ == '__main__':\n    spawn(worker, 2, backend='gloo', timeout_s=30); print('OK')\n"
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(code)
     try:
         r = subprocess.run([PY, f.name], capture_output=True, text=True, timeout=timeout)
-        result = (r.returncode, r.stdout + r.stderr)
+        return r.returncode, r.stdout + r.stderr
     except subprocess.TimeoutExpired:
-        result = (None, "")
+        return None, ""
     finally:
         os.unlink(f.name)
-    return expect_error(result, message)
+
+
+def dist_try(body: str, message: str) -> str:
+    return expect_error(run_dist(body), message)
 
 
 def dist_tries() -> dict:
@@ -146,7 +151,7 @@ m = make(); ddp = OverlapDDP(m, process_group=dist.new_group(backend='gloo', tim
 x = torch.randn(2, 4)
 (m[1](m[0](x)) if rank == 0 else m[0](x)).sum().backward()
 ddp.finish_gradient_synchronization()""", "used on some ranks only")
-    t["BucketedDDP('auto'), no trainable parameters"] = lambda: expect_ok(_dist_ok("""
+    t["BucketedDDP('auto'), no trainable parameters"] = lambda: expect_ok(run_dist("""
 ddp = BucketedDDP(make().requires_grad_(False), bucket_size_mb='auto'); ddp.finish_gradient_synchronization()"""))
     t["ShardedOptimizer.load_state_dict without param_groups"] = lambda: dist_try("""
 opt = ShardedOptimizer(make().parameters(), torch.optim.AdamW, lr=1e-3)
@@ -161,20 +166,6 @@ import os
 if rank == 1: os._exit(3)
 t = torch.ones(3); dist.all_reduce(t); dist.all_reduce(t)""", "rank 1")
     return t
-
-
-def _dist_ok(body: str) -> tuple[int | None, str]:
-    code = DIST + "def worker(rank, world, device):\n" + textwrap.indent(textwrap.dedent(body), "    ") + \
-        "\nif __name__ == '__main__':\n    spawn(worker, 2, backend='gloo', timeout_s=30); print('OK')\n"
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(code)
-    try:
-        r = subprocess.run([PY, f.name], capture_output=True, text=True, timeout=90)
-        return r.returncode, r.stdout + r.stderr
-    except subprocess.TimeoutExpired:
-        return None, ""
-    finally:
-        os.unlink(f.name)
 
 
 def cli_tries(tmp: Path) -> dict:

@@ -10,6 +10,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..ops.attention.backends import get_backend
+from .attention import check_rope_theta
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -55,13 +58,9 @@ class ModelConfig:
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
         if self.rope_theta is not None:
-            from .attention import check_rope_theta
-
             check_rope_theta(self.rope_theta)
         if self.rope_theta is not None and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim; d_model/num_heads = {self.head_dim}")
-        from ..ops.attention.backends import get_backend
-
         get_backend(self.attention_backend)
         return self
 

@@ -3,6 +3,7 @@ functional entry point."""
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 from jaxtyping import Float
@@ -12,12 +13,12 @@ from .backends import ATTENTION_BACKENDS, CORE_BACKENDS, FLASH_ALIASES, Attentio
 from .flash_torch import FlashAttention2Torch
 from .reference import attention_reference, causal_mask
 from .triton_env import interpreter_active
+from .validation import MAX_HEAD_DIM
 
-MAX_HEAD_DIM = 256  # the Triton op's largest head dim (flash_triton checks it)
 
-
+@functools.cache
 def triton_op():
-    """`FlashAttention2Triton`, importing Triton on first use.
+    """`FlashAttention2Triton`, importing Triton on first use (cached: `flash` calls it on every CUDA call).
 
     Raises:
         ImportError: naming what to install, where Triton is missing.

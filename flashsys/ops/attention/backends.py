@@ -47,8 +47,8 @@ class AttentionBackend:
         if self.runs_on == "cuda" and not on_cuda:
             return "needs CUDA"
         if self.runs_on == "triton":
-            if triton_problem() is not None:
-                return triton_problem()
+            if (problem := triton_problem()) is not None:
+                return problem
             if not (on_cuda or interpreter_active()):
                 return "needs CUDA, or TRITON_INTERPRET=1 set before import (slow, for tests)"
         return None

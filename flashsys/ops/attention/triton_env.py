@@ -6,6 +6,7 @@ Triton is imported lazily: the tiled PyTorch op, the modules and the trainer wor
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -15,8 +16,9 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.cache
 def triton_problem() -> str | None:
-    """None when Triton can be imported, else why not (without importing it)."""
+    """None when Triton can be imported, else why not (without importing it; looked up once per process)."""
     try:
         found = importlib.util.find_spec("triton") is not None
     except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules, as a test does

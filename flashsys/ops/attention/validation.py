@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256  # the Triton op's largest head dim (its biggest tile table)
 
 
 def check_attention_inputs(
