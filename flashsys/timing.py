@@ -45,8 +45,13 @@ class Stopwatch:
         self._t0 = self._last = time.perf_counter()
         return self
 
+    def _started(self) -> None:
+        if self._t0 is None:
+            raise RuntimeError("Stopwatch: call start() before lap() or elapsed()")
+
     def lap(self) -> float:
         """Milliseconds since the previous reading (start or lap); starts the next lap."""
+        self._started()
         synchronize(self.device)
         now = time.perf_counter()
         ms, self._last = (now - self._last) * 1e3, now
@@ -55,6 +60,7 @@ class Stopwatch:
     def elapsed(self, sync: bool = True) -> float:
         """Milliseconds since start(). `sync=False` reads the host clock alone, for a progress display: a device
         sync every step would cost the throughput it displays."""
+        self._started()
         if sync:
             synchronize(self.device)
         return (time.perf_counter() - self._t0) * 1e3

@@ -35,3 +35,9 @@ def test_summarize():
     s = summarize([1.0, 2.0, 3.0, 10.0])
     assert s.mean == pytest.approx(4.0) and s.median == pytest.approx(2.5) and s.n == 4
     assert summarize([5.0]).std == 0.0
+
+
+def test_reading_a_stopwatch_that_was_not_started_is_a_clear_error():
+    for read in (Stopwatch("cpu").lap, Stopwatch("cpu").elapsed):
+        with pytest.raises(RuntimeError, match="call start"):
+            read()
