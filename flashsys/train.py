@@ -27,10 +27,14 @@ import torch.nn.functional as F
 from .checkpoint import CHECKPOINT, read_checkpoint, save_checkpoint_atomically
 from .corpus import DEFAULT_DATA, VOCAB, batch_for_step, eval_batch, load_corpus, split_corpus
 from .errors import TrainingDiverged, UsageError
+from .mfu import mfu, peak_flops
 from .nn import PRESETS, ModelConfig, TransformerLM
 from .timing import Stopwatch
 
 __all__ = ["TrainConfig", "Trainer", "TrainingDiverged", "UsageError", "run_training", "train_worker"]
+
+
+WARMUP_STEPS = 3  # steps left out of the throughput: the first compiles the model and autotunes the kernels
 
 
 @dataclass
@@ -121,12 +125,16 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.model = TransformerLM.from_config(cfg.model).to(device)  # the plain module: what checkpoints hold
         compiled = torch.compile(self.model) if cfg.compile else self.model
-        self.ddp = BucketedDDP(compiled, bucket_size_mb=cfg.bucket_mb)
+        # One rank has nothing to average or shard: the model and the optimizer run unwrapped.
+        self.ddp = BucketedDDP(compiled, bucket_size_mb=cfg.bucket_mb) if world > 1 else None
+        self.net = self.ddp if self.ddp is not None else compiled
         adamw = dict(lr=cfg.lr, weight_decay=0.1, betas=(0.9, 0.95))
-        if cfg.shard:
-            self.opt = ShardedOptimizer(self.ddp.parameters(), torch.optim.AdamW, **adamw)
+        if device.type == "cuda":
+            adamw["fused"] = True  # one kernel for the whole step instead of a few per parameter
+        if cfg.shard and world > 1:
+            self.opt = ShardedOptimizer(self.net.parameters(), torch.optim.AdamW, **adamw)
         else:
-            self.opt = torch.optim.AdamW(self.ddp.parameters(), **adamw)
+            self.opt = torch.optim.AdamW(self.net.parameters(), **adamw)
         dtype = {"float32": None, "bfloat16": torch.bfloat16}[cfg.dtype]
         self.autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else nullcontext
         self.start_step, self.history = 0, []
@@ -136,32 +144,48 @@ class Trainer:
             self.opt.load_state_dict(ckpt["optimizer"])
             self.start_step, self.history = ckpt["step"], ckpt["history"]
 
-    def train_step(self, step: int) -> float:
-        """One optimizer step on this rank's slice of the global batch; returns the loss averaged over ranks."""
+    def train_step(self, step: int) -> torch.Tensor:
+        """One optimizer step on this rank's slice of the global batch; returns the loss averaged over ranks, as a
+        tensor on the device: reading it waits for the GPU, so `fit` reads it one step later."""
         cfg = self.cfg
         for g in self.opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         x, y = batch_for_step(self.train_data, step, cfg.batch_size, cfg.model.context_length, cfg.seed)
         per_rank = cfg.batch_size // self.world
         rows = slice(self.rank * per_rank, (self.rank + 1) * per_rank)
-        x, y = x[rows].to(self.device), y[rows].to(self.device)
+        x, y = self._to_device(x[rows]), self._to_device(y[rows])
         self.opt.zero_grad(set_to_none=True)
         with self.autocast():
-            logits = self.ddp(x)
+            logits = self.net(x)
         loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
         loss.backward()
-        self.ddp.finish_gradient_synchronization()
+        if self.ddp is not None:
+            self.ddp.finish_gradient_synchronization()
         self.opt.step()
         loss_avg = loss.detach().clone()
         dist.all_reduce(loss_avg)
-        mean = loss_avg.item() / self.world
-        if not math.isfinite(mean):  # every rank sees the same all-reduced value, so all stop together
+        return loss_avg / self.world
+
+    def _to_device(self, batch: torch.Tensor) -> torch.Tensor:
+        # A copy from pageable memory makes the host wait for the GPU; from pinned memory it is queued.
+        if self.device.type == "cuda":
+            return batch.pin_memory().to(self.device, non_blocking=True)
+        return batch.to(self.device)
+
+    def record_loss(self, step: int, loss: torch.Tensor) -> None:
+        """Append step's loss to the history.
+
+        Raises:
+            TrainingDiverged: when it is not finite (every rank reads the same all-reduced value, so all stop).
+        """
+        mean = loss.item()
+        if not math.isfinite(mean):
             last = self.history[-1][0] if self.history else self.start_step
             kept = (f"the last checkpoint in {self.out / CHECKPOINT} is untouched"
                     if (self.out / CHECKPOINT).exists() else "no checkpoint was written (see --checkpoint-every)")
             raise TrainingDiverged(f"the training loss is {mean} at step {step + 1} (last finite loss at step {last}); "
                                    f"{kept}. Lower --lr, or try --dtype float32.")
-        return mean
+        self.history.append((step + 1, mean))
 
     def checkpoint(self, step: int) -> None:
         """Save weights, consolidated optimizer state and history after `step` (a collective when sharded)."""
@@ -175,7 +199,11 @@ class Trainer:
             )
 
     def fit(self) -> None:
-        """Train from `start_step` to the end (or to `stop_after`), checkpointing as configured, then finish."""
+        """Train from `start_step` to the end (or to `stop_after`), checkpointing as configured, then finish.
+
+        Each step's loss is read after the next step is queued, so the host never waits for the GPU mid-run.
+        Throughput is measured after the first WARMUP_STEPS steps (compilation and autotuning), when there are more.
+        """
         cfg = self.cfg
         bar = None
         if self.rank == 0:
@@ -183,17 +211,29 @@ class Trainer:
 
             bar = tqdm(total=cfg.steps, initial=self.start_step, desc="train", unit="step", dynamic_ncols=True,
                        file=sys.stdout, mininterval=0.5 if sys.stdout.isatty() else 10.0)
-        watch, tokens = Stopwatch(self.device).start(), 0
         end_step = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
+        timed_from = self.start_step + WARMUP_STEPS if end_step - self.start_step > 2 * WARMUP_STEPS else self.start_step
+        watch = Stopwatch(self.device)
+        pending = None  # (step, loss tensor) not read yet
         for step in range(self.start_step, end_step):
-            self.history.append((step + 1, self.train_step(step)))
-            tokens += cfg.batch_size * cfg.model.context_length
+            if step == timed_from:
+                watch.start()
+            loss = self.train_step(step)
+            if pending is not None:
+                self.record_loss(*pending)
+            pending = (step, loss)
             if bar is not None:
-                bar.set_postfix(loss=f"{self.history[-1][1]:.3f}", tok_s=f"{tokens / (watch.elapsed(sync=False) / 1e3):,.0f}")
+                if self.history:
+                    bar.set_postfix(loss=f"{self.history[-1][1]:.3f}")
                 bar.update(1)
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+                self.record_loss(*pending)  # never checkpoint weights from a step whose loss is not finite
+                pending = None
                 self.checkpoint(step + 1)
-        elapsed_s = watch.elapsed() / 1e3
+        if pending is not None:
+            self.record_loss(*pending)
+        elapsed_s = watch.elapsed() / 1e3 if end_step > timed_from else 0.0
+        tokens = (end_step - timed_from) * cfg.batch_size * cfg.model.context_length
         if bar is not None:
             bar.close()
         self.finish(tokens / elapsed_s if elapsed_s > 0 else None)
@@ -209,15 +249,18 @@ class Trainer:
         if self.rank != 0:
             return
         save_or_rescue(self.model.state_dict(), self.out / "final_model.pt")
+        device_peak = peak_flops(device, cfg.dtype)
         sample = generate(self.model, "Alice ", cfg.sample_length, cfg.model.context_length, device, seed=cfg.seed)
         summary = {
             "steps": cfg.steps,
             "world_size": self.world,
-            "device": str(device),
+            "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
             "first_train_loss": self.history[0][1] if self.history else None,
             "final_train_loss": self.history[-1][1] if self.history else None,
             "held_out_loss": val_loss,
             "tokens_per_s": tokens_per_s,
+            "mfu": mfu(tokens_per_s, cfg.model, device_peak) if tokens_per_s else None,
+            "peak_tflops": device_peak / 1e12 if device_peak else None,
             "peak_memory_mb_per_rank": [round(p.item(), 1) for p in peaks],
             "sample": sample,
         }
@@ -266,7 +309,13 @@ def print_summary(s: dict, out: Path) -> None:
     print(f"  steps              {s['steps']} on {s['world_size']} rank(s), {s['device']}")
     print(f"  train loss         {s['first_train_loss']:.3f} -> {s['final_train_loss']:.3f} nats/byte")
     print(f"  held-out loss      {s['held_out_loss']:.3f} nats/byte")
-    print(f"  throughput         {s['tokens_per_s']:,.0f} tokens/s")
+    if s["tokens_per_s"] is None:
+        throughput = "not measured (no timed steps)"
+    else:
+        throughput = f"{s['tokens_per_s']:,.0f} tokens/s"
+        if s["mfu"] is not None:
+            throughput += f", MFU {s['mfu']:.1%} (of a {s['peak_tflops']:.0f} TFLOP/s peak)"
+    print(f"  throughput         {throughput}")
     print(f"  peak memory/rank   {', '.join(f'{m:.0f} MiB' for m in s['peak_memory_mb_per_rank'])}")
     print(f"  outputs            {out}/loss.png, summary.json, final_model.pt")
     print("  sample:")

@@ -229,3 +229,13 @@ def test_ranks_die_with_their_launcher(tmp_path):
     finally:
         if launcher.poll() is None:
             launcher.kill()
+
+
+def test_one_process_run_trains_the_unwrapped_model(tmp_path):
+    """World size 1: no data-parallel wrapper and no sharding, same outputs; throughput is measured after warm-up."""
+    out = tmp_path / "one"
+    assert main(["train", *TINY[:-2], "--world-size", "1", "--steps", "10", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 1 and summary["steps"] == 10
+    assert summary["final_train_loss"] < summary["first_train_loss"]
+    assert summary["tokens_per_s"] > 0 and summary["mfu"] is None  # no peak FLOP/s is known for a CPU

@@ -134,9 +134,14 @@ class TransformerLM(nn.Module):
     def forward(self, token_ids: Int[Tensor, "B N"]) -> Float[Tensor, "B N vocab"]:
         """Next-token logits for every position of every sequence.
 
+        Token ids are range-checked where that is free: on CPU tensors, outside torch.compile. Checking a GPU tensor
+        means reading values back, which stalls the host until the GPU is idle; call `check_token_ids` for that
+        (the trainer checks its data once, on the CPU). An out-of-range id on a GPU fails in the embedding's
+        device-side assert instead.
+
         Raises:
-            ValueError, TypeError: for a wrong rank or dtype, a sequence longer than `context_length`, or token
-                ids outside [0, vocab_size) (checked outside torch.compile; the check reads two values back).
+            ValueError, TypeError: for a wrong rank or dtype, a sequence longer than `context_length`, or (CPU)
+                token ids outside [0, vocab_size).
         """
         if token_ids.dim() != 2:
             raise ValueError(f"token_ids must have shape (batch, seq), got {tuple(token_ids.shape)}")
@@ -145,11 +150,20 @@ class TransformerLM(nn.Module):
         n = token_ids.shape[1]
         if n > self.context_length:
             raise ValueError(f"sequence length {n} exceeds context_length {self.context_length}")
-        if not torch.compiler.is_compiling() and token_ids.device.type != "meta" and token_ids.numel():
-            lo, hi = int(token_ids.min()), int(token_ids.max())
-            if lo < 0 or hi >= self.vocab_size:
-                raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got values in [{lo}, {hi}]")
+        if token_ids.device.type == "cpu" and not torch.compiler.is_compiling():
+            self.check_token_ids(token_ids)
         x = self.token_embeddings(token_ids)
         for layer in self.layers:
             x = checkpoint(layer, x, use_reentrant=False) if self.checkpoint_blocks and self.training else layer(x)
         return self.lm_head(self.ln_final(x))
+
+    def check_token_ids(self, token_ids: Tensor) -> None:
+        """Raise ValueError unless every id lies in [0, vocab_size). On a GPU tensor this waits for the GPU.
+
+        Raises:
+            ValueError: giving the range of the ids found.
+        """
+        if token_ids.numel():
+            lo, hi = int(token_ids.min()), int(token_ids.max())
+            if lo < 0 or hi >= self.vocab_size:
+                raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got values in [{lo}, {hi}]")

@@ -152,13 +152,30 @@ def test_bad_configuration_is_a_clear_error(make, match):
         make()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flash", "sdpa"])
+def test_a_training_step_never_waits_for_the_gpu(backend):
+    """No .item()-style read-back in forward or backward: the host runs ahead of the GPU (sync debug mode raises
+    on any synchronising call). The first step, which autotunes the kernels, runs before the mode is set."""
+    model = _tiny(backend)
+    tokens = torch.randint(0, 61, (2, 32), device=DEVICE)
+    for strict in (False, True):
+        torch.cuda.set_sync_debug_mode("error" if strict else "default")
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(tokens)
+            F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
 def test_bad_tokens_and_lengths_are_clear_errors():
     model = _tiny()
     with pytest.raises(ValueError, match="exceeds context_length 32"):
         model(torch.zeros(1, 33, dtype=torch.long, device=DEVICE))
     with pytest.raises(ValueError, match=r"\[0, 61\)"):
-        model(torch.full((1, 4), 61, dtype=torch.long, device=DEVICE))
+        model.check_token_ids(torch.full((1, 4), 61, dtype=torch.long, device=DEVICE))
     with pytest.raises(ValueError, match=r"\[0, 61\)"):
-        model(torch.full((1, 4), -1, dtype=torch.long, device=DEVICE))
+        model.cpu()(torch.full((1, 4), -1, dtype=torch.long))  # CPU inputs are checked on every call
     with pytest.raises(ValueError, match="set_attention_backend|unknown attention backend"):
         model.set_attention_backend("fast")

@@ -21,6 +21,7 @@ Choices that pay (each measured in benchmarks/results/kernel_experiments.md, wit
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -30,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.library import triton_op, wrap_triton
+from triton.compiler import CompiledKernel
 
 from .triton_env import interpreter_active
 from .validation import MAX_HEAD_DIM, check_attention_inputs, refuse_double_backward
@@ -439,6 +442,7 @@ _bwd_dq_kernels = _tuned(_flash_bwd_dq_kernel, _BWD_DQ_TILES, _BWD_DQ_TILES_LONG
 # ----------------------------------------------------------------------------------------------------
 
 
+
 def _strides4(t: Tensor) -> tuple[int, int, int, int]:
     """(batch, head, seq, dim) strides; a rank-3 tensor is one head per batch entry."""
     return t.stride() if t.dim() == 4 else (t.stride(0), 0, t.stride(1), t.stride(2))
@@ -450,17 +454,23 @@ class _LaunchPlan(NamedTuple):
     slots: tuple[tuple[str, int | None], ...]  # per argument: (name, None) or (tensor name, stride axis)
     named: frozenset[str]  # the names a launcher must pass
     strided: tuple[str, ...]  # the tensors whose strides are arguments
+    constexprs: tuple[str, ...]  # the compile-time parameters, in signature order (they come last)
 
 
 @functools.cache
 def _launch_plan(kernel) -> _LaunchPlan:
     """The plan of `kernel`'s runtime arguments, in signature order: a `stride_<tensor><b|h|n|d>` argument is
     derived from that tensor, every other one is passed by name. Constexprs and N_BUCKET (appended by
-    `_launch`) are left out. `.fn` is the Python function under both a JITFunction and the interpreter's
+    the launcher) are left out. `.fn` is the Python function under both a JITFunction and the interpreter's
     InterpretedFunction."""
-    slots = []
+    slots, constexprs = [], []
     for p in inspect.signature(kernel.fn).parameters.values():
-        if "constexpr" in str(p.annotation) or p.name == "N_BUCKET":
+        if "constexpr" in str(p.annotation):
+            constexprs.append(p.name)
+            continue
+        if constexprs:  # the fast launch appends the constexprs after the runtime arguments
+            raise TypeError(f"{kernel.fn.__name__}: runtime argument {p.name} follows a constexpr")
+        if p.name == "N_BUCKET":
             continue
         if p.name.startswith("stride_"):
             slots.append((p.name[len("stride_"):-1].upper(), "bhnd".index(p.name[-1])))
@@ -468,7 +478,7 @@ def _launch_plan(kernel) -> _LaunchPlan:
             slots.append((p.name, None))
     named = frozenset(name for name, axis in slots if axis is None)
     strided = tuple(dict.fromkeys(name for name, axis in slots if axis is not None))
-    return _LaunchPlan(tuple(slots), named, strided)
+    return _LaunchPlan(tuple(slots), named, strided, tuple(constexprs))
 
 
 def _positional(kernel, named: dict) -> tuple:
@@ -494,18 +504,31 @@ class _Geometry(NamedTuple):
     block_d: int  # head dim padded to a power of two (at least 16)
     head_dim_class: int  # 64 (for d <= 64), 128 or 256: which tile table, and so which autotuned handle
     fp32: bool  # fp32 inputs: exact-fp32 dots and their own small tiles
-    bucket: int  # sequence-length bucket of the autotune key
+    long_seq: bool  # max(Nq, Nk) rounds up to LONG_SEQ or more: the long-sequence tiles
+    bucket: int | None  # sequence-length bucket of the autotune key; None for symbolic (torch.compile) lengths
     dtype: torch.dtype
 
 
-def _geometry(q: Tensor, k: Tensor) -> _Geometry:
-    n_heads = q.shape[1] if q.dim() == 4 else 1
-    n_q, n_k, d = q.shape[-2], k.shape[-2], q.shape[-1]
-    block_d = max(16, triton.next_power_of_2(d))
-    bucket = min(triton.next_power_of_2(max(n_q, n_k)), 1 << 16)
-    return _Geometry(n_heads=n_heads, n_bh=q.shape[0] * n_heads, n_q=n_q, n_k=n_k, d=d, block_d=block_d,
-                     head_dim_class=64 if block_d <= 64 else block_d, fp32=q.dtype == torch.float32,
-                     bucket=bucket, dtype=q.dtype)
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _geometry_of(q_shape, k_shape, dtype: torch.dtype) -> _Geometry:
+    """The geometry of q, k shapes. Under torch.compile with dynamic shapes the lengths are SymInts: they stay
+    symbolic (the comparisons become guards), and only the head dim, a constexpr, is made concrete."""
+    n_heads = q_shape[1] if len(q_shape) == 4 else 1
+    n_q, n_k, d = q_shape[-2], k_shape[-2], int(q_shape[-1])
+    block_d = max(16, _next_power_of_2(d))
+    half = LONG_SEQ // 2  # next_power_of_2(n) >= LONG_SEQ exactly when n > LONG_SEQ / 2
+    long_seq = bool(n_q > half or n_k > half)
+    bucket = min(_next_power_of_2(max(n_q, n_k)), 1 << 16) if type(n_q) is int and type(n_k) is int else None
+    return _Geometry(n_heads=n_heads, n_bh=q_shape[0] * n_heads, n_q=n_q, n_k=n_k, d=d, block_d=block_d,
+                     head_dim_class=64 if block_d <= 64 else block_d, fp32=dtype == torch.float32,
+                     long_seq=long_seq, bucket=bucket, dtype=dtype)
+
+
+# Eager calls look the geometry up by shape: computing it costs more host time than a short kernel's launch.
+_cached_geometry = functools.lru_cache(maxsize=4096)(_geometry_of)
 
 
 class LaunchKey(NamedTuple):
@@ -533,42 +556,109 @@ def chosen_configs() -> dict[LaunchKey, dict]:
     return dict(_chosen_configs)
 
 
-def _launch(kernel: str, handles: dict, g: _Geometry, causal: bool, grid, named: dict) -> None:
-    """Launch one of the three kernels with its runtime arguments `named`: its autotuned handle for this
-    geometry on the first call of a key, the JIT kernel with the chosen config after that."""
-    key = LaunchKey(kernel, g.head_dim_class, g.fp32, g.bucket, g.d, causal, g.dtype)
+class _Launch(NamedTuple):
+    """One launch, prepared: the autotuned handle, its runtime arguments (N_BUCKET last), constexprs, key."""
+
+    handle: object
+    args: tuple
+    constexprs: dict
+    key: LaunchKey | None  # None for symbolic lengths (no bucket)
+
+
+def _prepare(kernel: str, handles: dict, g: _Geometry, causal: bool, named: dict) -> _Launch:
+    handle = handles.get((g.head_dim_class, g.fp32, g.long_seq)) or handles[(g.head_dim_class, g.fp32, False)]
+    # N_BUCKET is only the autotuner's key; a symbolic length stands in for it under dynamic shapes.
+    args = (*_positional(handle.fn, named), g.bucket if g.bucket is not None else g.n_q)
     constexprs = dict(HEAD_DIM=g.d, BLOCK_D=g.block_d, IS_CAUSAL=causal, FP32_IEEE=g.fp32)
-    handle = handles.get((g.head_dim_class, g.fp32, g.bucket >= LONG_SEQ)) or handles[(g.head_dim_class, g.fp32, False)]
-    args = (*_positional(handle.fn, named), g.bucket)  # N_BUCKET, the autotune key, is the last runtime argument
+    key = None if g.bucket is None else LaunchKey(kernel, g.head_dim_class, g.fp32, g.bucket, g.d, causal, g.dtype)
+    return _Launch(handle, args, constexprs, key)
+
+
+# Compiled kernels by their exact launch signature, so that repeated calls skip Triton's JITFunction.run:
+# it re-binds and re-specialises every argument on each launch (about 60 µs of host time for ~35 arguments,
+# more than a short kernel runs). Triton specialises a kernel on its constexprs, its tensors' dtypes and
+# 16-byte alignment, and its integers' values (== 1, divisible by 16, 32 or 64 bits): the signature below
+# holds all of those, so a hit is the kernel JITFunction.run would pick. `CompiledKernel[grid](*args)` is
+# Triton's own launch of a compiled kernel (all parameters in signature order, constexprs included).
+_fast_launches: dict[tuple, tuple] = {}
+_FAST_LAUNCHES_MAX = 4096
+
+
+def _launch_signature(prepared: _Launch, device_index: int) -> tuple:
+    return (prepared.key, device_index,
+            *[a.data_ptr() % 16 == 0 if isinstance(a, Tensor) else a for a in prepared.args])
+
+
+def _launch_eager(kernel: str, handles: dict, g: _Geometry, causal: bool, grid, named: dict) -> None:
+    """Launch one of the three kernels on real tensors: through Triton's autotuner on the first call of a key,
+    then the JIT kernel with the chosen config, then (same signature) the compiled kernel directly."""
+    prepared = _prepare(kernel, handles, g, causal, named)
+    handle, args, constexprs, key = prepared
     meta = _chosen_configs.get(key)
     if meta is None:
         handle[grid](*args, **constexprs)
         best = handle.best_config
         _chosen_configs[key] = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
+        return
+    device = named["Q"].device
+    signature = _launch_signature(prepared, device.index) if device.type == "cuda" else None
+    fast = _fast_launches.get(signature)
+    if fast is not None:
+        run, trailing = fast
+        run(*args, *trailing)
+        return
+    compiled = handle.fn[grid(meta)](*args, **constexprs, **meta)
+    if signature is not None and isinstance(compiled, CompiledKernel):
+        if len(_fast_launches) >= _FAST_LAUNCHES_MAX:
+            _fast_launches.clear()
+        values = {**constexprs, **meta}
+        trailing = tuple(values[name] for name in _launch_plan(handle.fn).constexprs)
+        _fast_launches[signature] = (compiled[grid(meta)], trailing)
+
+
+def _launch_traced(kernel: str, handles: dict, g: _Geometry, causal: bool, grid, named: dict) -> None:
+    """Launch inside a torch.library.triton_op: under torch.compile, Inductor sees the kernel through
+    `wrap_triton` and emits the launch itself (no Python at run time; CUDA graphs capture it).
+
+    Where eager calls have already chosen a config for this key, the compiled graph uses that config, so
+    compiled and eager results are equal bit for bit; otherwise Inductor autotunes over the same candidates."""
+    handle, args, constexprs, key = _prepare(kernel, handles, g, causal, named)
+    meta = _chosen_configs.get(key) if key is not None else None
+    if meta is None:
+        wrap_triton(handle)[grid](*args, **constexprs)
     else:
-        handle.fn[grid(meta)](*args, **constexprs, **meta)
+        wrap_triton(handle.fn)[grid(meta)](*args, **constexprs, **meta)
 
 
-def flash_forward_triton(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    """Launch the forward kernel. Returns (O like q, L float32 of shape q.shape[:-1])."""
-    g = _geometry(q, k)
-    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+def _tile_grid(n: int, block: str, n_bh: int):
+    """The grid of a kernel with one program per `block`-sized tile of n rows, per (batch, head)."""
+    return lambda meta: (triton.cdiv(n, meta[block]), n_bh)
+
+
+def flash_forward_triton(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, traced: bool = False
+) -> tuple[Tensor, Tensor]:
+    """Launch the forward kernel. Returns (O like q, L float32 of shape q.shape[:-1]).
+
+    `traced=True` inside the triton_op (torch.compile); eager calls use the cached fast launch."""
+    g = _geometry_of(q.shape, k.shape, q.dtype) if traced else _cached_geometry(q.shape, k.shape, q.dtype)
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)  # empty_like: the cheapest allocation call
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    _launch(
-        "fwd", _fwd_kernels, g, causal, lambda meta: (triton.cdiv(g.n_q, meta["BLOCK_M"]), g.n_bh),
-        dict(Q=q, K=k, V=v, O=o, L=lse, n_heads=g.n_heads, n_q=g.n_q, n_k=g.n_k, qk_scale=scale * LOG2E),
-    )
+    launch = _launch_traced if traced else _launch_eager
+    launch("fwd", _fwd_kernels, g, causal, _tile_grid(g.n_q, "BLOCK_M", g.n_bh),
+           dict(Q=q, K=k, V=v, O=o, L=lse, n_heads=g.n_heads, n_q=g.n_q, n_k=g.n_k, qk_scale=scale * LOG2E))
     return o, lse
 
 
 def flash_backward_triton(
-    q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, causal: bool, scale: float
+    q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, causal: bool, scale: float,
+    traced: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Launch the dQ kernel (which also writes the (L*log2e, D) pairs), then the dK/dV kernel.
 
     dO may have any strides, stride 0 included.
     """
-    g = _geometry(q, k)
+    g = _geometry_of(q.shape, k.shape, q.dtype) if traced else _cached_geometry(q.shape, k.shape, q.dtype)
     if do.dtype != q.dtype:
         do = do.to(q.dtype)
     if do.stride(-1) != 1:
@@ -576,20 +666,13 @@ def flash_backward_triton(
         # instead of vector loads; one dense copy costs far less than that.
         do = do.contiguous()
     lse_delta = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device=q.device)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     shared = dict(Q=q, K=k, V=v, DO=do, LseDelta=lse_delta, n_heads=g.n_heads, n_q=g.n_q, n_k=g.n_k,
                   qk_scale=scale * LOG2E, softmax_scale=scale)
+    launch = _launch_traced if traced else _launch_eager
     # dQ first: it writes the (L*log2e, D) pairs that the dK/dV kernel reads.
-    _launch(
-        "dq", _bwd_dq_kernels, g, causal, lambda meta: (triton.cdiv(g.n_q, meta["BLOCK_M"]), g.n_bh),
-        dict(shared, L=lse, DQ=dq, O=o),
-    )
-    _launch(
-        "dkdv", _bwd_dkdv_kernels, g, causal, lambda meta: (triton.cdiv(g.n_k, meta["BLOCK_N"]), g.n_bh),
-        dict(shared, DK=dk, DV=dv),
-    )
+    launch("dq", _bwd_dq_kernels, g, causal, _tile_grid(g.n_q, "BLOCK_M", g.n_bh), dict(shared, L=lse, DQ=dq, O=o))
+    launch("dkdv", _bwd_dkdv_kernels, g, causal, _tile_grid(g.n_k, "BLOCK_N", g.n_bh), dict(shared, DK=dk, DV=dv))
     return dq, dk, dv
 
 
@@ -605,57 +688,82 @@ def _check_device(q: Tensor) -> None:
     )
 
 
-def _interpreter_upcast(t: Tensor) -> Tensor:
+def _interpreter_upcast(*tensors: Tensor) -> tuple[Tensor, ...]:
     # Triton's interpreter computes bf16 arithmetic wrongly (it has no bf16 support): run those in fp32.
-    return t.float() if interpreter_active() and t.dtype == torch.bfloat16 else t
+    # Only CPU tensors can be interpreted, so CUDA calls skip the environment lookup.
+    if tensors[0].device.type != "cpu" or not interpreter_active():
+        return tensors
+    return tuple(t.float() if t.dtype == torch.bfloat16 else t for t in tensors)
 
 
-# The launchers are registered as custom ops so that torch.compile treats them as opaque calls and
-# launches the same eager Triton kernels (with Triton's own autotuner) instead of re-emitting their
-# source through Inductor, which breaks on kernels that call other @triton.jit helpers. In eager mode
-# the Function calls the launchers directly: the custom-op dispatch costs more host time than a short kernel
-# (kernel_experiments.md, "Host-side choices").
+def _same_dtype(outputs: tuple[Tensor, ...], like: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    return tuple(o if o.dtype == x.dtype else o.to(x.dtype) for o, x in zip(outputs, like))
 
 
-def _forward_impl(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor]:
-    up = _interpreter_upcast
-    o, lse = flash_forward_triton(up(q), up(k), up(v), is_causal, softmax_scale)
-    return o.to(q.dtype), lse
+def _forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, softmax_scale: float,
+             traced: bool = False) -> tuple[Tensor, Tensor]:
+    o, lse = flash_forward_triton(*_interpreter_upcast(q, k, v), is_causal, softmax_scale, traced=traced)
+    return _same_dtype((o,), (q,))[0], lse
 
 
-def _backward_impl(
+def _backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, is_causal: bool,
+              softmax_scale: float, traced: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    up_q, up_k, up_v, up_o, up_do = _interpreter_upcast(q, k, v, o, do)
+    grads = flash_backward_triton(up_q, up_k, up_v, up_o, lse, up_do, is_causal, softmax_scale, traced=traced)
+    return _same_dtype(grads, (q, k, v))
+
+
+# Under torch.compile the kernels run through these ops. A `triton_op` body is traced, not hidden: each
+# `wrap_triton` launch becomes a node that Inductor compiles and launches from its generated code, with the
+# kernel's source (and the @triton.jit helpers it calls) re-emitted. Triton's CPU interpreter has no compiled
+# kernel to hand over, so interpreted (CPU) calls go through opaque custom ops instead. Eager calls skip the op
+# dispatch (it costs host time per call, kernel_experiments.md "Host-side choices") and launch directly.
+
+
+@triton_op("flashsys::flash_attention_forward", mutates_args=())
+def flash_attention_forward_op(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor]:
+    return _forward(q, k, v, is_causal, softmax_scale, traced=True)
+
+
+@triton_op("flashsys::flash_attention_backward", mutates_args=())
+def flash_attention_backward_op(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, is_causal: bool, softmax_scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    up = _interpreter_upcast
-    dq, dk, dv = flash_backward_triton(up(q), up(k), up(v), up(o), lse, up(do), is_causal, softmax_scale)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return _backward(q, k, v, o, lse, do, is_causal, softmax_scale, traced=True)
 
 
-@torch.library.custom_op("flashsys::flash_attention_forward", mutates_args=())
-def flash_attention_forward_op(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor]:
-    return _forward_impl(q, k, v, is_causal, softmax_scale)
+@torch.library.custom_op("flashsys::flash_attention_forward_interpreted", mutates_args=())
+def _interpreted_forward_op(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor]:
+    return _forward(q, k, v, is_causal, softmax_scale)
 
 
-@flash_attention_forward_op.register_fake
+@_interpreted_forward_op.register_fake
 def _(q, k, v, is_causal, softmax_scale):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
-@torch.library.custom_op("flashsys::flash_attention_backward", mutates_args=())
-def flash_attention_backward_op(
+@torch.library.custom_op("flashsys::flash_attention_backward_interpreted", mutates_args=())
+def _interpreted_backward_op(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, is_causal: bool, softmax_scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return _backward_impl(q, k, v, o, lse, do, is_causal, softmax_scale)
+    return _backward(q, k, v, o, lse, do, is_causal, softmax_scale)
 
 
-@flash_attention_backward_op.register_fake
+@_interpreted_backward_op.register_fake
 def _(q, k, v, o, lse, do, is_causal, softmax_scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _eager(*tensors: Tensor) -> bool:
-    """True for plain tensors outside torch.compile; traced (fake, functional) tensors need the custom ops."""
+    """True for plain tensors outside torch.compile; traced (fake, functional) tensors need the ops."""
     return not torch.compiler.is_compiling() and all(type(t) in (Tensor, torch.nn.Parameter) for t in tensors)
+
+
+def _on_current_device(q: Tensor) -> contextlib.AbstractContextManager:
+    """Triton launches on the current CUDA device: switch to q's device when it is another one."""
+    if q.device.type == "cuda" and q.device.index != torch.cuda.current_device():
+        return torch.cuda.device(q.device)
+    return contextlib.nullcontext()
 
 
 class FlashAttention2Triton(torch.autograd.Function):
@@ -663,7 +771,8 @@ class FlashAttention2Triton(torch.autograd.Function):
 
     `FlashAttention2Triton.apply(q, k, v, is_causal=False, softmax_scale=None)`; arguments, masks and errors as in
     `flashsys.ops.flash_attention`, head_dim up to 256. Saves q, k, v, O and the float32 natural-log logsumexp L.
-    `torch.compile(FlashAttention2Triton.apply)` works: under compile the kernels run through custom ops.
+    `torch.compile(FlashAttention2Triton.apply)` works: under compile the kernels run through triton_ops that
+    Inductor launches itself.
     """
 
     @staticmethod
@@ -672,10 +781,15 @@ class FlashAttention2Triton(torch.autograd.Function):
         scale = check_attention_inputs(q, k, v, is_causal, softmax_scale, op="FlashAttention2Triton",
                                        max_head_dim=MAX_HEAD_DIM)
         _check_device(q)
-        forward = _forward_impl if _eager(q, k, v) else flash_attention_forward_op
-        o, lse = forward(q, k, v, bool(is_causal), scale)
+        is_causal = bool(is_causal)
+        if _eager(q, k, v):
+            with _on_current_device(q):
+                o, lse = _forward(q, k, v, is_causal, scale)
+        else:
+            forward = flash_attention_forward_op if q.device.type == "cuda" else _interpreted_forward_op
+            o, lse = forward(q, k, v, is_causal, scale)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.is_causal, ctx.scale = bool(is_causal), scale
+        ctx.is_causal, ctx.scale = is_causal, scale
         return o
 
     @staticmethod
@@ -683,6 +797,10 @@ class FlashAttention2Triton(torch.autograd.Function):
         """(dQ, dK, dV, None, None) from the dQ kernel, then the dK/dV kernel; dO may have any strides."""
         refuse_double_backward("FlashAttention2Triton")
         q, k, v, o, lse = ctx.saved_tensors
-        backward = _backward_impl if _eager(q, do) else flash_attention_backward_op
-        dq, dk, dv = backward(q, k, v, o, lse, do, ctx.is_causal, ctx.scale)
+        if _eager(q, do):
+            with _on_current_device(q):
+                dq, dk, dv = _backward(q, k, v, o, lse, do, ctx.is_causal, ctx.scale)
+        else:
+            backward = flash_attention_backward_op if q.device.type == "cuda" else _interpreted_backward_op
+            dq, dk, dv = backward(q, k, v, o, lse, do, ctx.is_causal, ctx.scale)
         return dq, dk, dv, None, None
