@@ -1,10 +1,15 @@
-"""TransformerLM end to end: forward, backward and AdamW-step times, and peak memory, per preset and context.
+"""TransformerLM end to end: training-step time, its forward/backward/optimizer parts, and peak memory, per
+preset, context, attention backend and eager/compiled.
 
-Batch 4, vocab 10,000. Warm-up steps are kept out of the numbers (`--warmup 0` shows what that does); times are
-mean ± std over `--iters` steps. `--dtype bf16` runs under `torch.autocast(bfloat16)`; `--compile` wraps the
-model in torch.compile; `--attention` picks the attention implementation inside the model.
+Batch 4, vocab 10,000. Warm-up steps are kept out of the numbers (`--warmup 0` shows what that does).
+`step_ms` is the median of `--iters` whole steps run back to back (no sync inside a step: what training sees);
+the forward/backward/optimizer columns are mean ± std of separately synchronised phases, and `total_ms` is their
+sum. `vs_sdpa` is step_ms over the SDPA model's step_ms in the same cell (same preset, context, mode).
+`--dtype bf16` runs under `torch.autocast(bfloat16)`; `--modes eager compiled` runs each model both ways
+(torch.compile, default mode); `--attention` lists the attention implementations to compare inside the model.
 
-    python -m benchmarks.end_to_end --presets small medium --contexts 128 256 512 1024 --attention flash
+    python -m benchmarks.end_to_end --presets small medium --contexts 512 2048 --dtype bf16 \
+        --attention flash sdpa --modes eager compiled
 """
 
 from __future__ import annotations
@@ -24,11 +29,11 @@ from flashsys.ops.attention import ATTENTION_BACKENDS
 from flashsys.timing import summarize, time_call
 
 
-def measure(preset_name: str, context: int, args) -> dict:
+def measure(preset_name: str, context: int, attention: str, compiled: bool, args) -> dict:
     device = DEVICE
-    cfg = preset(preset_name, vocab_size=10_000, context_length=context, attention_backend=args.attention)
+    cfg = preset(preset_name, vocab_size=10_000, context_length=context, attention_backend=attention)
     model = TransformerLM.from_config(cfg, device=device)
-    if args.compile:
+    if compiled:
         model = torch.compile(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = token_batch(cfg, args.batch, device)
@@ -48,6 +53,15 @@ def measure(preset_name: str, context: int, args) -> dict:
         if i >= args.warmup:
             fwd.append(t_f), bwd.append(t_b), step.append(t_s)
     del logits, loss
+
+    def train_step():
+        with autocast():
+            logits = model(x)
+        F.cross_entropy(logits.float().view(-1, 10_000), y.view(-1)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    whole = sorted(time_call(train_step, device)[1] for _ in range(args.iters))
     with peak_memory() as mem_fwd, torch.no_grad(), autocast():
         model(x)
     with peak_memory() as mem_step:
@@ -58,7 +72,7 @@ def measure(preset_name: str, context: int, args) -> dict:
         opt.zero_grad(set_to_none=True)
     sync()
     f, b, s = summarize(fwd), summarize(bwd), summarize(step)
-    return {"forward_ms": str(f), "backward_ms": str(b), "optimizer_ms": str(s),
+    return {"step_ms": whole[len(whole) // 2], "forward_ms": str(f), "backward_ms": str(b), "optimizer_ms": str(s),
             "total_ms": f.mean + b.mean + s.mean, "peak_fwd_MB": mem_fwd["peak_mb"], "peak_step_MB": mem_step["peak_mb"]}
 
 
@@ -70,31 +84,39 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", nargs="+", type=int, default=[128, 256, 512, 1024] if ON_GPU else [64, 128])
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--compile", action="store_true")
-    p.add_argument("--attention", choices=list(ATTENTION_BACKENDS), default="flash",
-                   help="attention backend inside the model (the registry of flashsys.ops.attention)")
+    p.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager"],
+                   help="run the model eagerly, under torch.compile, or both")
+    p.add_argument("--attention", nargs="+", choices=list(ATTENTION_BACKENDS), default=["flash"],
+                   help="attention backends inside the model (the registry of flashsys.ops.attention)")
     args = p.parse_args(argv)
     rows = []
+    cells = [(pr, c, m, a) for pr in args.presets for c in args.contexts for m in args.modes for a in args.attention]
     with memory_snapshot(args.memory_snapshot):
-        for preset_name, ctx in progress([(a, c) for a in args.presets for c in args.contexts], "end_to_end",
-                                         args.no_progress):
-            row = {"preset": preset_name, "context": ctx, "dtype": args.dtype, "attention": args.attention,
-                   "compile": args.compile, "warmup": args.warmup}
-            row.update(run_cell(lambda: measure(preset_name, ctx, args)))
+        for preset_name, ctx, mode, attention in progress(cells, "end_to_end", args.no_progress):
+            row = {"preset": preset_name, "context": ctx, "dtype": args.dtype, "attention": attention,
+                   "compile": mode == "compiled", "warmup": args.warmup}
+            row.update(run_cell(lambda: measure(preset_name, ctx, attention, mode == "compiled", args)))
             rows.append(row)
+            torch._dynamo.reset()  # each cell compiles its own model; drop the last one's graphs and guards
             if ON_GPU:
                 torch.cuda.empty_cache()
-    name = f"end_to_end_{'gpu' if ON_GPU else 'cpu'}_{args.dtype}_{args.attention}{'_compiled' if args.compile else ''}_w{args.warmup}"
+    sdpa = {(r["preset"], r["context"], r["compile"]): r.get("step_ms") for r in rows if r["attention"] == "sdpa"}
+    for r in rows:
+        base = sdpa.get((r["preset"], r["context"], r["compile"]))
+        r["vs_sdpa"] = r["step_ms"] / base if base and "step_ms" in r else None
+    modes = "" if args.modes == ["eager"] else "_compiled" if args.modes == ["compiled"] else "_eager-compiled"
+    name = f"end_to_end_{'gpu' if ON_GPU else 'cpu'}_{args.dtype}_{'-'.join(args.attention)}{modes}_w{args.warmup}"
     path = write_table(rows, args.out, name, "TransformerLM end to end",
-                       [f"batch {args.batch}, vocab 10,000, AdamW; mean ± std over {args.iters} steps after "
-                        f"{args.warmup} warm-up steps; peak memory is the extra allocated during a forward (no grad) "
+                       [f"batch {args.batch}, vocab 10,000, AdamW; step_ms: median of {args.iters} whole steps; phases: "
+                        f"mean ± std over {args.iters} steps after {args.warmup} warm-up steps; peak memory is the extra allocated during a forward (no grad) "
                         "and during a full training step."], environment())
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    for preset_name in args.presets:
-        pts = [(r["context"], r["total_ms"]) for r in rows if r["preset"] == preset_name and "total_ms" in r]
+    for preset_name, mode, attention in [(pr, m, a) for pr in args.presets for m in args.modes for a in args.attention]:
+        pts = [(r["context"], r["step_ms"]) for r in rows if (r["preset"], r["attention"]) == (preset_name, attention)
+               and r["compile"] == (mode == "compiled") and "step_ms" in r]
         if pts:
-            ax.plot(*zip(*pts), marker="o", label=preset_name)
+            ax.plot(*zip(*pts), marker="o", label=f"{preset_name} {attention} {mode}")
     ax.set_xlabel("context length")
     ax.set_ylabel("train step (ms)")
     ax.set_yscale("log")

@@ -230,3 +230,42 @@ def test_triton_op_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     q = _t(1, 8, 16, device="cpu")
     with pytest.raises(ValueError, match="need CUDA tensors"):
         FlashAttention2Triton.apply(q, q, q, False)
+
+
+@pytest.mark.gpu
+def test_repeated_and_misaligned_calls_through_the_fast_launch_gpu():
+    """The third call of a shape launches the compiled kernel directly (no JITFunction.run). Fresh inputs each time,
+    and then inputs at an address that is not 16-byte aligned: the kernel compiled for aligned pointers must not be
+    reused for them (Triton specialises on alignment), so the results must match the reference in every case."""
+    from flashsys.ops.attention import flash_triton
+
+    flash_triton._fast_launches.clear()
+    for seed in range(4):
+        q, k, v, do = make_qkv(2, 3, 72, 72, 64, torch.bfloat16, "cuda", seed=20 + seed)
+        assert_matches_reference(FlashAttention2Triton, q, k, v, do, True, None)
+    assert flash_triton._fast_launches, "repeated calls never reached the fast launch"
+    n = 2 * 3 * 72 * 64
+    for seed in range(3):
+        base = torch.randn(3 * n + 8, generator=torch.Generator().manual_seed(seed)).to("cuda", torch.bfloat16)
+        q, k, v = (base[1 + i * n: 1 + (i + 1) * n].view(2, 3, 72, 64) for i in range(3))  # 2-byte offset
+        assert q.data_ptr() % 16
+        do = torch.randn(2, 3, 72, 64, generator=torch.Generator().manual_seed(9)).to("cuda", torch.bfloat16)
+        assert_matches_reference(FlashAttention2Triton, q, k, v, do, True, None)
+
+
+@pytest.mark.gpu
+def test_compiled_call_before_any_eager_call_matches_the_reference_gpu():
+    """Compiled first, so no eager config exists for the key: Inductor autotunes the same candidates itself."""
+    torch._dynamo.reset()
+    from flashsys.ops.attention import flash_triton
+
+    q, k, v, do = make_qkv(1, 4, 333, 333, 128, torch.bfloat16, "cuda", seed=31)
+    assert not any(key.bucket == 512 and key.head_dim == 128 for key in flash_triton.chosen_configs())
+    assert_matches_reference(_Compiled(), q, k, v, do, True, None)
+
+
+class _Compiled:
+    """`apply` of the compiled Function, so the reference check can run it like an op."""
+
+    def __init__(self):
+        self.apply = torch.compile(FlashAttention2Triton.apply, fullgraph=True)

@@ -64,6 +64,15 @@ def _program_start(n_heads, HEAVIEST_LAST: tl.constexpr):
 
 
 @triton.jit
+def _as_fp32(x):
+    """A float argument as fp32. Triton types a Python float argument fp32, but Inductor's launch of a kernel it
+    re-emits (torch.compile through wrap_triton) types it fp64: the scale would then promote the scores, and with
+    them the loop-carried accumulators, to fp64, which Triton rejects ("Loop-carried variable acc has initial type
+    fp32 but is re-assigned to fp64")."""
+    return tl.cast(x, tl.float32)
+
+
+@triton.jit
 def _load_tile(base, rows, offs_d, stride_n, stride_d, n_rows,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr):
     """Load the (rows, BLOCK_D) tile of a (seq, head_dim) matrix at `base`.
@@ -169,6 +178,7 @@ def _flash_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program = one query tile of one (batch, head). Writes O and L (natural log)."""
+    qk_scale = _as_fp32(qk_scale)
     pid_m, bh, b, h = _program_start(n_heads, HEAVIEST_LAST=IS_CAUSAL)
     Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + h * stride_kh
@@ -251,6 +261,7 @@ def _flash_bwd_dkdv_kernel(
 ):
     """One program = one key tile of one (batch, head): dK and dV, looping over the query tiles that see it."""
     # The first key tiles are seen by the most queries: the natural order already runs the heaviest first.
+    qk_scale, softmax_scale = _as_fp32(qk_scale), _as_fp32(softmax_scale)
     pid_n, bh, b, h = _program_start(n_heads, HEAVIEST_LAST=False)
     Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + h * stride_kh
@@ -334,6 +345,7 @@ def _flash_bwd_dq_kernel(
     On the way it writes LseDelta[row] = (L * log2(e), rowsum(dO * O)) for the dK/dV kernel, which runs
     after it: no separate preprocess kernel, and no multiply or second load in the dK/dV inner loop.
     """
+    qk_scale, softmax_scale = _as_fp32(qk_scale), _as_fp32(softmax_scale)
     pid_m, bh, b, h = _program_start(n_heads, HEAVIEST_LAST=IS_CAUSAL)
     Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + h * stride_kh
@@ -613,7 +625,8 @@ def _launch_eager(kernel: str, handles: dict, g: _Geometry, causal: bool, grid, 
             _fast_launches.clear()
         values = {**constexprs, **meta}
         trailing = tuple(values[name] for name in _launch_plan(handle.fn).constexprs)
-        _fast_launches[signature] = (compiled[grid(meta)], trailing)
+        grid_xyz = (*grid(meta), 1, 1)[:3]  # a compiled kernel's launcher takes all three grid dims
+        _fast_launches[signature] = (compiled[grid_xyz], trailing)
 
 
 def _launch_traced(kernel: str, handles: dict, g: _Geometry, causal: bool, grid, named: dict) -> None:
