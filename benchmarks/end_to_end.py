@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -89,7 +90,22 @@ def main(argv=None) -> int:
     p.add_argument("--attention", nargs="+", choices=list(ATTENTION_BACKENDS), default=["flash"],
                    help="attention backends inside the model (the registry of flashsys.ops.attention)")
     args = p.parse_args(argv)
+    modes = "" if args.modes == ["eager"] else "_compiled" if args.modes == ["compiled"] else "_eager-compiled"
+    name = f"end_to_end_{'gpu' if ON_GPU else 'cpu'}_{args.dtype}_{'-'.join(args.attention)}{modes}_w{args.warmup}"
+    env = environment()
     rows = []
+
+    def write() -> Path:
+        """The table so far: rewritten after every cell, so a run cut short (a time limit) keeps what it measured."""
+        sdpa = {(r["preset"], r["context"], r["compile"]): r.get("step_ms") for r in rows if r["attention"] == "sdpa"}
+        for r in rows:
+            base = sdpa.get((r["preset"], r["context"], r["compile"]))
+            r["vs_sdpa"] = r["step_ms"] / base if base and "step_ms" in r else None
+        return write_table(rows, args.out, name, "TransformerLM end to end",
+                           [f"batch {args.batch}, vocab 10,000, AdamW; step_ms: median of {args.iters} whole steps; "
+                            f"phases: mean ± std over {args.iters} steps after {args.warmup} warm-up steps; peak memory "
+                            "is the extra allocated during a forward (no grad) and during a full training step."], env)
+
     cells = [(pr, c, m, a) for pr in args.presets for c in args.contexts for m in args.modes for a in args.attention]
     with memory_snapshot(args.memory_snapshot):
         for preset_name, ctx, mode, attention in progress(cells, "end_to_end", args.no_progress):
@@ -97,19 +113,10 @@ def main(argv=None) -> int:
                    "compile": mode == "compiled", "warmup": args.warmup}
             row.update(run_cell(lambda: measure(preset_name, ctx, attention, mode == "compiled", args)))
             rows.append(row)
+            path = write()
             torch._dynamo.reset()  # each cell compiles its own model; drop the last one's graphs and guards
             if ON_GPU:
                 torch.cuda.empty_cache()
-    sdpa = {(r["preset"], r["context"], r["compile"]): r.get("step_ms") for r in rows if r["attention"] == "sdpa"}
-    for r in rows:
-        base = sdpa.get((r["preset"], r["context"], r["compile"]))
-        r["vs_sdpa"] = r["step_ms"] / base if base and "step_ms" in r else None
-    modes = "" if args.modes == ["eager"] else "_compiled" if args.modes == ["compiled"] else "_eager-compiled"
-    name = f"end_to_end_{'gpu' if ON_GPU else 'cpu'}_{args.dtype}_{'-'.join(args.attention)}{modes}_w{args.warmup}"
-    path = write_table(rows, args.out, name, "TransformerLM end to end",
-                       [f"batch {args.batch}, vocab 10,000, AdamW; step_ms: median of {args.iters} whole steps; phases: "
-                        f"mean ± std over {args.iters} steps after {args.warmup} warm-up steps; peak memory is the extra allocated during a forward (no grad) "
-                        "and during a full training step."], environment())
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for preset_name, mode, attention in [(pr, m, a) for pr in args.presets for m in args.modes for a in args.attention]:

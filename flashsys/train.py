@@ -398,7 +398,11 @@ def run_training(cfg: TrainConfig) -> None:
     else:
         check_output_dir(out)
         with run_directory_lock(out):
-            print(f"flashsys train: {cfg.world_size} process(es), {cfg.backend}, model {asdict(cfg.model)}, "
-                  f"{'ShardedOptimizer(AdamW)' if cfg.shard else 'AdamW'}, BucketedDDP(bucket_mb={cfg.bucket_mb})",
-                  flush=True)
+            if cfg.world_size > 1:
+                parallel = (f"{'ShardedOptimizer(AdamW)' if cfg.shard else 'AdamW'}, "
+                            f"BucketedDDP(bucket_mb={cfg.bucket_mb})")
+            else:
+                parallel = "AdamW, no data-parallel wrapper (one rank)"
+            print(f"flashsys train: {cfg.world_size} process(es), {cfg.backend}, model {asdict(cfg.model)}, {parallel}"
+                  f"{', torch.compile' if cfg.compile else ''}", flush=True)
             spawn(train_worker, cfg.world_size, cfg, backend=cfg.backend, timeout_s=cfg.timeout_s)

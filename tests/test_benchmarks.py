@@ -15,6 +15,7 @@ CASES = {
                   ["attention_cpu.md", "attention_cpu.csv", "attention_cpu_fp32_causal.png"]),
     "end_to_end": (["--presets", "tiny", "--contexts", "32", "--iters", "2", "--warmup", "1"],
                    ["end_to_end_cpu_fp32_flash_w1.md", "end_to_end_cpu_fp32_flash_w1.csv", "end_to_end_cpu_fp32_flash_w1.png"]),
+    "host_cost": (["--seqs", "32", "--calls", "3", "--heads", "2"], ["host_cost_cpu.md", "host_cost_cpu.csv"]),
     "allreduce": (["--sizes-mb", "0.1", "1", "--world-sizes", "2", "--iters", "2", "--warmup", "1", "--backend", "gloo"],
                   ["allreduce_gloo.md", "allreduce_gloo.csv", "allreduce_gloo.png"]),
     "ddp": (["--iters", "1", "--warmup", "1", "--context", "16", "--backend", "gloo"],

@@ -97,9 +97,13 @@ def test_torch_compile_of_torch_op_matches_eager():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32] if CUDA else [torch.float32])
 def test_torch_compile_of_triton_op_matches_eager(dtype):
+    """Static shapes, eager first (as the leaderboard runs it): the compiled graph launches the config eager chose,
+    so bf16 results are equal bit for bit. The reset drops other tests' compiles of the same Function, after
+    which Dynamo would mark the lengths dynamic (and Inductor would autotune on its own)."""
+    torch._dynamo.reset()
     n = 1000 if CUDA else 40
     q, k, v, _ = make_qkv(2, 4 if CUDA else 2, n, n, 64 if CUDA else 16, dtype, DEVICE, seed=7)
-    compiled = torch.compile(FlashAttention2Triton.apply)
+    compiled = torch.compile(FlashAttention2Triton.apply, dynamic=False)
     results = []
     for fn in (FlashAttention2Triton.apply, compiled):
         qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
