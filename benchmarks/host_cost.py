@@ -79,6 +79,9 @@ def headline(args) -> list[dict]:
     return rows
 
 
+CAUSAL = (-1, 0)  # the (left, right) window of causal attention
+
+
 def breakdown(args) -> list[dict]:
     """Where one eager flashsys forward + backward spends host time, part by part (flashsys internals)."""
     from flashsys.ops.attention import flash_triton as ft
@@ -91,11 +94,11 @@ def breakdown(args) -> list[dict]:
     o = op.apply(q, k, v, True)
     o.backward(do)
     with torch.no_grad():
-        o_plain, lse = ft.flash_forward_triton(q.detach(), k.detach(), v.detach(), True, 0.125)
+        o_plain, lse = ft.flash_forward_triton(q.detach(), k.detach(), v.detach(), CAUSAL, 0.125)
     g = ft._cached_geometry(q.shape, k.shape, q.dtype)
-    named = dict(Q=q.detach(), K=k.detach(), V=v.detach(), O=o_plain, L=lse, n_heads=g.n_heads, n_q=g.n_q,
-                 n_k=g.n_k, qk_scale=0.125 * ft.LOG2E)
-    prepared = ft._prepare("fwd", ft._fwd_kernels, g, True, named)
+    named = dict(Q=q.detach(), K=k.detach(), V=v.detach(), O=o_plain, L=lse, **ft._sizes(g, CAUSAL),
+                 qk_scale=0.125 * ft.LOG2E)
+    prepared = ft._prepare("fwd", ft._fwd_kernels, g, CAUSAL, named)
     meta = ft._chosen_configs[prepared.key]
     grid = (-(-g.n_q // meta["BLOCK_M"]), g.n_bh)
     handle = prepared.handle
@@ -106,14 +109,14 @@ def breakdown(args) -> list[dict]:
         "geometry, cached": lambda: ft._cached_geometry(q.shape, k.shape, q.dtype),
         "geometry, computed": lambda: ft._geometry_of(q.shape, k.shape, q.dtype),
         "two output allocations": lambda: (torch.empty_like(q), torch.empty(q.shape[:-1], device=q.device)),
-        "launch arguments by name": lambda: ft._prepare("fwd", ft._fwd_kernels, g, True, named),
+        "launch arguments by name": lambda: ft._prepare("fwd", ft._fwd_kernels, g, CAUSAL, named),
         "launch signature (cache key)": lambda: ft._launch_signature(prepared, q.device.index),
         "forward launch: Triton autotuner (Autotuner.run)": lambda: handle[lambda m: grid](*prepared.args,
                                                                                            **prepared.constexprs),
         "forward launch: JITFunction.run, config given": lambda: handle.fn[grid](*prepared.args, **prepared.constexprs,
                                                                                  **meta),
         "forward launch: compiled kernel (flashsys eager path)": lambda: ft._launch_eager(
-            "fwd", ft._fwd_kernels, g, True, ft._tile_grid(g.n_q, "BLOCK_M", g.n_bh), named),
+            "fwd", ft._fwd_kernels, g, CAUSAL, ft._tile_grid(g.n_q, "BLOCK_M", g.n_bh), named),
         "flashsys forward, no grad": lambda: _no_grad(op.apply, q, k, v),
         "flashsys forward + backward": lambda: op.apply(q, k, v, True).backward(do),
     }

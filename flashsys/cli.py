@@ -29,6 +29,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=DEMO.num_layers)
     p.add_argument("--heads", type=int, default=DEMO.num_heads)
     p.add_argument("--d-ff", type=int, default=DEMO.d_ff)
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (grouped-query attention; default --heads)")
+    p.add_argument("--attention-window", type=int, default=None, metavar="W",
+                   help="sliding-window attention: each token sees itself and the W tokens before it")
     p.add_argument("--context-length", type=int, default=DEMO.context_length)
     p.add_argument("--attention", choices=list(ATTENTION_BACKENDS), default=DEMO.attention_backend,
                    help="attention implementation inside the model (see `flashsys info`)")
@@ -123,10 +126,15 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
     else:
         model = DEMO.replace(d_model=a.d_model, num_layers=a.layers, num_heads=a.heads, d_ff=a.d_ff,
                              context_length=a.context_length, attention_backend=a.attention)
+    model = model.replace(num_kv_heads=a.kv_heads, attention_window=a.attention_window)
     for name, flag in (("d_model", "--d-model"), ("num_layers", "--layers"), ("num_heads", "--heads"),
                        ("d_ff", "--d-ff"), ("context_length", "--context-length")):
         if getattr(model, name) <= 0:
             raise UsageError(f"{flag} must be positive, got {getattr(model, name)}")
+    if a.kv_heads is not None and (a.kv_heads <= 0 or model.num_heads % a.kv_heads):
+        raise UsageError(f"--kv-heads must divide --heads {model.num_heads}, got {a.kv_heads}")
+    if a.attention_window is not None and a.attention_window < 0:
+        raise UsageError(f"--attention-window must be 0 or more, got {a.attention_window}")
     if model.d_model % model.num_heads or model.head_dim % 2:
         raise UsageError(f"--d-model {model.d_model} must split into --heads {model.num_heads} heads of even size")
     cuda = torch.cuda.is_available()

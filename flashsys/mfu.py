@@ -25,7 +25,9 @@ PEAK_FLOPS = {
 def model_flops_per_token(config: ModelConfig) -> float:
     """Training FLOPs (forward + backward) per token of `config` at its context length."""
     c = config
-    per_layer = 4 * c.d_model**2 + 3 * c.d_model * c.d_ff + 2 * c.d_model  # Q, K, V, O + SwiGLU + two RMSNorms
+    kv_width = c.head_dim * (c.num_kv_heads or c.num_heads)
+    attention = 2 * c.d_model**2 + 2 * c.d_model * kv_width  # Q and O, and the (grouped) K and V projections
+    per_layer = attention + 3 * c.d_model * c.d_ff + 2 * c.d_model  # + SwiGLU + the two RMSNorm weights
     matmul_params = c.num_layers * per_layer + c.d_model + c.d_model * c.vocab_size  # + final norm + LM head
     return 6 * matmul_params + 12 * c.num_layers * c.d_model * c.context_length
 

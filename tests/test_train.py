@@ -152,6 +152,8 @@ def test_a_diverging_run_stops_with_a_clear_error_and_keeps_its_last_good_checkp
     (["--batch-size", "1000000"], "needs at least"),
     (["--data", "/dev/null"], "not a regular file"),
     (["--data", "/tmp"], "is a directory"),
+    (["--kv-heads", "3"], "--kv-heads must divide --heads 2"),
+    (["--attention-window", "-1"], "--attention-window must be 0 or more"),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(v))
 def test_bad_flags_are_refused_before_training(tmp_path, capsys, flags, message):
     assert _train(tmp_path / "out", *flags) == 2
@@ -232,9 +234,11 @@ def test_ranks_die_with_their_launcher(tmp_path):
 
 
 def test_one_process_run_trains_the_unwrapped_model(tmp_path):
-    """World size 1: no data-parallel wrapper and no sharding, same outputs; throughput is measured after warm-up."""
+    """World size 1: no data-parallel wrapper and no sharding, same outputs; throughput is measured after warm-up.
+    The model has one K/V head for its two query heads and an 8-token sliding window."""
     out = tmp_path / "one"
-    assert main(["train", *TINY[:-2], "--world-size", "1", "--steps", "10", "--out", str(out)]) == 0
+    assert main(["train", *TINY[:-2], "--world-size", "1", "--steps", "10", "--kv-heads", "1", "--attention-window",
+                 "8", "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 1 and summary["steps"] == 10
     assert summary["final_train_loss"] < summary["first_train_loss"]

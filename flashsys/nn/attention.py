@@ -10,6 +10,7 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from ..ops.attention import CORE_BACKENDS, FLASH_ALIASES, flash_attention, get_backend
+from ..ops.attention.validation import normalize_window
 
 # The implementations a model chooses between (the registry's core entries); see flashsys.ops.attention.backends.
 ATTENTION_BACKENDS = CORE_BACKENDS
@@ -21,40 +22,76 @@ def check_rope_theta(theta: object) -> None:
         raise ValueError(f"rope_theta must be a positive finite number (or None for no RoPE), got {theta!r}")
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, softmax_scale: float | None, backend: str) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, softmax_scale: float | None, backend: str,
+           window_size: tuple[int, int] | None = None) -> Tensor:
     """Run one attention call through the registered backend called `backend`; all compute the same function."""
-    return get_backend(backend).fn(q, k, v, causal, softmax_scale)
+    return get_backend(backend).fn(q, k, v, causal, softmax_scale, window_size)
 
 
 class FlashAttention(nn.Module):
-    """Drop-in for `F.scaled_dot_product_attention(q, k, v, is_causal=...)` on (B, H, N, D) tensors.
+    """Drop-in for `F.scaled_dot_product_attention` on (B, H, N, D) tensors: the same call, the same results for
+    everything it supports, FlashAttention-2 underneath.
 
+    `module(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False)`.
     Under `torch.autocast`, q, k and v are cast to the autocast dtype first (the kernels take one dtype).
 
     Args:
-        causal: bottom-right aligned causal mask (see `flashsys.ops.flash_attention`).
-        softmax_scale: default 1/sqrt(head_dim).
+        causal: a default causal mask, bottom-right aligned as in FlashAttention-2 (`flashsys.ops.flash_attention`),
+            for calls that do not pass is_causal.
+        softmax_scale: the default scale for calls that do not pass one; 1/sqrt(head_dim) otherwise.
         backend: "auto", "triton" or "torch", as in `flash_attention`.
+        window_size: (left, right) sliding window, flash-attn's semantics (see `flash_attention`); None for none.
     """
 
-    def __init__(self, causal: bool = False, softmax_scale: float | None = None, backend: str = "auto") -> None:
+    def __init__(self, causal: bool = False, softmax_scale: float | None = None, backend: str = "auto",
+                 window_size: tuple[int, int] | None = None) -> None:
         super().__init__()
         if backend not in FLASH_ALIASES:
             raise ValueError(f"FlashAttention: backend must be one of {tuple(FLASH_ALIASES)}, got {backend!r}")
-        self.causal, self.softmax_scale, self.backend = causal, softmax_scale, backend
+        normalize_window(window_size, causal, "FlashAttention")  # a bad window fails here, not at the first call
+        self.causal, self.softmax_scale, self.backend, self.window_size = causal, softmax_scale, backend, window_size
 
     def forward(
-        self, q: Float[Tensor, "B H Nq D"], k: Float[Tensor, "B H Nk D"], v: Float[Tensor, "B H Nk D"]
-    ) -> Float[Tensor, "B H Nq D"]:
-        """Attention output of q over k, v, shaped like q (in the autocast dtype under autocast)."""
-        device_type = q.device.type
+        self,
+        query: Float[Tensor, "B Hq Nq D"],
+        key: Float[Tensor, "B Hkv Nk D"],
+        value: Float[Tensor, "B Hkv Nk D"],
+        attn_mask: Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> Float[Tensor, "B Hq Nq D"]:
+        """Attention output of query over key, value, shaped like query (in the autocast dtype under autocast).
+
+        Raises:
+            ValueError: for an attn_mask or dropout (not supported: the message says what to use instead), for
+                is_causal with Nq != Nk (SDPA aligns that mask top-left, flashsys bottom-right: construct the module
+                with causal=True to mean bottom-right), and for differing head counts without enable_gqa=True.
+        """
+        if attn_mask is not None:
+            raise ValueError("FlashAttention: attn_mask is not supported; express the mask as causal=True, a "
+                             "window_size=(left, right), or packed sequences (flashsys.ops.flash_attention_varlen)")
+        if dropout_p != 0.0:
+            raise ValueError(f"FlashAttention: dropout_p={dropout_p} is not supported (attention dropout is not "
+                             "implemented); apply dropout to the output instead, or use 0.0")
+        if is_causal and query.shape[-2] != key.shape[-2]:
+            raise ValueError("FlashAttention: is_causal=True with Nq != Nk is aligned top-left by SDPA and "
+                             "bottom-right by FlashAttention-2; construct FlashAttention(causal=True) for the latter")
+        if query.dim() == 4 and key.dim() == 4 and query.shape[1] != key.shape[1] and not enable_gqa:
+            raise ValueError(f"FlashAttention: query has {query.shape[1]} heads and key {key.shape[1]}; pass "
+                             "enable_gqa=True for grouped-query attention (as with SDPA)")
+        device_type = query.device.type
         if torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
-            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        return flash_attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, backend=self.backend)
+            query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+        return flash_attention(query, key, value, causal=self.causal or bool(is_causal),
+                               softmax_scale=self.softmax_scale if scale is None else scale,
+                               window_size=self.window_size, backend=self.backend)
 
     def extra_repr(self) -> str:
-        return f"causal={self.causal}, softmax_scale={self.softmax_scale}, backend={self.backend!r}"
+        window = f", window_size={self.window_size}" if self.window_size is not None else ""
+        return f"causal={self.causal}, softmax_scale={self.softmax_scale}, backend={self.backend!r}{window}"
 
 
 class RotaryEmbedding(nn.Module):
@@ -90,11 +127,15 @@ class MultiHeadSelfAttention(nn.Module):
 
     Args:
         d_model: model width, split into `num_heads` heads.
-        num_heads: attention heads.
+        num_heads: attention (query) heads.
         causal: causal self-attention.
         rope_theta: RoPE base, or None for no rotary embedding.
         context_length: longest sequence (sizes the RoPE tables).
         attention_backend: a name from the attention backend registry (`ATTENTION_BACKENDS` for models).
+        num_kv_heads: key/value heads (grouped-query attention; 1 is multi-query); default num_heads. The K and V
+            projections are num_kv_heads * head_dim wide.
+        attention_window: each query sees itself and at most this many keys before it (a sliding window,
+            flash-attn's window_size=(attention_window, 0)); None for no window.
     """
 
     def __init__(
@@ -107,16 +148,28 @@ class MultiHeadSelfAttention(nn.Module):
         attention_backend: str = "flash",
         device=None,
         dtype=None,
+        num_kv_heads: int | None = None,
+        attention_window: int | None = None,
     ) -> None:
         super().__init__()
-        for name, value in (("d_model", d_model), ("num_heads", num_heads), ("context_length", context_length)):
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        for name, value in (("d_model", d_model), ("num_heads", num_heads), ("context_length", context_length),
+                            ("num_kv_heads", num_kv_heads)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"MultiHeadSelfAttention: {name} must be a positive integer, got {value!r}")
         if d_model % num_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if attention_window is not None and (not isinstance(attention_window, int) or isinstance(attention_window, bool)
+                                             or attention_window < 0):
+            raise ValueError(f"MultiHeadSelfAttention: attention_window must be None or an int >= 0, "
+                             f"got {attention_window!r}")
         self.d_model, self.num_heads, self.head_dim = d_model, num_heads, d_model // num_heads
+        self.num_kv_heads, self.attention_window = num_kv_heads, attention_window
         self.causal, self.attention_backend = causal, get_backend(attention_backend).name
-        self.qkv_proj = nn.Linear(d_model, 3 * d_model, bias=False, device=device, dtype=dtype)
+        kv_width = num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(d_model, d_model + 2 * kv_width, bias=False, device=device, dtype=dtype)
         self.output_proj = nn.Linear(d_model, d_model, bias=False, device=device, dtype=dtype)
         self.rope = RotaryEmbedding(self.head_dim, context_length, rope_theta, device) if rope_theta is not None else None
         for lin in (self.qkv_proj, self.output_proj):
@@ -137,8 +190,12 @@ class MultiHeadSelfAttention(nn.Module):
         if self.rope is not None and x.shape[1] > self.rope.cos.shape[0]:
             raise ValueError(f"MultiHeadSelfAttention: sequence length {x.shape[1]} exceeds the RoPE tables' "
                              f"context_length {self.rope.cos.shape[0]}")
-        q, k, v = rearrange(self.qkv_proj(x), "b n (three h d) -> three b h n d", three=3, h=self.num_heads).unbind(0)
+        kv_width = self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.d_model, kv_width, kv_width], dim=-1)
+        q = rearrange(q, "b n (h d) -> b h n d", h=self.num_heads)
+        k, v = (rearrange(t, "b n (h d) -> b h n d", h=self.num_kv_heads) for t in (k, v))
         if self.rope is not None:
             q, k = self.rope(q), self.rope(k)
-        o = attend(q, k, v, causal=self.causal, softmax_scale=None, backend=self.attention_backend)
+        window = None if self.attention_window is None else (self.attention_window, 0)
+        o = attend(q, k, v, causal=self.causal, softmax_scale=None, backend=self.attention_backend, window_size=window)
         return self.output_proj(rearrange(o, "b h n d -> b n (h d)"))

@@ -28,6 +28,8 @@ class ModelConfig:
         rope_theta: RoPE base; `None` turns rotary embeddings off.
         attention_backend: a name from `flashsys.ops.attention.ATTENTION_BACKENDS`.
         checkpoint_blocks: recompute each block in backward (activation checkpointing) while training.
+        num_kv_heads: key/value heads (grouped-query attention, 1 = multi-query); None means num_heads.
+        attention_window: each query sees itself and at most this many earlier tokens (sliding window); None: all.
     """
 
     d_model: int
@@ -39,6 +41,8 @@ class ModelConfig:
     rope_theta: float | None = 10000.0
     attention_backend: str = "flash"
     checkpoint_blocks: bool = False
+    num_kv_heads: int | None = None
+    attention_window: int | None = None
 
     @property
     def head_dim(self) -> int:
@@ -57,6 +61,13 @@ class ModelConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
+        for name in ("num_kv_heads", "attention_window"):
+            value = getattr(self, name)
+            low = 1 if name == "num_kv_heads" else 0
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+                raise ValueError(f"{name} must be None or an integer >= {low}, got {value!r}")
+        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.rope_theta is not None:
             check_rope_theta(self.rope_theta)
         if self.rope_theta is not None and self.head_dim % 2:

@@ -54,6 +54,7 @@ class TransformerBlock(nn.Module):
         self.attn = MultiHeadSelfAttention(
             d_model=c.d_model, num_heads=c.num_heads, causal=True, rope_theta=c.rope_theta,
             context_length=c.context_length, attention_backend=c.attention_backend, device=device, dtype=dtype,
+            num_kv_heads=c.num_kv_heads, attention_window=c.attention_window,
         )
         self.ln2 = RMSNorm(c.d_model, device=device, dtype=dtype)
         self.ffn = SwiGLU(c.d_model, c.d_ff, device=device, dtype=dtype)
@@ -74,6 +75,7 @@ class TransformerLM(nn.Module):
         vocab_size, context_length, d_model, num_layers, num_heads, d_ff, rope_theta, attention_backend,
         checkpoint_blocks: the fields of `ModelConfig`, which documents them.
         device, dtype: where and in what dtype to create the parameters.
+        num_kv_heads, attention_window: grouped-query attention and a sliding window (`ModelConfig`).
 
     Raises:
         ValueError: naming the first field that cannot build a model.
@@ -92,12 +94,14 @@ class TransformerLM(nn.Module):
         checkpoint_blocks: bool = False,
         device=None,
         dtype=None,
+        num_kv_heads: int | None = None,
+        attention_window: int | None = None,
     ) -> None:
         super().__init__()
         self.config = c = ModelConfig(
             d_model=d_model, num_layers=num_layers, num_heads=num_heads, d_ff=d_ff, vocab_size=vocab_size,
             context_length=context_length, rope_theta=rope_theta, attention_backend=attention_backend,
-            checkpoint_blocks=checkpoint_blocks,
+            checkpoint_blocks=checkpoint_blocks, num_kv_heads=num_kv_heads, attention_window=attention_window,
         ).validate()
         self.vocab_size, self.context_length = c.vocab_size, c.context_length
         self.checkpoint_blocks = c.checkpoint_blocks
@@ -115,7 +119,7 @@ class TransformerLM(nn.Module):
             vocab_size=config.vocab_size, context_length=config.context_length, d_model=config.d_model,
             num_layers=config.num_layers, num_heads=config.num_heads, d_ff=config.d_ff, rope_theta=config.rope_theta,
             attention_backend=config.attention_backend, checkpoint_blocks=config.checkpoint_blocks,
-            device=device, dtype=dtype,
+            device=device, dtype=dtype, num_kv_heads=config.num_kv_heads, attention_window=config.attention_window,
         )
 
     @classmethod

@@ -59,3 +59,14 @@ def test_set_attention_backend_updates_the_config():
     assert model.config.attention_backend == "flash-triton"
     assert all(layer.attn.attention_backend == "flash-triton" for layer in model.layers)
     assert isinstance(model.config, ModelConfig)
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(num_kv_heads=3), r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"),
+    (dict(num_kv_heads=0), "num_kv_heads must be None or an integer >= 1"),
+    (dict(attention_window=-1), "attention_window must be None or an integer >= 0"),
+    (dict(attention_window=2.5), "attention_window must be None or an integer >= 0"),
+])
+def test_grouped_heads_and_window_are_validated(changes, match):
+    with pytest.raises(ValueError, match=match):
+        preset("demo", **changes).validate()

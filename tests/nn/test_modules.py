@@ -214,3 +214,47 @@ def test_compiled_model_launches_the_flash_kernels_from_inductor(options):
     torch.testing.assert_close(got[0], expected[0], atol=2e-4, rtol=2e-4)
     for a, b in zip(got[1], expected[1]):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-3)
+
+
+def test_grouped_query_and_windowed_model_is_the_same_function_on_every_backend():
+    """num_kv_heads and attention_window reach every backend: the same weights give the same logits."""
+    model = _tiny("flash", num_kv_heads=1, attention_window=5)
+    attn = model.layers[0].attn
+    assert attn.qkv_proj.weight.shape == (32 + 2 * 16, 32)  # q: 2 heads of 16; k, v: one head each
+    tokens = torch.randint(0, 61, (2, 32), device=DEVICE)
+    expected = model(tokens)
+    for backend in ("flash-torch", "sdpa", "naive"):
+        model.set_attention_backend(backend)
+        torch.testing.assert_close(model(tokens), expected, atol=2e-5, rtol=2e-5)
+    model.set_attention_backend("flash")
+    windowless = _tiny("flash", num_kv_heads=1)
+    assert not torch.allclose(windowless(tokens), expected), "the window changed nothing"
+
+
+def test_flash_attention_module_takes_sdpa_calls_and_refuses_what_it_cannot_do():
+    q, k, v = (torch.randn(2, 4, 12, 16, device=DEVICE), torch.randn(2, 2, 12, 16, device=DEVICE),
+               torch.randn(2, 2, 12, 16, device=DEVICE))
+    module = FlashAttention()
+    for is_causal in (False, True):
+        torch.testing.assert_close(module(q, k, v, is_causal=is_causal, scale=0.3, enable_gqa=True),
+                                   F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=0.3,
+                                                                  enable_gqa=True), atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        module(q, k, v)
+    with pytest.raises(ValueError, match="attn_mask is not supported; express the mask as causal=True, a window"):
+        module(q, k, v, attn_mask=torch.ones(12, 12, dtype=torch.bool, device=DEVICE), enable_gqa=True)
+    with pytest.raises(ValueError, match="dropout_p=0.1 is not supported"):
+        module(q, k, v, dropout_p=0.1, enable_gqa=True)
+    with pytest.raises(ValueError, match="top-left by SDPA"):
+        module(q[:, :, :5], k, v, is_causal=True, enable_gqa=True)
+    windowed = FlashAttention(causal=True, window_size=(3, 0))
+    torch.testing.assert_close(windowed(q, k, v, enable_gqa=True),
+                               flash_attention_reference_output(q, k, v, (3, 0)), atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="window_size"):
+        FlashAttention(window_size=(-5, 0))
+
+
+def flash_attention_reference_output(q, k, v, window):
+    from flashsys.ops.attention import attention_reference
+
+    return attention_reference(q, k, v, True, None, window)[0]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from flashsys.ops.attention import attention_reference, causal_mask
+from flashsys.ops.attention import attention_reference, window_mask
 
 FLOOR = {torch.float32: 5e-5, torch.float16: 2e-4, torch.bfloat16: 2e-3, torch.float64: 1e-12}
 
@@ -21,34 +21,36 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x - ref).norm() / max(ref.norm().item(), ref.numel() ** 0.5)).item()
 
 
-def make_qkv(batch, heads, n_q, n_k, d, dtype, device, seed=None):
+def make_qkv(batch, heads, n_q, n_k, d, dtype, device, seed=None, kv_heads=None):
+    """Random q, k, v, dO; k and v get `kv_heads` heads (grouped-query) when given, else `heads`."""
     g = torch.Generator(device="cpu")
     if seed is not None:
         g.manual_seed(seed)
     lead = (batch, heads) if heads else (batch,)
+    kv_lead = (batch, kv_heads) if heads and kv_heads else lead
     q = torch.randn(*lead, n_q, d, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
-    k = torch.randn(*lead, n_k, d, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
-    v = torch.randn(*lead, n_k, d, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
+    k = torch.randn(*kv_lead, n_k, d, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
+    v = torch.randn(*kv_lead, n_k, d, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
     do = torch.randn(*lead, n_q, d, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
     return q, k, v, do
 
 
-def run_op(op, q, k, v, do, causal, scale):
+def run_op(op, q, k, v, do, causal, scale, window=None):
     q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
-    o = op.apply(q, k, v, causal, scale)
+    o = op.apply(q, k, v, causal, scale) if window is None else op.apply(q, k, v, causal, scale, window)
     lse = o.grad_fn.saved_tensors[4]
     o.backward(do)
     return o.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
-def run_reference(q, k, v, do, causal, scale, dtype):
+def run_reference(q, k, v, do, causal, scale, dtype, window=None):
     q, k, v = (x.detach().to(dtype).clone().requires_grad_() for x in (q, k, v))
-    o, lse = attention_reference(q, k, v, causal, scale)
+    o, lse = attention_reference(q, k, v, causal, scale, window)
     o.backward(do.to(dtype))
     return o.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
-def flash_algorithm_gradients(q, k, v, do, causal, scale, dtype):
+def flash_algorithm_gradients(q, k, v, do, causal, scale, dtype, window=None):
     """(dQ, dK) of FlashAttention-2's backward done exactly in float64, except for what its contract fixes: the
     saved O is in the input dtype, and D = rowsum(dO * O) uses that rounded O.
 
@@ -56,24 +58,31 @@ def flash_algorithm_gradients(q, k, v, do, causal, scale, dtype):
     for every implementation that keeps the contract (flash-attn too), however exact the rest of its arithmetic.
     The error of these gradients is the floor such an implementation can reach."""
     q, k, v, do = (x.double() for x in (q, k, v, do))
+    group = q.shape[1] // k.shape[1] if q.dim() == 4 else 1
+    k, v = k.repeat_interleave(group, dim=1) if group > 1 else k, v.repeat_interleave(group, dim=1) if group > 1 else v
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     s = q @ k.transpose(-2, -1) * scale
-    if causal:
-        s = s.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
+    left, right = window if window is not None else (-1, -1)
+    right = 0 if causal else right
+    if left >= 0 or right >= 0:
+        s = s.masked_fill(~window_mask(q.shape[-2], k.shape[-2], left, right, q.device), float("-inf"))
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows that see no key: P = 0
     o_saved = (p @ v).to(dtype).double()
     ds = p * (do @ v.transpose(-2, -1) - (do * o_saved).sum(-1, keepdim=True))
-    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale
+    dk = ds.transpose(-2, -1) @ q * scale
+    if group > 1:  # the query heads of a group share one K/V head: their gradients add up
+        dk = dk.unflatten(1, (-1, group)).sum(2)
+    return ds @ k * scale, dk
 
 
-def assert_matches_reference(op, q, k, v, do, causal, scale):
+def assert_matches_reference(op, q, k, v, do, causal, scale, window=None):
     """O, L, dQ, dK, dV of `op` against float64. The tolerance is twice the larger of plain PyTorch's error in the
     same precision and, for dQ and dK, the error the FlashAttention-2 contract itself implies (D from the saved,
     rounded O: `flash_algorithm_gradients`), plus a small floor."""
-    ours = run_op(op, q, k, v, do, causal, scale)
-    exact = run_reference(q, k, v, do, causal, scale, torch.float64)
-    plain = run_reference(q, k, v, do, causal, scale, q.dtype)
-    algorithm = dict(zip((2, 3), flash_algorithm_gradients(q, k, v, do, causal, scale, q.dtype)))
+    ours = run_op(op, q, k, v, do, causal, scale, window)
+    exact = run_reference(q, k, v, do, causal, scale, torch.float64, window)
+    plain = run_reference(q, k, v, do, causal, scale, q.dtype, window)
+    algorithm = dict(zip((2, 3), flash_algorithm_gradients(q, k, v, do, causal, scale, q.dtype, window)))
     assert ours[0].dtype == q.dtype and ours[0].shape == q.shape
     assert ours[1].dtype in (torch.float32, torch.float64) and ours[1].shape == q.shape[:-1]
     # The floor is for rounding noise where plain PyTorch is exact by structure: with one key, dK is exactly

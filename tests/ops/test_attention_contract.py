@@ -179,7 +179,8 @@ def _t(*shape, dtype=torch.float32, device=DEVICE):
 BAD_INPUTS = [
     ("head dims", lambda: (_t(2, 8, 16), _t(2, 8, 32), _t(2, 8, 32)), ValueError, "head_dim"),
     ("batch dims", lambda: (_t(2, 8, 16), _t(3, 8, 16), _t(3, 8, 16)), ValueError, "batch"),
-    ("head count", lambda: (_t(2, 4, 8, 16), _t(2, 2, 8, 16), _t(2, 2, 8, 16)), ValueError, "batch"),
+    ("head count", lambda: (_t(2, 4, 8, 16), _t(2, 3, 8, 16), _t(2, 3, 8, 16)), ValueError,
+     "multiple of the key/value heads"),
     ("dtypes", lambda: (_t(2, 8, 16), _t(2, 8, 16, dtype=torch.float16), _t(2, 8, 16)), TypeError, "dtype"),
     ("k/v lengths", lambda: (_t(2, 8, 16), _t(2, 8, 16), _t(2, 9, 16)), ValueError, "sequence length"),
     ("rank 2", lambda: (_t(8, 16), _t(8, 16), _t(8, 16)), ValueError, "rank 2"),

@@ -52,10 +52,13 @@ def test_backend_report_lists_every_backend_once():
     assert works["flash"] and works["flash-torch"] and works["naive"]
 
 
-def test_sdpa_refuses_causal_with_unequal_lengths():
-    q, k = torch.randn(1, 4, 8), torch.randn(1, 6, 8)
-    with pytest.raises(ValueError, match="top-left"):
-        get_backend("sdpa")(q, k, k, True)
+def test_sdpa_backend_aligns_causal_masks_and_windows_bottom_right_and_groups_heads():
+    """SDPA's own causal mask is top-left aligned; the registry entry passes flash-attn's mask instead."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(1, 4, 5, 8, generator=g), torch.randn(1, 2, 9, 8, generator=g), torch.randn(1, 2, 9, 8, generator=g)
+    for causal, window in ((True, None), (False, (2, 1)), (True, (3, -1))):
+        got = get_backend("sdpa")(q, k, v, causal, None, window)
+        torch.testing.assert_close(got, get_backend("naive")(q, k, v, causal, None, window))
 
 
 def test_launcher_arguments_are_checked_against_the_kernel_signature():
@@ -63,9 +66,10 @@ def test_launcher_arguments_are_checked_against_the_kernel_signature():
 
     kernel = flash_triton._fwd_kernels[64, False, False].fn
     q, k = torch.randn(1, 8, 16), torch.randn(2, 1, 8, 16).transpose(1, 2)[0]  # k: rank 3, non-contiguous
-    named = dict(Q=q, K=k, V=q, O=q, L=q, n_heads=1, n_q=8, n_k=8, qk_scale=1.0)
+    named = dict(Q=q, K=k, V=q, O=q, L=q, n_heads=1, kv_group=1, n_q=8, n_k=8, window_left=-1, window_right=0,
+                 qk_scale=1.0)
     args = flash_triton._positional(kernel, named)
-    assert args[:5] == (q, k, q, q, q) and args[-4:] == (1, 8, 8, 1.0)
+    assert args[:5] == (q, k, q, q, q) and args[-7:] == (1, 1, 8, 8, -1, 0, 1.0)
     # Strides are derived from each tensor, in the kernel's (batch, head, seq, dim) order.
     assert args[5:13] == (*q.stride()[:1], 0, *q.stride()[1:], k.stride(0), 0, k.stride(1), k.stride(2))
     del named["K"]

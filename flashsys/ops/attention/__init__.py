@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .backends import ATTENTION_BACKENDS, CORE_BACKENDS, FLASH_ALIASES, AttentionBackend, backend_report, get_backend
 from .flash_torch import FlashAttention2Torch
-from .reference import attention_reference, causal_mask
+from .reference import attention_reference, causal_mask, window_mask
 from .triton_env import interpreter_active
 from .validation import MAX_HEAD_DIM
 
@@ -48,13 +48,16 @@ def flash_attention(
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
+    window_size: tuple[int, int] | None = None,
     backend: Backend = "auto",
 ) -> Float[Tensor, "*batch Nq D"]:
     """FlashAttention-2: softmax(q kᵀ · softmax_scale) v without materialising the N×N scores.
 
     Args:
         q: queries, (batch, Nq, head_dim) or (batch, heads, Nq, head_dim); fp16, bf16 or fp32; any strides.
-        k: keys, the same rank and leading dims as q, (…, Nk, head_dim). Nk may differ from Nq.
+        k: keys, the same rank and batch as q, (…, Nk, head_dim). Nk may differ from Nq. Rank-4 k may have fewer
+            heads than q, Hq a multiple of Hkv (grouped-query / multi-query attention): query head h reads K/V head
+            h // (Hq // Hkv), as in SDPA's enable_gqa and flash-attn. K/V are not copied per query head.
         v: values, shaped like k.
         causal: mask future keys. With Nq != Nk the mask is aligned to the bottom-right corner, as in
             FlashAttention-2: query i sees key j iff j <= i + (Nk - Nq). For Nq = 2, Nk = 5 (1 = visible)::
@@ -73,6 +76,10 @@ def flash_attention(
                 q4     1 1
 
         softmax_scale: multiplies the scores before the softmax; default 1/sqrt(head_dim).
+        window_size: (left, right), flash-attn's sliding window: query i sees key j iff
+            i + off - left <= j <= i + off + right, off = Nk - Nq; -1 leaves a side unbounded; causal=True sets
+            right to 0. Key tiles wholly outside the window are skipped (cost grows with N * window, not N²).
+            A query that sees no key outputs 0.
         backend: "auto" (Triton on CUDA tensors, the tiled PyTorch op elsewhere), "triton" or "torch";
             the short names of the registry's "flash", "flash-triton" and "flash-torch".
 
@@ -85,7 +92,7 @@ def flash_attention(
     """
     if backend not in FLASH_ALIASES:
         raise ValueError(f"flash_attention: backend must be one of {tuple(FLASH_ALIASES)}, got {backend!r}")
-    return get_backend(backend).fn(q, k, v, causal, softmax_scale)
+    return get_backend(backend).fn(q, k, v, causal, softmax_scale, window_size)
 
 
 __all__ = [
@@ -101,4 +108,5 @@ __all__ = [
     "flash_attention",
     "get_backend",
     "interpreter_active",
+    "window_mask",
 ]

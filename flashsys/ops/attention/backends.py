@@ -1,8 +1,9 @@
 """Every attention implementation flashsys can run, by name: the one vocabulary of the ops, the modules, the
 command line and the benchmarks.
 
-Each entry computes the same function, `attention(q, k, v, causal, softmax_scale) -> O`, over (B, N, D) or
-(B, H, N, D) tensors, and says whether it can run on a given device. The core entries are what a model
+Each entry computes the same function, `attention(q, k, v, causal, softmax_scale, window_size=None) -> O`, over
+(B, N, D) or (B, H, N, D) tensors (k, v may have fewer heads than q: grouped-query attention), and says whether it
+can run on a given device. The core entries are what a model
 picks from; the others pin one SDPA kernel or add `torch.compile`, for benchmarks that compare them.
 """
 
@@ -16,10 +17,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .flash_torch import FlashAttention2Torch
-from .reference import attention_reference
+from .reference import attention_reference, window_mask
 from .triton_env import interpreter_active, triton_problem
 
-AttentionFn = Callable[[Tensor, Tensor, Tensor, bool, "float | None"], Tensor]
+AttentionFn = Callable[..., Tensor]  # (q, k, v, causal, softmax_scale, window_size=None) -> O
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class AttentionBackend:
 
     Args:
         name: the registry key.
-        fn: `fn(q, k, v, causal, softmax_scale) -> O`.
+        fn: `fn(q, k, v, causal, softmax_scale, window_size=None) -> O`; window_size is flash-attn's (left, right).
         description: one line for `flashsys info` and `--help`.
         runs_on: "any" device, "cuda" only, or "triton": CUDA, or a CPU with TRITON_INTERPRET=1 set before
             import (Triton's interpreter: slow, for tests).
@@ -53,43 +54,53 @@ class AttentionBackend:
                 return "needs CUDA, or TRITON_INTERPRET=1 set before import (slow, for tests)"
         return None
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, softmax_scale: float | None = None) -> Tensor:
-        return self.fn(q, k, v, causal, softmax_scale)
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, softmax_scale: float | None = None,
+                 window_size: tuple[int, int] | None = None) -> Tensor:
+        return self.fn(q, k, v, causal, softmax_scale, window_size)
 
 
-def _flash_auto(q, k, v, causal, scale):
+def _flash_auto(q, k, v, causal, scale, window=None):
     """Triton on CUDA tensors, the tiled PyTorch op elsewhere."""
     if isinstance(q, Tensor) and q.device.type == "cuda":
-        return _flash_triton(q, k, v, causal, scale)
-    return FlashAttention2Torch.apply(q, k, v, causal, scale)
+        return _flash_triton(q, k, v, causal, scale, window)
+    return FlashAttention2Torch.apply(q, k, v, causal, scale, window)
 
 
-def _flash_triton(q, k, v, causal, scale):
+def _flash_triton(q, k, v, causal, scale, window=None):
     from . import triton_op  # imports Triton on first use only
 
-    return triton_op().apply(q, k, v, causal, scale)
+    return triton_op().apply(q, k, v, causal, scale, window)
 
 
-def _flash_torch(q, k, v, causal, scale):
-    return FlashAttention2Torch.apply(q, k, v, causal, scale)
+def _flash_torch(q, k, v, causal, scale, window=None):
+    return FlashAttention2Torch.apply(q, k, v, causal, scale, window)
 
 
-def _naive(q, k, v, causal, scale):
-    return attention_reference(q, k, v, causal, scale)[0]
+def _naive(q, k, v, causal, scale, window=None):
+    return attention_reference(q, k, v, causal, scale, window)[0]
 
 
 def _sdpa(kernel: str | None) -> AttentionFn:
-    """SDPA, letting PyTorch choose its kernel (`kernel=None`) or pinned to one."""
+    """SDPA, letting PyTorch choose its kernel (`kernel=None`) or pinned to one. Grouped K/V go through
+    `enable_gqa`. SDPA's own causal mask is aligned top-left, so a causal mask with Nq != Nk, and any window, are
+    passed as an explicit boolean mask with flash-attn's bottom-right alignment (not every SDPA kernel takes one)."""
 
-    def run(q, k, v, causal, scale):
-        if causal and q.shape[-2] != k.shape[-2]:
-            raise ValueError("SDPA aligns the causal mask top-left; use a flash backend for Nq != Nk with causal=True")
+    def run(q, k, v, causal, scale, window=None):
+        left, right = window if window is not None else (-1, -1)
+        if causal:
+            right = 0
+        explicit = left >= 0 or (right >= 0 and not (causal and right == 0 and q.shape[-2] == k.shape[-2]))
+        options = dict(scale=scale, enable_gqa=q.dim() == 4 and q.shape[1] != k.shape[1])
+        if explicit:
+            options["attn_mask"] = window_mask(q.shape[-2], k.shape[-2], left, right, q.device)
+        else:
+            options["is_causal"] = causal
         if kernel is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+            return F.scaled_dot_product_attention(q, k, v, **options)
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         with sdpa_kernel(getattr(SDPBackend, kernel)):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+            return F.scaled_dot_product_attention(q, k, v, **options)
 
     return run
 
@@ -97,11 +108,11 @@ def _sdpa(kernel: str | None) -> AttentionFn:
 _compiled_naive: AttentionFn | None = None
 
 
-def _naive_compiled(q, k, v, causal, scale):
+def _naive_compiled(q, k, v, causal, scale, window=None):
     global _compiled_naive
     if _compiled_naive is None:
         _compiled_naive = torch.compile(_naive)
-    return _compiled_naive(q, k, v, causal, scale)
+    return _compiled_naive(q, k, v, causal, scale, window)
 
 
 _ENTRIES = [

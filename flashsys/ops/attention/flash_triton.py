@@ -35,7 +35,7 @@ from torch.library import triton_op, wrap_triton
 from triton.compiler import CompiledKernel
 
 from .triton_env import interpreter_active
-from .validation import MAX_HEAD_DIM, check_attention_inputs, refuse_double_backward
+from .validation import MAX_HEAD_DIM, check_attention_inputs, normalize_window, refuse_double_backward
 
 LOG2E = 1.4426950408889634
 # The kernels' copies: a @triton.jit function may only read globals that are constexpr.
@@ -111,55 +111,72 @@ def _dot(a, b, FP32_IEEE: tl.constexpr):
 
 
 @triton.jit
-def _visible(q_idx, k_idx, streamed_idx, streamed_len, causal_offset, IS_CAUSAL: tl.constexpr):
+def _visible(q_idx, k_idx, streamed_idx, streamed_len, right_offset, left_offset,
+             BOUND_RIGHT: tl.constexpr, BOUND_LEFT: tl.constexpr):
     """Which scores of a tile count: query q_idx may see key k_idx (both broadcast to the tile's 2-D shape).
 
-    The streamed side's index must lie inside its sequence (streamed_idx < streamed_len); with IS_CAUSAL the
-    key must not be in the query's future, bottom-right aligned: k <= q + causal_offset, causal_offset = Nk - Nq.
+    The streamed side's index must lie inside its sequence (streamed_idx < streamed_len). The window, bottom-right
+    aligned (off = Nk - Nq): with BOUND_RIGHT, k <= q + right_offset (right_offset = off + right; causal: right = 0);
+    with BOUND_LEFT, k >= q + left_offset (left_offset = off - left).
     """
     visible = streamed_idx < streamed_len
-    if IS_CAUSAL:
-        visible = visible & (k_idx <= q_idx + causal_offset)
+    if BOUND_RIGHT:
+        visible = visible & (k_idx <= q_idx + right_offset)
+    if BOUND_LEFT:
+        visible = visible & (k_idx >= q_idx + left_offset)
     return visible
 
 
 @triton.jit
-def _key_tile_range(start_m, n_k, causal_offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    IS_CAUSAL: tl.constexpr):
-    """(full_hi, hi) for the query tile starting at start_m: key tiles before full_hi are fully visible to every
-    query of the tile (no mask needed); tiles in [full_hi, hi) straddle the diagonal or the sequence end; keys
-    from hi on are seen by none of its queries and are never visited."""
-    if IS_CAUSAL:
-        hi = tl.maximum(tl.minimum(n_k, start_m + BLOCK_M + causal_offset), 0)
-        full_hi = tl.maximum(tl.minimum(n_k, start_m + 1 + causal_offset), 0) // BLOCK_N * BLOCK_N
+def _key_tile_range(start_m, n_k, right_offset, left_offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BOUND_RIGHT: tl.constexpr, BOUND_LEFT: tl.constexpr):
+    """(lo, full_lo, full_hi, hi) for the query tile starting at start_m: key tiles in [full_lo, full_hi) are fully
+    visible to every query of the tile (no mask needed); [lo, full_lo) and [full_hi, hi) straddle a window edge or
+    the sequence end; keys outside [lo, hi) are seen by none of its queries and are never visited."""
+    if BOUND_RIGHT:
+        hi = tl.maximum(tl.minimum(n_k, start_m + BLOCK_M + right_offset), 0)
+        full_hi = tl.maximum(tl.minimum(n_k, start_m + 1 + right_offset), 0) // BLOCK_N * BLOCK_N
     else:
         hi = n_k
         full_hi = n_k // BLOCK_N * BLOCK_N
-    return full_hi, hi
+    if BOUND_LEFT:
+        lo = tl.minimum(tl.maximum(start_m + left_offset, 0) // BLOCK_N * BLOCK_N, hi)
+        full_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + left_offset, 0), BLOCK_N) * BLOCK_N
+        full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+        full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    else:
+        lo = 0
+        full_lo = 0
+    return lo, full_lo, full_hi, hi
 
 
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, offs_n, offs_d, lo, hi, n_k, causal_offset, qk_scale,
+    offs_m, offs_n, offs_d, lo, hi, n_k, right_offset, left_offset, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, FP32_IEEE: tl.constexpr,
+    MASKED: tl.constexpr, BOUND_RIGHT: tl.constexpr, BOUND_LEFT: tl.constexpr, FP32_IEEE: tl.constexpr,
 ):
-    """Online-softmax update of one query tile over key tiles [lo, hi) (scores in the log2 domain)."""
+    """Online-softmax update of one query tile over key tiles [lo, hi) (scores in the log2 domain).
+
+    m_i stays -inf for a row that has seen no key yet (a masked loop may run before the unmasked one): the
+    exponentials then subtract 0 instead, so nothing is NaN and a later tile still sets the row's true maximum."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         k = _load_tile(K, cols, offs_d, stride_kn, stride_kd, n_k, HEAD_DIM, BLOCK_D, CHECK_ROWS=MASKED)
         v = _load_tile(V, cols, offs_d, stride_vn, stride_vd, n_k, HEAD_DIM, BLOCK_D, CHECK_ROWS=MASKED)
         qk = _dot(q, tl.trans(k), FP32_IEEE)
         if MASKED:
-            visible = _visible(offs_m[:, None], cols[None, :], cols[None, :], n_k, causal_offset, IS_CAUSAL)
+            visible = _visible(offs_m[:, None], cols[None, :], cols[None, :], n_k, right_offset, left_offset,
+                               BOUND_RIGHT, BOUND_LEFT)
             qk = tl.where(visible, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
         else:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # qk_scale > 0, so max commutes with it
-        p = tl.math.exp2(qk * qk_scale - m_new[:, None])  # one FMA per score
-        alpha = tl.math.exp2(m_i - m_new)
+            m_sub = m_new
+        p = tl.math.exp2(qk * qk_scale - m_sub[:, None])  # one FMA per score
+        alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32_IEEE)
         m_i = m_new
@@ -173,16 +190,17 @@ def _flash_fwd_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_on, stride_od,
-    n_heads, n_q, n_k, qk_scale, N_BUCKET,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, FP32_IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    n_heads, kv_group, n_q, n_k, window_left, window_right, qk_scale, N_BUCKET,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BOUND_RIGHT: tl.constexpr, BOUND_LEFT: tl.constexpr,
+    FP32_IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """One program = one query tile of one (batch, head). Writes O and L (natural log)."""
+    """One program = one query tile of one (batch, query head). Writes O and L (natural log). The K/V head is
+    h // kv_group (grouped-query attention; kv_group = 1 otherwise)."""
     qk_scale = _as_fp32(qk_scale)
-    pid_m, bh, b, h = _program_start(n_heads, HEAVIEST_LAST=IS_CAUSAL)
+    pid_m, bh, b, h = _program_start(n_heads, HEAVIEST_LAST=BOUND_RIGHT)
     Q += b * stride_qb + h * stride_qh
-    K += b * stride_kb + h * stride_kh
-    V += b * stride_vb + h * stride_vh
+    K += b * stride_kb + (h // kv_group) * stride_kh
+    V += b * stride_vb + (h // kv_group) * stride_vh
     O += b * stride_ob + h * stride_oh
     L += bh.to(tl.int64) * n_q
 
@@ -196,16 +214,26 @@ def _flash_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    causal_offset = n_k - n_q  # query i sees key j <= i + causal_offset (bottom-right aligned)
-    full_hi, hi = _key_tile_range(start_m, n_k, causal_offset, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    # Query i sees key j iff i + left_offset <= j <= i + right_offset (bottom-right aligned, per bound flag).
+    right_offset = n_k - n_q + window_right
+    left_offset = n_k - n_q - window_left
+    lo, full_lo, full_hi, hi = _key_tile_range(start_m, n_k, right_offset, left_offset, BLOCK_M, BLOCK_N,
+                                               BOUND_RIGHT, BOUND_LEFT)
+    if BOUND_LEFT:  # the tiles that straddle the window's left edge
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                                   offs_m, offs_n, offs_d, lo, full_lo, n_k, right_offset, left_offset, qk_scale,
+                                   HEAD_DIM, BLOCK_D, BLOCK_N, MASKED=True, BOUND_RIGHT=BOUND_RIGHT,
+                                   BOUND_LEFT=BOUND_LEFT, FP32_IEEE=FP32_IEEE)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                               offs_m, offs_n, offs_d, 0, full_hi, n_k, causal_offset, qk_scale,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, MASKED=False, IS_CAUSAL=IS_CAUSAL, FP32_IEEE=FP32_IEEE)
+                               offs_m, offs_n, offs_d, full_lo, full_hi, n_k, right_offset, left_offset, qk_scale,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, MASKED=False, BOUND_RIGHT=BOUND_RIGHT,
+                               BOUND_LEFT=BOUND_LEFT, FP32_IEEE=FP32_IEEE)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                               offs_m, offs_n, offs_d, full_hi, hi, n_k, causal_offset, qk_scale,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, MASKED=True, IS_CAUSAL=IS_CAUSAL, FP32_IEEE=FP32_IEEE)
+                               offs_m, offs_n, offs_d, full_hi, hi, n_k, right_offset, left_offset, qk_scale,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, MASKED=True, BOUND_RIGHT=BOUND_RIGHT,
+                               BOUND_LEFT=BOUND_LEFT, FP32_IEEE=FP32_IEEE)
 
-    seen = l_i > 0.0  # False only for queries that see no key (causal, Nq > Nk)
+    seen = l_i > 0.0  # False only for queries that see no key (Nq > Nk, or a window off the keys)
     l_safe = tl.where(seen, l_i, 1.0)
     lse = tl.where(seen, m_i * _LN2 + tl.log(l_safe), float("-inf"))
     tl.store(L + offs_m, lse, mask=offs_m < n_q)
@@ -215,9 +243,9 @@ def _flash_fwd_kernel(
 @triton.jit
 def _bwd_dkdv_inner(
     dk, dv, k, v, Q, DO, LseDelta, stride_qn, stride_qd, stride_don, stride_dod,
-    offs_n, offs_m_base, offs_d, lo, hi, n_q, causal_offset, qk_scale,
+    offs_n, offs_m_base, offs_d, lo, hi, n_q, right_offset, left_offset, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, FP32_IEEE: tl.constexpr,
+    MASKED: tl.constexpr, BOUND_RIGHT: tl.constexpr, BOUND_LEFT: tl.constexpr, FP32_IEEE: tl.constexpr,
 ):
     """Accumulate dK, dV of one key tile over query tiles [lo, hi). Works on transposed scores (keys x queries).
 
@@ -238,7 +266,8 @@ def _bwd_dkdv_inner(
         dp_t = _dot(v, tl.trans(do), FP32_IEEE)
         p_t = tl.math.exp2(s_t - lse2[None, :])
         if MASKED:
-            visible = _visible(rows[None, :], offs_n[:, None], rows[None, :], n_q, causal_offset, IS_CAUSAL)
+            visible = _visible(rows[None, :], offs_n[:, None], rows[None, :], n_q, right_offset, left_offset,
+                               BOUND_RIGHT, BOUND_LEFT)
             p_t = tl.where(visible, p_t, 0.0)
         dv += _dot(p_t.to(do.dtype), do, FP32_IEEE)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -255,21 +284,19 @@ def _flash_bwd_dkdv_kernel(
     stride_dob, stride_doh, stride_don, stride_dod,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    n_heads, n_q, n_k, qk_scale, softmax_scale, N_BUCKET,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, FP32_IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    n_heads, kv_group, n_q, n_k, window_left, window_right, qk_scale, softmax_scale, N_BUCKET,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BOUND_RIGHT: tl.constexpr, BOUND_LEFT: tl.constexpr,
+    FP32_IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """One program = one key tile of one (batch, head): dK and dV, looping over the query tiles that see it."""
+    """One program = one key tile of one (batch, K/V head): dK and dV, looping over the query tiles that see it in
+    each of the kv_group query heads that share the K/V head. Summing the group here needs no atomics."""
     # The first key tiles are seen by the most queries: the natural order already runs the heaviest first.
     qk_scale, softmax_scale = _as_fp32(qk_scale), _as_fp32(softmax_scale)
-    pid_n, bh, b, h = _program_start(n_heads, HEAVIEST_LAST=False)
-    Q += b * stride_qb + h * stride_qh
-    K += b * stride_kb + h * stride_kh
-    V += b * stride_vb + h * stride_vh
-    DO += b * stride_dob + h * stride_doh
-    DK += b * stride_dkb + h * stride_dkh
-    DV += b * stride_dvb + h * stride_dvh
-    LseDelta += bh.to(tl.int64) * n_q * 2
+    pid_n, bh_kv, b, h_kv = _program_start(n_heads // kv_group, HEAVIEST_LAST=False)
+    K += b * stride_kb + h_kv * stride_kh
+    V += b * stride_vb + h_kv * stride_vh
+    DK += b * stride_dkb + h_kv * stride_dkh
+    DV += b * stride_dvb + h_kv * stride_dvh
 
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -280,26 +307,48 @@ def _flash_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    causal_offset = n_k - n_q
-    if IS_CAUSAL:
-        # Queries before `lo` see none of these keys; from `mid` on they see all of them.
-        lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
-        mid = tl.maximum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0), BLOCK_M) * BLOCK_M, lo)
+    right_offset = n_k - n_q + window_right
+    left_offset = n_k - n_q - window_left
+    if BOUND_RIGHT:
+        # Queries before `lo` see none of these keys; from `mid` on they see all of them (right edge).
+        lo = tl.maximum(start_n - right_offset, 0) // BLOCK_M * BLOCK_M
+        mid = tl.maximum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - right_offset, 0), BLOCK_M) * BLOCK_M, lo)
     else:
         lo = 0
         mid = 0
     full_end = n_q // BLOCK_M * BLOCK_M
-    # Three ranges: the diagonal tiles (masked), the fully visible ones, the ragged end of the queries (masked).
-    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q, DO, LseDelta, stride_qn, stride_qd, stride_don, stride_dod,
-                             offs_n, offs_m_base, offs_d, lo, tl.minimum(mid, n_q), n_q, causal_offset, qk_scale,
-                             HEAD_DIM, BLOCK_D, BLOCK_M, MASKED=True, IS_CAUSAL=IS_CAUSAL, FP32_IEEE=FP32_IEEE)
-    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q, DO, LseDelta, stride_qn, stride_qd, stride_don, stride_dod,
-                             offs_n, offs_m_base, offs_d, mid, full_end, n_q, causal_offset, qk_scale,
-                             HEAD_DIM, BLOCK_D, BLOCK_M, MASKED=False, IS_CAUSAL=IS_CAUSAL, FP32_IEEE=FP32_IEEE)
-    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q, DO, LseDelta, stride_qn, stride_qd, stride_don, stride_dod,
-                             offs_n, offs_m_base, offs_d, tl.maximum(mid, full_end), n_q, n_q, causal_offset,
-                             qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, MASKED=True, IS_CAUSAL=IS_CAUSAL,
-                             FP32_IEEE=FP32_IEEE)
+    if BOUND_LEFT:
+        # Queries from `end` on see none of these keys; before `full_end` they see all of them (left edge).
+        end = tl.minimum(tl.maximum(start_n + BLOCK_N - left_offset, 0), n_q)
+        full_end = tl.minimum(full_end, tl.maximum(start_n - left_offset + 1, 0) // BLOCK_M * BLOCK_M)
+        lo = tl.minimum(lo, end)
+        mid = tl.minimum(tl.maximum(mid, lo), end)
+        full_end = tl.minimum(tl.maximum(full_end, mid), end)
+        first_end = mid
+        last_start = full_end
+    else:
+        end = n_q
+        first_end = tl.minimum(mid, n_q)
+        last_start = tl.maximum(mid, full_end)
+    for g in range(kv_group):
+        h = h_kv * kv_group + g
+        Qh = Q + b * stride_qb + h * stride_qh
+        DOh = DO + b * stride_dob + h * stride_doh
+        LseDeltaH = LseDelta + (b * n_heads + h) * n_q * 2
+        # Three ranges: the tiles at the right edge (masked), the fully visible ones, the tiles at the left edge
+        # and the ragged end of the queries (masked).
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, LseDeltaH, stride_qn, stride_qd, stride_don, stride_dod,
+                                 offs_n, offs_m_base, offs_d, lo, first_end, n_q, right_offset, left_offset, qk_scale,
+                                 HEAD_DIM, BLOCK_D, BLOCK_M, MASKED=True, BOUND_RIGHT=BOUND_RIGHT,
+                                 BOUND_LEFT=BOUND_LEFT, FP32_IEEE=FP32_IEEE)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, LseDeltaH, stride_qn, stride_qd, stride_don, stride_dod,
+                                 offs_n, offs_m_base, offs_d, mid, full_end, n_q, right_offset, left_offset, qk_scale,
+                                 HEAD_DIM, BLOCK_D, BLOCK_M, MASKED=False, BOUND_RIGHT=BOUND_RIGHT,
+                                 BOUND_LEFT=BOUND_LEFT, FP32_IEEE=FP32_IEEE)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, LseDeltaH, stride_qn, stride_qd, stride_don, stride_dod,
+                                 offs_n, offs_m_base, offs_d, last_start, end, n_q, right_offset, left_offset, qk_scale,
+                                 HEAD_DIM, BLOCK_D, BLOCK_M, MASKED=True, BOUND_RIGHT=BOUND_RIGHT,
+                                 BOUND_LEFT=BOUND_LEFT, FP32_IEEE=FP32_IEEE)
     _store_tile(DK, offs_n, offs_d, stride_dkn, stride_dkd, n_k, dk * softmax_scale, HEAD_DIM)
     _store_tile(DV, offs_n, offs_d, stride_dvn, stride_dvd, n_k, dv, HEAD_DIM)
 
@@ -307,9 +356,9 @@ def _flash_bwd_dkdv_kernel(
 @triton.jit
 def _bwd_dq_inner(
     dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, offs_n_base, offs_d, lo, hi, n_k, causal_offset, qk_scale,
+    offs_m, offs_n_base, offs_d, lo, hi, n_k, right_offset, left_offset, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, FP32_IEEE: tl.constexpr,
+    MASKED: tl.constexpr, BOUND_RIGHT: tl.constexpr, BOUND_LEFT: tl.constexpr, FP32_IEEE: tl.constexpr,
 ):
     """Accumulate dQ of one query tile over key tiles [lo, hi)."""
     for start_n in range(lo, hi, BLOCK_N):
@@ -319,7 +368,8 @@ def _bwd_dq_inner(
         s = _dot(q, tl.trans(k), FP32_IEEE) * qk_scale
         p = tl.math.exp2(s - lse2[:, None])
         if MASKED:
-            visible = _visible(offs_m[:, None], cols[None, :], cols[None, :], n_k, causal_offset, IS_CAUSAL)
+            visible = _visible(offs_m[:, None], cols[None, :], cols[None, :], n_k, right_offset, left_offset,
+                               BOUND_RIGHT, BOUND_LEFT)
             p = tl.where(visible, p, 0.0)
         dp = _dot(do, tl.trans(v), FP32_IEEE)
         ds = p * (dp - delta[:, None])
@@ -336,20 +386,21 @@ def _flash_bwd_dq_kernel(
     stride_dob, stride_doh, stride_don, stride_dod,
     stride_dqb, stride_dqh, stride_dqn, stride_dqd,
     stride_ob, stride_oh, stride_on, stride_od,
-    n_heads, n_q, n_k, qk_scale, softmax_scale, N_BUCKET,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, FP32_IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    n_heads, kv_group, n_q, n_k, window_left, window_right, qk_scale, softmax_scale, N_BUCKET,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BOUND_RIGHT: tl.constexpr, BOUND_LEFT: tl.constexpr,
+    FP32_IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """One program = one query tile of one (batch, head): dQ, looping over the key tiles it sees.
+    """One program = one query tile of one (batch, query head): dQ, looping over the key tiles it sees (K/V head
+    h // kv_group).
 
     On the way it writes LseDelta[row] = (L * log2(e), rowsum(dO * O)) for the dK/dV kernel, which runs
     after it: no separate preprocess kernel, and no multiply or second load in the dK/dV inner loop.
     """
     qk_scale, softmax_scale = _as_fp32(qk_scale), _as_fp32(softmax_scale)
-    pid_m, bh, b, h = _program_start(n_heads, HEAVIEST_LAST=IS_CAUSAL)
+    pid_m, bh, b, h = _program_start(n_heads, HEAVIEST_LAST=BOUND_RIGHT)
     Q += b * stride_qb + h * stride_qh
-    K += b * stride_kb + h * stride_kh
-    V += b * stride_vb + h * stride_vh
+    K += b * stride_kb + (h // kv_group) * stride_kh
+    V += b * stride_vb + (h // kv_group) * stride_vh
     DO += b * stride_dob + h * stride_doh
     DQ += b * stride_dqb + h * stride_dqh
     O += b * stride_ob + h * stride_oh
@@ -371,14 +422,23 @@ def _flash_bwd_dq_kernel(
     tl.store(LseDelta + pair, tl.join(lse2, delta), mask=row_ok[:, None])
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    causal_offset = n_k - n_q
-    full_hi, hi = _key_tile_range(start_m, n_k, causal_offset, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    right_offset = n_k - n_q + window_right
+    left_offset = n_k - n_q - window_left
+    lo, full_lo, full_hi, hi = _key_tile_range(start_m, n_k, right_offset, left_offset, BLOCK_M, BLOCK_N,
+                                               BOUND_RIGHT, BOUND_LEFT)
+    if BOUND_LEFT:
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                           offs_m, offs_n_base, offs_d, lo, full_lo, n_k, right_offset, left_offset, qk_scale,
+                           HEAD_DIM, BLOCK_D, BLOCK_N, MASKED=True, BOUND_RIGHT=BOUND_RIGHT, BOUND_LEFT=BOUND_LEFT,
+                           FP32_IEEE=FP32_IEEE)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                       offs_m, offs_n_base, offs_d, 0, full_hi, n_k, causal_offset, qk_scale,
-                       HEAD_DIM, BLOCK_D, BLOCK_N, MASKED=False, IS_CAUSAL=IS_CAUSAL, FP32_IEEE=FP32_IEEE)
+                       offs_m, offs_n_base, offs_d, full_lo, full_hi, n_k, right_offset, left_offset, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_N, MASKED=False, BOUND_RIGHT=BOUND_RIGHT, BOUND_LEFT=BOUND_LEFT,
+                       FP32_IEEE=FP32_IEEE)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                       offs_m, offs_n_base, offs_d, full_hi, hi, n_k, causal_offset, qk_scale,
-                       HEAD_DIM, BLOCK_D, BLOCK_N, MASKED=True, IS_CAUSAL=IS_CAUSAL, FP32_IEEE=FP32_IEEE)
+                       offs_m, offs_n_base, offs_d, full_hi, hi, n_k, right_offset, left_offset, qk_scale,
+                       HEAD_DIM, BLOCK_D, BLOCK_N, MASKED=True, BOUND_RIGHT=BOUND_RIGHT, BOUND_LEFT=BOUND_LEFT,
+                       FP32_IEEE=FP32_IEEE)
     _store_tile(DQ, offs_m, offs_d, stride_dqn, stride_dqd, n_q, dq * softmax_scale, HEAD_DIM)
 
 
@@ -386,7 +446,7 @@ def _flash_bwd_dq_kernel(
 # Autotune configs
 # ----------------------------------------------------------------------------------------------------
 # One autotuned handle per head-dim class, so every class only tries tiles that fit it (at D=128 the
-# D=64 tiles spill registers). The key adds the sequence-length bucket and the causal flag; Triton adds
+# D=64 tiles spill registers). The key adds the sequence-length bucket and the window bounds; Triton adds
 # the tensors' dtypes to the key by itself. Under the interpreter (or FLASHSYS_TRITON_AUTOTUNE=0) each
 # handle keeps only its first config, which is the best single choice we measured.
 #
@@ -421,7 +481,7 @@ LONG_SEQ = 8192
 _FWD_TILES_LONG = {64: [(128, 64, 8, 3), (128, 64, 8, 4)]}
 _BWD_DKDV_TILES_LONG = {64: [(64, 64, 4, 4), (64, 64, 4, 3), (64, 64, 4, 5)]}
 _BWD_DQ_TILES_LONG = {64: [(128, 64, 8, 4), (128, 64, 8, 3)]}
-_AUTOTUNE_KEY = ["N_BUCKET", "HEAD_DIM", "IS_CAUSAL"]
+_AUTOTUNE_KEY = ["N_BUCKET", "HEAD_DIM", "BOUND_RIGHT", "BOUND_LEFT"]
 
 
 def _autotune_enabled() -> bool:
@@ -508,8 +568,10 @@ def _positional(kernel, named: dict) -> tuple:
 class _Geometry(NamedTuple):
     """What the launchers derive from q and k: grid sizes, the padded head dim and the autotune keys."""
 
-    n_heads: int
-    n_bh: int
+    n_heads: int  # query heads
+    n_bh: int  # batch * query heads: the query-tile grids
+    kv_group: int  # query heads per K/V head (grouped-query attention; 1 otherwise)
+    n_bh_kv: int  # batch * K/V heads: the key-tile grid
     n_q: int
     n_k: int
     d: int
@@ -529,12 +591,14 @@ def _geometry_of(q_shape, k_shape, dtype: torch.dtype) -> _Geometry:
     """The geometry of q, k shapes. Under torch.compile with dynamic shapes the lengths are SymInts: they stay
     symbolic (the comparisons become guards), and only the head dim, a constexpr, is made concrete."""
     n_heads = q_shape[1] if len(q_shape) == 4 else 1
+    kv_heads = k_shape[1] if len(k_shape) == 4 else 1
     n_q, n_k, d = q_shape[-2], k_shape[-2], int(q_shape[-1])
     block_d = max(16, _next_power_of_2(d))
     half = LONG_SEQ // 2  # next_power_of_2(n) >= LONG_SEQ exactly when n > LONG_SEQ / 2
     long_seq = bool(n_q > half or n_k > half)
     bucket = min(_next_power_of_2(max(n_q, n_k)), 1 << 16) if type(n_q) is int and type(n_k) is int else None
-    return _Geometry(n_heads=n_heads, n_bh=q_shape[0] * n_heads, n_q=n_q, n_k=n_k, d=d, block_d=block_d,
+    return _Geometry(n_heads=n_heads, n_bh=q_shape[0] * n_heads, kv_group=n_heads // kv_heads,
+                     n_bh_kv=q_shape[0] * kv_heads, n_q=n_q, n_k=n_k, d=d, block_d=block_d,
                      head_dim_class=64 if block_d <= 64 else block_d, fp32=dtype == torch.float32,
                      long_seq=long_seq, bucket=bucket, dtype=dtype)
 
@@ -544,14 +608,15 @@ _cached_geometry = functools.lru_cache(maxsize=4096)(_geometry_of)
 
 
 class LaunchKey(NamedTuple):
-    """Everything the autotuner's own key depends on (Triton adds the dtype to N_BUCKET, HEAD_DIM, IS_CAUSAL)."""
+    """Everything the autotuner's own key depends on (Triton adds the dtype to N_BUCKET, HEAD_DIM and the bounds)."""
 
     kernel: str  # "fwd", "dq" or "dkdv"
     head_dim_class: int
     fp32: bool
     bucket: int
     head_dim: int
-    causal: bool
+    bound_right: bool  # causal, or a right window bound
+    bound_left: bool  # a left window bound (sliding window)
     dtype: torch.dtype
 
 
@@ -577,12 +642,15 @@ class _Launch(NamedTuple):
     key: LaunchKey | None  # None for symbolic lengths (no bucket)
 
 
-def _prepare(kernel: str, handles: dict, g: _Geometry, causal: bool, named: dict) -> _Launch:
+def _prepare(kernel: str, handles: dict, g: _Geometry, window: tuple[int, int], named: dict) -> _Launch:
     handle = handles.get((g.head_dim_class, g.fp32, g.long_seq)) or handles[(g.head_dim_class, g.fp32, False)]
     # N_BUCKET is only the autotuner's key; a symbolic length stands in for it under dynamic shapes.
     args = (*_positional(handle.fn, named), g.bucket if g.bucket is not None else g.n_q)
-    constexprs = dict(HEAD_DIM=g.d, BLOCK_D=g.block_d, IS_CAUSAL=causal, FP32_IEEE=g.fp32)
-    key = None if g.bucket is None else LaunchKey(kernel, g.head_dim_class, g.fp32, g.bucket, g.d, causal, g.dtype)
+    bound_left, bound_right = window[0] >= 0, window[1] >= 0
+    constexprs = dict(HEAD_DIM=g.d, BLOCK_D=g.block_d, BOUND_RIGHT=bound_right, BOUND_LEFT=bound_left,
+                      FP32_IEEE=g.fp32)
+    key = None if g.bucket is None else LaunchKey(kernel, g.head_dim_class, g.fp32, g.bucket, g.d, bound_right,
+                                                  bound_left, g.dtype)
     return _Launch(handle, args, constexprs, key)
 
 
@@ -601,10 +669,10 @@ def _launch_signature(prepared: _Launch, device_index: int) -> tuple:
             *[a.data_ptr() % 16 == 0 if isinstance(a, Tensor) else a for a in prepared.args])
 
 
-def _launch_eager(kernel: str, handles: dict, g: _Geometry, causal: bool, grid, named: dict) -> None:
+def _launch_eager(kernel: str, handles: dict, g: _Geometry, window: tuple[int, int], grid, named: dict) -> None:
     """Launch one of the three kernels on real tensors: through Triton's autotuner on the first call of a key,
     then the JIT kernel with the chosen config, then (same signature) the compiled kernel directly."""
-    prepared = _prepare(kernel, handles, g, causal, named)
+    prepared = _prepare(kernel, handles, g, window, named)
     handle, args, constexprs, key = prepared
     meta = _chosen_configs.get(key)
     if meta is None:
@@ -629,18 +697,24 @@ def _launch_eager(kernel: str, handles: dict, g: _Geometry, causal: bool, grid, 
         _fast_launches[signature] = (compiled[grid_xyz], trailing)
 
 
-def _launch_traced(kernel: str, handles: dict, g: _Geometry, causal: bool, grid, named: dict) -> None:
+def _launch_traced(kernel: str, handles: dict, g: _Geometry, window: tuple[int, int], grid, named: dict) -> None:
     """Launch inside a torch.library.triton_op: under torch.compile, Inductor sees the kernel through
     `wrap_triton` and emits the launch itself (no Python at run time; CUDA graphs capture it).
 
     Where eager calls have already chosen a config for this key, the compiled graph uses that config, so
     compiled and eager results are equal bit for bit; otherwise Inductor autotunes over the same candidates."""
-    handle, args, constexprs, key = _prepare(kernel, handles, g, causal, named)
+    handle, args, constexprs, key = _prepare(kernel, handles, g, window, named)
     meta = _chosen_configs.get(key) if key is not None else None
     if meta is None:
         wrap_triton(handle)[grid](*args, **constexprs)
     else:
         wrap_triton(handle.fn)[grid(meta)](*args, **constexprs, **meta)
+
+
+def _sizes(g: _Geometry, window: tuple[int, int]) -> dict:
+    """The size and window arguments every kernel takes."""
+    return dict(n_heads=g.n_heads, kv_group=g.kv_group, n_q=g.n_q, n_k=g.n_k, window_left=window[0],
+                window_right=window[1])
 
 
 def _tile_grid(n: int, block: str, n_bh: int):
@@ -649,22 +723,23 @@ def _tile_grid(n: int, block: str, n_bh: int):
 
 
 def flash_forward_triton(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, traced: bool = False
+    q: Tensor, k: Tensor, v: Tensor, window: tuple[int, int], scale: float, traced: bool = False
 ) -> tuple[Tensor, Tensor]:
     """Launch the forward kernel. Returns (O like q, L float32 of shape q.shape[:-1]).
 
+    `window` is (left, right), -1 unbounded (causal: (-1, 0)); k, v may have fewer heads than q (grouped-query).
     `traced=True` inside the triton_op (torch.compile); eager calls use the cached fast launch."""
     g = _geometry_of(q.shape, k.shape, q.dtype) if traced else _cached_geometry(q.shape, k.shape, q.dtype)
     o = torch.empty_like(q, memory_format=torch.contiguous_format)  # empty_like: the cheapest allocation call
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     launch = _launch_traced if traced else _launch_eager
-    launch("fwd", _fwd_kernels, g, causal, _tile_grid(g.n_q, "BLOCK_M", g.n_bh),
-           dict(Q=q, K=k, V=v, O=o, L=lse, n_heads=g.n_heads, n_q=g.n_q, n_k=g.n_k, qk_scale=scale * LOG2E))
+    launch("fwd", _fwd_kernels, g, window, _tile_grid(g.n_q, "BLOCK_M", g.n_bh),
+           dict(Q=q, K=k, V=v, O=o, L=lse, **_sizes(g, window), qk_scale=scale * LOG2E))
     return o, lse
 
 
 def flash_backward_triton(
-    q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, causal: bool, scale: float,
+    q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, window: tuple[int, int], scale: float,
     traced: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Launch the dQ kernel (which also writes the (L*log2e, D) pairs), then the dK/dV kernel.
@@ -680,12 +755,13 @@ def flash_backward_triton(
         do = do.contiguous()
     lse_delta = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device=q.device)
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-    shared = dict(Q=q, K=k, V=v, DO=do, LseDelta=lse_delta, n_heads=g.n_heads, n_q=g.n_q, n_k=g.n_k,
-                  qk_scale=scale * LOG2E, softmax_scale=scale)
+    shared = dict(Q=q, K=k, V=v, DO=do, LseDelta=lse_delta, **_sizes(g, window), qk_scale=scale * LOG2E,
+                  softmax_scale=scale)
     launch = _launch_traced if traced else _launch_eager
     # dQ first: it writes the (L*log2e, D) pairs that the dK/dV kernel reads.
-    launch("dq", _bwd_dq_kernels, g, causal, _tile_grid(g.n_q, "BLOCK_M", g.n_bh), dict(shared, L=lse, DQ=dq, O=o))
-    launch("dkdv", _bwd_dkdv_kernels, g, causal, _tile_grid(g.n_k, "BLOCK_N", g.n_bh), dict(shared, DK=dk, DV=dv))
+    launch("dq", _bwd_dq_kernels, g, window, _tile_grid(g.n_q, "BLOCK_M", g.n_bh), dict(shared, L=lse, DQ=dq, O=o))
+    # One dK/dV program per key tile and K/V head: it sums the query heads of its group itself.
+    launch("dkdv", _bwd_dkdv_kernels, g, window, _tile_grid(g.n_k, "BLOCK_N", g.n_bh_kv), dict(shared, DK=dk, DV=dv))
     return dq, dk, dv
 
 
@@ -713,16 +789,16 @@ def _same_dtype(outputs: tuple[Tensor, ...], like: tuple[Tensor, ...]) -> tuple[
     return tuple(o if o.dtype == x.dtype else o.to(x.dtype) for o, x in zip(outputs, like))
 
 
-def _forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, softmax_scale: float,
+def _forward(q: Tensor, k: Tensor, v: Tensor, window: tuple[int, int], softmax_scale: float,
              traced: bool = False) -> tuple[Tensor, Tensor]:
-    o, lse = flash_forward_triton(*_interpreter_upcast(q, k, v), is_causal, softmax_scale, traced=traced)
+    o, lse = flash_forward_triton(*_interpreter_upcast(q, k, v), window, softmax_scale, traced=traced)
     return _same_dtype((o,), (q,))[0], lse
 
 
-def _backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, is_causal: bool,
+def _backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, window: tuple[int, int],
               softmax_scale: float, traced: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     up_q, up_k, up_v, up_o, up_do = _interpreter_upcast(q, k, v, o, do)
-    grads = flash_backward_triton(up_q, up_k, up_v, up_o, lse, up_do, is_causal, softmax_scale, traced=traced)
+    grads = flash_backward_triton(up_q, up_k, up_v, up_o, lse, up_do, window, softmax_scale, traced=traced)
     return _same_dtype(grads, (q, k, v))
 
 
@@ -734,36 +810,40 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tenso
 
 
 @triton_op("flashsys::flash_attention_forward", mutates_args=())
-def flash_attention_forward_op(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor]:
-    return _forward(q, k, v, is_causal, softmax_scale, traced=True)
+def flash_attention_forward_op(q: Tensor, k: Tensor, v: Tensor, window_left: int, window_right: int,
+                               softmax_scale: float) -> tuple[Tensor, Tensor]:
+    return _forward(q, k, v, (window_left, window_right), softmax_scale, traced=True)
 
 
 @triton_op("flashsys::flash_attention_backward", mutates_args=())
 def flash_attention_backward_op(
-    q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, is_causal: bool, softmax_scale: float
+    q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, window_left: int, window_right: int,
+    softmax_scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return _backward(q, k, v, o, lse, do, is_causal, softmax_scale, traced=True)
+    return _backward(q, k, v, o, lse, do, (window_left, window_right), softmax_scale, traced=True)
 
 
 @torch.library.custom_op("flashsys::flash_attention_forward_interpreted", mutates_args=())
-def _interpreted_forward_op(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor]:
-    return _forward(q, k, v, is_causal, softmax_scale)
+def _interpreted_forward_op(q: Tensor, k: Tensor, v: Tensor, window_left: int, window_right: int,
+                            softmax_scale: float) -> tuple[Tensor, Tensor]:
+    return _forward(q, k, v, (window_left, window_right), softmax_scale)
 
 
 @_interpreted_forward_op.register_fake
-def _(q, k, v, is_causal, softmax_scale):
+def _(q, k, v, window_left, window_right, softmax_scale):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("flashsys::flash_attention_backward_interpreted", mutates_args=())
 def _interpreted_backward_op(
-    q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, is_causal: bool, softmax_scale: float
+    q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, window_left: int, window_right: int,
+    softmax_scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return _backward(q, k, v, o, lse, do, is_causal, softmax_scale)
+    return _backward(q, k, v, o, lse, do, (window_left, window_right), softmax_scale)
 
 
 @_interpreted_backward_op.register_fake
-def _(q, k, v, o, lse, do, is_causal, softmax_scale):
+def _(q, k, v, o, lse, do, window_left, window_right, softmax_scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -782,38 +862,39 @@ def _on_current_device(q: Tensor) -> contextlib.AbstractContextManager:
 class FlashAttention2Triton(torch.autograd.Function):
     """FlashAttention-2 with Triton forward and backward kernels (CUDA; CPU under TRITON_INTERPRET=1).
 
-    `FlashAttention2Triton.apply(q, k, v, is_causal=False, softmax_scale=None)`; arguments, masks and errors as in
-    `flashsys.ops.flash_attention`, head_dim up to 256. Saves q, k, v, O and the float32 natural-log logsumexp L.
-    `torch.compile(FlashAttention2Triton.apply)` works: under compile the kernels run through triton_ops that
-    Inductor launches itself.
+    `FlashAttention2Triton.apply(q, k, v, is_causal=False, softmax_scale=None, window_size=None)`; arguments,
+    masks, grouped-query K/V and errors as in `flashsys.ops.flash_attention`, head_dim up to 256. Saves q, k, v, O
+    and the float32 natural-log logsumexp L. `torch.compile(FlashAttention2Triton.apply)` works: under compile the
+    kernels run through triton_ops that Inductor launches itself.
     """
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False, softmax_scale: float | None = None) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False, softmax_scale: float | None = None,
+                window_size: tuple[int, int] | None = None) -> Tensor:
         """Returns O, shaped and typed like q."""
-        scale = check_attention_inputs(q, k, v, is_causal, softmax_scale, op="FlashAttention2Triton",
-                                       max_head_dim=MAX_HEAD_DIM)
+        op = "FlashAttention2Triton"
+        scale = check_attention_inputs(q, k, v, is_causal, softmax_scale, op=op, max_head_dim=MAX_HEAD_DIM)
+        window = normalize_window(window_size, bool(is_causal), op)
         _check_device(q)
-        is_causal = bool(is_causal)
         if _eager(q, k, v):
             with _on_current_device(q):
-                o, lse = _forward(q, k, v, is_causal, scale)
+                o, lse = _forward(q, k, v, window, scale)
         else:
             forward = flash_attention_forward_op if q.device.type == "cuda" else _interpreted_forward_op
-            o, lse = forward(q, k, v, is_causal, scale)
+            o, lse = forward(q, k, v, *window, scale)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.is_causal, ctx.scale = is_causal, scale
+        ctx.window, ctx.scale = window, scale
         return o
 
     @staticmethod
     def backward(ctx, do: Tensor):
-        """(dQ, dK, dV, None, None) from the dQ kernel, then the dK/dV kernel; dO may have any strides."""
+        """(dQ, dK, dV, None, None, None) from the dQ kernel, then the dK/dV kernel; dO may have any strides."""
         refuse_double_backward("FlashAttention2Triton")
         q, k, v, o, lse = ctx.saved_tensors
         if _eager(q, do):
             with _on_current_device(q):
-                dq, dk, dv = _backward(q, k, v, o, lse, do, ctx.is_causal, ctx.scale)
+                dq, dk, dv = _backward(q, k, v, o, lse, do, ctx.window, ctx.scale)
         else:
             backward = flash_attention_backward_op if q.device.type == "cuda" else _interpreted_backward_op
-            dq, dk, dv = backward(q, k, v, o, lse, do, ctx.is_causal, ctx.scale)
-        return dq, dk, dv, None, None
+            dq, dk, dv = backward(q, k, v, o, lse, do, *ctx.window, ctx.scale)
+        return dq, dk, dv, None, None, None

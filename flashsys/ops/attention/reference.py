@@ -31,29 +31,51 @@ def causal_mask(n_queries: int, n_keys: int, device: torch.device | str | None =
     return j <= i + (n_keys - n_queries)
 
 
+def window_mask(n_queries: int, n_keys: int, left: int, right: int, device: torch.device | str | None = None) -> Tensor:
+    """Boolean (Nq, Nk) mask of a (left, right) window, flash-attn's semantics: with off = Nk - Nq, query i sees
+    key j iff i + off - left <= j <= i + off + right; -1 leaves that side unbounded. (-1, 0) is `causal_mask`."""
+    i = torch.arange(n_queries, device=device)[:, None] + (n_keys - n_queries)
+    j = torch.arange(n_keys, device=device)[None, :]
+    visible = torch.ones(n_queries, n_keys, dtype=torch.bool, device=device)
+    if left >= 0:
+        visible &= j >= i - left
+    if right >= 0:
+        visible &= j <= i + right
+    return visible
+
+
 def attention_reference(
-    q: Float[Tensor, "*batch Nq D"],
-    k: Float[Tensor, "*batch Nk D"],
-    v: Float[Tensor, "*batch Nk D"],
+    q: Float[Tensor, "*batch Hq Nq D"],
+    k: Float[Tensor, "*batch Hkv Nk D"],
+    v: Float[Tensor, "*batch Hkv Nk D"],
     causal: bool = False,
     softmax_scale: float | None = None,
-) -> tuple[Float[Tensor, "*batch Nq D"], Float[Tensor, "*batch Nq"]]:
+    window_size: tuple[int, int] | None = None,
+) -> tuple[Float[Tensor, "*batch Hq Nq D"], Float[Tensor, "*batch Hq Nq"]]:
     """The attention output and logsumexp, computed naively (the whole score matrix in memory).
 
     Args:
-        q, k, v: as for `flash_attention`; any floating dtype, float64 included.
-        causal: bottom-right aligned causal mask (`causal_mask`).
+        q, k, v: as for `flash_attention`; any floating dtype, float64 included. Rank-4 k, v may have fewer heads
+            than q (grouped-query attention): query head h reads K/V head h // (Hq // Hkv).
+        causal: bottom-right aligned causal mask (`causal_mask`); the same as a right window bound of 0.
         softmax_scale: default 1/sqrt(head_dim).
+        window_size: (left, right) as in `window_mask`; None (or (-1, -1)) for no window.
 
     Returns:
         (O, L): O shaped like q, and L = logsumexp of the scaled scores in natural log, shaped q.shape[:-1],
-        both in the inputs' dtype and differentiable. A query row that sees no key (causal with Nq > Nk)
-        gets O = 0 and L = -inf, the same convention as the flash ops.
+        both in the inputs' dtype and differentiable. A query row that sees no key (causal with Nq > Nk, or a
+        window off the keys) gets O = 0 and L = -inf, the same convention as the flash ops.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    if q.dim() == 4 and k.shape[1] != q.shape[1]:  # grouped-query attention: the reference may copy K and V
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    left, right = window_size if window_size is not None else (-1, -1)
     if causal:
-        s = s.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
+        right = 0
+    if left >= 0 or right >= 0:
+        s = s.masked_fill(~window_mask(q.shape[-2], k.shape[-2], left, right, q.device), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     # exp(s - lse) with a safe lse for rows that see nothing, so they give 0 instead of NaN.
     safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)

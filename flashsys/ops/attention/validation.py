@@ -57,6 +57,25 @@ def check_attention_inputs(
     return float(softmax_scale)
 
 
+def normalize_window(window_size, causal: bool, op: str) -> tuple[int, int]:
+    """(left, right) key bounds from flash-attn's `window_size` and `causal`, -1 meaning unbounded; causal sets
+    right to 0. (-1, -1) is plain attention, (-1, 0) causal attention.
+
+    Raises:
+        TypeError, ValueError: for anything but None or a pair of ints, each -1 or >= 0.
+    """
+    if window_size is None:
+        left, right = -1, -1
+    else:
+        if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+                or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+            raise TypeError(f"{op}: window_size must be a pair of ints (left, right), got {window_size!r}")
+        left, right = window_size
+        if left < -1 or right < -1:
+            raise ValueError(f"{op}: window_size entries must be -1 (unbounded) or >= 0, got {tuple(window_size)}")
+    return left, (0 if causal else right)
+
+
 def refuse_double_backward(op: str) -> None:
     """Raise when a backward runs with create_graph=True (grad mode on inside backward).
 
@@ -75,8 +94,14 @@ def _shape_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_head_d
     this check runs on every call, and formatting it eagerly cost about as much as a kernel launch."""
     if not (q.dim() == k.dim() == v.dim()):
         return "q, k, v must have the same rank"
-    if not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
-        return "q, k, v must have the same batch (and head) dims"
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        return "q, k, v must have the same batch size (dim 0)"
+    if q.dim() == 4:
+        if k.shape[1] != v.shape[1]:
+            return f"k and v must have the same number of heads, got {k.shape[1]} and {v.shape[1]}"
+        if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+            return (f"the query heads ({q.shape[1]}) must be a multiple of the key/value heads ({k.shape[1]}) for "
+                    "grouped-query attention")
     if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
         return "q, k, v must have the same head_dim (last dim)"
     if k.shape[-2] != v.shape[-2]:
