@@ -8,6 +8,7 @@ hold only data, never code.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from pathlib import Path
@@ -25,7 +26,12 @@ TRAJECTORY_FIELDS = ("seed", "batch_size", "lr", "warmup", "data", "dtype")
 
 
 def _shape(model_config: dict) -> dict:
-    return {k: v for k, v in model_config.items() if k not in _NOT_SHAPE}
+    """The fields that define the model's function and weights. A checkpoint saved before a ModelConfig field
+    existed gets that field's default (num_kv_heads and attention_window came later), so it still resumes."""
+    from .nn.config import ModelConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.default is not dataclasses.MISSING}
+    return {k: v for k, v in {**defaults, **model_config}.items() if k not in _NOT_SHAPE}
 
 
 def _sha256_from(f, offset: int) -> str:

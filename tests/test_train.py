@@ -45,6 +45,19 @@ def test_resume_reaches_bit_identical_weights(tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
+def test_a_checkpoint_from_before_the_newer_model_fields_still_resumes(tmp_path):
+    """Checkpoints written before ModelConfig had num_kv_heads and attention_window lack those keys: their
+    defaults fill in, so the same model is not refused as a different one."""
+    from flashsys.checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint_atomically
+
+    assert _train(tmp_path, "--steps", "4", "--checkpoint-every", "2", "--stop-after", "2") == 0
+    ckpt = load_checkpoint(tmp_path / CHECKPOINT)
+    for key in ("num_kv_heads", "attention_window"):
+        del ckpt["config"]["model"][key]
+    save_checkpoint_atomically(ckpt, tmp_path / CHECKPOINT)
+    assert _train(tmp_path, "--steps", "4", "--checkpoint-every", "2", "--resume") == 0
+
+
 def test_resume_also_works_without_sharding(tmp_path):
     assert _train(tmp_path, "--steps", "4", "--checkpoint-every", "2", "--stop-after", "2", "--no-shard") == 0
     assert _train(tmp_path, "--steps", "4", "--resume", "--no-shard") == 0
