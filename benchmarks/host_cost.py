@@ -110,7 +110,7 @@ def breakdown(args) -> list[dict]:
         "geometry, computed": lambda: ft._geometry_of(q.shape, k.shape, q.dtype),
         "two output allocations": lambda: (torch.empty_like(q), torch.empty(q.shape[:-1], device=q.device)),
         "launch arguments by name": lambda: ft._prepare("fwd", ft._fwd_kernels, g, CAUSAL, named),
-        "launch signature (cache key)": lambda: ft._launch_signature(prepared, q.device.index),
+        "launch signature (cache key)": lambda: ft._launch_signature(prepared, q.device.index, (*grid, 1)),
         "forward launch: Triton autotuner (Autotuner.run)": lambda: handle[lambda m: grid](*prepared.args,
                                                                                            **prepared.constexprs),
         "forward launch: JITFunction.run, config given": lambda: handle.fn[grid](*prepared.args, **prepared.constexprs,

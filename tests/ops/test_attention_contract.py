@@ -249,6 +249,9 @@ def test_repeated_and_misaligned_calls_through_the_fast_launch_gpu():
         q, k, v, do = make_qkv(2, 3, 72, 72, 64, torch.bfloat16, "cuda", seed=20 + seed)
         assert_matches_reference(FlashAttention2Triton, q, k, v, do, True, None)
     assert flash_triton._fast_launches, "repeated calls never reached the fast launch"
+    for batch in (3, 1):  # the same strides as batch 2, other grids: a replay must not keep the first call's grid
+        q, k, v, do = make_qkv(batch, 3, 72, 72, 64, torch.bfloat16, "cuda", seed=30 + batch)
+        assert_matches_reference(FlashAttention2Triton, q, k, v, do, True, None)
     n = 2 * 3 * 72 * 64
     for seed in range(3):
         base = torch.randn(3 * n + 8, generator=torch.Generator().manual_seed(seed)).to("cuda", torch.bfloat16)

@@ -73,6 +73,19 @@ def _as_fp32(x):
 
 
 @triton.jit
+def _sequence_rows(CU, seq, n_rows, VARLEN: tl.constexpr):
+    """(first row, length) of this program's sequence: packed sequence `seq` of a varlen batch (rows CU[seq] to
+    CU[seq + 1] of the packed tensor), or all n_rows rows of a dense one."""
+    if VARLEN:
+        start = tl.load(CU + seq).to(tl.int64)
+        length = (tl.load(CU + seq + 1) - start).to(tl.int32)
+    else:
+        start = 0
+        length = n_rows
+    return start, length
+
+
+@triton.jit
 def _load_tile(base, rows, offs_d, stride_n, stride_d, n_rows,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr):
     """Load the (rows, BLOCK_D) tile of a (seq, head_dim) matrix at `base`.
@@ -185,26 +198,37 @@ def _fwd_inner(
 
 @triton.jit
 def _flash_fwd_kernel(
-    Q, K, V, O, L,
+    Q, K, V, O, L, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_on, stride_od,
     n_heads, kv_group, n_q, n_k, window_left, window_right, qk_scale, N_BUCKET,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BOUND_RIGHT: tl.constexpr, BOUND_LEFT: tl.constexpr,
-    FP32_IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARLEN: tl.constexpr, FP32_IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program = one query tile of one (batch, query head). Writes O and L (natural log). The K/V head is
-    h // kv_group (grouped-query attention; kv_group = 1 otherwise)."""
+    h // kv_group (grouped-query attention; kv_group = 1 otherwise).
+
+    With VARLEN the batch index is a packed sequence: its rows are CU_Q[b]..CU_Q[b+1] of Q (and CU_K for K, V),
+    the batch strides are 0, n_q is the packed total, and L is (heads, total)."""
     qk_scale = _as_fp32(qk_scale)
     pid_m, bh, b, h = _program_start(n_heads, HEAVIEST_LAST=BOUND_RIGHT)
-    Q += b * stride_qb + h * stride_qh
-    K += b * stride_kb + (h // kv_group) * stride_kh
-    V += b * stride_vb + (h // kv_group) * stride_vh
-    O += b * stride_ob + h * stride_oh
-    L += bh.to(tl.int64) * n_q
-
+    q_start, seq_q = _sequence_rows(CU_Q, b, n_q, VARLEN)
+    k_start, seq_k = _sequence_rows(CU_K, b, n_k, VARLEN)
     start_m = pid_m * BLOCK_M
+    if VARLEN:
+        if start_m >= seq_q:  # the grid covers the longest sequence; this one is shorter
+            return
+        L += h * n_q + q_start
+    else:
+        L += bh.to(tl.int64) * n_q
+    n_q, n_k = seq_q, seq_k
+    Q += b * stride_qb + h * stride_qh + q_start * stride_qn
+    K += b * stride_kb + (h // kv_group) * stride_kh + k_start * stride_kn
+    V += b * stride_vb + (h // kv_group) * stride_vh + k_start * stride_vn
+    O += b * stride_ob + h * stride_oh + q_start * stride_on
+
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -277,7 +301,7 @@ def _bwd_dkdv_inner(
 
 @triton.jit
 def _flash_bwd_dkdv_kernel(
-    Q, K, V, DO, LseDelta, DK, DV,
+    Q, K, V, DO, LseDelta, DK, DV, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -286,19 +310,27 @@ def _flash_bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     n_heads, kv_group, n_q, n_k, window_left, window_right, qk_scale, softmax_scale, N_BUCKET,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BOUND_RIGHT: tl.constexpr, BOUND_LEFT: tl.constexpr,
-    FP32_IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARLEN: tl.constexpr, FP32_IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program = one key tile of one (batch, K/V head): dK and dV, looping over the query tiles that see it in
-    each of the kv_group query heads that share the K/V head. Summing the group here needs no atomics."""
+    each of the kv_group query heads that share the K/V head. Summing the group here needs no atomics.
+    VARLEN as in the forward kernel."""
     # The first key tiles are seen by the most queries: the natural order already runs the heaviest first.
     qk_scale, softmax_scale = _as_fp32(qk_scale), _as_fp32(softmax_scale)
     pid_n, bh_kv, b, h_kv = _program_start(n_heads // kv_group, HEAVIEST_LAST=False)
-    K += b * stride_kb + h_kv * stride_kh
-    V += b * stride_vb + h_kv * stride_vh
-    DK += b * stride_dkb + h_kv * stride_dkh
-    DV += b * stride_dvb + h_kv * stride_dvh
-
+    q_start, seq_q = _sequence_rows(CU_Q, b, n_q, VARLEN)
+    k_start, seq_k = _sequence_rows(CU_K, b, n_k, VARLEN)
     start_n = pid_n * BLOCK_N
+    lse_rows = n_q  # the rows of LseDelta per head: the batch's length, or the packed total (VARLEN)
+    if VARLEN:
+        if start_n >= seq_k:
+            return
+    n_q, n_k = seq_q, seq_k
+    K += b * stride_kb + h_kv * stride_kh + k_start * stride_kn
+    V += b * stride_vb + h_kv * stride_vh + k_start * stride_vn
+    DK += b * stride_dkb + h_kv * stride_dkh + k_start * stride_dkn
+    DV += b * stride_dvb + h_kv * stride_dvh + k_start * stride_dvn
+
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m_base = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -332,9 +364,12 @@ def _flash_bwd_dkdv_kernel(
         last_start = tl.maximum(mid, full_end)
     for g in range(kv_group):
         h = h_kv * kv_group + g
-        Qh = Q + b * stride_qb + h * stride_qh
-        DOh = DO + b * stride_dob + h * stride_doh
-        LseDeltaH = LseDelta + (b * n_heads + h) * n_q * 2
+        Qh = Q + b * stride_qb + h * stride_qh + q_start * stride_qn
+        DOh = DO + b * stride_dob + h * stride_doh + q_start * stride_don
+        if VARLEN:
+            LseDeltaH = LseDelta + (h * lse_rows + q_start) * 2
+        else:
+            LseDeltaH = LseDelta + (b * n_heads + h) * lse_rows * 2
         # Three ranges: the tiles at the right edge (masked), the fully visible ones, the tiles at the left edge
         # and the ragged end of the queries (masked).
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, LseDeltaH, stride_qn, stride_qd, stride_don, stride_dod,
@@ -379,7 +414,7 @@ def _bwd_dq_inner(
 
 @triton.jit
 def _flash_bwd_dq_kernel(
-    Q, K, V, DO, L, LseDelta, DQ, O,
+    Q, K, V, DO, L, LseDelta, DQ, O, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -388,26 +423,35 @@ def _flash_bwd_dq_kernel(
     stride_ob, stride_oh, stride_on, stride_od,
     n_heads, kv_group, n_q, n_k, window_left, window_right, qk_scale, softmax_scale, N_BUCKET,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BOUND_RIGHT: tl.constexpr, BOUND_LEFT: tl.constexpr,
-    FP32_IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARLEN: tl.constexpr, FP32_IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program = one query tile of one (batch, query head): dQ, looping over the key tiles it sees (K/V head
-    h // kv_group).
+    h // kv_group). VARLEN as in the forward kernel.
 
     On the way it writes LseDelta[row] = (L * log2(e), rowsum(dO * O)) for the dK/dV kernel, which runs
     after it: no separate preprocess kernel, and no multiply or second load in the dK/dV inner loop.
     """
     qk_scale, softmax_scale = _as_fp32(qk_scale), _as_fp32(softmax_scale)
     pid_m, bh, b, h = _program_start(n_heads, HEAVIEST_LAST=BOUND_RIGHT)
-    Q += b * stride_qb + h * stride_qh
-    K += b * stride_kb + (h // kv_group) * stride_kh
-    V += b * stride_vb + (h // kv_group) * stride_vh
-    DO += b * stride_dob + h * stride_doh
-    DQ += b * stride_dqb + h * stride_dqh
-    O += b * stride_ob + h * stride_oh
-    L += bh.to(tl.int64) * n_q
-    LseDelta += bh.to(tl.int64) * n_q * 2
-
+    q_start, seq_q = _sequence_rows(CU_Q, b, n_q, VARLEN)
+    k_start, seq_k = _sequence_rows(CU_K, b, n_k, VARLEN)
     start_m = pid_m * BLOCK_M
+    if VARLEN:
+        if start_m >= seq_q:
+            return
+        L += h * n_q + q_start
+        LseDelta += (h * n_q + q_start) * 2
+    else:
+        L += bh.to(tl.int64) * n_q
+        LseDelta += bh.to(tl.int64) * n_q * 2
+    n_q, n_k = seq_q, seq_k
+    Q += b * stride_qb + h * stride_qh + q_start * stride_qn
+    K += b * stride_kb + (h // kv_group) * stride_kh + k_start * stride_kn
+    V += b * stride_vb + (h // kv_group) * stride_vh + k_start * stride_vn
+    DO += b * stride_dob + h * stride_doh + q_start * stride_don
+    DQ += b * stride_dqb + h * stride_dqh + q_start * stride_dqn
+    O += b * stride_ob + h * stride_oh + q_start * stride_on
+
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n_base = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -481,7 +525,7 @@ LONG_SEQ = 8192
 _FWD_TILES_LONG = {64: [(128, 64, 8, 3), (128, 64, 8, 4)]}
 _BWD_DKDV_TILES_LONG = {64: [(64, 64, 4, 4), (64, 64, 4, 3), (64, 64, 4, 5)]}
 _BWD_DQ_TILES_LONG = {64: [(128, 64, 8, 4), (128, 64, 8, 3)]}
-_AUTOTUNE_KEY = ["N_BUCKET", "HEAD_DIM", "BOUND_RIGHT", "BOUND_LEFT"]
+_AUTOTUNE_KEY = ["N_BUCKET", "HEAD_DIM", "BOUND_RIGHT", "BOUND_LEFT", "VARLEN"]
 
 
 def _autotune_enabled() -> bool:
@@ -578,6 +622,9 @@ class _Geometry(NamedTuple):
     block_d: int  # head dim padded to a power of two (at least 16)
     head_dim_class: int  # 64 (for d <= 64), 128 or 256: which tile table, and so which autotuned handle
     fp32: bool  # fp32 inputs: exact-fp32 dots and their own small tiles
+    varlen: bool  # packed sequences: n_q, n_k are the packed totals, grid_q, grid_k the longest sequences
+    grid_q: int  # query rows a query-tile grid covers (n_q, or the longest packed sequence)
+    grid_k: int  # key rows the key-tile grid covers
     long_seq: bool  # max(Nq, Nk) rounds up to LONG_SEQ or more: the long-sequence tiles
     bucket: int | None  # sequence-length bucket of the autotune key; None for symbolic (torch.compile) lengths
     dtype: torch.dtype
@@ -587,20 +634,29 @@ def _next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _geometry_of(q_shape, k_shape, dtype: torch.dtype) -> _Geometry:
-    """The geometry of q, k shapes. Under torch.compile with dynamic shapes the lengths are SymInts: they stay
-    symbolic (the comparisons become guards), and only the head dim, a constexpr, is made concrete."""
-    n_heads = q_shape[1] if len(q_shape) == 4 else 1
-    kv_heads = k_shape[1] if len(k_shape) == 4 else 1
-    n_q, n_k, d = q_shape[-2], k_shape[-2], int(q_shape[-1])
+def _make_geometry(batch, n_heads, kv_heads, n_q, n_k, d, dtype: torch.dtype, varlen: bool = False,
+                   grid_q=None, grid_k=None) -> _Geometry:
+    """Under torch.compile with dynamic shapes the lengths are SymInts: they stay symbolic (the comparisons become
+    guards), and only the head dim, a constexpr, is made concrete."""
+    grid_q = n_q if grid_q is None else grid_q
+    grid_k = n_k if grid_k is None else grid_k
+    d = int(d)
     block_d = max(16, _next_power_of_2(d))
     half = LONG_SEQ // 2  # next_power_of_2(n) >= LONG_SEQ exactly when n > LONG_SEQ / 2
-    long_seq = bool(n_q > half or n_k > half)
-    bucket = min(_next_power_of_2(max(n_q, n_k)), 1 << 16) if type(n_q) is int and type(n_k) is int else None
-    return _Geometry(n_heads=n_heads, n_bh=q_shape[0] * n_heads, kv_group=n_heads // kv_heads,
-                     n_bh_kv=q_shape[0] * kv_heads, n_q=n_q, n_k=n_k, d=d, block_d=block_d,
-                     head_dim_class=64 if block_d <= 64 else block_d, fp32=dtype == torch.float32,
-                     long_seq=long_seq, bucket=bucket, dtype=dtype)
+    long_seq = bool(grid_q > half or grid_k > half)
+    concrete = type(grid_q) is int and type(grid_k) is int
+    bucket = min(_next_power_of_2(max(grid_q, grid_k)), 1 << 16) if concrete else None
+    return _Geometry(n_heads=n_heads, n_bh=batch * n_heads, kv_group=n_heads // kv_heads, n_bh_kv=batch * kv_heads,
+                     n_q=n_q, n_k=n_k, d=d, block_d=block_d, head_dim_class=64 if block_d <= 64 else block_d,
+                     fp32=dtype == torch.float32, varlen=varlen, grid_q=grid_q, grid_k=grid_k, long_seq=long_seq,
+                     bucket=bucket, dtype=dtype)
+
+
+def _geometry_of(q_shape, k_shape, dtype: torch.dtype) -> _Geometry:
+    """The geometry of dense (B, N, D) or (B, H, N, D) q, k shapes."""
+    rank4 = len(q_shape) == 4
+    return _make_geometry(q_shape[0], q_shape[1] if rank4 else 1, k_shape[1] if rank4 else 1, q_shape[-2],
+                          k_shape[-2], q_shape[-1], dtype)
 
 
 # Eager calls look the geometry up by shape: computing it costs more host time than a short kernel's launch.
@@ -617,6 +673,7 @@ class LaunchKey(NamedTuple):
     head_dim: int
     bound_right: bool  # causal, or a right window bound
     bound_left: bool  # a left window bound (sliding window)
+    varlen: bool
     dtype: torch.dtype
 
 
@@ -645,12 +702,12 @@ class _Launch(NamedTuple):
 def _prepare(kernel: str, handles: dict, g: _Geometry, window: tuple[int, int], named: dict) -> _Launch:
     handle = handles.get((g.head_dim_class, g.fp32, g.long_seq)) or handles[(g.head_dim_class, g.fp32, False)]
     # N_BUCKET is only the autotuner's key; a symbolic length stands in for it under dynamic shapes.
-    args = (*_positional(handle.fn, named), g.bucket if g.bucket is not None else g.n_q)
+    args = (*_positional(handle.fn, named), g.bucket if g.bucket is not None else g.grid_q)
     bound_left, bound_right = window[0] >= 0, window[1] >= 0
     constexprs = dict(HEAD_DIM=g.d, BLOCK_D=g.block_d, BOUND_RIGHT=bound_right, BOUND_LEFT=bound_left,
-                      FP32_IEEE=g.fp32)
+                      VARLEN=g.varlen, FP32_IEEE=g.fp32)
     key = None if g.bucket is None else LaunchKey(kernel, g.head_dim_class, g.fp32, g.bucket, g.d, bound_right,
-                                                  bound_left, g.dtype)
+                                                  bound_left, g.varlen, g.dtype)
     return _Launch(handle, args, constexprs, key)
 
 
@@ -664,8 +721,10 @@ _fast_launches: dict[tuple, tuple] = {}
 _FAST_LAUNCHES_MAX = 4096
 
 
-def _launch_signature(prepared: _Launch, device_index: int) -> tuple:
-    return (prepared.key, device_index,
+def _launch_signature(prepared: _Launch, device_index: int, grid_xyz: tuple[int, int, int]) -> tuple:
+    # The grid is part of it: the arguments do not fix it (the batch size, or a varlen batch's longest sequence,
+    # is no kernel argument), and a cached launch replays its grid.
+    return (prepared.key, device_index, grid_xyz,
             *[a.data_ptr() % 16 == 0 if isinstance(a, Tensor) else a for a in prepared.args])
 
 
@@ -681,19 +740,19 @@ def _launch_eager(kernel: str, handles: dict, g: _Geometry, window: tuple[int, i
         _chosen_configs[key] = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
         return
     device = named["Q"].device
-    signature = _launch_signature(prepared, device.index) if device.type == "cuda" else None
+    grid_xyz = (*grid(meta), 1, 1)[:3]  # a compiled kernel's launcher takes all three grid dims
+    signature = _launch_signature(prepared, device.index, grid_xyz) if device.type == "cuda" else None
     fast = _fast_launches.get(signature)
     if fast is not None:
         run, trailing = fast
         run(*args, *trailing)
         return
-    compiled = handle.fn[grid(meta)](*args, **constexprs, **meta)
+    compiled = handle.fn[grid_xyz](*args, **constexprs, **meta)
     if signature is not None and isinstance(compiled, CompiledKernel):
         if len(_fast_launches) >= _FAST_LAUNCHES_MAX:
             _fast_launches.clear()
         values = {**constexprs, **meta}
         trailing = tuple(values[name] for name in _launch_plan(handle.fn).constexprs)
-        grid_xyz = (*grid(meta), 1, 1)[:3]  # a compiled kernel's launcher takes all three grid dims
         _fast_launches[signature] = (compiled[grid_xyz], trailing)
 
 
@@ -732,10 +791,14 @@ def flash_forward_triton(
     g = _geometry_of(q.shape, k.shape, q.dtype) if traced else _cached_geometry(q.shape, k.shape, q.dtype)
     o = torch.empty_like(q, memory_format=torch.contiguous_format)  # empty_like: the cheapest allocation call
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    launch = _launch_traced if traced else _launch_eager
-    launch("fwd", _fwd_kernels, g, window, _tile_grid(g.n_q, "BLOCK_M", g.n_bh),
-           dict(Q=q, K=k, V=v, O=o, L=lse, **_sizes(g, window), qk_scale=scale * LOG2E))
+    _launch_forward(g, q, k, v, o, lse, q, k, window, scale, traced)
     return o, lse
+
+
+def _launch_forward(g: _Geometry, q, k, v, o, lse, cu_q, cu_k, window, scale, traced) -> None:
+    launch = _launch_traced if traced else _launch_eager
+    launch("fwd", _fwd_kernels, g, window, _tile_grid(g.grid_q, "BLOCK_M", g.n_bh),
+           dict(Q=q, K=k, V=v, O=o, L=lse, CU_Q=cu_q, CU_K=cu_k, **_sizes(g, window), qk_scale=scale * LOG2E))
 
 
 def flash_backward_triton(
@@ -747,21 +810,73 @@ def flash_backward_triton(
     dO may have any strides, stride 0 included.
     """
     g = _geometry_of(q.shape, k.shape, q.dtype) if traced else _cached_geometry(q.shape, k.shape, q.dtype)
-    if do.dtype != q.dtype:
-        do = do.to(q.dtype)
+    do = _dense_do(do, q.dtype)
+    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    lse_delta = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device=q.device)
+    _launch_backward(g, q, k, v, o, lse, do, dq, dk, dv, lse_delta, q, k, window, scale, traced)
+    return dq, dk, dv
+
+
+def _dense_do(do: Tensor, dtype: torch.dtype) -> Tensor:
+    if do.dtype != dtype:
+        do = do.to(dtype)
     if do.stride(-1) != 1:
         # `o.sum().backward()` hands over a stride-0 dO. The kernels read it correctly, but with scalar
         # instead of vector loads; one dense copy costs far less than that.
         do = do.contiguous()
-    lse_delta = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device=q.device)
-    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-    shared = dict(Q=q, K=k, V=v, DO=do, LseDelta=lse_delta, **_sizes(g, window), qk_scale=scale * LOG2E,
-                  softmax_scale=scale)
+    return do
+
+
+def _launch_backward(g: _Geometry, q, k, v, o, lse, do, dq, dk, dv, lse_delta, cu_q, cu_k, window, scale,
+                     traced) -> None:
+    shared = dict(Q=q, K=k, V=v, DO=do, LseDelta=lse_delta, CU_Q=cu_q, CU_K=cu_k, **_sizes(g, window),
+                  qk_scale=scale * LOG2E, softmax_scale=scale)
     launch = _launch_traced if traced else _launch_eager
     # dQ first: it writes the (L*log2e, D) pairs that the dK/dV kernel reads.
-    launch("dq", _bwd_dq_kernels, g, window, _tile_grid(g.n_q, "BLOCK_M", g.n_bh), dict(shared, L=lse, DQ=dq, O=o))
+    launch("dq", _bwd_dq_kernels, g, window, _tile_grid(g.grid_q, "BLOCK_M", g.n_bh), dict(shared, L=lse, DQ=dq, O=o))
     # One dK/dV program per key tile and K/V head: it sums the query heads of its group itself.
-    launch("dkdv", _bwd_dkdv_kernels, g, window, _tile_grid(g.n_k, "BLOCK_N", g.n_bh_kv), dict(shared, DK=dk, DV=dv))
+    launch("dkdv", _bwd_dkdv_kernels, g, window, _tile_grid(g.grid_k, "BLOCK_N", g.n_bh_kv),
+           dict(shared, DK=dk, DV=dv))
+
+
+def _packed_view(t: Tensor, n_seqs: int) -> Tensor:
+    """A packed (total, H, D) tensor as the kernels' (sequences, H, total, D), batch stride 0: each sequence's
+    program finds its rows through cu_seqlens, so every 'batch entry' is the same packed tensor."""
+    return t.transpose(0, 1).unsqueeze(0).expand(n_seqs, -1, -1, -1)
+
+
+def _varlen_geometry(q: Tensor, k: Tensor, cu_q: Tensor, max_q: int, max_k: int) -> _Geometry:
+    return _make_geometry(cu_q.numel() - 1, q.shape[1], k.shape[1], q.shape[0], k.shape[0], q.shape[-1], q.dtype,
+                          varlen=True, grid_q=max_q, grid_k=max_k)
+
+
+def flash_varlen_forward_triton(
+    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, window: tuple[int, int],
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """Packed sequences: q (total_q, Hq, D), k, v (total_k, Hkv, D). Returns (O like q, L float32 (Hq, total_q))."""
+    g = _varlen_geometry(q, k, cu_q, max_q, max_k)
+    n = cu_q.numel() - 1
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    views = [_packed_view(t, n) for t in (q, k, v, o)]
+    _launch_forward(g, *views, lse, cu_q, cu_k, window, scale, traced=False)
+    return o, lse
+
+
+def flash_varlen_backward_triton(
+    q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int,
+    max_k: int, window: tuple[int, int], scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The packed twin of `flash_backward_triton`; lse is (Hq, total_q) as the varlen forward wrote it."""
+    g = _varlen_geometry(q, k, cu_q, max_q, max_k)
+    n = cu_q.numel() - 1
+    do = _dense_do(do, q.dtype)
+    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    lse_delta = torch.empty((q.shape[1], q.shape[0], 2), dtype=torch.float32, device=q.device)
+    views = [_packed_view(t, n) for t in (q, k, v, o)]
+    grads = [_packed_view(t, n) for t in (dq, dk, dv)]
+    _launch_backward(g, *views, lse, _packed_view(do, n), *grads, lse_delta, cu_q, cu_k, window, scale, traced=False)
     return dq, dk, dv
 
 
