@@ -6,36 +6,38 @@ from __future__ import annotations
 import functools
 from typing import Literal
 
-from jaxtyping import Float
+import torch
+from jaxtyping import Float, Int
 from torch import Tensor
 
 from .backends import ATTENTION_BACKENDS, CORE_BACKENDS, FLASH_ALIASES, AttentionBackend, backend_report, get_backend
-from .flash_torch import FlashAttention2Torch
+from .flash_torch import FlashAttention2Torch, FlashAttentionVarlenTorch
 from .reference import attention_reference, causal_mask, window_mask
 from .triton_env import interpreter_active
 from .validation import MAX_HEAD_DIM
 
 
 @functools.cache
-def triton_op():
-    """`FlashAttention2Triton`, importing Triton on first use (cached: `flash` calls it on every CUDA call).
+def triton_op(name: str = "FlashAttention2Triton"):
+    """A Triton autograd Function (`FlashAttention2Triton` or `FlashAttentionVarlenTriton`), importing Triton on
+    first use (cached: `flash` calls it on every CUDA call).
 
     Raises:
         ImportError: naming what to install, where Triton is missing.
     """
     try:
-        from .flash_triton import FlashAttention2Triton
+        from . import flash_triton
     except ImportError as e:
-        raise ImportError(f"FlashAttention2Triton needs Triton, which is not importable here ({e}). Install it "
+        raise ImportError(f"{name} needs Triton, which is not importable here ({e}). Install it "
                           "(pip install triton, on Linux), or use the tiled PyTorch op: "
                           "flash_attention(..., backend='torch') or FlashAttention2Torch") from e
-    return FlashAttention2Triton
+    return getattr(flash_triton, name)
 
 
 def __getattr__(name: str):
     # `from flashsys.ops.attention import FlashAttention2Triton` imports Triton only when asked for.
-    if name == "FlashAttention2Triton":
-        return triton_op()
+    if name in ("FlashAttention2Triton", "FlashAttentionVarlenTriton"):
+        return triton_op(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 Backend = Literal["auto", "triton", "torch"]
@@ -95,17 +97,63 @@ def flash_attention(
     return get_backend(backend).fn(q, k, v, causal, softmax_scale, window_size)
 
 
+@torch.compiler.disable  # the offsets are read on the host: the call runs outside a compiled graph
+def flash_attention_varlen(
+    q: Float[Tensor, "total_q Hq D"],
+    k: Float[Tensor, "total_k Hkv D"],
+    v: Float[Tensor, "total_k Hkv D"],
+    cu_seqlens_q: Int[Tensor, "batch_plus_1"],
+    cu_seqlens_k: Int[Tensor, "batch_plus_1"],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] | None = None,
+    backend: Backend = "auto",
+) -> Float[Tensor, "total_q Hq D"]:
+    """FlashAttention-2 over packed variable-length sequences (flash-attn's `flash_attn_varlen_func`).
+
+    Sequence i is rows cu_seqlens_q[i]:cu_seqlens_q[i+1] of q and cu_seqlens_k[i]:cu_seqlens_k[i+1] of k and v; it
+    attends only within itself. causal and window_size apply per sequence, bottom-right aligned where its query and
+    key lengths differ (as in `flash_attention`). No padding is computed: the Triton kernels run one grid over all
+    sequences' tiles.
+
+    Args:
+        q: (total_q, Hq, head_dim); k, v: (total_k, Hkv, head_dim) with Hq a multiple of Hkv (grouped-query).
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) offsets: 0, non-decreasing, ending at the token counts.
+        max_seqlen_q, max_seqlen_k: the longest sequence of each (sizes the grid; a larger value only wastes programs).
+        causal, softmax_scale, window_size, backend: as in `flash_attention`.
+
+    Returns:
+        (total_q, Hq, head_dim), typed like q; differentiable in q, k and v.
+
+    Raises:
+        ValueError, TypeError: for bad shapes, dtypes or offsets, naming what is wrong. Checking the offsets reads them
+            back: on a GPU, one wait for the device per call.
+    """
+    if backend not in FLASH_ALIASES:
+        raise ValueError(f"flash_attention_varlen: backend must be one of {tuple(FLASH_ALIASES)}, got {backend!r}")
+    triton_path = backend == "triton" or (backend == "auto" and isinstance(q, Tensor) and q.device.type == "cuda")
+    op = triton_op("FlashAttentionVarlenTriton") if triton_path else FlashAttentionVarlenTorch
+    return op.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                    window_size)
+
+
 __all__ = [
     "ATTENTION_BACKENDS",
     "CORE_BACKENDS",
     "AttentionBackend",
     "FlashAttention2Torch",
     "FlashAttention2Triton",
+    "FlashAttentionVarlenTorch",
+    "FlashAttentionVarlenTriton",
     "MAX_HEAD_DIM",
     "attention_reference",
     "backend_report",
     "causal_mask",
     "flash_attention",
+    "flash_attention_varlen",
     "get_backend",
     "interpreter_active",
     "window_mask",

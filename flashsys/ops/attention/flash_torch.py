@@ -11,7 +11,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .validation import FLOAT_DTYPES, check_attention_inputs, normalize_window, refuse_double_backward
+from .validation import (
+    FLOAT_DTYPES,
+    check_attention_inputs,
+    check_varlen_inputs,
+    normalize_window,
+    refuse_double_backward,
+)
 
 DEFAULT_TILE = 64  # at least 16 x 16, as the algorithm asks
 
@@ -167,3 +173,71 @@ class FlashAttention2Torch(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = flash_backward_torch(q, k, v, o, lse, do, *ctx.window, ctx.scale)
         return dq, dk, dv, None, None, None
+
+
+def _segments(cu: Tensor) -> list[tuple[int, int]]:
+    offsets = cu.tolist()
+    return list(zip(offsets, offsets[1:]))
+
+
+def _as_batch(t: Tensor) -> Tensor:
+    """A (n, H, D) slice of a packed tensor as a (1, H, n, D) view."""
+    return t.transpose(0, 1).unsqueeze(0)
+
+
+def flash_varlen_forward_torch(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, left: int, right: int,
+                               scale: float) -> tuple[Tensor, Tensor]:
+    """Packed sequences one at a time through the tiled forward. Returns (O like q, L (Hq, total_q))."""
+    o = torch.zeros_like(q)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=_acc_dtype(q.dtype), device=q.device)
+    for (q0, q1), (k0, k1) in zip(_segments(cu_q), _segments(cu_k)):
+        if q1 > q0:
+            o_s, l_s = flash_forward_torch(_as_batch(q[q0:q1]), _as_batch(k[k0:k1]), _as_batch(v[k0:k1]), left, right,
+                                           scale)
+            o[q0:q1], lse[:, q0:q1] = o_s[0].transpose(0, 1), l_s[0]
+    return o, lse
+
+
+def flash_varlen_backward_torch(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, cu_q: Tensor,
+                                cu_k: Tensor, left: int, right: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The packed twin of `flash_backward_torch`, one sequence at a time (sequences share no keys)."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for (q0, q1), (k0, k1) in zip(_segments(cu_q), _segments(cu_k)):
+        if q1 > q0 and k1 > k0:
+            q_s, o_s, do_s = (_as_batch(t[q0:q1]) for t in (q, o, do))
+            k_s, v_s = (_as_batch(t[k0:k1]) for t in (k, v))
+            dq_s, dk_s, dv_s = flash_backward_torch(q_s, k_s, v_s, o_s, lse[:, q0:q1].unsqueeze(0), do_s, left, right,
+                                                    scale)
+            dq[q0:q1], dk[k0:k1], dv[k0:k1] = (g[0].transpose(0, 1) for g in (dq_s, dk_s, dv_s))
+    return dq, dk, dv
+
+
+class FlashAttentionVarlenTorch(torch.autograd.Function):
+    """Packed variable-length FlashAttention-2 in tiled PyTorch, one sequence at a time.
+
+    `FlashAttentionVarlenTorch.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal=False,
+    softmax_scale=None, window_size=None)`, as `flashsys.ops.flash_attention_varlen`. Saves q, k, v, O, the
+    logsumexp L (Hq, total_q) float32 (flash-attn's varlen layout) and the two offset tensors.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                max_seqlen_k: int, is_causal: bool = False, softmax_scale: float | None = None,
+                window_size: tuple[int, int] | None = None) -> Tensor:
+        """Returns O (total_q, Hq, D), typed like q."""
+        op = "FlashAttentionVarlenTorch"
+        scale = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                                    softmax_scale, op=op, allowed_dtypes=FLOAT_DTYPES + (torch.float64,))
+        left, right = normalize_window(window_size, bool(is_causal), op)
+        o, lse = flash_varlen_forward_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, left, right, scale)
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.window, ctx.scale = (left, right), scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do: Tensor):
+        """Gradients for q, k, v; None for the offsets, lengths and flags."""
+        refuse_double_backward("FlashAttentionVarlenTorch")
+        q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+        dq, dk, dv = flash_varlen_backward_torch(q, k, v, o, lse, do, cu_q, cu_k, *ctx.window, ctx.scale)
+        return dq, dk, dv, None, None, None, None, None, None, None

@@ -35,7 +35,13 @@ from torch.library import triton_op, wrap_triton
 from triton.compiler import CompiledKernel
 
 from .triton_env import interpreter_active
-from .validation import MAX_HEAD_DIM, check_attention_inputs, normalize_window, refuse_double_backward
+from .validation import (
+    MAX_HEAD_DIM,
+    check_attention_inputs,
+    check_varlen_inputs,
+    normalize_window,
+    refuse_double_backward,
+)
 
 LOG2E = 1.4426950408889634
 # The kernels' copies: a @triton.jit function may only read globals that are constexpr.
@@ -1013,3 +1019,45 @@ class FlashAttention2Triton(torch.autograd.Function):
             backward = flash_attention_backward_op if q.device.type == "cuda" else _interpreted_backward_op
             dq, dk, dv = backward(q, k, v, o, lse, do, *ctx.window, ctx.scale)
         return dq, dk, dv, None, None, None
+
+
+class FlashAttentionVarlenTriton(torch.autograd.Function):
+    """Packed variable-length FlashAttention-2 with the Triton kernels: one program grid over every sequence's tiles
+    (no padding, no per-sequence launches).
+
+    `FlashAttentionVarlenTriton.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    is_causal=False, softmax_scale=None, window_size=None)`, as `flashsys.ops.flash_attention_varlen`. Saves q, k, v,
+    O, the logsumexp L (Hq, total_q) float32 (flash-attn's varlen layout) and the two offset tensors. Eager only:
+    under torch.compile, `flash_attention_varlen` runs outside the graph.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                max_seqlen_k: int, is_causal: bool = False, softmax_scale: float | None = None,
+                window_size: tuple[int, int] | None = None) -> Tensor:
+        """Returns O (total_q, Hq, D), typed like q."""
+        op = "FlashAttentionVarlenTriton"
+        scale = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                                    softmax_scale, op=op, max_head_dim=MAX_HEAD_DIM)
+        window = normalize_window(window_size, bool(is_causal), op)
+        _check_device(q)
+        lengths = (max_seqlen_q, max_seqlen_k)
+        with _on_current_device(q):
+            o, lse = flash_varlen_forward_triton(*_interpreter_upcast(q, k, v), cu_seqlens_q, cu_seqlens_k, *lengths,
+                                                 window, scale)
+        o = _same_dtype((o,), (q,))[0]
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.lengths, ctx.window, ctx.scale = lengths, window, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do: Tensor):
+        """Gradients for q, k, v from the dQ, then the dK/dV kernel; None for the rest."""
+        refuse_double_backward("FlashAttentionVarlenTriton")
+        q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+        up_q, up_k, up_v, up_o, up_do = _interpreter_upcast(q, k, v, o, do)
+        with _on_current_device(q):
+            grads = flash_varlen_backward_triton(up_q, up_k, up_v, up_o, lse, up_do, cu_q, cu_k, *ctx.lengths,
+                                                 ctx.window, ctx.scale)
+        dq, dk, dv = _same_dtype(grads, (q, k, v))
+        return dq, dk, dv, None, None, None, None, None, None, None

@@ -27,24 +27,70 @@ def check_attention_inputs(
     max_head_dim: int | None = None,
 ) -> float:
     """Validate q, k, v and the flags; return the softmax scale to use."""
+    _check_tensors(q, k, v, op, allowed_dtypes, ranks=(3, 4),
+                   layout="(batch, seq, head_dim) or (batch, heads, seq, head_dim)")
+    problem = _shape_problem(q, k, v, max_head_dim)
+    if problem is not None:
+        raise ValueError(f"{op}: {problem} (q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)})")
+    return _checked_scale(q, is_causal, softmax_scale, op)
+
+
+def _check_tensors(q, k, v, op: str, allowed_dtypes, ranks: tuple[int, ...], layout: str) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in allowed_dtypes:
             names = ", ".join(str(d).replace("torch.", "") for d in allowed_dtypes)
             raise TypeError(f"{op}: {name} has dtype {t.dtype}; supported dtypes are {names}")
-        if t.dim() not in (3, 4):
-            raise ValueError(
-                f"{op}: {name} must have shape (batch, seq, head_dim) or (batch, heads, seq, head_dim), "
-                f"got rank {t.dim()} with shape {tuple(t.shape)}"
-            )
+        if t.dim() not in ranks:
+            raise ValueError(f"{op}: {name} must have shape {layout}, got rank {t.dim()} with shape {tuple(t.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"{op}: q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"{op}: q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    problem = _shape_problem(q, k, v, max_head_dim)
-    if problem is not None:
-        raise ValueError(f"{op}: {problem} (q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)})")
+
+
+def check_varlen_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, is_causal: bool, softmax_scale: float | None, *, op: str,
+    allowed_dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES, max_head_dim: int | None = None,
+) -> float:
+    """Validate packed q (total_q, Hq, D), k, v (total_k, Hkv, D) and flash-attn's cu_seqlens; return the scale.
+
+    The offsets are read back to check them (on a GPU that waits for the device)."""
+    _check_tensors(q, k, v, op, allowed_dtypes, ranks=(3,), layout="(total_tokens, heads, head_dim)")
+    if k.shape != v.shape or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"{op}: k and v must have one shape and q, k one head_dim (q {tuple(q.shape)}, k "
+                         f"{tuple(k.shape)}, v {tuple(v.shape)})")
+    if q.shape[-1] == 0 or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"{op}: the query heads ({q.shape[1]}) must be a positive multiple of the key/value heads "
+                         f"({k.shape[1]})")
+    if max_head_dim is not None and q.shape[-1] > max_head_dim:
+        raise ValueError(f"{op}: head_dim {q.shape[-1]} is above the supported maximum {max_head_dim}")
+    lengths = {}
+    for name, cu, total, longest in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
+                                     ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+            what = f"{cu.dtype} of shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
+            raise ValueError(f"{op}: {name} must be an int32 tensor of shape (batch + 1,), got {what}")
+        if cu.device != q.device:
+            raise ValueError(f"{op}: {name} is on {cu.device}, q on {q.device}")
+        offsets = cu.tolist()
+        steps = [b - a for a, b in zip(offsets, offsets[1:])]
+        if offsets[0] != 0 or min(steps) < 0 or offsets[-1] != total:
+            raise ValueError(f"{op}: {name} must start at 0, never decrease and end at the token count {total}, "
+                             f"got {offsets if len(offsets) <= 12 else offsets[:6] + ['...'] + offsets[-3:]}")
+        if isinstance(longest, bool) or not isinstance(longest, int) or longest < max(steps):
+            raise ValueError(f"{op}: max_seqlen for {name} must be an int >= the longest sequence ({max(steps)}), "
+                             f"got {longest!r}")
+        lengths[name] = len(offsets)
+    if lengths["cu_seqlens_q"] != lengths["cu_seqlens_k"]:
+        raise ValueError(f"{op}: cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
+                         f"{lengths['cu_seqlens_q'] - 1} and {lengths['cu_seqlens_k'] - 1}")
+    return _checked_scale(q, is_causal, softmax_scale, op)
+
+
+def _checked_scale(q: torch.Tensor, is_causal, softmax_scale, op: str) -> float:
     if not isinstance(is_causal, (bool, np.bool_)):  # 2 or 0.5 would be "truthy" and silently mean causal
         raise TypeError(f"{op}: is_causal must be True or False, got {type(is_causal).__name__} {is_causal!r}")
     if softmax_scale is None:
