@@ -22,7 +22,9 @@ MAGIC = b"FLASHSYS-CHECKPOINT 1 "
 # ModelConfig fields that change how the model computes, not what its weights are: a run may resume with others.
 _NOT_SHAPE = ("attention_backend", "checkpoint_blocks")
 # TrainConfig fields that decide the trajectory: resuming with other values is not a continuation of the run.
-TRAJECTORY_FIELDS = ("seed", "batch_size", "lr", "warmup", "data", "dtype")
+TRAJECTORY_FIELDS = ("seed", "batch_size", "lr", "warmup", "data", "dtype", "pack_documents")
+# The value a checkpoint written before a trajectory field existed had in effect.
+_TRAJECTORY_DEFAULTS = {"pack_documents": False}
 
 
 def _shape(model_config: dict) -> dict:
@@ -88,7 +90,8 @@ def load_checkpoint(path: Path) -> dict:
 def read_checkpoint(path: Path, config: dict, force: bool = False) -> dict:
     """Load a checkpoint and check that it can continue a run of `config` (a TrainConfig as a dict): the model's
     shape must match (its attention backend may differ), the checkpoint's step must not be past `steps`, and the
-    settings that decide the trajectory (seed, batch size, lr, warm-up, data, dtype) must be the same unless
+    settings that decide the trajectory (seed, batch size, lr, warm-up, data, dtype, document packing) must be the
+    same unless
     `force`.
 
     Raises:
@@ -100,6 +103,7 @@ def read_checkpoint(path: Path, config: dict, force: bool = False) -> dict:
         raise UsageError(f"--resume: checkpoint model {saved['model']} does not match the requested {config['model']}")
     if ckpt["step"] > config["steps"]:
         raise UsageError(f"--resume: checkpoint is at step {ckpt['step']}, beyond --steps {config['steps']}")
+    saved = {**_TRAJECTORY_DEFAULTS, **saved}
     differs = [f"{k} {saved.get(k)!r} -> {config[k]!r}" for k in TRAJECTORY_FIELDS if saved.get(k) != config[k]]
     if differs and not force:
         raise UsageError(f"--resume: the checkpoint was trained with other settings ({', '.join(differs)}); the "

@@ -32,6 +32,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (grouped-query attention; default --heads)")
     p.add_argument("--attention-window", type=int, default=None, metavar="W",
                    help="sliding-window attention: each token sees itself and the W tokens before it")
+    p.add_argument("--pack-documents", action="store_true",
+                   help="documents end at blank lines; attention never crosses one (flash_attention_varlen)")
     p.add_argument("--context-length", type=int, default=DEMO.context_length)
     p.add_argument("--attention", choices=list(ATTENTION_BACKENDS), default=DEMO.attention_backend,
                    help="attention implementation inside the model (see `flashsys info`)")
@@ -135,6 +137,9 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         raise UsageError(f"--kv-heads must divide --heads {model.num_heads}, got {a.kv_heads}")
     if a.attention_window is not None and a.attention_window < 0:
         raise UsageError(f"--attention-window must be 0 or more, got {a.attention_window}")
+    if a.pack_documents and not a.attention.startswith("flash"):
+        raise UsageError(f"--pack-documents needs a flash attention backend (flash, flash-triton, flash-torch), "
+                         f"not --attention {a.attention}")
     if model.d_model % model.num_heads or model.head_dim % 2:
         raise UsageError(f"--d-model {model.d_model} must split into --heads {model.num_heads} heads of even size")
     cuda = torch.cuda.is_available()
@@ -166,7 +171,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
                        warmup=min(20, max(1, a.steps // 10)), world_size=world, backend=backend,
                        bucket_mb=_bucket_mb(a.bucket_mb), shard=not a.no_shard, compile=cuda if a.compile is None else a.compile, dtype=a.dtype,
                        checkpoint_every=a.checkpoint_every, stop_after=a.stop_after, resume=a.resume, seed=a.seed,
-                       timeout_s=a.timeout, force=a.force)
+                       timeout_s=a.timeout, force=a.force, pack_documents=a.pack_documents)
 
 
 def cmd_info() -> int:

@@ -53,18 +53,47 @@ def split_corpus(data: torch.Tensor, context_length: int) -> tuple[torch.Tensor,
     return data[:-n_val], data[-n_val:]
 
 
+def window_indices(n_tokens: int, step: int, batch_size: int, context_length: int, seed: int) -> torch.Tensor:
+    """(batch_size, context_length + 1) corpus positions of one step's windows: the same on every rank and in every
+    run (seeded by seed and step)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, n_tokens - context_length - 1 + 1, (batch_size,), generator=g)
+    return starts[:, None] + torch.arange(context_length + 1)
+
+
 def batch_for_step(data: torch.Tensor, step: int, batch_size: int, context_length: int,
                    seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) of one step's global batch, int64 (batch_size, context_length): the same on every rank
-    and in every run (seeded by seed and step)."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    starts = torch.randint(0, len(data) - context_length - 1 + 1, (batch_size,), generator=g)
-    idx = starts[:, None] + torch.arange(context_length + 1)
-    seq = data[idx].long()
+    """(inputs, targets) of one step's global batch, int64 (batch_size, context_length)."""
+    seq = data[window_indices(len(data), step, batch_size, context_length, seed)].long()
     return seq[:, :-1], seq[:, 1:]
 
 
-def eval_batch(data: torch.Tensor, i: int, batch_size: int, context_length: int,
-               seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The i-th held-out batch (see EVAL_STEP_BASE)."""
-    return batch_for_step(data, EVAL_STEP_BASE + i, batch_size, context_length, seed)
+DOCUMENT_SEPARATOR = b"\n\n"  # with --pack-documents, a blank line ends a document (a paragraph of the text)
+
+
+def document_ids(data: torch.Tensor, separator: bytes = DOCUMENT_SEPARATOR) -> torch.Tensor:
+    """int64 document number of every byte: a new document starts right after each separator."""
+    starts = torch.zeros(len(data), dtype=torch.int64)
+    raw, at = bytes(data.tolist()), 0
+    while (at := raw.find(separator, at)) >= 0:
+        at += len(separator)
+        if at < len(raw):
+            starts[at] = 1
+    return starts.cumsum(0)
+
+
+def documents_for_step(doc_ids: torch.Tensor, step: int, batch_size: int, context_length: int,
+                       seed: int) -> torch.Tensor:
+    """(batch_size, context_length) document ids of the inputs of `batch_for_step`'s batch (same windows)."""
+    return doc_ids[window_indices(len(doc_ids), step, batch_size, context_length, seed)][:, :-1]
+
+
+def packed_offsets(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """flash-attn's (cu_seqlens int32, max_seqlen) for a (batch, N) window of document ids, flattened row by row:
+    each row is cut wherever its document changes, so no token attends across a document boundary."""
+    rows, n = doc_ids.shape
+    cut = torch.ones_like(doc_ids, dtype=torch.bool)
+    cut[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]  # every row starts a segment; so does every new document
+    starts = cut.flatten().nonzero().flatten()
+    offsets = torch.cat([starts, torch.tensor([rows * n])]).to(torch.int32)
+    return offsets, int((offsets[1:] - offsets[:-1]).max())

@@ -25,7 +25,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .checkpoint import CHECKPOINT, read_checkpoint, save_checkpoint_atomically
-from .corpus import DEFAULT_DATA, VOCAB, batch_for_step, eval_batch, load_corpus, split_corpus
+from .corpus import (
+    DEFAULT_DATA,
+    EVAL_STEP_BASE,
+    VOCAB,
+    batch_for_step,
+    document_ids,
+    documents_for_step,
+    load_corpus,
+    packed_offsets,
+    split_corpus,
+)
 from .errors import TrainingDiverged, UsageError
 from .mfu import mfu, peak_flops
 from .nn import PRESETS, ModelConfig, TransformerLM
@@ -62,6 +72,7 @@ class TrainConfig:
     eval_batches: int = 8
     timeout_s: float = 300.0  # a rank that waits longer than this in a collective fails instead of hanging
     force: bool = False  # resume even when the checkpoint's trajectory settings differ
+    pack_documents: bool = False  # attention stops at document boundaries (blank lines) inside each context
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -72,15 +83,28 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
+def packing(docs: torch.Tensor | None, step: int, batch_size: int, cfg: TrainConfig, rows=slice(None)) -> tuple:
+    """The extra model arguments of step's batch: (cu_seqlens, max_seqlen) of its document segments when
+    documents are packed (`docs` given), else nothing."""
+    if docs is None:
+        return ()
+    offsets, longest = packed_offsets(documents_for_step(docs, step, batch_size, cfg.model.context_length,
+                                                         cfg.seed)[rows])
+    return offsets, longest
+
+
 @torch.no_grad()
-def evaluate(model, data: torch.Tensor, cfg: TrainConfig, device, autocast) -> float:
-    """Mean cross-entropy (nats per byte) over `cfg.eval_batches` held-out batches."""
+def evaluate(model, data: torch.Tensor, cfg: TrainConfig, device, autocast, docs: torch.Tensor | None = None) -> float:
+    """Mean cross-entropy (nats per byte) over `cfg.eval_batches` held-out batches (packed like training when
+    `docs`, the held-out document ids, are given)."""
     model.eval()
     losses = []
     for i in range(cfg.eval_batches):
-        x, y = eval_batch(data, i, min(cfg.batch_size, 16), cfg.model.context_length, cfg.seed)
+        batch = min(cfg.batch_size, 16)
+        x, y = batch_for_step(data, EVAL_STEP_BASE + i, batch, cfg.model.context_length, cfg.seed)
+        extra = packing(docs, EVAL_STEP_BASE + i, batch, cfg)
         with autocast():
-            logits = model(x.to(device))
+            logits = model(x.to(device), *(t.to(device) if isinstance(t, torch.Tensor) else t for t in extra))
         losses.append(F.cross_entropy(logits.float().reshape(-1, VOCAB), y.to(device).reshape(-1)).item())
     model.train()
     return sum(losses) / len(losses)
@@ -122,6 +146,9 @@ class Trainer:
         self.out = Path(cfg.out)
         data = load_corpus(cfg.data, cfg.model.context_length)
         self.train_data, self.val_data = split_corpus(data, cfg.model.context_length)
+        self.train_docs = self.val_docs = None
+        if cfg.pack_documents:
+            self.train_docs, self.val_docs = split_corpus(document_ids(data), cfg.model.context_length)
         torch.manual_seed(cfg.seed)
         self.model = TransformerLM.from_config(cfg.model).to(device)  # the plain module: what checkpoints hold
         compiled = torch.compile(self.model) if cfg.compile else self.model
@@ -154,9 +181,12 @@ class Trainer:
         per_rank = cfg.batch_size // self.world
         rows = slice(self.rank * per_rank, (self.rank + 1) * per_rank)
         x, y = self._to_device(x[rows]), self._to_device(y[rows])
+        extra = packing(self.train_docs, step, cfg.batch_size, cfg, rows)
+        if extra:
+            extra = (self._to_device(extra[0]), extra[1])
         self.opt.zero_grad(set_to_none=True)
         with self.autocast():
-            logits = self.net(x)
+            logits = self.net(x, *extra)
         loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
         loss.backward()
         if self.ddp is not None:
@@ -241,7 +271,7 @@ class Trainer:
     def finish(self, tokens_per_s: float | None) -> None:
         """Held-out loss, per-rank peak memory, and on rank 0 the final model, a sample, summary.json and loss.png."""
         cfg, device = self.cfg, self.device
-        val_loss = evaluate(self.model, self.val_data, cfg, device, self.autocast)
+        val_loss = evaluate(self.model, self.val_data, cfg, device, self.autocast, self.val_docs)
         peak = torch.tensor([_peak_memory_mb(device)], dtype=torch.float64,
                             device=device if dist.get_backend() == "nccl" else "cpu")
         peaks = [torch.zeros_like(peak) for _ in range(self.world)]

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from einops import rearrange
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from ..ops.attention import CORE_BACKENDS, FLASH_ALIASES, flash_attention, get_backend
+from ..ops.attention import CORE_BACKENDS, FLASH_ALIASES, flash_attention, flash_attention_varlen, get_backend
 from ..ops.attention.validation import normalize_window
 
 # The implementations a model chooses between (the registry's core entries); see flashsys.ops.attention.backends.
@@ -94,6 +95,28 @@ class FlashAttention(nn.Module):
         return f"causal={self.causal}, softmax_scale={self.softmax_scale}, backend={self.backend!r}{window}"
 
 
+@dataclass(frozen=True)
+class PackedSequences:
+    """Segments packed into the rows of a (B, N) batch, in flash-attn's form over the B*N flattened tokens.
+
+    Args:
+        cu_seqlens: int32 (segments + 1,) offsets into the flattened tokens, from 0 to B*N.
+        max_seqlen: the longest segment.
+        positions: (B*N,) each token's position within its segment (RoPE restarts at every segment).
+    """
+
+    cu_seqlens: Tensor
+    max_seqlen: int
+    positions: Tensor
+
+    @classmethod
+    def from_offsets(cls, cu_seqlens: Tensor, max_seqlen: int, n_tokens: int) -> PackedSequences:
+        """With the positions derived from the offsets; n_tokens (= B*N) sizes them without reading the offsets back."""
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths, output_size=n_tokens)
+        return cls(cu_seqlens, max_seqlen, torch.arange(n_tokens, device=cu_seqlens.device) - starts)
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE: rotates pairs of head-dim features by position-dependent angles, so q·k depends only on the offset.
 
@@ -175,8 +198,10 @@ class MultiHeadSelfAttention(nn.Module):
         for lin in (self.qkv_proj, self.output_proj):
             nn.init.trunc_normal_(lin.weight, std=math.sqrt(2.0 / (lin.in_features + lin.out_features)))
 
-    def forward(self, x: Float[Tensor, "B N d_model"]) -> Float[Tensor, "B N d_model"]:
-        """Self-attention over the sequence dimension of x.
+    def forward(self, x: Float[Tensor, "B N d_model"], packed: PackedSequences | None = None) -> Float[Tensor, "B N d_model"]:
+        """Self-attention over the sequence dimension of x; with `packed`, within each of its segments only
+        (documents packed into the rows: flash_attention_varlen over the flattened tokens, RoPE positions
+        restarting at every segment).
 
         Raises:
             ValueError, TypeError: for input that is not a floating (batch, seq, d_model) tensor, or a sequence
@@ -192,10 +217,25 @@ class MultiHeadSelfAttention(nn.Module):
                              f"context_length {self.rope.cos.shape[0]}")
         kv_width = self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([self.d_model, kv_width, kv_width], dim=-1)
+        window = None if self.attention_window is None else (self.attention_window, 0)
+        if packed is not None:
+            return self.output_proj(self._attend_packed(q, k, v, packed, window).reshape(x.shape))
         q = rearrange(q, "b n (h d) -> b h n d", h=self.num_heads)
         k, v = (rearrange(t, "b n (h d) -> b h n d", h=self.num_kv_heads) for t in (k, v))
         if self.rope is not None:
             q, k = self.rope(q), self.rope(k)
-        window = None if self.attention_window is None else (self.attention_window, 0)
         o = attend(q, k, v, causal=self.causal, softmax_scale=None, backend=self.attention_backend, window_size=window)
         return self.output_proj(rearrange(o, "b h n d -> b n (h d)"))
+
+    def _attend_packed(self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSequences, window) -> Tensor:
+        flash = {"flash": "auto", "flash-triton": "triton", "flash-torch": "torch"}.get(self.attention_backend)
+        if flash is None:
+            raise ValueError(f"packed sequences need a flash attention backend (flash, flash-triton, flash-torch), "
+                             f"not {self.attention_backend!r}")
+        q = rearrange(q, "b n (h d) -> (b n) h d", h=self.num_heads)
+        k, v = (rearrange(t, "b n (h d) -> (b n) h d", h=self.num_kv_heads) for t in (k, v))
+        if self.rope is not None:  # RoPE works on (..., N, D): rotate the heads-first views, then back
+            q, k = (self.rope(t.transpose(0, 1), packed.positions).transpose(0, 1) for t in (q, k))
+        o = flash_attention_varlen(q, k, v, packed.cu_seqlens, packed.cu_seqlens, packed.max_seqlen,
+                                   packed.max_seqlen, causal=self.causal, window_size=window, backend=flash)
+        return o.flatten(1)

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ..ops.attention import get_backend
-from .attention import MultiHeadSelfAttention
+from .attention import MultiHeadSelfAttention, PackedSequences
 from .config import ModelConfig, preset
 
 
@@ -59,9 +59,9 @@ class TransformerBlock(nn.Module):
         self.ln2 = RMSNorm(c.d_model, device=device, dtype=dtype)
         self.ffn = SwiGLU(c.d_model, c.d_ff, device=device, dtype=dtype)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """One pre-norm block over (B, N, d_model)."""
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: Tensor, packed: PackedSequences | None = None) -> Tensor:
+        """One pre-norm block over (B, N, d_model); `packed` keeps attention within its segments."""
+        x = x + self.attn(self.ln1(x), packed)
         return x + self.ffn(self.ln2(x))
 
 
@@ -135,8 +135,13 @@ class TransformerLM(nn.Module):
             layer.attn.attention_backend = name
         self.config = self.config.replace(attention_backend=name)
 
-    def forward(self, token_ids: Int[Tensor, "B N"]) -> Float[Tensor, "B N vocab"]:
+    def forward(self, token_ids: Int[Tensor, "B N"], cu_seqlens: Int[Tensor, "S_plus_1"] | None = None,
+                max_seqlen: int | None = None) -> Float[Tensor, "B N vocab"]:
         """Next-token logits for every position of every sequence.
+
+        With `cu_seqlens` (int32 offsets into the B*N flattened tokens, flash-attn's form, and `max_seqlen`, the
+        longest segment) the rows hold packed documents: attention stays within each segment and RoPE positions
+        restart at each one (a flash attention backend is needed).
 
         Token ids are range-checked where that is free: on CPU tensors, outside torch.compile. Checking a GPU tensor
         means reading values back, which stalls the host until the GPU is idle; call `check_token_ids` for that
@@ -156,9 +161,17 @@ class TransformerLM(nn.Module):
             raise ValueError(f"sequence length {n} exceeds context_length {self.context_length}")
         if token_ids.device.type == "cpu" and not torch.compiler.is_compiling():
             self.check_token_ids(token_ids)
+        packed = None
+        if cu_seqlens is not None:
+            if max_seqlen is None:
+                raise ValueError("cu_seqlens needs max_seqlen, the longest segment")
+            packed = PackedSequences.from_offsets(cu_seqlens, max_seqlen, token_ids.numel())
         x = self.token_embeddings(token_ids)
         for layer in self.layers:
-            x = checkpoint(layer, x, use_reentrant=False) if self.checkpoint_blocks and self.training else layer(x)
+            if self.checkpoint_blocks and self.training:
+                x = checkpoint(layer, x, packed, use_reentrant=False)
+            else:
+                x = layer(x, packed)
         return self.lm_head(self.ln_final(x))
 
     def check_token_ids(self, token_ids: Tensor) -> None:

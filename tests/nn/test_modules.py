@@ -258,3 +258,21 @@ def flash_attention_reference_output(q, k, v, window):
     from flashsys.ops.attention import attention_reference
 
     return attention_reference(q, k, v, True, None, window)[0]
+
+
+@pytest.mark.parametrize("backend", ["flash", "flash-torch"])
+def test_packed_documents_give_each_segment_its_own_forward(backend):
+    """Rows packed with documents: each segment's logits equal running that segment alone (attention within it,
+    RoPE positions from its start)."""
+    from flashsys.corpus import packed_offsets
+
+    model = _tiny(backend, num_kv_heads=1)
+    tokens = torch.randint(0, 61, (2, 32), device=DEVICE)
+    docs = torch.tensor([[0] * 10 + [1] * 22, [3] * 32])
+    offsets, longest = packed_offsets(docs)
+    packed = model(tokens, offsets.to(DEVICE), longest)
+    torch.testing.assert_close(packed[0, :10], model(tokens[:1, :10])[0], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(packed[0, 10:], model(tokens[:1, 10:])[0], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(packed[1], model(tokens[1:])[0], atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        model(tokens, offsets.to(DEVICE))
