@@ -15,6 +15,8 @@ CASES = {
                   ["attention_cpu.md", "attention_cpu.csv", "attention_cpu_fp32_causal.png"]),
     "end_to_end": (["--presets", "tiny", "--contexts", "32", "--iters", "2", "--warmup", "1"],
                    ["end_to_end_cpu_fp32_flash_w1.md", "end_to_end_cpu_fp32_flash_w1.csv", "end_to_end_cpu_fp32_flash_w1.png"]),
+    "attention_features": (["--seq-lens", "32", "--window-seq-lens", "48", "--total", "90"],
+                           ["attention_features_cpu.md", "attention_features_cpu.csv"]),
     "host_cost": (["--seqs", "32", "--calls", "3", "--heads", "2"], ["host_cost_cpu.md", "host_cost_cpu.csv"]),
     "allreduce": (["--sizes-mb", "0.1", "1", "--world-sizes", "2", "--iters", "2", "--warmup", "1", "--backend", "gloo"],
                   ["allreduce_gloo.md", "allreduce_gloo.csv", "allreduce_gloo.png"]),
