@@ -90,7 +90,7 @@ def test_sequences_never_see_each_other(backend):
 BAD_OFFSETS = [
     ([1, 20, 50], "start at 0"),
     ([0, 30, 20, 50], "never decrease"),
-    ([0, 20, 49], "end at the token count 50"),
+    ([0, 20, 49], "end at the token count 50, got 49"),
 ]
 
 
@@ -115,3 +115,21 @@ def test_bad_varlen_arguments_are_clear_errors():
         flash_attention_varlen(q[None], k, v, cu, cu, 30, 30)
     with pytest.raises(ValueError, match="multiple of the key/value heads"):
         flash_attention_varlen(q, k[:, :1].expand(-1, 3, -1), v[:, :1].expand(-1, 3, -1), cu, cu, 30, 30)
+
+
+def test_offsets_are_read_once_per_tensor_and_again_after_a_change(monkeypatch):
+    """A model passes one offsets tensor to every layer: it is read back (a GPU wait) once, and read again after an
+    in-place change, which is then caught."""
+    q, k, v, _ = _packed([20, 30], [20, 30], 2, 2, 16, torch.float32, seed=4)
+    cu = _offsets([20, 30])
+    reads = []
+    original = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or original(t))
+    for _ in range(3):
+        flash_attention_varlen(q, k, v, cu, cu, 30, 30, backend="torch")
+    # The check reads cu once (passed as both offsets, three times); the tiled op itself lists the segments of
+    # cu_q and cu_k on every call (2 x 3). Without the cache the checks alone would read it 6 times.
+    assert len(reads) == 1 + 2 * 3
+    cu[1] = 60
+    with pytest.raises(ValueError, match="never decrease"):
+        flash_attention_varlen(q, k, v, cu, cu, 60, 60, backend="torch")

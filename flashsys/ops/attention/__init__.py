@@ -130,7 +130,7 @@ def flash_attention_varlen(
 
     Raises:
         ValueError, TypeError: for bad shapes, dtypes or offsets, naming what is wrong. Checking the offsets reads them
-            back: on a GPU, one wait for the device per call.
+            back (on a GPU, a wait for the device) once per offsets tensor while it is unchanged.
     """
     if backend not in FLASH_ALIASES:
         raise ValueError(f"flash_attention_varlen: backend must be one of {tuple(FLASH_ALIASES)}, got {backend!r}")
