@@ -62,7 +62,7 @@ def measure(preset_name: str, context: int, attention: str, compiled: bool, args
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    whole = sorted(time_call(train_step, device)[1] for _ in range(args.iters))
+    whole = summarize([time_call(train_step, device)[1] for _ in range(args.iters)])
     with peak_memory() as mem_fwd, torch.no_grad(), autocast():
         model(x)
     with peak_memory() as mem_step:
@@ -73,7 +73,7 @@ def measure(preset_name: str, context: int, attention: str, compiled: bool, args
         opt.zero_grad(set_to_none=True)
     sync()
     f, b, s = summarize(fwd), summarize(bwd), summarize(step)
-    return {"step_ms": whole[len(whole) // 2], "forward_ms": str(f), "backward_ms": str(b), "optimizer_ms": str(s),
+    return {"step_ms": whole.median, "forward_ms": str(f), "backward_ms": str(b), "optimizer_ms": str(s),
             "total_ms": f.mean + b.mean + s.mean, "peak_fwd_MB": mem_fwd["peak_mb"], "peak_step_MB": mem_step["peak_mb"]}
 
 

@@ -15,7 +15,7 @@ import torch
 
 from .errors import UsageError
 from .nn import PRESETS, ModelConfig, preset
-from .ops.attention import ATTENTION_BACKENDS
+from .ops.attention import ATTENTION_BACKENDS, FLASH_SHORT_NAMES
 from .train import TrainConfig
 
 DEMO = PRESETS["demo"]
@@ -137,7 +137,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         raise UsageError(f"--kv-heads must divide --heads {model.num_heads}, got {a.kv_heads}")
     if a.attention_window is not None and a.attention_window < 0:
         raise UsageError(f"--attention-window must be 0 or more, got {a.attention_window}")
-    if a.pack_documents and not a.attention.startswith("flash"):
+    if a.pack_documents and a.attention not in FLASH_SHORT_NAMES:
         raise UsageError(f"--pack-documents needs a flash attention backend (flash, flash-triton, flash-torch), "
                          f"not --attention {a.attention}")
     if model.d_model % model.num_heads or model.head_dim % 2:

@@ -83,14 +83,15 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-def packing(docs: torch.Tensor | None, step: int, batch_size: int, cfg: TrainConfig, rows=slice(None)) -> tuple:
-    """The extra model arguments of step's batch: (cu_seqlens, max_seqlen) of its document segments when
-    documents are packed (`docs` given), else nothing."""
+def packing(docs: torch.Tensor | None, step: int, batch_size: int, cfg: TrainConfig, device: torch.device,
+            rows=slice(None)) -> tuple:
+    """The extra model arguments of step's batch: (cu_seqlens on `device`, max_seqlen) of its document segments
+    when documents are packed (`docs` given), else nothing."""
     if docs is None:
         return ()
     offsets, longest = packed_offsets(documents_for_step(docs, step, batch_size, cfg.model.context_length,
                                                          cfg.seed)[rows])
-    return offsets, longest
+    return offsets.to(device), longest
 
 
 @torch.no_grad()
@@ -102,9 +103,9 @@ def evaluate(model, data: torch.Tensor, cfg: TrainConfig, device, autocast, docs
     for i in range(cfg.eval_batches):
         batch = min(cfg.batch_size, 16)
         x, y = batch_for_step(data, EVAL_STEP_BASE + i, batch, cfg.model.context_length, cfg.seed)
-        extra = packing(docs, EVAL_STEP_BASE + i, batch, cfg)
+        extra = packing(docs, EVAL_STEP_BASE + i, batch, cfg, device)
         with autocast():
-            logits = model(x.to(device), *(t.to(device) if isinstance(t, torch.Tensor) else t for t in extra))
+            logits = model(x.to(device), *extra)
         losses.append(F.cross_entropy(logits.float().reshape(-1, VOCAB), y.to(device).reshape(-1)).item())
     model.train()
     return sum(losses) / len(losses)
@@ -181,9 +182,7 @@ class Trainer:
         per_rank = cfg.batch_size // self.world
         rows = slice(self.rank * per_rank, (self.rank + 1) * per_rank)
         x, y = self._to_device(x[rows]), self._to_device(y[rows])
-        extra = packing(self.train_docs, step, cfg.batch_size, cfg, rows)
-        if extra:
-            extra = (self._to_device(extra[0]), extra[1])
+        extra = packing(self.train_docs, step, cfg.batch_size, cfg, self.device, rows)
         self.opt.zero_grad(set_to_none=True)
         with self.autocast():
             logits = self.net(x, *extra)

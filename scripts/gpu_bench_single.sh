@@ -66,7 +66,13 @@ for s in "${sections[@]}"; do
       --modes eager compiled --warmup 3 --iters 10 > "$OUT/end_to_end_compare.log" 2>&1
     echo "end_to_end_compare exit: $?"; grep -E "^\| " "$OUT"/end_to_end/end_to_end_gpu_bf16_flash-sdpa_eager-compiled_w3.md \
       | cut -d'|' -f2-8,15 ;;
-  host_cost)  # #14: host µs per attention call vs SDPA, and where they go
+  host_cost)  # #14: host µs per attention call vs SDPA, and where they go; "before" too when .old/ holds an older
+              # tree (git archive <commit> | tar -x -C .old, carried to the device): same machine, same call
+    if [ -d .old ]; then
+      cp benchmarks/host_cost.py .old/benchmarks/
+      (cd .old && PYTHONPATH=$PWD timeout -k 10 120 python3 -m benchmarks.host_cost --out "$OUT/host_cost" \
+         --name host_cost_gpu_before > "$OUT/host_cost_before.log" 2>&1; echo "host_cost before exit: $?")
+    fi
     timeout -k 10 120 python3 -m benchmarks.host_cost --out "$OUT/host_cost" --breakdown > "$OUT/host_cost.log" 2>&1
     echo "host_cost exit: $?"; grep -E "^\| " "$OUT"/host_cost/*.md ;;
   mfu)  # #14: tokens/s and MFU of the main job on one GPU

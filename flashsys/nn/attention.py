@@ -10,7 +10,14 @@ from einops import rearrange
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from ..ops.attention import CORE_BACKENDS, FLASH_ALIASES, flash_attention, flash_attention_varlen, get_backend
+from ..ops.attention import (
+    CORE_BACKENDS,
+    FLASH_ALIASES,
+    FLASH_SHORT_NAMES,
+    flash_attention,
+    flash_attention_varlen,
+    get_backend,
+)
 from ..ops.attention.validation import normalize_window
 
 # The implementations a model chooses between (the registry's core entries); see flashsys.ops.attention.backends.
@@ -228,7 +235,7 @@ class MultiHeadSelfAttention(nn.Module):
         return self.output_proj(rearrange(o, "b h n d -> b n (h d)"))
 
     def _attend_packed(self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSequences, window) -> Tensor:
-        flash = {"flash": "auto", "flash-triton": "triton", "flash-torch": "torch"}.get(self.attention_backend)
+        flash = FLASH_SHORT_NAMES.get(self.attention_backend)
         if flash is None:
             raise ValueError(f"packed sequences need a flash attention backend (flash, flash-triton, flash-torch), "
                              f"not {self.attention_backend!r}")

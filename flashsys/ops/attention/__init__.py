@@ -10,7 +10,16 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .backends import ATTENTION_BACKENDS, CORE_BACKENDS, FLASH_ALIASES, AttentionBackend, backend_report, get_backend
+from .backends import (
+    ATTENTION_BACKENDS,
+    CORE_BACKENDS,
+    FLASH_ALIASES,
+    FLASH_SHORT_NAMES,
+    AttentionBackend,
+    backend_report,
+    flash_runs_triton,
+    get_backend,
+)
 from .flash_torch import FlashAttention2Torch, FlashAttentionVarlenTorch
 from .reference import attention_reference, causal_mask, window_mask
 from .triton_env import interpreter_active
@@ -134,8 +143,10 @@ def flash_attention_varlen(
     """
     if backend not in FLASH_ALIASES:
         raise ValueError(f"flash_attention_varlen: backend must be one of {tuple(FLASH_ALIASES)}, got {backend!r}")
-    triton_path = backend == "triton" or (backend == "auto" and isinstance(q, Tensor) and q.device.type == "cuda")
-    op = triton_op("FlashAttentionVarlenTriton") if triton_path else FlashAttentionVarlenTorch
+    if flash_runs_triton(FLASH_ALIASES[backend], q):
+        op = triton_op("FlashAttentionVarlenTriton")
+    else:
+        op = FlashAttentionVarlenTorch
     return op.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                     window_size)
 

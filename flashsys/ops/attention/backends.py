@@ -59,9 +59,15 @@ class AttentionBackend:
         return self.fn(q, k, v, causal, softmax_scale, window_size)
 
 
+def flash_runs_triton(name: str, q: Tensor) -> bool:
+    """Whether the flash entry `name` ("flash", "flash-triton" or "flash-torch") runs the Triton kernels for q:
+    "flash" does on CUDA tensors and runs the tiled PyTorch op elsewhere."""
+    return name == "flash-triton" or (name == "flash" and isinstance(q, Tensor) and q.device.type == "cuda")
+
+
 def _flash_auto(q, k, v, causal, scale, window=None):
     """Triton on CUDA tensors, the tiled PyTorch op elsewhere."""
-    if isinstance(q, Tensor) and q.device.type == "cuda":
+    if flash_runs_triton("flash", q):
         return _flash_triton(q, k, v, causal, scale, window)
     return FlashAttention2Torch.apply(q, k, v, causal, scale, window)
 
@@ -136,6 +142,7 @@ CORE_BACKENDS: tuple[str, ...] = tuple(b.name for b in _ENTRIES if b.core)
 
 # `flash_attention(backend=...)` and `FlashAttention(backend=...)` take the flash family's short names.
 FLASH_ALIASES = {"auto": "flash", "triton": "flash-triton", "torch": "flash-torch"}
+FLASH_SHORT_NAMES = {name: short for short, name in FLASH_ALIASES.items()}  # registry name -> short name
 
 
 def get_backend(name: str) -> AttentionBackend:

@@ -886,13 +886,13 @@ def flash_varlen_backward_triton(
     return dq, dk, dv
 
 
-def _check_device(q: Tensor) -> None:
+def _check_device(q: Tensor, op: str) -> None:
     if q.device.type == "cuda":
         return
     if q.device.type == "cpu" and interpreter_active():
         return
     raise ValueError(
-        f"FlashAttention2Triton: inputs are on {q.device}, but the Triton kernels need CUDA tensors "
+        f"{op}: inputs are on {q.device}, but the Triton kernels need CUDA tensors "
         "(or CPU tensors with TRITON_INTERPRET=1 set before flashsys is imported); "
         "use FlashAttention2Torch or flash_attention(..., backend='torch') on this device"
     )
@@ -996,7 +996,7 @@ class FlashAttention2Triton(torch.autograd.Function):
         op = "FlashAttention2Triton"
         scale = check_attention_inputs(q, k, v, is_causal, softmax_scale, op=op, max_head_dim=MAX_HEAD_DIM)
         window = normalize_window(window_size, bool(is_causal), op)
-        _check_device(q)
+        _check_device(q, op)
         if _eager(q, k, v):
             with _on_current_device(q):
                 o, lse = _forward(q, k, v, window, scale)
@@ -1040,7 +1040,7 @@ class FlashAttentionVarlenTriton(torch.autograd.Function):
         scale = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                                     softmax_scale, op=op, max_head_dim=MAX_HEAD_DIM)
         window = normalize_window(window_size, bool(is_causal), op)
-        _check_device(q)
+        _check_device(q, op)
         lengths = (max_seqlen_q, max_seqlen_k)
         with _on_current_device(q):
             o, lse = flash_varlen_forward_triton(*_interpreter_upcast(q, k, v), cu_seqlens_q, cu_seqlens_k, *lengths,
