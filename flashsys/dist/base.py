@@ -1,4 +1,5 @@
-"""What every flashsys data-parallel wrapper shares: rank-0 broadcast, a model-signature check, no_sync, forward;
+"""What every flashsys data-parallel wrapper shares: rank-0 broadcast, a model-signature check, one wrapper per
+model, buffers broadcast each forward, no_sync, and synchronisation finished by backward itself (as torch DDP);
 and the base of the two wrappers that reduce only after backward has finished."""
 
 from __future__ import annotations
@@ -15,6 +16,17 @@ import torch.distributed as dist
 from torch import nn
 
 from .consistency import check_same_model_on_all_ranks
+from .flat_layout import FlatLayout
+
+# The live wrapper of each parameter, by id: a second wrapper on the same parameters would reduce every gradient
+# twice. A live wrapper holds its model, so the ids it registered cannot be reused while it is alive.
+_WRAPPER_OF: weakref.WeakValueDictionary[int, DataParallelBase] = weakref.WeakValueDictionary()
+
+
+def wrapper_of(p: torch.Tensor) -> DataParallelBase | None:
+    """The live data-parallel wrapper whose hooks act on `p`'s gradient, or None."""
+    wrapper = _WRAPPER_OF.get(id(p))
+    return wrapper if wrapper is not None and wrapper._hook_handles else None
 
 
 class DataParallelBase(nn.Module, metaclass=abc.ABCMeta):
@@ -23,6 +35,11 @@ class DataParallelBase(nn.Module, metaclass=abc.ABCMeta):
     At construction: the model signature is checked across ranks, then every parameter and buffer (frozen ones
     too) is broadcast from rank 0. The wrapper registers no parameters of its own; the model is `.module`.
 
+    Gradients are averaged by the end of every synchronised `backward()`: the first gradient hook of a backward
+    queues `finish_gradient_synchronization()` as an autograd engine callback, as torch DDP does, so a loop
+    written for torch DDP needs no extra call. Calling it explicitly after backward (the CS336 loop) stays valid
+    and is then a no-op.
+
     Args:
         module: the model, already on this rank's device.
         process_group: the group to average over (default: the world).
@@ -30,17 +47,33 @@ class DataParallelBase(nn.Module, metaclass=abc.ABCMeta):
             and reduced the same gradients, so a skipped backward or a parameter used on some ranks only is a
             clear error instead of a hang or garbage. Costs one small CPU all-gather per step, at which the ranks'
             host threads meet; False turns it off.
+        broadcast_buffers: broadcast every buffer from rank 0 at the start of each training forward (grad enabled,
+            not under `no_sync()`), as torch DDP does by default, so running statistics cannot drift apart. Turn it
+            off for models whose buffers are constants (RoPE tables): it is one broadcast per dtype per forward.
 
     Raises:
-        RuntimeError: without an initialised process group.
+        RuntimeError: without an initialised process group, or when the model's parameters already belong to a
+            live wrapper (their gradients would be reduced twice).
         ValueError: when the model differs between ranks.
     """
 
-    def __init__(self, module: nn.Module, process_group=None, cross_rank_checks: bool = True) -> None:
+    def __init__(self, module: nn.Module, process_group=None, cross_rank_checks: bool = True,
+                 broadcast_buffers: bool = True) -> None:
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(f"{type(self).__name__} needs an initialised torch.distributed process group")
+        for p in module.parameters():
+            other = wrapper_of(p)
+            if other is not None:
+                raise RuntimeError(
+                    f"{type(self).__name__}: the model is already wrapped by a live {type(other).__name__}; its hooks "
+                    "would reduce every gradient a second time. Wrap it once (call remove_hooks() on the old wrapper "
+                    "before wrapping again)."
+                )
         self.module = module
+        self.broadcast_buffers = broadcast_buffers
+        self._finish_task = None  # the autograd graph task whose end finishes synchronisation
+        self._finished_by_backward = False
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self._sync_enabled = True
@@ -73,14 +106,59 @@ class DataParallelBase(nn.Module, metaclass=abc.ABCMeta):
             bound = ref()
             if bound is not None:
                 bound(p)
+                bound.__self__._finish_at_end_of_backward()
 
         self._hook_handles += [p.register_post_accumulate_grad_hook(hook) for p in self._grad_params]
+        for p in self._grad_params:
+            _WRAPPER_OF[id(p)] = self
 
     def remove_hooks(self) -> None:
         """Detach this wrapper from the model's parameters (to wrap the same model again, say)."""
         for h in self._hook_handles:
             h.remove()
         self._hook_handles.clear()
+
+    def _finish_at_end_of_backward(self) -> None:
+        """Queue synchronisation once per synchronised backward, to run when the autograd engine has finished it
+        (the engine syncs the caller's streams with the gradients' first, so the callback may use them)."""
+        if not self._sync_enabled:
+            return
+        task = torch._C._current_graph_task_id()
+        if task == self._finish_task:
+            return
+        self._finish_task = task
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_from_backward)
+
+    def _finish_from_backward(self) -> None:
+        self._finish_task = None
+        self._synchronize()
+        self._finished_by_backward = True
+
+    def finish_gradient_synchronization(self) -> None:
+        """Make every rank's `.grad` the average over ranks. Backward does it by itself; after a backward this
+        call is a no-op, and calling it again (or without a backward) only takes part in the cross-rank check.
+
+        Raises:
+            RuntimeError: when backward ran on some ranks but not on others, or the ranks reduced different
+                gradients (checked before waiting on anything).
+        """
+        if self._finished_by_backward:
+            self._finished_by_backward = False
+            return
+        self._synchronize()
+
+    def _broadcast_buffers(self) -> None:
+        """Rank 0's buffers to every rank, one flat broadcast per (dtype, device)."""
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for b in self.module.buffers():
+            groups.setdefault((b.dtype, b.device), []).append(b)
+        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
+        with torch.no_grad():
+            for buffers in groups.values():
+                layout = FlatLayout(buffers)
+                flat = layout.pack(buffers)
+                dist.broadcast(flat, src=src, group=self.process_group)
+                layout.unpack(flat, buffers)
 
     def forward(self, *args, **kwargs):
         """The wrapped module's forward, unchanged (gradients are synchronised in backward hooks).
@@ -96,6 +174,8 @@ class DataParallelBase(nn.Module, metaclass=abc.ABCMeta):
                 "synchronised for the parameters that were trainable when the model was wrapped. Wrap the model "
                 "again after freezing or unfreezing (call remove_hooks() on the old wrapper first)."
             )
+        if self.broadcast_buffers and self.world_size > 1 and self._sync_enabled and torch.is_grad_enabled():
+            self._broadcast_buffers()
         return self.module(*args, **kwargs)
 
     def _check_ranks_agree(self, ran_backward: bool, launched: Sequence[int] = ()) -> None:
@@ -133,16 +213,17 @@ class DataParallelBase(nn.Module, metaclass=abc.ABCMeta):
             self._sync_enabled = previous
 
     @abc.abstractmethod
-    def finish_gradient_synchronization(self) -> None:
-        """Make every rank's `.grad` the average over ranks; call between `loss.backward()` and `optimizer.step()`."""
+    def _synchronize(self) -> None:
+        """Make every rank's `.grad` the average over ranks (the wrapper's own reduction)."""
 
 
 class ReduceAfterBackward(DataParallelBase):
     """Base of the wrappers that reduce only once backward has finished: tracks whether a synchronised backward
     has produced gradients since the last reduction."""
 
-    def __init__(self, module: nn.Module, process_group=None, cross_rank_checks: bool = True) -> None:
-        super().__init__(module, process_group, cross_rank_checks)
+    def __init__(self, module: nn.Module, process_group=None, cross_rank_checks: bool = True,
+                 broadcast_buffers: bool = True) -> None:
+        super().__init__(module, process_group, cross_rank_checks, broadcast_buffers)
         self._pending = False
         self._register_grad_hooks(self._mark_pending)
 
@@ -150,12 +231,8 @@ class ReduceAfterBackward(DataParallelBase):
         if self._sync_enabled:
             self._pending = True
 
-    def finish_gradient_synchronization(self) -> None:
-        """Average gradients across ranks. A no-op when no synchronised backward ran since the last call.
-
-        Raises:
-            RuntimeError: when backward ran on some ranks but not on others.
-        """
+    def _synchronize(self) -> None:
+        """Average gradients across ranks. A no-op when no synchronised backward ran since the last call."""
         self._check_ranks_agree(self._pending)
         if not self._pending:
             return

@@ -1,6 +1,8 @@
-"""BucketedDDP: gradients grouped into flat buckets, each all-reduced asynchronously as soon as it is full.
+"""BucketedDDP: gradients grouped into flat buckets, each reduced asynchronously as soon as it is full.
 
-Fewer, larger all-reduces than OverlapDDP (less per-call overhead), still overlapped with backward.
+Fewer, larger collectives than OverlapDDP (less per-call overhead), still overlapped with backward. The same
+buckets serve ZeRO-2 (`flashsys.optim.ZeRO2Optimizer`): each bucket is then reduce-scattered, so every rank
+ends with the averaged gradients of its own slice only.
 """
 
 from __future__ import annotations
@@ -17,47 +19,86 @@ from .consistency import gather_digests
 from .cost_model import MB, measure_allreduce_cost, optimal_bucket_bytes, plan_buckets
 from .flat_layout import FlatLayout
 
+# torch >= 2.12 names the flat collectives *_single; older releases only have the *_tensor names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass
 class _Bucket:
-    """Parameters that share one flat buffer. The buffer holds their gradients, then one "used" flag per
-    parameter: after the SUM a flag > 0 means some rank had that gradient, so unused parameters need no
-    extra collective and stay None when no rank used them."""
+    """Parameters that share one flat buffer.
+
+    Replicated (all-reduce) mode: `buffer` holds their gradients, then one "used" flag per parameter: after the
+    SUM a flag > 0 means some rank had that gradient, so unused parameters need no extra collective and stay None
+    when no rank used them.
+
+    Sharded (reduce-scatter, ZeRO-2) mode: the parameters themselves live in `params_flat` (padded to a multiple of
+    the world size); a full-size gradient buffer exists only from the bucket's first gradient to the end of its
+    reduce-scatter, and each rank keeps `grad_shard`, its slice of the averaged gradients.
+    """
 
     params: list[nn.Parameter]
-    layout: FlatLayout  # where each parameter's gradient sits in `buffer`
-    buffer: torch.Tensor  # layout.numel gradient elements, then len(params) flags
+    layout: FlatLayout  # where each parameter (and its gradient) sits in the flat buffers
+    buffer: torch.Tensor | None  # replicated mode: layout.numel gradient elements, then len(params) flags
+    comm: torch.Tensor | None = None  # replicated mode with comm_dtype: what is reduced
     ready: set[int] = field(default_factory=set)  # indices of params whose gradient is in the buffer
     handle: dist.Work | None = None
+    # sharded mode
+    params_flat: torch.Tensor | None = None
+    grad_shard: torch.Tensor | None = None
+    transient: torch.Tensor | None = None  # the full gradient buffer while it is filled
+    reduced: tuple[torch.Tensor, ...] = ()  # (full buffer, output) while the reduce-scatter runs
+    flags: torch.Tensor | None = None  # which parameters had a gradient on this rank, all-reduced with the bucket
+    flags_handle: dist.Work | None = None
+    used: list[bool] = field(default_factory=list)  # after a reduction: which parameters some rank used
+    grad_live: bool = False  # grad_shard holds gradients the optimizer has not consumed yet
 
 
 class BucketedDDP(DataParallelBase):
-    """Data parallel with bucketed, overlapped gradient all-reduce (the PyTorch DDP scheme, in one file).
+    """Data parallel with bucketed, overlapped gradient reduction (the PyTorch DDP scheme, in one file).
 
     - Buckets are filled in reverse registration order (roughly the order backward produces gradients), one
       set per (dtype, device); a bucket closes when it reaches `bucket_size_mb`; a larger tensor gets its own.
       `None` puts each (dtype, device) in one bucket. `"auto"` measures the all-reduce overhead o and bandwidth
       w at construction and uses `optimal_bucket_bytes`.
-    - Flat bucket buffers are allocated once and reused every step; gradients are copied in by a
-      post-accumulate-grad hook and copied back after the reduction, so `zero_grad(set_to_none=True)` is safe.
-    - Buckets are launched strictly in order, on every rank, as soon as they and all before them are full;
-      `finish_gradient_synchronization()` launches what is left (parameters without a gradient contribute
-      zeros and a used-flag of 0), waits, and averages.
+    - Flat bucket buffers are allocated once and reused every step. By default gradients are copied in by a
+      post-accumulate-grad hook and copied back after the reduction; with `gradient_as_bucket_view=True` each
+      `.grad` is a view into its bucket, so neither copy happens (see `zero_grad`).
+    - Buckets are launched strictly in order, on every rank, as soon as they and all before them are full; the
+      end of backward launches what is left (a parameter without a gradient this step contributes what its
+      `.grad` holds, or zeros and a used-flag of 0), waits, and averages.
 
     Args:
         module: the model, already on this rank's device.
         bucket_size_mb: bucket cap in MiB, `None` (one bucket per dtype and device) or `"auto"` (measured).
         process_group: the group to average over (default: the world).
         cross_rank_checks: see DataParallelBase.
+        broadcast_buffers: see DataParallelBase.
+        gradient_as_bucket_view: make every `.grad` a view into its bucket (as torch DDP's option): no copy in or
+            out, and no second copy of the gradients in memory. `.grad` set to None (`zero_grad(set_to_none=True)`
+            on the optimizer) still works, at the cost of one copy per gradient on the next backward; this
+            wrapper's `zero_grad()` zeroes the buckets instead and keeps the views.
+        comm_dtype: reduce in this floating dtype (e.g. `torch.bfloat16`: half the bytes of fp32), then
+            accumulate back into the gradients' dtype. The gradients are divided by the world size before the
+            cast, so fp16 cannot overflow in the sum. None: reduce in the gradients' dtype.
 
     Raises:
-        ValueError: for a bucket size that is not a positive number, None or "auto"; or a model that differs
-            between ranks.
+        ValueError: for a bucket size that is not a positive number, None or "auto"; a `comm_dtype` that is not a
+            floating dtype; or a model that differs between ranks.
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float | str | None = 25.0, process_group=None,
-                 cross_rank_checks: bool = True) -> None:
-        super().__init__(module, process_group, cross_rank_checks)
+                 cross_rank_checks: bool = True, broadcast_buffers: bool = True, gradient_as_bucket_view: bool = False,
+                 comm_dtype: torch.dtype | None = None) -> None:
+        if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
+            raise ValueError(f"BucketedDDP: comm_dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, "
+                             f"got {comm_dtype!r}")
+        if not (bucket_size_mb in ("auto", None) or (isinstance(bucket_size_mb, (int, float)) and bucket_size_mb > 0)):
+            raise ValueError(f"bucket_size_mb must be a positive number, None or 'auto', got {bucket_size_mb!r}")
+        super().__init__(module, process_group, cross_rank_checks, broadcast_buffers)
+        self.comm_dtype = comm_dtype
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.sharded = False  # set by shard_gradients(): ZeRO-2
         total_bytes = sum(p.numel() * p.element_size() for p in self._grad_params)
         if bucket_size_mb == "auto":
             if self._grad_params:
@@ -66,12 +107,8 @@ class BucketedDDP(DataParallelBase):
                 cap_bytes: float = optimal_bucket_bytes(total_bytes, self.overhead_s, self.bandwidth_bps)
             else:  # nothing to reduce: no buckets, nothing to measure
                 self.overhead_s, self.bandwidth_bps, cap_bytes = 0.0, float("inf"), math.inf
-        elif bucket_size_mb is None:
-            cap_bytes = math.inf
-        elif isinstance(bucket_size_mb, (int, float)) and bucket_size_mb > 0:
-            cap_bytes = bucket_size_mb * MB
         else:
-            raise ValueError(f"bucket_size_mb must be a positive number, None or 'auto', got {bucket_size_mb!r}")
+            cap_bytes = math.inf if bucket_size_mb is None else bucket_size_mb * MB
         self.bucket_bytes = cap_bytes
         self._buckets = self._build_buckets(cap_bytes)
         layout = [(len(b.params), b.layout.numel, str(b.buffer.dtype)) for b in self._buckets]
@@ -92,34 +129,131 @@ class BucketedDDP(DataParallelBase):
             ps = [order[i] for i in group]
             layout = FlatLayout(ps)
             buffer = torch.zeros(layout.numel + len(ps), dtype=ps[0].dtype, device=ps[0].device)
-            buckets.append(_Bucket(ps, layout, buffer))
+            comm = None
+            if self.comm_dtype is not None and self.comm_dtype != buffer.dtype:
+                comm = torch.empty(buffer.numel(), dtype=self.comm_dtype, device=buffer.device)
+            bucket = _Bucket(ps, layout, buffer, comm)
+            if self.gradient_as_bucket_view:
+                for p, view in zip(ps, layout.views(buffer)):
+                    if p.grad is not None:
+                        view.copy_(p.grad)
+                    p.grad = view
+            buckets.append(bucket)
         return buckets
 
     @property
     def bucket_sizes_bytes(self) -> list[int]:
         """Gradient bytes of each bucket, in launch order."""
-        return [b.layout.numel * b.buffer.element_size() for b in self._buckets]
+        return [b.layout.numel * b.params[0].element_size() for b in self._buckets]
+
+    # ------------------------------------------------------------------ ZeRO-2
+    def shard_gradients(self) -> None:
+        """Switch to ZeRO-2: reduce-scatter each bucket so every rank keeps only its slice of the averaged
+        gradients, in `grad_shard`, and hold the parameters in flat per-bucket buffers (`params_flat`) so the
+        updated slices can be all-gathered in place. Called by `ZeRO2Optimizer`; `.grad` stays None on every
+        parameter from then on (the gradients are in the shards).
+
+        Raises:
+            RuntimeError: when called twice, or with `gradient_as_bucket_view` (the full buckets no longer persist).
+        """
+        if self.sharded:
+            raise RuntimeError("BucketedDDP: the gradients are already sharded (one ZeRO2Optimizer per wrapper)")
+        if self.gradient_as_bucket_view:
+            raise RuntimeError("BucketedDDP: ZeRO-2 frees each bucket after its reduce-scatter; "
+                               "gradient_as_bucket_view=True has no bucket to view")
+        world = self.world_size
+        for b in self._buckets:
+            padded = -(-b.layout.numel // world) * world
+            dtype, device = b.params[0].dtype, b.params[0].device
+            b.params_flat = torch.zeros(padded, dtype=dtype, device=device)
+            with torch.no_grad():
+                for p, view in zip(b.params, b.layout.views(b.params_flat)):
+                    view.copy_(p.data)
+                    p.data = view  # the parameter now lives in the flat buffer
+                    p.grad = None
+            b.grad_shard = torch.zeros(padded // world, dtype=dtype, device=device)
+            b.flags = torch.zeros(len(b.params), dtype=torch.float32, device=device)
+            b.buffer = b.comm = None  # the replicated buffers are no longer needed
+        self.sharded = True
+
+    def shard_range(self, bucket: _Bucket) -> tuple[int, int]:
+        """[start, end) of this rank's slice of `bucket`'s flat (padded) buffers."""
+        assert bucket.params_flat is not None
+        size = bucket.params_flat.numel() // self.world_size
+        rank = dist.get_rank(self.process_group)
+        return rank * size, (rank + 1) * size
+
+    @property
+    def buckets(self) -> list[_Bucket]:
+        """The buckets, in launch order (read-only use: ZeRO2Optimizer maps its shards onto them)."""
+        return self._buckets
+
+    # ------------------------------------------------------------------ backward
+    def _grad_view(self, bucket: _Bucket, i: int) -> torch.Tensor:
+        if self.sharded:
+            if bucket.transient is None:
+                bucket.transient = torch.empty(bucket.params_flat.numel(), dtype=self.comm_dtype or bucket.params_flat.dtype,
+                                               device=bucket.params_flat.device)
+                bucket.transient[bucket.layout.numel :].zero_()  # the padding
+                bucket.flags.zero_()
+            return bucket.layout.view(bucket.transient, i)
+        return bucket.layout.view(bucket.buffer, i)
+
+    def _take_gradient(self, bucket: _Bucket, i: int) -> bool:
+        """Put parameter i's gradient (or zeros, when it has none) into the bucket; True when it had one."""
+        p = bucket.params[i]
+        view = self._grad_view(bucket, i)
+        if p.grad is None:
+            view.zero_()
+            return False
+        if self.gradient_as_bucket_view and p.grad.data_ptr() == view.data_ptr():
+            return True  # accumulated in place already
+        view.copy_(p.grad)
+        if self.sharded:
+            p.grad = None  # ZeRO-2: the full gradient lives only until its bucket is reduced
+            bucket.flags[i] = 1
+        elif self.gradient_as_bucket_view:
+            p.grad = view
+        return True
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         if not self._sync_enabled:
             return
         bucket, i = self._where[id(p)]
         if i in bucket.ready or bucket.handle is not None:
-            raise RuntimeError("BucketedDDP: a second backward ran before finish_gradient_synchronization()")
-        bucket.layout.view(bucket.buffer, i).copy_(p.grad)
+            raise RuntimeError("BucketedDDP: a gradient arrived twice in one synchronisation")
+        self._take_gradient(bucket, i)
         bucket.ready.add(i)
         self._launch_full_buckets()
 
     def _launch(self, bucket: _Bucket) -> None:
+        complete = len(bucket.ready) == len(bucket.params)
+        missing = [i for i in range(len(bucket.params)) if i not in bucket.ready]
+        if self.sharded:
+            for i in missing:  # at the end of backward: whatever .grad holds (no_sync accumulation), or zeros
+                self._take_gradient(bucket, i)
+            buf = bucket.transient  # allocated by the first _take_gradient of this synchronisation
+            if self.comm_dtype is not None:
+                buf.div_(self.world_size)
+            out = bucket.grad_shard if not bucket.grad_live and buf.dtype == bucket.grad_shard.dtype else \
+                torch.empty(bucket.grad_shard.numel(), dtype=buf.dtype, device=buf.device)
+            bucket.handle = _reduce_scatter_flat(out, buf, group=self.process_group, async_op=True)
+            bucket.flags_handle = dist.all_reduce(bucket.flags, group=self.process_group, async_op=True)
+            bucket.transient, bucket.reduced = None, (buf, out)
+            return
         flags = bucket.buffer[bucket.layout.numel :]
-        if len(bucket.ready) == len(bucket.params):
+        if complete:
             flags.fill_(1)
-        else:  # at finish: parameters without a gradient this step contribute zeros
-            for i in range(len(bucket.params)):
-                if i not in bucket.ready:
-                    bucket.layout.view(bucket.buffer, i).zero_()
-                flags[i] = 1 if i in bucket.ready else 0
-        bucket.handle = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+        else:
+            for i in missing:
+                flags[i] = 1 if self._take_gradient(bucket, i) else 0
+            for i in bucket.ready:
+                flags[i] = 1
+        if bucket.comm is not None:
+            torch.div(bucket.buffer, self.world_size, out=bucket.comm)
+            bucket.handle = dist.all_reduce(bucket.comm, group=self.process_group, async_op=True)
+        else:
+            bucket.handle = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
 
     def _launch_full_buckets(self) -> None:
         while self._next_to_launch < len(self._buckets):
@@ -129,12 +263,8 @@ class BucketedDDP(DataParallelBase):
             self._launch(bucket)
             self._next_to_launch += 1
 
-    def finish_gradient_synchronization(self) -> None:
-        """Launch the buckets still waiting, wait for all, average and copy back. A no-op after no backward.
-
-        Raises:
-            RuntimeError: when backward ran on some ranks but not on others (checked before waiting on anything).
-        """
+    def _synchronize(self) -> None:
+        """Launch the buckets still waiting, wait for all, average (and copy back). A no-op after no backward."""
         ran_backward = self._next_to_launch > 0 or any(b.ready for b in self._buckets)
         self._check_ranks_agree(ran_backward)
         if not ran_backward:
@@ -143,15 +273,59 @@ class BucketedDDP(DataParallelBase):
             self._launch(bucket)
         for bucket in self._buckets:
             bucket.handle.wait()
-            n = bucket.layout.numel
-            bucket.buffer[:n].div_(self.world_size)
-            complete = len(bucket.ready) == len(bucket.params)
-            used = [True] * len(bucket.params) if complete else (bucket.buffer[n:] > 0).tolist()
-            for i, (p, chunk) in enumerate(zip(bucket.params, bucket.layout.views(bucket.buffer))):
-                if i in bucket.ready:
-                    p.grad.copy_(chunk)
-                elif used[i]:
-                    p.grad = chunk.clone()  # used on another rank only
+            if self.sharded:
+                self._finish_sharded(bucket)
+            else:
+                self._finish_replicated(bucket)
             bucket.ready.clear()
             bucket.handle = None
         self._next_to_launch = 0
+
+    def _finish_replicated(self, bucket: _Bucket) -> None:
+        n = bucket.layout.numel
+        if bucket.comm is not None:
+            bucket.buffer.copy_(bucket.comm)  # already divided before the cast
+        else:
+            bucket.buffer[:n].div_(self.world_size)
+        complete = len(bucket.ready) == len(bucket.params)
+        used = [True] * len(bucket.params) if complete else (bucket.buffer[n:] > 0).tolist()
+        for i, (p, chunk) in enumerate(zip(bucket.params, bucket.layout.views(bucket.buffer))):
+            if not used[i]:
+                continue  # no rank had a gradient: it stays None, as in one process
+            if self.gradient_as_bucket_view:
+                p.grad = chunk
+            elif p.grad is not None:
+                p.grad.copy_(chunk)
+            else:
+                p.grad = chunk.clone()  # used on another rank only
+
+    def _finish_sharded(self, bucket: _Bucket) -> None:
+        _, out = bucket.reduced
+        bucket.reduced = ()  # frees the full-size gradient buffer
+        bucket.flags_handle.wait()
+        bucket.flags_handle = None
+        if self.comm_dtype is None:
+            out.div_(self.world_size)
+        used = (bucket.flags > 0).tolist()
+        if out is not bucket.grad_shard:
+            if bucket.grad_live:
+                bucket.grad_shard.add_(out)  # a second backward before the optimizer step: gradients add up
+            else:
+                bucket.grad_shard.copy_(out)
+        bucket.used = [a or b for a, b in zip(bucket.used, used)] if bucket.grad_live else used
+        bucket.grad_live = True
+
+    # ------------------------------------------------------------------ zero_grad
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """With `gradient_as_bucket_view`, zero every bucket in one fill each and keep the views (`set_to_none` is
+        ignored: a None `.grad` would cost a copy per gradient on the next backward). Otherwise as nn.Module."""
+        if not self.gradient_as_bucket_view or self.sharded:
+            super().zero_grad(set_to_none)
+            return
+        for bucket in self._buckets:
+            bucket.buffer.zero_()
+            for p, view in zip(bucket.params, bucket.layout.views(bucket.buffer)):
+                p.grad = view
+        for p in self.module.parameters():
+            if p.requires_grad and id(p) not in self._where:
+                p.grad = None

@@ -17,8 +17,9 @@ class OverlapDDP(DataParallelBase):
     a None gradient.
     """
 
-    def __init__(self, module: nn.Module, process_group=None, cross_rank_checks: bool = True) -> None:
-        super().__init__(module, process_group, cross_rank_checks)
+    def __init__(self, module: nn.Module, process_group=None, cross_rank_checks: bool = True,
+                 broadcast_buffers: bool = True) -> None:
+        super().__init__(module, process_group, cross_rank_checks, broadcast_buffers)
         self._handles: list[tuple[nn.Parameter, dist.Work]] = []
         self._launched: set[int] = set()
         self._index = {id(p): i for i, p in enumerate(self._grad_params)}
@@ -27,18 +28,14 @@ class OverlapDDP(DataParallelBase):
     def _launch(self, p: nn.Parameter) -> None:
         if not self._sync_enabled:
             return
-        if id(p) in self._launched:
-            raise RuntimeError("OverlapDDP: a second backward ran before finish_gradient_synchronization()")
+        if id(p) in self._launched:  # the same backward cannot accumulate a leaf twice
+            raise RuntimeError("OverlapDDP: a gradient was launched twice in one synchronisation")
         self._launched.add(id(p))
         self._handles.append((p, dist.all_reduce(p.grad, group=self.process_group, async_op=True)))
 
-    def finish_gradient_synchronization(self) -> None:
-        """Wait for every launched all-reduce and average. A no-op when nothing was launched.
-
-        Raises:
-            RuntimeError: when the ranks launched different gradients (a parameter used on some ranks only, or a
-                backward skipped on one rank), before waiting on anything.
-        """
+    def _synchronize(self) -> None:
+        """Wait for every launched all-reduce and average. A no-op when nothing was launched. The ranks must have
+        launched the same gradients (a parameter used on some ranks only is an error, before any wait)."""
         self._check_ranks_agree(bool(self._handles), [self._index[id(p)] for p, _ in self._handles])
         for p, handle in self._handles:
             handle.wait()

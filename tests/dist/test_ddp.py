@@ -23,11 +23,13 @@ VARIANTS = {
     "bucketed-medium": lambda m: BucketedDDP(m, bucket_size_mb=600 / 2**20),
     "bucketed-unlimited": lambda m: BucketedDDP(m, bucket_size_mb=None),
     "bucketed-auto": lambda m: BucketedDDP(m, bucket_size_mb="auto"),
+    # .grad are views into the buckets: no copy in or out
+    "bucketed-view": lambda m: BucketedDDP(m, bucket_size_mb=600 / 2**20, gradient_as_bucket_view=True),
 }
 STEPS, PER_RANK = 6, 4
 
 
-def _parity_worker(rank, world, device, variant_names):
+def _parity_worker(rank, world, device, variant_names, explicit_finish=True):
     batches = make_batches(STEPS, PER_RANK * world, device)
     for name in variant_names:
         model = make_model(seed=100 + rank, device=device)  # different on every rank: the broadcast must fix it
@@ -36,7 +38,8 @@ def _parity_worker(rank, world, device, variant_names):
         ref = make_model(seed=100, device=device)  # rank 0's initial weights
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
-        ddp.finish_gradient_synchronization()  # before any backward: a no-op
+        if explicit_finish:
+            ddp.finish_gradient_synchronization()  # before any backward: a no-op
         for step, (x, y) in enumerate(batches):
             shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
             opt.zero_grad(set_to_none=True)
@@ -48,8 +51,9 @@ def _parity_worker(rank, world, device, variant_names):
                 with ddp.no_sync():
                     (loss_fn(ddp(xs[:half]), ys[:half]) / 2).backward()
                 (loss_fn(ddp(xs[half:]), ys[half:]) / 2).backward()
-            ddp.finish_gradient_synchronization()
-            ddp.finish_gradient_synchronization()  # twice: a no-op, not a second averaging
+            if explicit_finish:  # backward has finished it already: both calls are no-ops, not more averaging
+                ddp.finish_gradient_synchronization()
+                ddp.finish_gradient_synchronization()
             opt.step()
             ref_opt.zero_grad(set_to_none=True)
             loss_fn(ref(x), y).backward()
@@ -63,6 +67,11 @@ def _parity_worker(rank, world, device, variant_names):
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_wrapper_matches_single_process_training_gloo(world):
     spawn(_parity_worker, world, list(VARIANTS), backend="gloo", timeout_s=120)
+
+
+def test_backward_alone_synchronises_as_torch_ddp_does_gloo():
+    """A loop written for torch DDP (no finish_gradient_synchronization() call) trains the same."""
+    spawn(_parity_worker, 2, list(VARIANTS), False, backend="gloo", timeout_s=120)
 
 
 @pytest.mark.multigpu
@@ -109,12 +118,18 @@ def _misuse_worker(rank, world, device):
     for wrapper in (NaiveDDP, BucketedDDP):
         with pytest.raises(ValueError, match="model differs between ranks"):
             wrapper(model)
-    # A second backward without finish_gradient_synchronization() in between.
-    ddp = BucketedDDP(make_model(0, device))
-    x, y = make_batches(1, 4, device)[0]
-    loss_fn(ddp(x), y).backward()
-    with pytest.raises(RuntimeError, match="second backward"):
-        loss_fn(ddp(x), y).backward()
+    # Wrapping a model that a live wrapper still holds: its gradients would be reduced twice.
+    model = make_model(0, device)
+    first = BucketedDDP(model)
+    for wrapper in (NaiveDDP, FlatDDP, OverlapDDP, BucketedDDP):
+        with pytest.raises(RuntimeError, match="already wrapped by a live BucketedDDP"):
+            wrapper(model)
+    first.remove_hooks()
+    OverlapDDP(model)  # fine once the first wrapper let go
+    # comm_dtype must be a floating dtype.
+    for bad in (torch.int32, "bf16"):
+        with pytest.raises(ValueError, match="comm_dtype must be a floating torch.dtype"):
+            BucketedDDP(make_model(0, device), comm_dtype=bad)
 
 
 def test_mismatched_models_and_misuse_are_clear_errors():
@@ -162,10 +177,12 @@ def _layout_worker(rank, world, device):
     grad_params = [p for p in model.parameters() if p.requires_grad]
     assert len(one_each.bucket_sizes_bytes) == len(grad_params)
     assert [b.params[0] for b in one_each._buckets] == list(reversed(grad_params))  # reverse registration order
+    one_each.remove_hooks()
     single = BucketedDDP(model, bucket_size_mb=None)
     assert len(single._buckets) == 2  # one per dtype: fp32 and bf16
     assert {b.buffer.dtype for b in single._buckets} == {torch.float32, torch.bfloat16}
     # 600 bytes: hidden.weight (1024 B) exceeds the cap and gets its own bucket; small ones share.
+    single.remove_hooks()
     medium = BucketedDDP(model, bucket_size_mb=600 / 2**20)
     for b in medium._buckets:
         sizes = [p.numel() * p.element_size() for p in b.params]
@@ -212,12 +229,95 @@ def _rewrap_worker(rank, world, device):
     for a, b in zip(model.parameters(), ref.parameters()):
         if b.grad is not None:
             torch.testing.assert_close(a.grad, b.grad)
-    dropped = NaiveDDP(model)  # dropped without remove_hooks: its weak hooks go quiet
+    second.remove_hooks()
+    dropped = NaiveDDP(model)  # dropped without remove_hooks: its weak hooks go quiet, and the model is free again
     del dropped
+    third = FlatDDP(model)
     model.zero_grad(set_to_none=True)
-    loss_fn(second(x), y).backward()
-    second.finish_gradient_synchronization()
+    loss_fn(third(x), y).backward()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        if b.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad)
 
 
 def test_wrapping_the_same_model_again():
     spawn(_rewrap_worker, 2, backend="gloo")
+
+
+def _drop_in_worker(rank, world, device):
+    # Buffers are rank 0's at every training forward (not under no_sync, not without grad), as torch DDP's.
+    model = make_model(0, device)
+    ddp = BucketedDDP(model)
+    x, y = make_batches(1, 4, device)[0]
+    model.scale.fill_(float(rank + 1))
+    with torch.no_grad():
+        ddp(x)
+    assert float(model.scale[0]) == rank + 1
+    with ddp.no_sync():
+        ddp(x)
+    assert float(model.scale[0]) == rank + 1
+    loss_fn(ddp(x), y).backward()
+    assert float(model.scale[0]) == 1.0
+    ddp.remove_hooks()
+    model.scale.fill_(float(rank + 1))
+    kept = BucketedDDP(model, broadcast_buffers=False)
+    model.scale.fill_(float(rank + 1))
+    kept(x)
+    assert float(model.scale[0]) == rank + 1
+    kept.remove_hooks()
+
+    # gradient_as_bucket_view: every .grad lives in its bucket; zero_grad() keeps the views and zeroes them.
+    model, ref = make_model(0, device), make_model(0, device)
+    view = BucketedDDP(model, bucket_size_mb=600 / 2**20, gradient_as_bucket_view=True)
+    def in_a_bucket(p):
+        return any(b.buffer.data_ptr() <= p.grad.data_ptr() < b.buffer.data_ptr() + b.buffer.numel() * b.buffer.element_size()
+                   for b in view._buckets)
+    batches = make_batches(3, 4 * world, device)
+    for x, y in batches:
+        view.zero_grad()
+        loss_fn(view(x[rank * 4 : (rank + 1) * 4]), y[rank * 4 : (rank + 1) * 4]).backward()
+        ref.zero_grad()
+        loss_fn(ref(x), y).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            if p.requires_grad:
+                assert in_a_bucket(p), "a gradient is not a view into its bucket"
+                torch.testing.assert_close(p.grad, q.grad if q.grad is not None else torch.zeros_like(p),
+                                           atol=2e-2 if p.dtype == torch.bfloat16 else 1e-6, rtol=1e-5)
+    view.remove_hooks()
+
+    # comm_dtype=bf16: fp32 gradients reduced in bf16 are the average to bf16 precision, in fp32.
+    model, ref = make_model(0, device), make_model(0, device)
+    compressed = BucketedDDP(model, bucket_size_mb=600 / 2**20, comm_dtype=torch.bfloat16)
+    x, y = batches[0]
+    loss_fn(compressed(x[rank * 4 : (rank + 1) * 4]), y[rank * 4 : (rank + 1) * 4]).backward()
+    loss_fn(ref(x), y).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is not None:
+            assert p.grad.dtype == p.dtype
+            torch.testing.assert_close(p.grad.float(), q.grad.float(), atol=1e-2, rtol=2e-2, msg=name)
+            if p.dtype == torch.float32:  # it really went through bf16: not the fp32 average
+                assert not torch.equal(p.grad, q.grad) or p.grad.abs().max() == 0
+
+
+def test_drop_in_options_broadcast_buffers_bucket_views_and_comm_dtype():
+    spawn(_drop_in_worker, 2, backend="gloo", timeout_s=120)
+
+
+def _two_backwards_worker(rank, world, device):
+    """Two synchronised backwards before one step (two losses): the gradients add up, averaged, as in one process."""
+    model, ref = make_model(0, device), make_model(0, device)
+    ddp = BucketedDDP(model, bucket_size_mb=600 / 2**20)
+    (x, y), (x2, y2) = make_batches(2, 4 * world, device)
+    mine = slice(rank * 4, (rank + 1) * 4)
+    loss_fn(ddp(x[mine]), y[mine]).backward()
+    loss_fn(ddp(x2[mine]), y2[mine]).backward()
+    loss_fn(ref(x), y).backward()
+    loss_fn(ref(x2), y2).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad.float(), q.grad.float(), atol=2e-2 if p.dtype == torch.bfloat16 else 1e-6,
+                                       rtol=1e-5)
+
+
+def test_two_backwards_before_a_step_add_up():
+    spawn(_two_backwards_worker, 2, backend="gloo", timeout_s=60)

@@ -62,9 +62,10 @@ def _skipped_backward_worker(rank, world, device, name):
     ddp = WRAPPERS[name](make_model(0, device), process_group=group)
     x, y = make_batches(1, 4, device)[0]
     out = ddp(x)
-    if rank == 0:
-        loss_fn(out, y).backward()
+    # Rank 0's backward finishes synchronisation by itself and raises there; rank 1 raises in the explicit call.
     with pytest.raises(RuntimeError, match=r"backward ran on ranks \[0\] but not on ranks \[1\]"):
+        if rank == 0:
+            loss_fn(out, y).backward()
         ddp.finish_gradient_synchronization()
 
 
@@ -87,9 +88,8 @@ def _used_on_one_rank_worker(rank, world, device):
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3))
     torch.manual_seed(0)
     ddp = OverlapDDP(_Branchy(), process_group=group)
-    ddp(torch.randn(2, 4), use_b=rank == 0).sum().backward()
     with pytest.raises(RuntimeError, match="a parameter was used on some ranks only"):
-        ddp.finish_gradient_synchronization()
+        ddp(torch.randn(2, 4), use_b=rank == 0).sum().backward()  # the end of backward synchronises
     # BucketedDDP handles it: the unused parameter's gradient is rank 0's, averaged.
     torch.manual_seed(0)
     model = _Branchy()
