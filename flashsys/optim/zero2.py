@@ -1,0 +1,304 @@
+"""ZeRO2Optimizer: gradient and optimizer-state sharding (ZeRO stage 2) on top of BucketedDDP's buckets.
+
+BucketedDDP reduce-scatters each bucket during backward, so a rank ends backward holding the averaged gradients
+of its 1/world slice of every bucket only; it steps that slice's parameters with the inner optimizer and the
+updated slices are all-gathered back, in place. Per step that is a reduce-scatter plus an all-gather: the bytes
+of one all-reduce (ZeRO-1 adds a broadcast of every parameter on top of DDP's all-reduce).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..dist import BucketedDDP
+from ..dist.base import wrapper_of
+from ..dist.bucketed import _all_gather_flat, _Bucket
+
+# Optimizers whose update of an element reads only that element's gradient and state: they step a slice of a
+# parameter exactly as they would step the whole one.
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.Adagrad,
+    torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam, torch.optim.ASGD, torch.optim.Rprop,
+)
+
+
+@dataclass
+class _Piece:
+    """This rank's slice of one parameter: `tensor` aliases `param[start:end]` (flattened) inside the bucket's
+    flat parameter buffer; its gradient is `bucket.grad_shard[grad_start:grad_start + end - start]`."""
+
+    tensor: nn.Parameter
+    param: nn.Parameter
+    bucket: _Bucket
+    index: int  # the parameter's index in its bucket
+    start: int
+    end: int
+    grad_start: int
+
+
+class ZeRO2Optimizer(torch.optim.Optimizer):
+    """Wrap `optimizer_cls(**kwargs)` so that each rank holds gradients and optimizer state only for its slice of
+    every bucket of the `BucketedDDP` that wraps `params`.
+
+    Usage: `ddp = BucketedDDP(model)`, then `opt = ZeRO2Optimizer(model.parameters(), torch.optim.AdamW, lr=...)`
+    (the wrapper is found from the parameters). The training loop is unchanged: backward reduce-scatters as the
+    buckets fill, `step()` steps the local slices and all-gathers the parameters (a collective: every rank).
+
+    - `.grad` stays None on the model's parameters: the averaged gradients are in the shards. Clip with
+      `clip_grad_norm_()` here, not `torch.nn.utils.clip_grad_norm_` (which would see no gradients).
+    - Gradients accumulate from one `step()` to the next (several backwards, or `no_sync()` micro-batches) and
+      `step()` consumes them; `zero_grad()` drops what was not stepped.
+    - Results equal the unsharded optimizer's on the averaged gradients, bit for bit, for optimizers that update
+      each element from its own gradient and state alone (`ELEMENTWISE_OPTIMIZERS`): a slice of a parameter is
+      stepped as the whole would be. Others (Adafactor, LBFGS, Muon) need whole parameters: use
+      `ShardedOptimizer` (ZeRO-1), or pass `elementwise=True` for one you know to be elementwise.
+    - `consolidate_state_dict(to)` then `state_dict()` on rank `to` gives the unsharded optimizer's layout;
+      `load_state_dict()` on every rank takes it (or an unsharded optimizer's) and keeps each slice.
+
+    Args:
+        params: the wrapped model's parameters or param-group dicts (a one-shot generator is fine).
+        optimizer_cls: the optimizer to shard, e.g. `torch.optim.AdamW`.
+        elementwise: override the `ELEMENTWISE_OPTIMIZERS` check (None: check).
+        **kwargs: the inner optimizer's arguments (lr, betas, fused, ...).
+
+    Raises:
+        TypeError: for an `optimizer_cls` that is not an Optimizer subclass, or not known to be elementwise.
+        ValueError: when the parameters are not all held by one live BucketedDDP.
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter] | Iterable[dict], optimizer_cls: type[torch.optim.Optimizer],
+                 elementwise: bool | None = None, **kwargs: Any) -> None:
+        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+            raise TypeError(f"ZeRO2Optimizer: optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}")
+        if elementwise is None:
+            elementwise = issubclass(optimizer_cls, ELEMENTWISE_OPTIMIZERS)
+        if not elementwise:
+            raise TypeError(
+                f"ZeRO2Optimizer: {optimizer_cls.__name__} is not known to update each element on its own; ZeRO-2 steps "
+                "slices of parameters. Use ShardedOptimizer (ZeRO-1, whole parameters), or elementwise=True if it is."
+            )
+        self._optimizer_cls, self._inner_kwargs = optimizer_cls, kwargs
+        self._ddp: BucketedDDP | None = None
+        self._pieces: list[list[_Piece]] = []  # this rank's pieces, per param group
+        self._inner: torch.optim.Optimizer | None = None
+        self._consolidated: dict[str, Any] | None = None
+        super().__init__(params, defaults=kwargs)
+
+    # ------------------------------------------------------------------ partition
+    def _wrapper_for(self, params: list[nn.Parameter]) -> BucketedDDP:
+        wrappers = {id(w): w for w in map(wrapper_of, params)}
+        if len(wrappers) != 1 or not isinstance(next(iter(wrappers.values())), BucketedDDP):
+            names = sorted({type(w).__name__ if w is not None else "no wrapper" for w in wrappers.values()})
+            raise ValueError(f"ZeRO2Optimizer: every parameter must belong to one live BucketedDDP (found: {names}); "
+                             "wrap the model with BucketedDDP before creating the optimizer")
+        ddp = next(iter(wrappers.values()))
+        if self._ddp is not None and ddp is not self._ddp:
+            raise ValueError("ZeRO2Optimizer: a param group belongs to another BucketedDDP than the first one")
+        return ddp
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (on every rank); each of its parameters contributes the slice this rank owns."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        trainable = [p for p in group["params"] if p.requires_grad]  # frozen ones never get a gradient: no slice
+        ddp = self._wrapper_for(trainable) if trainable or self._ddp is None else self._ddp
+        if self._ddp is None:
+            self._ddp = ddp
+            ddp.shard_gradients()
+        pieces = []
+        for p in trainable:
+            bucket, i = ddp._where[id(p)]
+            lo, hi = ddp.shard_range(bucket)
+            offset = bucket.layout.offsets[i]
+            start, end = max(offset, lo), min(offset + p.numel(), hi)
+            if start < end:
+                piece = nn.Parameter(bucket.params_flat[start:end])  # aliases the parameter's storage
+                pieces.append(_Piece(piece, p, bucket, i, start - offset, end - offset, start - lo))
+        self._pieces.append(pieces)
+        inner_group = {**{k: v for k, v in group.items() if k != "params"}, "params": [x.tensor for x in pieces]}
+        if self._inner is None:
+            self._inner = self._optimizer_cls([inner_group], **self._inner_kwargs)
+            self.defaults = dict(self._inner.defaults)
+        else:
+            self._inner.add_param_group(inner_group)
+        for k, v in self._inner.param_groups[-1].items():
+            if k != "params":
+                group.setdefault(k, v)
+
+    @property
+    def inner(self) -> torch.optim.Optimizer:
+        """The wrapped optimizer, stepping only this rank's slices."""
+        assert self._inner is not None
+        return self._inner
+
+    @property
+    def ddp(self) -> BucketedDDP:
+        """The BucketedDDP whose buckets this optimizer shards."""
+        assert self._ddp is not None
+        return self._ddp
+
+    def _all_pieces(self) -> list[_Piece]:
+        return [x for pieces in self._pieces for x in pieces]
+
+    # ------------------------------------------------------------------ step
+    def _attach_gradients(self) -> None:
+        for x in self._all_pieces():
+            live = x.bucket.grad_live and x.bucket.used[x.index]
+            x.tensor.grad = x.bucket.grad_shard[x.grad_start : x.grad_start + x.end - x.start] if live else None
+
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any):  # type: ignore[override]
+        """Step this rank's slices, then all-gather every bucket's parameters in place (a collective: call it on
+        every rank). Returns the closure's loss, if a closure was given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for outer, inner in zip(self.param_groups, self.inner.param_groups):
+            inner.update({k: v for k, v in outer.items() if k != "params"})
+        self._attach_gradients()
+        self.inner.step(**kwargs)
+        for x in self._all_pieces():
+            x.tensor.grad = None
+        ddp = self.ddp
+        handles = []
+        with torch.no_grad():
+            for bucket in ddp.buckets:
+                bucket.grad_live = False
+                lo, hi = ddp.shard_range(bucket)
+                handles.append(_all_gather_flat(bucket.params_flat, bucket.params_flat[lo:hi],
+                                                group=ddp.process_group, async_op=True))
+        for h in handles:
+            h.wait()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients not yet stepped: the shards and any local `.grad` (no_sync accumulation)."""
+        for bucket in self.ddp.buckets:
+            bucket.grad_live = False
+        for g in self.param_groups:
+            for p in g["params"]:
+                p.grad = None
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the sharded gradients so their global 2-norm is at most `max_norm` (a collective); returns the
+        norm before clipping, as `torch.nn.utils.clip_grad_norm_` does for unsharded gradients."""
+        ddp = self.ddp
+        shards = [b.grad_shard for b in ddp.buckets if b.grad_live]
+        device = ddp.buckets[0].grad_shard.device if ddp.buckets else torch.device("cpu")
+        sq = torch.zeros((), dtype=torch.float32, device=device)
+        for s in shards:
+            sq += s.float().pow(2).sum()
+        dist.all_reduce(sq, group=ddp.process_group)
+        norm = sq.sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for s in shards:
+            s.mul_(coef.to(s.dtype))
+        return norm
+
+    def grad_and_state_bytes(self) -> int:
+        """Bytes this rank holds for gradients (its shards) and optimizer state (its slices')."""
+        grads = sum(b.grad_shard.numel() * b.grad_shard.element_size() for b in self.ddp.buckets)
+        state = sum(v.numel() * v.element_size() for s in self.inner.state.values() for v in s.values() if torch.is_tensor(v))
+        return grads + state
+
+    # ------------------------------------------------------------------ state dicts
+    def _global_index(self) -> dict[int, int]:
+        return {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's slices of the state on rank `to`, reassembled per parameter (a collective: call it
+        on every rank); `state_dict()` on that rank then returns it. States are moved to the CPU on the way."""
+        index = self._global_index()
+        mine = []
+        for x in self._all_pieces():
+            state = self.inner.state.get(x.tensor)
+            if state:
+                mine.append((index[id(x.param)], x.start, x.end,
+                             {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in state.items()}))
+        rank = dist.get_rank(self.ddp.process_group)
+        world = dist.get_world_size(self.ddp.process_group)
+        gathered: list | None = [None] * world if rank == to else None
+        group = self.ddp.process_group
+        dst = dist.get_global_rank(group, to) if group is not None else to
+        dist.gather_object(mine, gathered, dst=dst, group=group)
+        self._consolidated = None
+        if rank != to:
+            return
+        params = [p for g in self.param_groups for p in g["params"]]
+        state: dict[int, dict[str, Any]] = {}
+        for part in gathered:  # type: ignore[union-attr]
+            for g, start, end, values in part:
+                full = state.setdefault(g, {})
+                for k, v in values.items():
+                    if torch.is_tensor(v) and v.dim() > 0 and v.numel() == end - start:
+                        if k not in full:
+                            full[k] = torch.zeros(params[g].numel(), dtype=v.dtype)
+                        full[k][start:end] = v.reshape(-1)
+                    else:
+                        full[k] = v  # per-parameter scalars (Adam's step): the same on every slice
+        for g, full in state.items():
+            for k, v in full.items():
+                if torch.is_tensor(v) and v.dim() == 1 and v.numel() == params[g].numel() and params[g].dim() != 1:
+                    full[k] = v.view(params[g].shape)
+        self._consolidated = {"state": dict(sorted(state.items()))}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full state in the unsharded optimizer's layout; only on the rank that consolidated it.
+
+        Raises:
+            RuntimeError: on a rank that did not receive the consolidated state.
+        """
+        if self._consolidated is None:
+            raise RuntimeError("ZeRO2Optimizer.state_dict(): call consolidate_state_dict(to=rank) on every rank first, "
+                               "then state_dict() on that rank")
+        index = self._global_index()
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]}
+                  for g in self.param_groups]
+        return {"state": self._consolidated["state"], "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full (consolidated, or an unsharded optimizer's) state dict on every rank; each keeps its slices.
+
+        Raises:
+            ValueError: when the dict is not an optimizer state dict or does not match these parameters.
+        """
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+            keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError("ZeRO2Optimizer.load_state_dict: expected a dict with 'state' and 'param_groups', got "
+                             f"{keys}")
+        groups = state_dict["param_groups"]
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError("ZeRO2Optimizer.load_state_dict: param groups do not match this optimizer's "
+                             f"({[len(g['params']) for g in groups]} parameters per group in the state dict, "
+                             f"{[len(g['params']) for g in self.param_groups]} here)")
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved = {int(k): v for k, v in state_dict["state"].items()}
+        for g, values in saved.items():
+            if not 0 <= g < len(params):
+                raise ValueError(f"ZeRO2Optimizer.load_state_dict: state for parameter {g}, but there are {len(params)}")
+            for k, v in values.items():
+                if torch.is_tensor(v) and v.dim() > 0 and v.shape != params[g].shape:
+                    raise ValueError(f"ZeRO2Optimizer.load_state_dict: state {k!r} of parameter {g} has shape "
+                                     f"{tuple(v.shape)}, but the parameter has {tuple(params[g].shape)}")
+        for outer, s in zip(self.param_groups, groups):
+            outer.update({k: v for k, v in s.items() if k != "params"})
+        index = self._global_index()
+        inner_state, inner_groups, n = {}, [], 0
+        for s, pieces in zip(groups, self._pieces):
+            ids = []
+            for x in pieces:
+                values = saved.get(index[id(x.param)])
+                if values is not None:
+                    inner_state[n] = {k: (v.reshape(-1)[x.start : x.end].clone() if torch.is_tensor(v) and v.dim() > 0
+                                          else v) for k, v in values.items()}
+                ids.append(n)
+                n += 1
+            inner_groups.append({**{k: v for k, v in s.items() if k != "params"}, "params": ids})
+        self.inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})

@@ -1,0 +1,237 @@
+"""ZeRO2Optimizer on BucketedDDP: bit-exact against the unsharded optimizer on the averaged gradients, memory per
+rank, state dicts, clipping, bad input (gloo)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from flashsys.dist import BucketedDDP, spawn
+from flashsys.optim import ShardedOptimizer, ZeRO2Optimizer
+
+from .test_sharded import _batches, _net
+
+OPTIMIZERS = {
+    "AdamW": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    "SGD-momentum": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01)),
+}
+
+
+def _groups(model, no_decay_lr=None):
+    """Two groups, as LM training uses: matrices with decay, vectors without (and another lr)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    vectors = [p for p in params if p.dim() == 1]
+    return [{"params": [p for p in params if p.dim() > 1]},
+            {"params": vectors, "weight_decay": 0.0, **({"lr": no_decay_lr} if no_decay_lr else {})}]
+
+
+def _backward(ddp, opt, x, y, rank, accumulate=False):
+    mine = slice(rank * 4, rank * 4 + 4)
+    opt.zero_grad(set_to_none=True)
+    if accumulate:  # two micro-batches, reduced once
+        with ddp.no_sync():
+            (F.mse_loss(ddp(x[mine][:2]), y[mine][:2]) / 2).backward()
+        (F.mse_loss(ddp(x[mine][2:]), y[mine][2:]) / 2).backward()
+    else:
+        F.mse_loss(ddp(x[mine]), y[mine]).backward()
+
+
+def _step(ddp, opt, x, y, rank, accumulate=False):
+    _backward(ddp, opt, x, y, rank, accumulate)
+    opt.step()
+
+
+def _gathered_gradients(opt):
+    """The full averaged gradients, all-gathered from every rank's shards: what an unsharded optimizer would see."""
+    grads = {}
+    for b in opt.ddp.buckets:
+        full = torch.empty(b.params_flat.numel(), dtype=b.grad_shard.dtype)
+        dist.all_gather_into_tensor(full, b.grad_shard)
+        for i, (p, g) in enumerate(zip(b.params, b.layout.views(full))):
+            grads[id(p)] = g.clone() if b.used[i] else None
+    return grads
+
+
+def _parity_worker(rank, world, device, opt_name, bucket_mb):
+    cls, kw = OPTIMIZERS[opt_name]
+    model, plain, replicated = _net(device), _net(device), _net(device)
+    ddp = BucketedDDP(model, bucket_size_mb=bucket_mb)
+    ddp_replicated = BucketedDDP(replicated, bucket_size_mb=bucket_mb)
+    opt = ZeRO2Optimizer(_groups(model, 3e-3), cls, **kw)
+    plain_opt, replicated_opt = cls(_groups(plain, 3e-3), **kw), cls(_groups(replicated, 3e-3), **kw)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5) for o in (opt, plain_opt, replicated_opt)]
+    g = torch.Generator().manual_seed(5)
+    for step in range(8):
+        x, y = torch.randn(4 * world, 12, generator=g), torch.randn(4 * world, 24, generator=g)
+        _backward(ddp, opt, x, y, rank, accumulate=step % 3 == 2)
+        # The unsharded optimizer on the same averaged gradients: bit-exact for any world size.
+        grads = _gathered_gradients(opt)
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            q.grad = grads.get(id(p))
+        opt.step()
+        plain_opt.step()
+        # BucketedDDP + the unsharded optimizer: all-reduce and reduce-scatter add 2 ranks in the same order;
+        # with 3, gloo's two algorithms may round the sum differently.
+        _step(ddp_replicated, replicated_opt, x, y, rank, accumulate=step % 3 == 2)
+        for s in scheds:
+            s.step()
+        for (name, p), q, r in zip(model.named_parameters(), plain.parameters(), replicated.parameters()):
+            assert torch.equal(p, q), f"{opt_name}: step {step}, {name} differs from the unsharded optimizer"
+            if world == 2:
+                assert torch.equal(p, r), f"{opt_name}: step {step}, {name} differs from BucketedDDP + {opt_name}"
+            else:
+                torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+            assert p.grad is None, f"{name}: ZeRO-2 keeps no full gradient"
+    assert model.unused.weight.grad is None
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_bit_exact_against_the_unsharded_optimizer_on_averaged_gradients(world, opt_name):
+    # 1e-4 MiB: a bucket per parameter or two (slices inside parameters); None: one bucket, cut across parameters.
+    for bucket_mb in (1e-4, None):
+        spawn(_parity_worker, world, opt_name, bucket_mb, backend="gloo", timeout_s=120)
+
+
+def _memory_worker(rank, world, device):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(12)])
+    ddp = BucketedDDP(model, bucket_size_mb=0.05)
+    opt = ZeRO2Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    ddp(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert all(p.grad is None for p in model.parameters())
+    mine = opt.grad_and_state_bytes()  # gradient shard + exp_avg + exp_avg_sq slices (+ scalar steps)
+    assert mine <= 1.05 * 3 * total / world, (mine, 3 * total / world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gradient_and_state_bytes_per_rank_are_total_over_world_size(world):
+    spawn(_memory_worker, world, backend="gloo")
+
+
+def _state_dict_worker(rank, world, device):
+    batches = _batches(device, 8)
+
+    def wrapped():
+        model = _net(device)
+        return model, BucketedDDP(model, bucket_size_mb=None)
+
+    ref, ref_ddp = wrapped()
+    ref_opt = torch.optim.AdamW(_groups(ref), lr=1e-2, weight_decay=0.1)
+    model, ddp = wrapped()
+    opt = ZeRO2Optimizer(_groups(model), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    for x, y in batches[:4]:
+        x, y = x.repeat(world, 1), y.repeat(world, 1)
+        _step(ddp, opt, x, y, rank)
+        _step(ref_ddp, ref_opt, x, y, rank)
+    with pytest.raises(RuntimeError, match="consolidate_state_dict"):
+        opt.state_dict()
+    opt.consolidate_state_dict(to=0)
+    blob = [None]
+    if rank == 0:
+        sd, expected = opt.state_dict(), ref_opt.state_dict()
+        assert sd["param_groups"] == expected["param_groups"]
+        assert sd["state"].keys() == expected["state"].keys()
+        for i in sd["state"]:
+            for k in expected["state"][i]:
+                assert torch.equal(sd["state"][i][k], expected["state"][i][k].cpu()), (i, k)
+        buf = io.BytesIO()
+        torch.save({"model": model.state_dict(), "optim": sd}, buf)
+        blob = [buf.getvalue()]
+    dist.broadcast_object_list(blob, src=0)
+    saved = torch.load(io.BytesIO(blob[0]), weights_only=False)
+    fresh, fresh_ddp = wrapped()
+    fresh.load_state_dict(saved["model"])
+    fresh_opt = ZeRO2Optimizer(_groups(fresh), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    fresh_opt.load_state_dict(saved["optim"])
+    for x, y in batches[4:]:
+        x, y = x.repeat(world, 1), y.repeat(world, 1)
+        _step(fresh_ddp, fresh_opt, x, y, rank)
+        _step(ref_ddp, ref_opt, x, y, rank)
+    for p, q in zip(fresh.parameters(), ref.parameters()):
+        assert torch.equal(p, q), "training did not continue bit-identically after the state-dict round trip"
+    with pytest.raises(ValueError, match="expected a dict with 'state' and 'param_groups'"):
+        fresh_opt.load_state_dict({"state": {}})
+
+
+def test_state_dict_is_the_unsharded_layout_and_resumes_bit_exactly():
+    spawn(_state_dict_worker, 2, backend="gloo", timeout_s=120)
+
+
+def _clip_and_compress_worker(rank, world, device):
+    x, y = _batches(device, 1)[0]
+    x = x * (1 + torch.arange(x.shape[0])[:, None] / 8)
+    mine = slice(rank * 4, rank * 4 + 4)
+    # clip_grad_norm_ over the shards equals torch's over the full averaged gradients.
+    model, ref = _net(device), _net(device)
+    ddp, ref_ddp = BucketedDDP(model, bucket_size_mb=1e-4), BucketedDDP(ref, bucket_size_mb=1e-4)
+    opt = ZeRO2Optimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
+    F.mse_loss(ddp(x[mine]), y[mine]).backward()
+    F.mse_loss(ref_ddp(x[mine]), y[mine]).backward()
+    norm = opt.clip_grad_norm_(0.05)
+    ref_norm = torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], 0.05)
+    assert norm > 0.05
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+    opt.step()
+    ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+    # comm_dtype=bf16: the reduce-scatter runs in bf16; the shards stay fp32, close to the fp32 average.
+    model, ref = _net(device), _net(device)
+    ddp = BucketedDDP(model, bucket_size_mb=1e-4, comm_dtype=torch.bfloat16)
+    ref_ddp = BucketedDDP(ref, bucket_size_mb=1e-4)
+    opt = ZeRO2Optimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
+    for d, o in ((ddp, opt), (ref_ddp, ref_opt)):
+        F.mse_loss(d(x[mine]), y[mine]).backward()
+        o.step()
+    assert all(b.grad_shard.dtype == torch.float32 for b in ddp.buckets)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)
+    # Two backwards before one step add up (two losses), as in one process.
+    model, ref = _net(device), _net(device)
+    ddp, ref_ddp = BucketedDDP(model, bucket_size_mb=None), BucketedDDP(ref, bucket_size_mb=None)
+    opt = ZeRO2Optimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
+    for d, o in ((ddp, opt), (ref_ddp, ref_opt)):
+        F.mse_loss(d(x[mine]), y[mine]).backward()
+        F.mse_loss(d(x[mine] * 2), y[mine]).backward()
+        o.step()
+    for p, q in zip(model.parameters(), ref.parameters()):  # a1 + (b1 + b2)/2 vs (2 a1 + b1 + b2)/2: rounding apart
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_clipping_comm_dtype_and_two_backwards():
+    spawn(_clip_and_compress_worker, 2, backend="gloo", timeout_s=120)
+
+
+def _bad_input_worker(rank, world, device):
+    with pytest.raises(ValueError, match="one live BucketedDDP"):
+        ZeRO2Optimizer(_net(device).parameters(), torch.optim.AdamW, lr=1e-3)
+    with pytest.raises(TypeError, match="not known to update each element on its own"):
+        ZeRO2Optimizer(_net(device).parameters(), torch.optim.LBFGS)
+    with pytest.raises(TypeError, match="optimizer_cls"):
+        ZeRO2Optimizer(_net(device).parameters(), "AdamW")
+    model = _net(device)
+    ddp = BucketedDDP(model, gradient_as_bucket_view=True)
+    with pytest.raises(RuntimeError, match="gradient_as_bucket_view"):
+        ZeRO2Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    ddp.remove_hooks()
+    model = _net(device)
+    ddp = BucketedDDP(model)
+    ZeRO2Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    with pytest.raises(RuntimeError, match="already sharded"):
+        ZeRO2Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)  # ZeRO-1 needs no wrapper
+
+
+def test_bad_input_is_a_clear_error():
+    spawn(_bad_input_worker, 2, backend="gloo", timeout_s=60)
