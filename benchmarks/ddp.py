@@ -1,130 +1,223 @@
-"""Data-parallel training steps: total time and the communication left exposed after backward.
+"""Data-parallel training steps you can trust: every variant interleaved in rounds, median and spread.
 
-Variants: NaiveDDP, FlatDDP, OverlapDDP, BucketedDDP at 1, 10, 25, 100, 1000 MB and "auto", and
-torch.nn.parallel.DistributedDataParallel. A step is forward + backward + gradient synchronisation + SGD step.
-"exposed communication" = step time - the same step without any communication (the model alone), so it
-counts only the part of communication that did not hide behind backward. The plot draws step time against
-bucket size with the overhead model's prediction (compute + (S/b)·o + b/w, with o and w measured here).
+A step is zero_grad + forward (bf16 autocast on GPUs) + backward (gradient synchronisation finishes inside it) +
+AdamW step. Variants run round-robin: in each of `--rounds` rounds every variant is built on the same model,
+warmed up for `--warmup` steps and timed for `--iters` steps, so drift (clocks, temperature, other tenants)
+reaches all of them alike; each variant gets rounds × iters timed steps. A step's time is the slowest rank's.
 
-    python -m benchmarks.ddp                          # 2 GPUs and the xl preset; on a CPU 2 gloo ranks, the tiny preset
+Rows: compute only (no communication, same process: the floor), BucketedDDP at its default ("auto") and fixed
+bucket sizes, with `gradient_as_bucket_view` and with bf16 communication; torch DDP at its default 25 MB and
+other `bucket_cap_mb`; ZeRO-1 (ShardedOptimizer) and ZeRO-2 (ZeRO2Optimizer) on BucketedDDP; torch DDP +
+ZeroRedundancyOptimizer; torch FSDP2 `fully_shard(reshard_after_forward=False)` (ZeRO-2's torch counterpart).
+
+exposed_% = (median step - median compute-only step) / compute-only: the communication that did not hide.
+grad_state_MB counts, per rank, the gradient storage (`.grad`, bucket buffers, shards) and optimizer state that
+persist between steps (torch DDP's internal buckets cannot be counted this way: `alloc_MB`, the CUDA allocator's
+figure after a step, includes everything).
+
+    python -m benchmarks.ddp                       # 2 GPUs and the xl preset; on a CPU 2 gloo ranks, the tiny preset
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import statistics
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from benchmarks.harness import (
     add_common_args, add_distributed_model_args, distributed_model_config, environment, pyplot, save_plot,
     spawn_for_result, token_batch, write_result, write_table,
 )
-from flashsys.dist import BucketedDDP, FlatDDP, NaiveDDP, OverlapDDP, measure_allreduce_cost, plan_buckets
+from flashsys.dist import BucketedDDP
 from flashsys.nn import TransformerLM
+from flashsys.optim import ShardedOptimizer, ZeRO2Optimizer
 from flashsys.timing import Stopwatch
 
-BUCKETS = [1, 10, 25, 100, 1000]  # 25 MB: torch DDP's default, for a like-for-like comparison
+MB = 2**20
 
 
-def variants():
-    v = {"none (compute only)": None, "naive": NaiveDDP, "flat": FlatDDP, "overlap": OverlapDDP}
-    for mb in BUCKETS:
-        v[f"bucketed {mb} MB"] = (lambda m, mb=mb: BucketedDDP(m, bucket_size_mb=mb))
-    v["bucketed auto"] = lambda m: BucketedDDP(m, bucket_size_mb="auto")
-    v["torch DDP 25 MB"] = "torch"
-    return v
+@dataclass
+class Built:
+    """One variant, built on the model: what the step calls, and what to undo before the next variant."""
+
+    net: nn.Module
+    opt: torch.optim.Optimizer
+    wrapper: object = None
+    teardown: list[Callable[[], None]] = field(default_factory=list)
 
 
-def worker(rank, world, device, cfg, batch, warmup, iters, only, out_json):
+def _adamw(device) -> dict:
+    kw = dict(lr=1e-5, weight_decay=0.1, betas=(0.9, 0.95))
+    if device.type == "cuda":
+        kw["fused"] = True
+    return kw
+
+
+def _ours(bucket_mb="auto", optimizer="adamw", **ddp_kw) -> Callable:
+    def build(model, device):
+        ddp = BucketedDDP(model, bucket_size_mb=bucket_mb, **ddp_kw)
+        if optimizer == "zero1":
+            opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, **_adamw(device))
+        elif optimizer == "zero2":
+            opt = ZeRO2Optimizer(model.parameters(), torch.optim.AdamW, **_adamw(device))
+        else:
+            opt = torch.optim.AdamW(model.parameters(), **_adamw(device))
+        return Built(ddp, opt, ddp, [ddp.remove_hooks])
+    return build
+
+
+def _torch_ddp(bucket_mb=25, zero=False) -> Callable:
+    def build(model, device):
+        ids = [device.index] if device.type == "cuda" else None
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb, device_ids=ids)
+        if zero:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **_adamw(device))
+        else:
+            opt = torch.optim.AdamW(model.parameters(), **_adamw(device))
+        return Built(ddp, opt)
+    return build
+
+
+def _fsdp2(model, device):
+    """FSDP2 converts the model's parameters for good: it gets a model of its own (kept across rounds)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.layers:
+        fully_shard(block, reshard_after_forward=False)
+    fully_shard(model, reshard_after_forward=False)
+    return Built(model, torch.optim.AdamW(model.parameters(), **_adamw(device)))
+
+
+def _compute_only(model, device):
+    return Built(model, torch.optim.AdamW(model.parameters(), **_adamw(device)))
+
+
+VARIANTS: dict[str, Callable] = {
+    "compute only": _compute_only,
+    "BucketedDDP (default: auto)": _ours(),
+    "BucketedDDP 25 MB": _ours(25),
+    "BucketedDDP 100 MB": _ours(100),
+    "BucketedDDP auto, bucket views": _ours(gradient_as_bucket_view=True),
+    "BucketedDDP auto, bf16 comm": _ours(comm_dtype=torch.bfloat16),
+    "torch DDP 25 MB (default)": _torch_ddp(25),
+    "torch DDP 100 MB": _torch_ddp(100),
+    "torch DDP 250 MB": _torch_ddp(250),
+    "ZeRO-1: BucketedDDP + ShardedOptimizer": _ours(optimizer="zero1"),
+    "ZeRO-2: BucketedDDP + ZeRO2Optimizer": _ours(optimizer="zero2"),
+    "torch DDP + ZeroRedundancyOptimizer": _torch_ddp(25, zero=True),
+    "torch FSDP2 (reshard_after_forward=False)": _fsdp2,
+}
+OWN_MODEL = {"torch FSDP2 (reshard_after_forward=False)"}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def grad_state_bytes(model: nn.Module, built: Built) -> int:
+    """Bytes of gradient storage and optimizer state on this rank, each storage counted once."""
+    tensors = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+    if isinstance(built.wrapper, BucketedDDP):
+        for b in built.wrapper.buckets:
+            tensors += [t for t in (b.buffer, b.comm, b.grad_shard) if t is not None]
+    opt = built.opt
+    inner = getattr(opt, "inner", None) or getattr(opt, "optim", None) or opt
+    tensors += [_local(v) for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def worker(rank, world, device, cfg, batch, warmup, iters, rounds, only, out_json):
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     else:
         torch.set_num_threads(1)
     x = token_batch(cfg, batch, device, torch.Generator().manual_seed(rank))
-    rows = []
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else contextlib.nullcontext
+    names = [n for n in VARIANTS if n == "compute only" or not only or n in only]
     torch.manual_seed(0)
-    model = TransformerLM.from_config(cfg, device=device)
-    total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    o, w = measure_allreduce_cost(device, torch.float32)
-    for name, make in variants().items():
-        if only and name not in only and make is not None:  # the compute-only row is always measured
-            continue
-        if make is None:
-            wrapped = model
-        elif make == "torch":
-            wrapped = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25,
-                                                                device_ids=[device.index] if device.type == "cuda" else None)
-        else:
-            wrapped = make(model)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-5)
-        steps, syncs = [], []
-        watch = Stopwatch(device, barrier=True)
-        for i in range(warmup + iters):
-            watch.start()
-            loss = F.cross_entropy(wrapped(x[:, :-1]).float().reshape(-1, cfg.vocab_size), x[:, 1:].reshape(-1))
-            loss.backward()
-            watch.lap()
-            if hasattr(wrapped, "finish_gradient_synchronization"):
-                wrapped.finish_gradient_synchronization()
-            sync_ms = watch.lap()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if i >= warmup:
-                steps.append(watch.elapsed())
-                syncs.append(sync_ms)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, (statistics.fmean(steps), statistics.stdev(steps) if len(steps) > 1 else 0.0,
-                                          statistics.fmean(syncs)))
-        mean = max(gg[0] for gg in gathered)
-        row = {"variant": name, "step_ms": mean, "std_ms": max(gg[1] for gg in gathered),
-               "finish_sync_ms": max(gg[2] for gg in gathered)}
-        if hasattr(wrapped, "bucket_bytes"):
-            row["bucket_MB"] = round(min(wrapped.bucket_bytes, total_bytes) / 2**20, 1)
-            row["buckets"] = len(wrapped.bucket_sizes_bytes)
-        rows.append(row)
-        if hasattr(wrapped, "remove_hooks"):
-            wrapped.remove_hooks()
-        del wrapped, opt
-        model.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    compute = rows[0]["step_ms"]
+    shared = TransformerLM.from_config(cfg, device=device)
+    own: dict[str, tuple[nn.Module, Built]] = {}
+    times: dict[str, list[float]] = {n: [] for n in names}
+    memory: dict[str, tuple[int, float]] = {}
+    info: dict[str, dict] = {}
+    watch = Stopwatch(device, barrier=True)
+    for _ in range(rounds):
+        for name in names:
+            if name in OWN_MODEL:
+                if name not in own:
+                    torch.manual_seed(0)
+                    m = TransformerLM.from_config(cfg, device=device)
+                    own[name] = (m, VARIANTS[name](m, device))
+                model, built = own[name]
+            else:
+                model, built = shared, VARIANTS[name](shared, device)
+            for i in range(warmup + iters):
+                watch.start()
+                built.opt.zero_grad(set_to_none=True)
+                with autocast():
+                    logits = built.net(x[:, :-1])
+                F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), x[:, 1:].reshape(-1)).backward()
+                built.opt.step()
+                ms = watch.elapsed()
+                if i >= warmup:
+                    times[name].append(ms)
+            alloc = torch.cuda.memory_allocated(device) / MB if device.type == "cuda" else float("nan")
+            memory[name] = (grad_state_bytes(model, built), alloc)
+            if isinstance(built.wrapper, BucketedDDP):
+                info[name] = {"buckets": len(built.wrapper.bucket_sizes_bytes),
+                              "bucket_MB": round(max(built.wrapper.bucket_sizes_bytes, default=0) / MB, 1)}
+            if name not in OWN_MODEL:
+                for undo in built.teardown:
+                    undo()
+                del built
+                shared.zero_grad(set_to_none=True)
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    # The slowest rank's time of each step.
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, (times, memory))
+    rows = []
+    for name in names:
+        steps = [max(g[0][name][k] for g in gathered) for k in range(len(times[name]))]
+        q = statistics.quantiles(steps, n=10) if len(steps) > 1 else [steps[0]] * 9
+        rows.append({"variant": name, "median_ms": statistics.median(steps), "p10_ms": q[0], "p90_ms": q[-1],
+                     "steps": len(steps), "grad_state_MB": max(g[1][name][0] for g in gathered) / MB,
+                     "alloc_MB": max(g[1][name][1] for g in gathered), **info.get(name, {})})
+    compute = rows[0]["median_ms"]
     for r in rows:
-        r["exposed_comm_ms"] = r["step_ms"] - compute
-    param_bytes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
-    write_result(rank, out_json, {"rows": rows, "o_s": o, "w_Bps": w, "total_bytes": total_bytes,
-                                  "param_bytes": param_bytes})
+        r["exposed_ms"] = r["median_ms"] - compute
+        r["exposed_%"] = 100 * r["exposed_ms"] / compute
+    total = sum(p.numel() * p.element_size() for p in shared.parameters())
+    write_result(rank, out_json, {"rows": rows, "total_bytes": total})
 
 
-def plot(rows: list[dict], o: float, w: float, param_bytes: list[int], out: Path, name: str) -> None:
-    """Step time against bucket size, with the overhead model compute + calls(b)·o + b/w drawn over it.
-
-    calls(b) is the real bucket count of the layout (a parameter never splits), not S/b: with 41 MB matrices,
-    every cap below that gives about one call per parameter."""
-    import numpy as np
-
+def plot(rows: list[dict], out, name: str) -> None:
+    """Median step per variant with its p10–p90 spread, and the compute-only floor."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    pts = [(r["bucket_MB"], r["step_ms"]) for r in rows if r["variant"].startswith("bucketed") and "bucket_MB" in r]
-    ax.plot(*zip(*sorted(pts)), "o", label="BucketedDDP (measured)")
-    compute = rows[0]["step_ms"]
-    total = sum(param_bytes)
-    b = np.logspace(np.log10(0.5), np.log10(max(total / 2**20, 2)), 100) * 2**20
-    order = [(None, n) for n in reversed(param_bytes)]  # BucketedDDP fills buckets in reverse order
-    pred = [compute + len(plan_buckets(order, cap)) * o * 1e3 + min(cap, total) / w * 1e3 for cap in b]
-    ax.plot(b / 2**20, pred, "-", label="compute + calls(b)·o + b/w (model)")
-    ax.axhline(compute, color="gray", linestyle=":", label="compute only")
-    for r in rows:
-        if r["variant"] == "torch DDP 25 MB":
-            ax.axhline(r["step_ms"], color="C3", linestyle="--", label="torch DDP 25 MB")
-    ax.set_xscale("log")
-    ax.set_xlabel("bucket size (MB)")
-    ax.set_ylabel("step time (ms)")
-    ax.legend(fontsize=7)
+    fig, ax = plt.subplots(figsize=(7, 0.35 * len(rows) + 1.2))
+    y = range(len(rows))
+    med = [r["median_ms"] for r in rows]
+    err = [[r["median_ms"] - r["p10_ms"] for r in rows], [r["p90_ms"] - r["median_ms"] for r in rows]]
+    ax.barh(list(y), med, xerr=err, color=["gray"] + ["C0"] * (len(rows) - 1), capsize=2)
+    ax.axvline(rows[0]["median_ms"], color="gray", linestyle=":")
+    ax.set_yticks(list(y), [r["variant"] for r in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("step time, median and p10–p90 (ms)")
     save_plot(fig, out, name)
 
 
@@ -132,21 +225,24 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, "ddp")
     add_distributed_model_args(p)
-    p.add_argument("--variants", nargs="+", choices=list(variants()), metavar="NAME",
-                   help=f"measure only these (default: all): {', '.join(variants())}")
+    p.set_defaults(warmup=2, iters=5)
+    p.add_argument("--rounds", type=int, default=4, help="rounds; each variant is timed for --iters steps per round")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), metavar="NAME",
+                   help=f"measure only these (compute only is always measured): {'; '.join(VARIANTS)}")
     args = p.parse_args(argv)
     cfg = distributed_model_config(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    res = spawn_for_result(worker, args.world_size, cfg, args.batch, args.warmup, args.iters, args.variants,
-                           backend=args.backend, scratch_dir=args.out)
-    rows, o, w, s = res["rows"], res["o_s"], res["w_Bps"], res["total_bytes"]
-    path = write_table(rows, args.out, f"ddp_{args.backend}", "Data-parallel training step",
-                       [f"{args.world_size} ranks, {args.backend}, model {args.preset} ({s / 2**20:.0f} MB of fp32 "
-                        f"gradients), context {args.context}, batch {args.batch} per rank; mean over {args.iters} steps "
-                        f"after {args.warmup} warm-up (slowest rank). Measured all-reduce cost: o = {o * 1e6:.0f} µs per "
-                        f"call, w = {w / 1e9:.1f} GB/s. exposed_comm_ms = step_ms - the compute-only step."],
+    res = spawn_for_result(worker, args.world_size, cfg, args.batch, args.warmup, args.iters, args.rounds,
+                           args.variants, backend=args.backend, scratch_dir=args.out)
+    rows, total = res["rows"], res["total_bytes"]
+    path = write_table(rows, args.out, f"ddp_{args.backend}", "Data-parallel training step (AdamW)",
+                       [f"{args.world_size} ranks, {args.backend}, model {args.preset} ({total / MB:.0f} MB of fp32 "
+                        f"parameters), context {args.context}, batch {args.batch} per rank, "
+                        f"{'bf16 autocast' if torch.cuda.is_available() else 'fp32'}. {args.rounds} interleaved rounds "
+                        f"of {args.warmup} warm-up + {args.iters} timed steps per variant; median and p10/p90 of the "
+                        "slowest rank's step. exposed = median - compute-only median."],
                        environment())
-    plot(rows, o, w, res["param_bytes"], args.out, f"ddp_{args.backend}")
+    plot(rows, args.out, f"ddp_{args.backend}")
     print(path.read_text())
     return 0
 

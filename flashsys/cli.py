@@ -41,8 +41,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch, split over ranks")
     p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--bucket-mb", default="25", help="BucketedDDP bucket size in MB, 'auto' or 'none'")
-    p.add_argument("--no-shard", action="store_true", help="plain AdamW instead of ShardedOptimizer")
+    p.add_argument("--bucket-mb", default="auto",
+                   help="BucketedDDP bucket size in MB, 'auto' (measured, the default) or 'none'")
+    p.add_argument("--no-shard", action="store_true", help="plain AdamW instead of a sharded optimizer")
+    p.add_argument("--zero-stage", type=int, choices=[1, 2], default=2,
+                   help="2: gradients and optimizer state sharded (ZeRO2Optimizer, default); 1: optimizer state only "
+                        "(ShardedOptimizer)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model (default: on a GPU, where it pays; --no-compile for eager)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype)
@@ -169,7 +173,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
     check_memory(model, a.batch_size // world, world, backend == "nccl")
     return TrainConfig(model=model, data=a.data, out=a.out, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
                        warmup=min(20, max(1, a.steps // 10)), world_size=world, backend=backend,
-                       bucket_mb=_bucket_mb(a.bucket_mb), shard=not a.no_shard, compile=cuda if a.compile is None else a.compile, dtype=a.dtype,
+                       bucket_mb=_bucket_mb(a.bucket_mb), shard=not a.no_shard, zero_stage=a.zero_stage, compile=cuda if a.compile is None else a.compile, dtype=a.dtype,
                        checkpoint_every=a.checkpoint_every, stop_after=a.stop_after, resume=a.resume, seed=a.seed,
                        timeout_s=a.timeout, force=a.force, pack_documents=a.pack_documents)
 

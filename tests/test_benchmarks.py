@@ -20,7 +20,7 @@ CASES = {
     "host_cost": (["--seqs", "32", "--calls", "3", "--heads", "2"], ["host_cost_cpu.md", "host_cost_cpu.csv"]),
     "allreduce": (["--sizes-mb", "0.1", "1", "--world-sizes", "2", "--iters", "2", "--warmup", "1", "--backend", "gloo"],
                   ["allreduce_gloo.md", "allreduce_gloo.csv", "allreduce_gloo.png"]),
-    "ddp": (["--iters", "1", "--warmup", "1", "--context", "16", "--backend", "gloo"],
+    "ddp": (["--rounds", "1", "--iters", "2", "--warmup", "1", "--context", "16", "--backend", "gloo"],
             ["ddp_gloo.md", "ddp_gloo.csv", "ddp_gloo.png"]),
     "sharded_optimizer": (["--iters", "1", "--warmup", "0", "--context", "16", "--backend", "gloo"],
                           ["sharded_optimizer_gloo.md", "sharded_optimizer_gloo.csv", "sharded_optimizer_gloo.png"]),

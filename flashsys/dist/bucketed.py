@@ -70,7 +70,9 @@ class BucketedDDP(DataParallelBase):
 
     Args:
         module: the model, already on this rank's device.
-        bucket_size_mb: bucket cap in MiB, `None` (one bucket per dtype and device) or `"auto"` (measured).
+        bucket_size_mb: bucket cap in MiB, `None` (one bucket per dtype and device) or `"auto"` (measured at
+            construction; the default: on 2 and 4 H200s at the xl preset it beat every fixed size tried and torch
+            DDP's 25 MB, see the README).
         process_group: the group to average over (default: the world).
         cross_rank_checks: see DataParallelBase.
         broadcast_buffers: see DataParallelBase.
@@ -87,7 +89,7 @@ class BucketedDDP(DataParallelBase):
             floating dtype; or a model that differs between ranks.
     """
 
-    def __init__(self, module: nn.Module, bucket_size_mb: float | str | None = 25.0, process_group=None,
+    def __init__(self, module: nn.Module, bucket_size_mb: float | str | None = "auto", process_group=None,
                  cross_rank_checks: bool = True, broadcast_buffers: bool = True, gradient_as_bucket_view: bool = False,
                  comm_dtype: torch.dtype | None = None) -> None:
         if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):

@@ -303,6 +303,11 @@ def test_drop_in_options_broadcast_buffers_bucket_views_and_comm_dtype():
     spawn(_drop_in_worker, 2, backend="gloo", timeout_s=120)
 
 
+@pytest.mark.multigpu
+def test_drop_in_options_nccl():
+    spawn(_drop_in_worker, 2, backend="nccl", timeout_s=120)
+
+
 def _two_backwards_worker(rank, world, device):
     """Two synchronised backwards before one step (two losses): the gradients add up, averaged, as in one process."""
     model, ref = make_model(0, device), make_model(0, device)

@@ -50,7 +50,7 @@ def _gathered_gradients(opt):
     """The full averaged gradients, all-gathered from every rank's shards: what an unsharded optimizer would see."""
     grads = {}
     for b in opt.ddp.buckets:
-        full = torch.empty(b.params_flat.numel(), dtype=b.grad_shard.dtype)
+        full = torch.empty(b.params_flat.numel(), dtype=b.grad_shard.dtype, device=b.grad_shard.device)
         dist.all_gather_into_tensor(full, b.grad_shard)
         for i, (p, g) in enumerate(zip(b.params, b.layout.views(full))):
             grads[id(p)] = g.clone() if b.used[i] else None
@@ -67,7 +67,7 @@ def _parity_worker(rank, world, device, opt_name, bucket_mb):
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5) for o in (opt, plain_opt, replicated_opt)]
     g = torch.Generator().manual_seed(5)
     for step in range(8):
-        x, y = torch.randn(4 * world, 12, generator=g), torch.randn(4 * world, 24, generator=g)
+        x, y = torch.randn(4 * world, 12, generator=g).to(device), torch.randn(4 * world, 24, generator=g).to(device)
         _backward(ddp, opt, x, y, rank, accumulate=step % 3 == 2)
         # The unsharded optimizer on the same averaged gradients: bit-exact for any world size.
         grads = _gathered_gradients(opt)
@@ -96,6 +96,11 @@ def test_bit_exact_against_the_unsharded_optimizer_on_averaged_gradients(world, 
     # 1e-4 MiB: a bucket per parameter or two (slices inside parameters); None: one bucket, cut across parameters.
     for bucket_mb in (1e-4, None):
         spawn(_parity_worker, world, opt_name, bucket_mb, backend="gloo", timeout_s=120)
+
+
+@pytest.mark.multigpu
+def test_bit_exact_against_the_unsharded_optimizer_on_averaged_gradients_nccl():
+    spawn(_parity_worker, 2, "AdamW", 1e-4, backend="nccl", timeout_s=120)
 
 
 def _memory_worker(rank, world, device):
