@@ -164,9 +164,18 @@ class DataParallelBase(nn.Module, metaclass=abc.ABCMeta):
         """The wrapped module's forward, unchanged (gradients are synchronised in backward hooks).
 
         Raises:
-            RuntimeError: when a parameter was frozen or unfrozen after wrapping (its gradient would not be
-                synchronised, or would be waited for forever).
+            RuntimeError: when a parameter was frozen or unfrozen, replaced, added or removed after wrapping (its
+                gradient would not be synchronised, or would be waited for forever).
         """
+        current = list(self.module.parameters())
+        if len(current) != len(self._all_params) or any(a is not b for a, b in zip(current, self._all_params)):
+            known = {id(p) for p in self._all_params}
+            names = [n for n, p in self.module.named_parameters() if id(p) not in known]
+            raise RuntimeError(
+                f"{type(self).__name__}: the model's parameters changed after wrapping (new or replaced: {names}; "
+                f"{len(self._all_params)} parameters when wrapped, {len(current)} now); their gradients would not be "
+                "synchronised. Wrap the model again (call remove_hooks() on the old wrapper first)."
+            )
         if any(p.requires_grad != t for p, t in zip(self._all_params, self._trainable)):
             changed = [n for (n, p), t in zip(self.module.named_parameters(), self._trainable) if p.requires_grad != t]
             raise RuntimeError(

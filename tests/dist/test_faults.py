@@ -38,6 +38,27 @@ def _unfreeze_worker(rank, world, device):
             ddp.remove_hooks()
 
 
+def _replaced_parameter_worker(rank, world, device):
+    for name, make in WRAPPERS.items():
+        model = make_model(0, device)
+        ddp = make(model)
+        x, _ = make_batches(1, 4, device)[0]
+        model.hidden.weight = nn.Parameter(model.hidden.weight.detach().clone())  # never hooked
+        with pytest.raises(RuntimeError, match=r"parameters changed after wrapping \(new or replaced: \['hidden.weight'\]"):
+            ddp(x)
+        ddp.remove_hooks()
+        model = make_model(0, device)
+        ddp = make(model)
+        model.extra = nn.Linear(2, 2)
+        with pytest.raises(RuntimeError, match=r"new or replaced: \['extra.weight', 'extra.bias'\]"):
+            ddp(x)
+        ddp.remove_hooks()
+
+
+def test_parameters_replaced_or_added_after_wrapping_are_an_error():
+    spawn(_replaced_parameter_worker, 2, backend="gloo", timeout_s=60)
+
+
 def test_changing_requires_grad_after_wrapping_is_an_error():
     spawn(_unfreeze_worker, 2, backend="gloo", timeout_s=60)
 
