@@ -131,8 +131,11 @@ def grad_state_bytes(model: nn.Module, built: Built) -> int:
         for b in built.wrapper.buckets:
             tensors += [t for t in (b.buffer, b.comm, b.grad_shard) if t is not None]
     opt = built.opt
-    inner = getattr(opt, "inner", None) or getattr(opt, "optim", None) or opt
-    tensors += [_local(v) for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
+    if isinstance(opt, ZeRO2Optimizer):
+        state = opt.inner_state
+    else:  # ShardedOptimizer.inner, ZeroRedundancyOptimizer.optim, or the optimizer itself
+        state = (getattr(opt, "inner", None) or getattr(opt, "optim", None) or opt).state
+    tensors += [_local(v) for s in state.values() for v in s.values() if torch.is_tensor(v)]
     seen: dict[int, int] = {}
     for t in tensors:
         storage = t.untyped_storage()

@@ -3,7 +3,9 @@
 BucketedDDP reduce-scatters each bucket during backward, so a rank ends backward holding the averaged gradients
 of its 1/world slice of every bucket only; it steps that slice's parameters with the inner optimizer and the
 updated slices are all-gathered back, in place. Per step that is a reduce-scatter plus an all-gather: the bytes
-of one all-reduce (ZeRO-1 adds a broadcast of every parameter on top of DDP's all-reduce).
+of one all-reduce (ZeRO-1 adds a broadcast of every parameter on top of DDP's all-reduce). The step runs bucket
+by bucket (one inner optimizer per bucket), each bucket's all-gather launched as soon as its slice is stepped,
+so the gathers overlap the optimizer's own work on the next buckets; `step()` returns with the parameters whole.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
         self._optimizer_cls, self._inner_kwargs = optimizer_cls, kwargs
         self._ddp: BucketedDDP | None = None
         self._pieces: list[list[_Piece]] = []  # this rank's pieces, per param group
-        self._inner: torch.optim.Optimizer | None = None
+        self._inners: list[torch.optim.Optimizer] = []  # one per bucket, each with every param group
         self._consolidated: dict[str, Any] | None = None
         super().__init__(params, defaults=kwargs)
 
@@ -121,21 +123,23 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
                 piece = nn.Parameter(bucket.params_flat[start:end])  # aliases the parameter's storage
                 pieces.append(_Piece(piece, p, bucket, i, start - offset, end - offset, start - lo))
         self._pieces.append(pieces)
-        inner_group = {**{k: v for k, v in group.items() if k != "params"}, "params": [x.tensor for x in pieces]}
-        if self._inner is None:
-            self._inner = self._optimizer_cls([inner_group], **self._inner_kwargs)
-            self.defaults = dict(self._inner.defaults)
-        else:
-            self._inner.add_param_group(inner_group)
-        for k, v in self._inner.param_groups[-1].items():
-            if k != "params":
-                group.setdefault(k, v)
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        for b, bucket in enumerate(ddp.buckets):
+            inner_group = {**hyper, "params": [x.tensor for x in pieces if x.bucket is bucket]}
+            if len(self._inners) <= b:
+                self._inners.append(self._optimizer_cls([inner_group], **self._inner_kwargs))
+            else:
+                self._inners[b].add_param_group(inner_group)
+        if self._inners:
+            self.defaults = dict(self._inners[0].defaults)
+            for k, v in self._inners[0].param_groups[-1].items():
+                if k != "params":
+                    group.setdefault(k, v)
 
     @property
-    def inner(self) -> torch.optim.Optimizer:
-        """The wrapped optimizer, stepping only this rank's slices."""
-        assert self._inner is not None
-        return self._inner
+    def inner_state(self) -> dict[torch.Tensor, dict[str, Any]]:
+        """The inner optimizers' state, keyed by this rank's slices (`nn.Parameter`s aliasing the parameters)."""
+        return {piece: st for inner in self._inners for piece, st in inner.state.items()}
 
     @property
     def ddp(self) -> BucketedDDP:
@@ -159,20 +163,20 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for outer, inner in zip(self.param_groups, self.inner.param_groups):
-            inner.update({k: v for k, v in outer.items() if k != "params"})
         self._attach_gradients()
-        self.inner.step(**kwargs)
-        for x in self._all_pieces():
-            x.tensor.grad = None
         ddp = self.ddp
         handles = []
-        with torch.no_grad():
-            for bucket in ddp.buckets:
-                bucket.grad_live = False
-                lo, hi = ddp.shard_range(bucket)
+        for inner, bucket in zip(self._inners, ddp.buckets):
+            for outer, group in zip(self.param_groups, inner.param_groups):
+                group.update({k: v for k, v in outer.items() if k != "params"})
+            inner.step(**kwargs)
+            bucket.grad_live = False
+            lo, hi = ddp.shard_range(bucket)
+            with torch.no_grad():  # launched now: it runs while the next buckets are stepped
                 handles.append(_all_gather_flat(bucket.params_flat, bucket.params_flat[lo:hi],
                                                 group=ddp.process_group, async_op=True))
+        for x in self._all_pieces():
+            x.tensor.grad = None
         for h in handles:
             h.wait()
         return loss
@@ -205,7 +209,7 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
     def grad_and_state_bytes(self) -> int:
         """Bytes this rank holds for gradients (its shards) and optimizer state (its slices')."""
         grads = sum(b.grad_shard.numel() * b.grad_shard.element_size() for b in self.ddp.buckets)
-        state = sum(v.numel() * v.element_size() for s in self.inner.state.values() for v in s.values() if torch.is_tensor(v))
+        state = sum(v.numel() * v.element_size() for s in self.inner_state.values() for v in s.values() if torch.is_tensor(v))
         return grads + state
 
     # ------------------------------------------------------------------ state dicts
@@ -216,9 +220,10 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
         """Gather every rank's slices of the state on rank `to`, reassembled per parameter (a collective: call it
         on every rank); `state_dict()` on that rank then returns it. States are moved to the CPU on the way."""
         index = self._global_index()
+        inner_state = self.inner_state
         mine = []
         for x in self._all_pieces():
-            state = self.inner.state.get(x.tensor)
+            state = inner_state.get(x.tensor)
             if state:
                 mine.append((index[id(x.param)], x.start, x.end,
                              {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in state.items()}))
@@ -290,15 +295,18 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
         for outer, s in zip(self.param_groups, groups):
             outer.update({k: v for k, v in s.items() if k != "params"})
         index = self._global_index()
-        inner_state, inner_groups, n = {}, [], 0
-        for s, pieces in zip(groups, self._pieces):
-            ids = []
-            for x in pieces:
-                values = saved.get(index[id(x.param)])
-                if values is not None:
-                    inner_state[n] = {k: (v.reshape(-1)[x.start : x.end].clone() if torch.is_tensor(v) and v.dim() > 0
-                                          else v) for k, v in values.items()}
-                ids.append(n)
-                n += 1
-            inner_groups.append({**{k: v for k, v in s.items() if k != "params"}, "params": ids})
-        self.inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+        for b, (inner, bucket) in enumerate(zip(self._inners, self.ddp.buckets)):
+            inner_state, inner_groups, n = {}, [], 0
+            for s, pieces in zip(groups, self._pieces):
+                ids = []
+                for x in pieces:
+                    if x.bucket is not bucket:
+                        continue
+                    values = saved.get(index[id(x.param)])
+                    if values is not None:
+                        inner_state[n] = {k: (v.reshape(-1)[x.start : x.end].clone() if torch.is_tensor(v) and v.dim() > 0
+                                              else v) for k, v in values.items()}
+                    ids.append(n)
+                    n += 1
+                inner_groups.append({**{k: v for k, v in s.items() if k != "params"}, "params": ids})
+            inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
