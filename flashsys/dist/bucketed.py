@@ -135,11 +135,11 @@ class BucketedDDP(DataParallelBase):
             if self.comm_dtype is not None and self.comm_dtype != buffer.dtype:
                 comm = torch.empty(buffer.numel(), dtype=self.comm_dtype, device=buffer.device)
             bucket = _Bucket(ps, layout, buffer, comm)
-            if self.gradient_as_bucket_view:
+            if self.gradient_as_bucket_view:  # gradients that exist already move in; the others on first use
                 for p, view in zip(ps, layout.views(buffer)):
                     if p.grad is not None:
                         view.copy_(p.grad)
-                    p.grad = view
+                        p.grad = view
             buckets.append(bucket)
         return buckets
 
