@@ -1,6 +1,7 @@
 """Bad inputs and faults tried against flashsys as a user would, each classified by what happened.
 
-    .venv/bin/python scripts/fault_battery.py            # about 5 minutes on 2 CPU cores
+    .venv/bin/python scripts/fault_battery.py            # about 6 minutes on 2 CPU cores
+    .venv/bin/python scripts/fault_battery.py ZeRO2      # only the tries whose name contains ZeRO2
 
 Outcomes: clear (a prompt error that says what is wrong), correct (handled: the right answer), unclear (an error
 from deep inside torch/gloo), hang (still running at its time limit), crash (killed by a signal), silent (a wrong
@@ -105,7 +106,7 @@ DIST = """
 import torch, datetime, torch.distributed as dist
 from torch import nn
 from flashsys.dist import BucketedDDP, FlatDDP, NaiveDDP, OverlapDDP, spawn
-from flashsys.optim import ShardedOptimizer
+from flashsys.optim import ShardedOptimizer, ZeRO2Optimizer
 def make():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
@@ -160,6 +161,28 @@ opt.load_state_dict({'state': {}})""", "expected a dict with 'state' and 'param_
 opt = ShardedOptimizer(make().parameters(), torch.optim.AdamW, lr=1e-3)
 groups = [{'params': [0, 1, 2, 3], 'lr': 1e-3, 'betas': (0.9, 0.999), 'eps': 1e-8, 'weight_decay': 0.01, 'amsgrad': False}]
 opt.load_state_dict({'state': {0: {'step': torch.tensor(1.0), 'exp_avg': torch.zeros(3, 3), 'exp_avg_sq': torch.zeros(3, 3)}}, 'param_groups': groups})""",
+        "has shape")
+    for w in ("NaiveDDP", "FlatDDP", "OverlapDDP", "BucketedDDP"):
+        t[f"{w}: no finish_gradient_synchronization() call (torch DDP's loop)"] = lambda w=w: expect_ok(run_dist(f"""
+m = make(); ddp = {w}(m); opt = torch.optim.SGD(m.parameters(), lr=0.1)
+ddp(torch.randn(2, 4) * (rank + 1)).sum().backward(); opt.step()
+w0 = [p.detach().clone() for p in m.parameters()]; dist.broadcast_object_list(w0, src=0)
+assert all(torch.equal(a, b) for a, b in zip(w0, m.parameters())), 'ranks differ'"""))
+        t[f"{w}: wrapping a wrapped model again"] = lambda w=w: dist_try(f"""
+m = make(); first = BucketedDDP(m); {w}(m)""", "already wrapped by a live BucketedDDP")
+        t[f"{w}: a parameter replaced after wrapping"] = lambda w=w: dist_try(f"""
+m = make(); ddp = {w}(m); m[0].weight = nn.Parameter(torch.randn(4, 4))
+ddp(torch.randn(2, 4)).sum().backward()""", "parameters changed after wrapping")
+    t["BucketedDDP: comm_dtype=torch.int8"] = lambda: dist_try(
+        "BucketedDDP(make(), comm_dtype=torch.int8)", "comm_dtype must be a floating torch.dtype")
+    t["ZeRO2Optimizer: model not wrapped"] = lambda: dist_try(
+        "ZeRO2Optimizer(make().parameters(), torch.optim.AdamW, lr=1e-3)", "one live BucketedDDP")
+    t["ZeRO2Optimizer: LBFGS (not elementwise)"] = lambda: dist_try("""
+m = make(); ddp = BucketedDDP(m); ZeRO2Optimizer(m.parameters(), torch.optim.LBFGS)""", "not known to update each element")
+    t["ZeRO2Optimizer.load_state_dict with other shapes"] = lambda: dist_try("""
+m = make(); ddp = BucketedDDP(m); opt = ZeRO2Optimizer(m.parameters(), torch.optim.AdamW, lr=1e-3)
+groups = [{'params': [0, 1, 2, 3], 'lr': 1e-3}]
+opt.load_state_dict({'state': {0: {'step': torch.tensor(1.0), 'exp_avg': torch.zeros(3, 3)}}, 'param_groups': groups})""",
         "has shape")
     t["a dead rank ends the others"] = lambda: dist_try("""
 import os
@@ -298,8 +321,11 @@ def main() -> int:
     tries.update(dist_tries())
     with tempfile.TemporaryDirectory() as tmp:
         tries.update(cli_tries(Path(tmp)))
+        only = sys.argv[1] if len(sys.argv) > 1 else ""  # a substring: run only the tries whose name has it
         results = {}
         for name, run in tries.items():
+            if only not in name:
+                continue
             t0 = time.time()
             results[name] = run()
             print(f"{results[name]:10s} {time.time() - t0:5.1f}s  {name}", flush=True)
