@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.harness import (
-    add_common_args, add_distributed_model_args, distributed_model_config, environment, pyplot, save_plot,
-    spawn_for_result, token_batch, write_result, write_table,
+    add_common_args, add_distributed_model_args, distributed_model_config, environment, gradient_and_state_bytes,
+    pyplot, save_plot, spawn_for_result, token_batch, write_result, write_table,
 )
 from flashsys.dist import BucketedDDP
 from flashsys.nn import TransformerLM
@@ -120,29 +120,6 @@ VARIANTS: dict[str, Callable] = {
 OWN_MODEL = {"torch FSDP2 (reshard_after_forward=False)"}
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def grad_state_bytes(model: nn.Module, built: Built) -> int:
-    """Bytes of gradient storage and optimizer state on this rank, each storage counted once."""
-    tensors = [_local(p.grad) for p in model.parameters() if p.grad is not None]
-    if isinstance(built.wrapper, BucketedDDP):
-        for b in built.wrapper.buckets:
-            tensors += [t for t in (b.buffer, b.comm, b.grad_shard) if t is not None]
-    opt = built.opt
-    if isinstance(opt, ZeRO2Optimizer):
-        state = opt.inner_state
-    else:  # ShardedOptimizer.inner, ZeroRedundancyOptimizer.optim, or the optimizer itself
-        state = (getattr(opt, "inner", None) or getattr(opt, "optim", None) or opt).state
-    tensors += [_local(v) for s in state.values() for v in s.values() if torch.is_tensor(v)]
-    seen: dict[int, int] = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
 def worker(rank, world, device, cfg, batch, warmup, iters, rounds, only, out_json):
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -179,7 +156,7 @@ def worker(rank, world, device, cfg, batch, warmup, iters, rounds, only, out_jso
                 if i >= warmup:
                     times[name].append(ms)
             alloc = torch.cuda.memory_allocated(device) / MB if device.type == "cuda" else float("nan")
-            memory[name] = (grad_state_bytes(model, built), alloc)
+            memory[name] = (sum(gradient_and_state_bytes(model, built.opt, built.wrapper)), alloc)
             if isinstance(built.wrapper, BucketedDDP):
                 info[name] = {"buckets": len(built.wrapper.bucket_sizes_bytes),
                               "bucket_MB": round(max(built.wrapper.bucket_sizes_bytes, default=0) / MB, 1)}

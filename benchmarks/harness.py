@@ -137,6 +137,30 @@ def token_batch(cfg: ModelConfig, batch: int, device, generator: torch.Generator
     return torch.randint(0, cfg.vocab_size, (batch, cfg.context_length), generator=generator).to(device)
 
 
+def gradient_and_state_bytes(model: torch.nn.Module, opt, wrapper=None) -> tuple[int, int]:
+    """(gradient bytes, optimizer-state bytes) this rank holds, each storage counted once: `.grad` (local shards
+    of DTensors), BucketedDDP's bucket buffers and ZeRO-2 shards, and the state of `opt` (or of its inner
+    optimizer: ShardedOptimizer.inner, ZeRO2Optimizer.inner_state, ZeroRedundancyOptimizer.optim)."""
+    from flashsys.dist import BucketedDDP
+    from flashsys.optim import ZeRO2Optimizer
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    def unique_bytes(tensors) -> int:
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+    grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
+    if isinstance(wrapper, BucketedDDP):
+        grads += [t for b in wrapper.buckets for t in (b.buffer, b.comm, b.grad_shard) if t is not None]
+    if isinstance(opt, ZeRO2Optimizer):
+        state = opt.inner_state
+    else:
+        state = (getattr(opt, "inner", None) or getattr(opt, "optim", None) or opt).state
+    states = [local(v) for s in state.values() for v in s.values() if torch.is_tensor(v)]
+    return unique_bytes(grads), unique_bytes(states)
+
+
 def result_path(scratch_dir: Path) -> Path:
     """Where rank 0 leaves its result for the launching process (spawn or torchrun)."""
     return scratch_dir / ".rank0_result.json"

@@ -1,7 +1,8 @@
 """Optimizer-state sharding: memory per rank and step time, with and without it.
 
-Variants: plain AdamW, flashsys ShardedOptimizer(AdamW), torch's ZeroRedundancyOptimizer(AdamW); gradients are
-synchronised by BucketedDDP in every variant. Per rank: allocated memory after model initialisation, before the
+Variants: plain AdamW, flashsys ShardedOptimizer(AdamW) (ZeRO-1), flashsys ZeRO2Optimizer(AdamW) (ZeRO-2:
+gradients sharded too), torch's ZeroRedundancyOptimizer(AdamW); gradients are synchronised by BucketedDDP in every
+variant. Per rank: allocated memory after model initialisation, before the
 optimizer step (after forward + backward) and after it, the peak, and the optimizer step time. The breakdown
 counts parameters, gradients and optimizer-state tensors directly; activations = peak during forward + backward
 minus what was allocated before it.
@@ -17,12 +18,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from benchmarks.harness import (
-    add_common_args, add_distributed_model_args, distributed_model_config, environment, pyplot, save_plot,
-    spawn_for_result, token_batch, write_result, write_table,
+    add_common_args, add_distributed_model_args, distributed_model_config, environment, gradient_and_state_bytes,
+    pyplot, save_plot, spawn_for_result, token_batch, write_result, write_table,
 )
 from flashsys.dist import BucketedDDP
 from flashsys.nn import TransformerLM
-from flashsys.optim import ShardedOptimizer
+from flashsys.optim import ShardedOptimizer, ZeRO2Optimizer
 from flashsys.timing import Stopwatch
 
 MB = 2**20
@@ -30,12 +31,6 @@ MB = 2**20
 
 def _allocated(device) -> float:
     return torch.cuda.memory_allocated(device) / MB if device.type == "cuda" else float("nan")
-
-
-def _state_bytes(opt) -> int:
-    inner = opt.inner if isinstance(opt, ShardedOptimizer) else getattr(opt, "optim", opt)
-    return sum(t.numel() * t.element_size() for s in inner.state.values() for t in s.values()
-               if torch.is_tensor(t) and t.dim() > 0)
 
 
 def worker(rank, world, device, cfg, batch, variant, warmup, iters, out_json):
@@ -53,6 +48,8 @@ def worker(rank, world, device, cfg, batch, variant, warmup, iters, out_json):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     elif variant == "ShardedOptimizer(AdamW)":
         opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-5)
+    elif variant == "ZeRO2Optimizer(AdamW)":
+        opt = ZeRO2Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-5)
     else:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -66,7 +63,6 @@ def worker(rank, world, device, cfg, batch, variant, warmup, iters, out_json):
             torch.cuda.reset_peak_memory_stats(device)
         loss = F.cross_entropy(ddp(x[:, :-1]).float().reshape(-1, cfg.vocab_size), x[:, 1:].reshape(-1))
         loss.backward()
-        ddp.finish_gradient_synchronization()
         activations = (torch.cuda.max_memory_allocated(device) / MB - base - pre_fwd) if device.type == "cuda" else float("nan")
         before_step = _allocated(device) - base
         watch.start()
@@ -74,12 +70,13 @@ def worker(rank, world, device, cfg, batch, variant, warmup, iters, out_json):
         if i >= warmup:
             step_ms.append(watch.lap())
         after_step = _allocated(device) - base
+        grad_bytes, state_bytes = gradient_and_state_bytes(model, opt, ddp)  # held across the step
         opt.zero_grad(set_to_none=True)
     peak = torch.cuda.max_memory_allocated(device) / MB - base if device.type == "cuda" else float("nan")
     params = sum(p.numel() * p.element_size() for p in model.parameters()) / MB
     row = {"variant": variant, "rank": rank, "after_init_MB": after_init, "before_step_MB": before_step,
            "after_step_MB": after_step, "peak_last_step_MB": peak, "step_ms": statistics.fmean(step_ms),
-           "params_MB": params, "grads_MB": params, "optimizer_state_MB": _state_bytes(opt) / MB,
+           "params_MB": params, "grads_MB": grad_bytes / MB, "optimizer_state_MB": state_bytes / MB,
            "activations_MB": activations}
     rows = [None] * world
     dist.all_gather_object(rows, row)
@@ -94,7 +91,7 @@ def main(argv=None) -> int:
     cfg = distributed_model_config(args)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for variant in ("AdamW", "ShardedOptimizer(AdamW)", "ZeroRedundancyOptimizer(AdamW)"):
+    for variant in ("AdamW", "ShardedOptimizer(AdamW)", "ZeRO2Optimizer(AdamW)", "ZeroRedundancyOptimizer(AdamW)"):
         rows += spawn_for_result(worker, args.world_size, cfg, args.batch, variant, args.warmup, args.iters,
                                  backend=args.backend, scratch_dir=args.out)
     full_state = next(r["optimizer_state_MB"] for r in rows if r["variant"] == "AdamW")
