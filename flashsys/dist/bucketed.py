@@ -50,7 +50,7 @@ class _Bucket:
     reduced: tuple[torch.Tensor, ...] = ()  # (full buffer, output) while the reduce-scatter runs
     flags: torch.Tensor | None = None  # which parameters had a gradient on this rank, all-reduced with the bucket
     flags_handle: dist.Work | None = None
-    used: list[bool] = field(default_factory=list)  # after a reduction: which parameters some rank used
+    used: torch.Tensor | None = None  # > 0 where some rank had the parameter's gradient since the last step
     grad_live: bool = False  # grad_shard holds gradients the optimizer has not consumed yet
 
 
@@ -308,14 +308,28 @@ class BucketedDDP(DataParallelBase):
         bucket.flags_handle = None
         if self.comm_dtype is None:
             out.div_(self.world_size)
-        used = (bucket.flags > 0).tolist()
         if out is not bucket.grad_shard:
             if bucket.grad_live:
                 bucket.grad_shard.add_(out)  # a second backward before the optimizer step: gradients add up
             else:
                 bucket.grad_shard.copy_(out)
-        bucket.used = [a or b for a, b in zip(bucket.used, used)] if bucket.grad_live else used
+        # Kept on the device: reading it would make the host wait for the reduction here, once per bucket.
+        bucket.used = bucket.used + bucket.flags if bucket.grad_live else bucket.flags.clone()
         bucket.grad_live = True
+
+    def gradients_used(self) -> list[list[bool]]:
+        """ZeRO-2: per bucket, which parameters some rank had a gradient for since the last step (one read of
+        the device for all buckets). A parameter no rank used is skipped by the optimizer, as in one process."""
+        live = [b for b in self._buckets if b.grad_live]
+        flat = torch.cat([b.used for b in live]).gt(0).tolist() if live else []
+        used, start = [], 0
+        for b in self._buckets:
+            if b.grad_live:
+                used.append(flat[start : start + len(b.params)])
+                start += len(b.params)
+            else:
+                used.append([False] * len(b.params))
+        return used
 
     # ------------------------------------------------------------------ zero_grad
     def zero_grad(self, set_to_none: bool = True) -> None:

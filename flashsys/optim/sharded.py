@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dist import FlatLayout, gather_digests
+from .state_dicts import checked_full_state, indexed_param_groups
 
 
 def _group_signature(group: dict[str, Any]) -> str:
@@ -218,10 +219,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "ShardedOptimizer.state_dict(): call consolidate_state_dict(to=rank) on every rank first, "
                 "then state_dict() on that rank"
             )
-        index = self._global_index()
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}
-                  for g in self.param_groups]
-        return {"state": self._consolidated["state"], "param_groups": groups}
+        return {"state": self._consolidated["state"], "param_groups": indexed_param_groups(self.param_groups)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full (consolidated, or the unsharded optimizer's) state dict on every rank; each keeps its own
@@ -230,36 +228,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: when the param groups do not match this optimizer's.
         """
-        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
-            keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
-            raise ValueError("ShardedOptimizer.load_state_dict: expected a dict with 'state' and 'param_groups' (what "
-                             f"state_dict() returns after consolidate_state_dict()), got {keys}")
+        saved_state = checked_full_state("ShardedOptimizer", state_dict, self.param_groups)
         groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups) or any(
-            len(g["params"]) != len(o["params"]) for g, o in zip(groups, self.param_groups)
-        ):
-            raise ValueError("ShardedOptimizer.load_state_dict: param groups do not match this optimizer's "
-                             f"({[len(g['params']) for g in groups]} parameters per group in the state dict, "
-                             f"{[len(g['params']) for g in self.param_groups]} here)")
-        index = self._global_index()
-        params = list(index)
-        for key, per_param in state_dict["state"].items():
-            g = int(key)
-            if not 0 <= g < len(params):
-                raise ValueError(f"ShardedOptimizer.load_state_dict: state for parameter {g}, but there are {len(params)}")
-            for name, value in per_param.items():
-                if torch.is_tensor(value) and value.dim() > 0 and value.shape != params[g].shape:
-                    raise ValueError(f"ShardedOptimizer.load_state_dict: state {name!r} of parameter {g} has shape "
-                                     f"{tuple(value.shape)}, but the parameter has {tuple(params[g].shape)}")
         for saved, outer in zip(groups, self.param_groups):
             outer.update({k: v for k, v in saved.items() if k != "params"})
+        index = self._global_index()
         inner_state, inner_groups, n = {}, [], 0
         for saved, owned in zip(groups, self._local):
             ids = []
             for p in owned:
-                g = index[p]
-                if g in state_dict["state"] or str(g) in state_dict["state"]:
-                    inner_state[n] = state_dict["state"].get(g, state_dict["state"].get(str(g)))
+                if index[p] in saved_state:
+                    inner_state[n] = saved_state[index[p]]
                 ids.append(n)
                 n += 1
             inner_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})

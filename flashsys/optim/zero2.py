@@ -21,6 +21,7 @@ from torch import nn
 from ..dist import BucketedDDP
 from ..dist.base import wrapper_of
 from ..dist.bucketed import _all_gather_flat, _Bucket
+from .state_dicts import checked_full_state, indexed_param_groups
 
 # Optimizers whose update of an element reads only that element's gradient and state: they step a slice of a
 # parameter exactly as they would step the whole one.
@@ -152,8 +153,9 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step
     def _attach_gradients(self) -> None:
+        used = dict(zip(map(id, self.ddp.buckets), self.ddp.gradients_used()))
         for x in self._all_pieces():
-            live = x.bucket.grad_live and x.bucket.used[x.index]
+            live = used[id(x.bucket)][x.index]
             x.tensor.grad = x.bucket.grad_shard[x.grad_start : x.grad_start + x.end - x.start] if live else None
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any):  # type: ignore[override]
@@ -263,10 +265,7 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
         if self._consolidated is None:
             raise RuntimeError("ZeRO2Optimizer.state_dict(): call consolidate_state_dict(to=rank) on every rank first, "
                                "then state_dict() on that rank")
-        index = self._global_index()
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]}
-                  for g in self.param_groups]
-        return {"state": self._consolidated["state"], "param_groups": groups}
+        return {"state": self._consolidated["state"], "param_groups": indexed_param_groups(self.param_groups)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full (consolidated, or an unsharded optimizer's) state dict on every rank; each keeps its slices.
@@ -274,24 +273,8 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
         Raises:
             ValueError: when the dict is not an optimizer state dict or does not match these parameters.
         """
-        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
-            keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
-            raise ValueError("ZeRO2Optimizer.load_state_dict: expected a dict with 'state' and 'param_groups', got "
-                             f"{keys}")
+        saved = checked_full_state("ZeRO2Optimizer", state_dict, self.param_groups)
         groups = state_dict["param_groups"]
-        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError("ZeRO2Optimizer.load_state_dict: param groups do not match this optimizer's "
-                             f"({[len(g['params']) for g in groups]} parameters per group in the state dict, "
-                             f"{[len(g['params']) for g in self.param_groups]} here)")
-        params = [p for g in self.param_groups for p in g["params"]]
-        saved = {int(k): v for k, v in state_dict["state"].items()}
-        for g, values in saved.items():
-            if not 0 <= g < len(params):
-                raise ValueError(f"ZeRO2Optimizer.load_state_dict: state for parameter {g}, but there are {len(params)}")
-            for k, v in values.items():
-                if torch.is_tensor(v) and v.dim() > 0 and v.shape != params[g].shape:
-                    raise ValueError(f"ZeRO2Optimizer.load_state_dict: state {k!r} of parameter {g} has shape "
-                                     f"{tuple(v.shape)}, but the parameter has {tuple(params[g].shape)}")
         for outer, s in zip(self.param_groups, groups):
             outer.update({k: v for k, v in s.items() if k != "params"})
         index = self._global_index()

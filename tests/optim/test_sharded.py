@@ -104,6 +104,25 @@ def test_state_bytes_per_rank_are_total_over_world_size(world):
     spawn(_state_bytes_worker, world, backend="gloo")
 
 
+def consolidated_round_trip(opt, expected_opt, model, rank) -> dict:
+    """Consolidate `opt` on rank 0, check it equals the unsharded `expected_opt`'s state dict there, save model and
+    optimizer as a checkpoint would, and return what every rank loads back."""
+    opt.consolidate_state_dict(to=0)
+    blob = [None]
+    if rank == 0:
+        sd, expected = opt.state_dict(), expected_opt.state_dict()
+        assert sd["param_groups"] == expected["param_groups"]
+        assert sd["state"].keys() == expected["state"].keys()
+        for i in sd["state"]:
+            for k in expected["state"][i]:
+                assert torch.equal(sd["state"][i][k], expected["state"][i][k].cpu()), (i, k)
+        buf = io.BytesIO()
+        torch.save({"model": model.state_dict(), "optim": sd}, buf)
+        blob = [buf.getvalue()]
+    dist.broadcast_object_list(blob, src=0)
+    return torch.load(io.BytesIO(blob[0]), weights_only=False)
+
+
 def _state_dict_worker(rank, world, device):
     batches = _batches(device, 8)
     # Uninterrupted unsharded reference.
@@ -121,21 +140,7 @@ def _state_dict_worker(rank, world, device):
         _train_step(ref_half, ref_half_opt, x, y)
     with pytest.raises(RuntimeError, match="consolidate_state_dict"):
         opt.state_dict()
-    opt.consolidate_state_dict(to=0)
-    blob = [None]
-    if rank == 0:
-        sd = opt.state_dict()
-        expected = ref_half_opt.state_dict()
-        assert sd["param_groups"] == expected["param_groups"]
-        assert sd["state"].keys() == expected["state"].keys()
-        for i in sd["state"]:
-            for k in expected["state"][i]:
-                assert torch.equal(sd["state"][i][k], expected["state"][i][k].cpu()), (i, k)
-        buf = io.BytesIO()
-        torch.save({"model": model.state_dict(), "optim": sd}, buf)
-        blob = [buf.getvalue()]
-    dist.broadcast_object_list(blob, src=0)
-    saved = torch.load(io.BytesIO(blob[0]), weights_only=False)
+    saved = consolidated_round_trip(opt, ref_half_opt, model, rank)
     fresh = _net(device)
     fresh.load_state_dict(saved["model"])
     fresh_opt = ShardedOptimizer(fresh.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)

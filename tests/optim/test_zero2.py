@@ -3,8 +3,6 @@ rank, state dicts, clipping, bad input (gloo)."""
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,7 +12,7 @@ from torch import nn
 from flashsys.dist import BucketedDDP, spawn
 from flashsys.optim import ShardedOptimizer, ZeRO2Optimizer
 
-from .test_sharded import _batches, _net
+from .test_sharded import _batches, _net, consolidated_round_trip
 
 OPTIMIZERS = {
     "AdamW": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
@@ -49,11 +47,11 @@ def _step(ddp, opt, x, y, rank, accumulate=False):
 def _gathered_gradients(opt):
     """The full averaged gradients, all-gathered from every rank's shards: what an unsharded optimizer would see."""
     grads = {}
-    for b in opt.ddp.buckets:
+    for b, used in zip(opt.ddp.buckets, opt.ddp.gradients_used()):
         full = torch.empty(b.params_flat.numel(), dtype=b.grad_shard.dtype, device=b.grad_shard.device)
         dist.all_gather_into_tensor(full, b.grad_shard)
-        for i, (p, g) in enumerate(zip(b.params, b.layout.views(full))):
-            grads[id(p)] = g.clone() if b.used[i] else None
+        for p, g, u in zip(b.params, b.layout.views(full), used):
+            grads[id(p)] = g.clone() if u else None
     return grads
 
 
@@ -138,20 +136,7 @@ def _state_dict_worker(rank, world, device):
         _step(ref_ddp, ref_opt, x, y, rank)
     with pytest.raises(RuntimeError, match="consolidate_state_dict"):
         opt.state_dict()
-    opt.consolidate_state_dict(to=0)
-    blob = [None]
-    if rank == 0:
-        sd, expected = opt.state_dict(), ref_opt.state_dict()
-        assert sd["param_groups"] == expected["param_groups"]
-        assert sd["state"].keys() == expected["state"].keys()
-        for i in sd["state"]:
-            for k in expected["state"][i]:
-                assert torch.equal(sd["state"][i][k], expected["state"][i][k].cpu()), (i, k)
-        buf = io.BytesIO()
-        torch.save({"model": model.state_dict(), "optim": sd}, buf)
-        blob = [buf.getvalue()]
-    dist.broadcast_object_list(blob, src=0)
-    saved = torch.load(io.BytesIO(blob[0]), weights_only=False)
+    saved = consolidated_round_trip(opt, ref_opt, model, rank)
     fresh, fresh_ddp = wrapped()
     fresh.load_state_dict(saved["model"])
     fresh_opt = ZeRO2Optimizer(_groups(fresh), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
