@@ -185,6 +185,7 @@ class DataParallelBase(nn.Module, metaclass=abc.ABCMeta):
             )
         if self.broadcast_buffers and self.world_size > 1 and self._sync_enabled and torch.is_grad_enabled():
             self._broadcast_buffers()
+        self._finished_by_backward = False  # an explicit finish after this forward's backward is what skips
         return self.module(*args, **kwargs)
 
     def _check_ranks_agree(self, ran_backward: bool, launched: Sequence[int] = ()) -> None:
