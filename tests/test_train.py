@@ -58,6 +58,18 @@ def test_a_checkpoint_from_before_the_newer_model_fields_still_resumes(tmp_path)
     assert _train(tmp_path, "--steps", "4", "--checkpoint-every", "2", "--resume") == 0
 
 
+def test_checkpoints_move_between_zero_stages_bit_identically(tmp_path):
+    """ZeRO-1 and ZeRO-2 save the unsharded optimizer's layout: a run checkpointed under one resumes under the
+    other, and on 2 ranks (sums of two in either order) it ends where the uninterrupted ZeRO-2 run ends."""
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert _train(straight, "--steps", "4") == 0
+    assert _train(split, "--steps", "4", "--checkpoint-every", "2", "--stop-after", "2", "--zero-stage", "1") == 0
+    assert _train(split, "--steps", "4", "--resume") == 0
+    a, b = torch.load(straight / "final_model.pt"), torch.load(split / "final_model.pt")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
 def test_resume_also_works_without_sharding(tmp_path):
     assert _train(tmp_path, "--steps", "4", "--checkpoint-every", "2", "--stop-after", "2", "--no-shard") == 0
     assert _train(tmp_path, "--steps", "4", "--resume", "--no-shard") == 0
