@@ -155,8 +155,11 @@ class Trainer:
         self.model = TransformerLM.from_config(cfg.model).to(device)  # the plain module: what checkpoints hold
         compiled = torch.compile(self.model) if cfg.compile else self.model
         # One rank has nothing to average or shard: the model and the optimizer run unwrapped.
-        # The model's buffers are RoPE tables, the same on every rank: nothing to broadcast each forward.
-        self.ddp = BucketedDDP(compiled, bucket_size_mb=cfg.bucket_mb, broadcast_buffers=False) if world > 1 else None
+        # The model's buffers are RoPE tables, the same on every rank: nothing to broadcast each forward. Without
+        # ZeRO-2 the gradients live in the buckets (no copies in and out, no second copy in memory).
+        zero2 = cfg.shard and cfg.zero_stage == 2
+        self.ddp = BucketedDDP(compiled, bucket_size_mb=cfg.bucket_mb, broadcast_buffers=False,
+                               gradient_as_bucket_view=not zero2) if world > 1 else None
         self.net = self.ddp if self.ddp is not None else compiled
         adamw = dict(lr=cfg.lr, weight_decay=0.1, betas=(0.9, 0.95))
         if device.type == "cuda":
@@ -187,7 +190,10 @@ class Trainer:
         rows = slice(self.rank * per_rank, (self.rank + 1) * per_rank)
         x, y = self._to_device(x[rows]), self._to_device(y[rows])
         extra = packing(self.train_docs, step, cfg.batch_size, cfg, self.device, rows)
-        self.opt.zero_grad(set_to_none=True)
+        if self.ddp is not None and self.ddp.gradient_as_bucket_view:
+            self.ddp.zero_grad()  # zeroes the buckets and keeps .grad their views (every parameter is used)
+        else:
+            self.opt.zero_grad(set_to_none=True)
         with self.autocast():
             logits = self.net(x, *extra)
         loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
