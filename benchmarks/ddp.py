@@ -7,8 +7,9 @@ reaches all of them alike; each variant gets rounds × iters timed steps. A step
 
 Rows: compute only (no communication, same process: the floor), BucketedDDP at its default ("auto") and fixed
 bucket sizes, with `gradient_as_bucket_view` and with bf16 communication; torch DDP at its default 25 MB and
-other `bucket_cap_mb`; ZeRO-1 (ShardedOptimizer) and ZeRO-2 (ZeRO2Optimizer) on BucketedDDP; torch DDP +
-ZeroRedundancyOptimizer; torch FSDP2 `fully_shard(reshard_after_forward=False)` (ZeRO-2's torch counterpart).
+other `bucket_cap_mb`; ZeRO-1 (ShardedOptimizer) and ZeRO-2 (ZeRO2Optimizer, also with its all-gathers overlapped
+with the next forward) on BucketedDDP; torch DDP + ZeroRedundancyOptimizer; torch FSDP2
+`fully_shard(reshard_after_forward=False)` (ZeRO-2's torch counterpart).
 
 exposed_% = (median step - median compute-only step) / compute-only: the communication that did not hide.
 grad_state_MB counts, per rank, the gradient storage (`.grad`, bucket buffers, shards) and optimizer state that
@@ -66,8 +67,9 @@ def _ours(bucket_mb="auto", optimizer="adamw", **ddp_kw) -> Callable:
         ddp = BucketedDDP(model, bucket_size_mb=bucket_mb, **ddp_kw)
         if optimizer == "zero1":
             opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, **_adamw(device))
-        elif optimizer == "zero2":
-            opt = ZeRO2Optimizer(model.parameters(), torch.optim.AdamW, **_adamw(device))
+        elif optimizer in ("zero2", "zero2-overlap"):
+            opt = ZeRO2Optimizer(model.parameters(), torch.optim.AdamW, overlap_all_gather=optimizer == "zero2-overlap",
+                                 **_adamw(device))
         else:
             opt = torch.optim.AdamW(model.parameters(), **_adamw(device))
         return Built(ddp, opt, ddp, [ddp.remove_hooks])
@@ -114,6 +116,7 @@ VARIANTS: dict[str, Callable] = {
     "torch DDP 250 MB": _torch_ddp(250),
     "ZeRO-1: BucketedDDP + ShardedOptimizer": _ours(optimizer="zero1"),
     "ZeRO-2: BucketedDDP + ZeRO2Optimizer": _ours(optimizer="zero2"),
+    "ZeRO-2, all-gathers overlapped with the next forward": _ours(optimizer="zero2-overlap"),
     "torch DDP + ZeroRedundancyOptimizer": _torch_ddp(25, zero=True),
     "torch FSDP2 (reshard_after_forward=False)": _fsdp2,
 }
@@ -160,6 +163,8 @@ def worker(rank, world, device, cfg, batch, warmup, iters, rounds, only, out_jso
             if isinstance(built.wrapper, BucketedDDP):
                 info[name] = {"buckets": len(built.wrapper.bucket_sizes_bytes),
                               "bucket_MB": round(max(built.wrapper.bucket_sizes_bytes, default=0) / MB, 1)}
+            if hasattr(built.opt, "wait_for_parameters"):
+                built.opt.wait_for_parameters()
             if name not in OWN_MODEL:
                 for undo in built.teardown:
                     undo()

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -68,6 +70,11 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
         params: the wrapped model's parameters or param-group dicts (a one-shot generator is fine).
         optimizer_cls: the optimizer to shard, e.g. `torch.optim.AdamW`.
         elementwise: override the `ELEMENTWISE_OPTIMIZERS` check (None: check).
+        overlap_all_gather: return from `step()` with the all-gathers still running; each module of the model
+            waits for its bucket's just before its forward (as FSDP prefetches), and `model.state_dict()` and the
+            next `step()` wait for all. Reading parameters any other way in between (an EMA update, `p.data`)
+            needs `wait_for_parameters()` first. Off by default: with it, a module hook waits inside forward,
+            which `torch.compile` cannot trace (a graph break per hooked module).
         **kwargs: the inner optimizer's arguments (lr, betas, fused, ...).
 
     Raises:
@@ -76,7 +83,7 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Iterable[nn.Parameter] | Iterable[dict], optimizer_cls: type[torch.optim.Optimizer],
-                 elementwise: bool | None = None, **kwargs: Any) -> None:
+                 elementwise: bool | None = None, overlap_all_gather: bool = False, **kwargs: Any) -> None:
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
             raise TypeError(f"ZeRO2Optimizer: optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}")
         if elementwise is None:
@@ -91,7 +98,42 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
         self._pieces: list[list[_Piece]] = []  # this rank's pieces, per param group
         self._inners: list[torch.optim.Optimizer] = []  # one per bucket, each with every param group
         self._consolidated: dict[str, Any] | None = None
+        self.overlap_all_gather = overlap_all_gather
+        self._pending: dict[int, dist.Work] = {}  # bucket index -> its all-gather still in flight
         super().__init__(params, defaults=kwargs)
+        if overlap_all_gather:
+            self._hook_modules()
+
+    def _hook_modules(self) -> None:
+        """A forward pre-hook on every module that owns parameters directly, waiting for their buckets'
+        all-gathers, and a state-dict pre-hook on the model waiting for all (weak references: the hooks
+        outlive nothing)."""
+        ddp, ref = self.ddp, weakref.ref(self)
+        index = {id(b): i for i, b in enumerate(ddp.buckets)}
+
+        def waiter(buckets):
+            def hook(*_args):
+                opt = ref()
+                if opt is not None and opt._pending:
+                    opt._wait(buckets)
+            return hook
+
+        for module in ddp.module.modules():
+            buckets = sorted({index[id(ddp._where[id(p)][0])] for p in module.parameters(recurse=False)
+                              if id(p) in ddp._where})
+            if buckets:
+                module.register_forward_pre_hook(waiter(buckets))
+        ddp.module.register_state_dict_pre_hook(waiter(range(len(ddp.buckets))))
+
+    def _wait(self, buckets) -> None:
+        for b in buckets:
+            handle = self._pending.pop(b, None)
+            if handle is not None:
+                handle.wait()
+
+    def wait_for_parameters(self) -> None:
+        """Wait for the all-gathers `step()` left running (`overlap_all_gather=True`); a no-op otherwise."""
+        self._wait(list(self._pending))
 
     # ------------------------------------------------------------------ partition
     def _wrapper_for(self, params: list[nn.Parameter]) -> BucketedDDP:
@@ -165,22 +207,24 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.wait_for_parameters()  # a step before the next forward: its slices must not change under a gather
         self._attach_gradients()
         ddp = self.ddp
-        handles = []
-        for inner, bucket in zip(self._inners, ddp.buckets):
+        # Last bucket first: it holds the first layers, which the next forward needs first.
+        for b in reversed(range(len(self._inners))):
+            inner, bucket = self._inners[b], ddp.buckets[b]
             for outer, group in zip(self.param_groups, inner.param_groups):
                 group.update({k: v for k, v in outer.items() if k != "params"})
             inner.step(**kwargs)
             bucket.grad_live = False
             lo, hi = ddp.shard_range(bucket)
             with torch.no_grad():  # launched now: it runs while the next buckets are stepped
-                handles.append(_all_gather_flat(bucket.params_flat, bucket.params_flat[lo:hi],
-                                                group=ddp.process_group, async_op=True))
+                self._pending[b] = _all_gather_flat(bucket.params_flat, bucket.params_flat[lo:hi],
+                                                    group=ddp.process_group, async_op=True)
         for x in self._all_pieces():
             x.tensor.grad = None
-        for h in handles:
-            h.wait()
+        if not self.overlap_all_gather:
+            self.wait_for_parameters()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -55,12 +55,12 @@ def _gathered_gradients(opt):
     return grads
 
 
-def _parity_worker(rank, world, device, opt_name, bucket_mb):
+def _parity_worker(rank, world, device, opt_name, bucket_mb, overlap=False):
     cls, kw = OPTIMIZERS[opt_name]
     model, plain, replicated = _net(device), _net(device), _net(device)
     ddp = BucketedDDP(model, bucket_size_mb=bucket_mb)
     ddp_replicated = BucketedDDP(replicated, bucket_size_mb=bucket_mb)
-    opt = ZeRO2Optimizer(_groups(model, 3e-3), cls, **kw)
+    opt = ZeRO2Optimizer(_groups(model, 3e-3), cls, overlap_all_gather=overlap, **kw)
     plain_opt, replicated_opt = cls(_groups(plain, 3e-3), **kw), cls(_groups(replicated, 3e-3), **kw)
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5) for o in (opt, plain_opt, replicated_opt)]
     g = torch.Generator().manual_seed(5)
@@ -78,6 +78,7 @@ def _parity_worker(rank, world, device, opt_name, bucket_mb):
         _step(ddp_replicated, replicated_opt, x, y, rank, accumulate=step % 3 == 2)
         for s in scheds:
             s.step()
+        opt.wait_for_parameters()  # with overlap_all_gather, reading .data needs it (forward would wait by itself)
         for (name, p), q, r in zip(model.named_parameters(), plain.parameters(), replicated.parameters()):
             assert torch.equal(p, q), f"{opt_name}: step {step}, {name} differs from the unsharded optimizer"
             if world == 2:
@@ -94,6 +95,42 @@ def test_bit_exact_against_the_unsharded_optimizer_on_averaged_gradients(world, 
     # 1e-4 MiB: a bucket per parameter or two (slices inside parameters); None: one bucket, cut across parameters.
     for bucket_mb in (1e-4, None):
         spawn(_parity_worker, world, opt_name, bucket_mb, backend="gloo", timeout_s=120)
+
+
+def test_all_gather_overlapped_with_the_next_forward_is_still_bit_exact():
+    spawn(_parity_worker, 2, "AdamW", 1e-4, True, backend="gloo", timeout_s=120)
+
+
+def _overlap_waits_worker(rank, world, device):
+    """With overlap_all_gather, a forward, model.state_dict() and the next step() see whole parameters without
+    an explicit wait."""
+    x, y = _batches(device, 1)[0]
+    x, y = x.repeat(world, 1), y.repeat(world, 1)
+    mine = slice(rank * 4, rank * 4 + 4)
+    results = {}
+    for overlap in (False, True):
+        model = _net(device)
+        ddp = BucketedDDP(model, bucket_size_mb=1e-4)
+        opt = ZeRO2Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, overlap_all_gather=overlap)
+        F.mse_loss(ddp(x[mine]), y[mine]).backward()
+        opt.step()
+        assert bool(opt._pending) == overlap
+        state = {k: v.clone() for k, v in model.state_dict().items()}  # waits
+        assert not opt._pending
+        F.mse_loss(ddp(x[mine]), y[mine]).backward()
+        opt.step()
+        out = ddp(x[mine])  # the forward waits bucket by bucket
+        if overlap:  # every bucket the forward used was waited for; what is left holds only the unused layer
+            left = {id(p) for b in opt._pending for p in ddp.buckets[b].params}
+            assert left <= {id(model.unused.weight)}, "a bucket's all-gather was not waited for in forward"
+        results[overlap] = (state, out.detach())
+    for k in results[False][0]:
+        assert torch.equal(results[False][0][k], results[True][0][k]), k
+    assert torch.equal(results[False][1], results[True][1])
+
+
+def test_overlapped_all_gathers_are_waited_for_where_parameters_are_read():
+    spawn(_overlap_waits_worker, 2, backend="gloo", timeout_s=60)
 
 
 @pytest.mark.multigpu
