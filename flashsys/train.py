@@ -166,8 +166,11 @@ class Trainer:
             adamw["fused"] = True  # one kernel for the whole step instead of a few per parameter
         if cfg.shard and world > 1:
             # ZeRO-2 moves the bytes of one all-reduce per step (ZeRO-1: 1.5x) and keeps 1/world of the gradients.
-            sharded = ZeRO2Optimizer if cfg.zero_stage == 2 else ShardedOptimizer
-            self.opt = sharded(self.net.parameters(), torch.optim.AdamW, **adamw)
+            if zero2:  # eager: each layer waits for its own parameters' all-gather (compiled graphs cannot wait)
+                self.opt = ZeRO2Optimizer(self.net.parameters(), torch.optim.AdamW,
+                                          overlap_all_gather=not cfg.compile, **adamw)
+            else:
+                self.opt = ShardedOptimizer(self.net.parameters(), torch.optim.AdamW, **adamw)
         else:
             self.opt = torch.optim.AdamW(self.net.parameters(), **adamw)
         dtype = {"float32": None, "bfloat16": torch.bfloat16}[cfg.dtype]

@@ -71,8 +71,8 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
         optimizer_cls: the optimizer to shard, e.g. `torch.optim.AdamW`.
         elementwise: override the `ELEMENTWISE_OPTIMIZERS` check (None: check).
         overlap_all_gather: return from `step()` with the all-gathers still running; each module of the model
-            waits for its bucket's just before its forward (as FSDP prefetches), and `model.state_dict()` and the
-            next `step()` wait for all. Reading parameters any other way in between (an EMA update, `p.data`)
+            waits for its bucket's just before its forward (as FSDP prefetches) or its `state_dict()`, and the next
+            `step()` waits for all. Reading parameters any other way in between (an EMA update, `p.data`)
             needs `wait_for_parameters()` first. Off by default: with it, a module hook waits inside forward,
             which `torch.compile` cannot trace (a graph break per hooked module).
         **kwargs: the inner optimizer's arguments (lr, betas, fused, ...).
@@ -105,9 +105,9 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
             self._hook_modules()
 
     def _hook_modules(self) -> None:
-        """A forward pre-hook on every module that owns parameters directly, waiting for their buckets'
-        all-gathers, and a state-dict pre-hook on the model waiting for all (weak references: the hooks
-        outlive nothing)."""
+        """A forward pre-hook and a state-dict pre-hook on every module that owns parameters directly, waiting
+        for their buckets' all-gathers: whichever module's forward or state_dict() runs (a parent's reaches its
+        children's hooks), it sees whole parameters. The hooks hold the optimizer weakly."""
         ddp, ref = self.ddp, weakref.ref(self)
         index = {id(b): i for i, b in enumerate(ddp.buckets)}
 
@@ -123,7 +123,7 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
                               if id(p) in ddp._where})
             if buckets:
                 module.register_forward_pre_hook(waiter(buckets))
-        ddp.module.register_state_dict_pre_hook(waiter(range(len(ddp.buckets))))
+                module.register_state_dict_pre_hook(waiter(buckets))
 
     def _wait(self, buckets) -> None:
         for b in buckets:
