@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -93,6 +98,23 @@ def test_torch_compile_of_torch_op_matches_eager():
         grads.append((o.detach(), qq.grad, kk.grad, vv.grad))
     for a, b in zip(*grads):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_inductor_sees_each_kernel_write_only_its_outputs():
+    """Under torch.compile Inductor functionalizes each kernel launch from its analysis of the kernel's TTIR: an
+    argument it counts as written is copied back after the launch, and a leaf that requires grad cannot be, so
+    `torch.compile(FlashAttention2Triton.apply)` on leaf inputs failed when the dense kernels passed q as the
+    unused varlen offsets into a helper. Runs on CPU too (TTIR for an sm_90 target, no interpreter)."""
+    pytest.importorskip("torch._higher_order_ops.triton_kernel_wrap")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "tests.ops.inductor_writes"], capture_output=True, text=True,
+                       timeout=300, env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert r.returncode == 0, r.stderr[-3000:]
+    written = json.loads(r.stdout.strip().splitlines()[-1])
+    outputs = {"fwd": ["L", "O"], "dq": ["DQ", "LseDelta"], "dkdv": ["DK", "DV"]}
+    assert len(written) == 9
+    for launch, names in written.items():
+        assert names == outputs[launch.split()[0]], launch
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32] if CUDA else [torch.float32])

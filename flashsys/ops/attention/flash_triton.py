@@ -79,16 +79,16 @@ def _as_fp32(x):
 
 
 @triton.jit
-def _sequence_rows(CU, seq, n_rows, VARLEN: tl.constexpr):
-    """(first row, length) of this program's sequence: packed sequence `seq` of a varlen batch (rows CU[seq] to
-    CU[seq + 1] of the packed tensor), or all n_rows rows of a dense one."""
-    if VARLEN:
-        start = tl.load(CU + seq).to(tl.int64)
-        length = (tl.load(CU + seq + 1) - start).to(tl.int32)
-    else:
-        start = 0
-        length = n_rows
-    return start, length
+def _sequence_rows(first, end):
+    """(first row as int64, length) of a packed sequence of a varlen batch, from CU[seq] and CU[seq + 1].
+
+    The kernels load the offsets themselves and only under VARLEN. Inductor's mutation analysis (torch.compile
+    through wrap_triton) counts a pointer handed to a helper whose result reaches a store address as written,
+    but not one that only a load reads: CU passed into a helper would be taken as mutated, and for dense inputs
+    (where CU is a dummy, q) functionalization would copy q back after each call, or refuse for a leaf that
+    requires grad (tests/ops/inductor_writes.py checks this)."""
+    start = first.to(tl.int64)
+    return start, (end - first).to(tl.int32)
 
 
 @triton.jit
@@ -220,8 +220,10 @@ def _flash_fwd_kernel(
     the batch strides are 0, n_q is the packed total, and L is (heads, total)."""
     qk_scale = _as_fp32(qk_scale)
     pid_m, bh, b, h = _program_start(n_heads, HEAVIEST_LAST=BOUND_RIGHT)
-    q_start, seq_q = _sequence_rows(CU_Q, b, n_q, VARLEN)
-    k_start, seq_k = _sequence_rows(CU_K, b, n_k, VARLEN)
+    q_start, seq_q, k_start, seq_k = 0, n_q, 0, n_k  # a dense batch: all rows
+    if VARLEN:  # packed sequence b: rows CU[b] to CU[b + 1]
+        q_start, seq_q = _sequence_rows(tl.load(CU_Q + b), tl.load(CU_Q + b + 1))
+        k_start, seq_k = _sequence_rows(tl.load(CU_K + b), tl.load(CU_K + b + 1))
     start_m = pid_m * BLOCK_M
     if VARLEN:
         if start_m >= seq_q:  # the grid covers the longest sequence; this one is shorter
@@ -324,8 +326,10 @@ def _flash_bwd_dkdv_kernel(
     # The first key tiles are seen by the most queries: the natural order already runs the heaviest first.
     qk_scale, softmax_scale = _as_fp32(qk_scale), _as_fp32(softmax_scale)
     pid_n, bh_kv, b, h_kv = _program_start(n_heads // kv_group, HEAVIEST_LAST=False)
-    q_start, seq_q = _sequence_rows(CU_Q, b, n_q, VARLEN)
-    k_start, seq_k = _sequence_rows(CU_K, b, n_k, VARLEN)
+    q_start, seq_q, k_start, seq_k = 0, n_q, 0, n_k  # a dense batch: all rows
+    if VARLEN:  # packed sequence b: rows CU[b] to CU[b + 1]
+        q_start, seq_q = _sequence_rows(tl.load(CU_Q + b), tl.load(CU_Q + b + 1))
+        k_start, seq_k = _sequence_rows(tl.load(CU_K + b), tl.load(CU_K + b + 1))
     start_n = pid_n * BLOCK_N
     lse_rows = n_q  # the rows of LseDelta per head: the batch's length, or the packed total (VARLEN)
     if VARLEN:
@@ -439,8 +443,10 @@ def _flash_bwd_dq_kernel(
     """
     qk_scale, softmax_scale = _as_fp32(qk_scale), _as_fp32(softmax_scale)
     pid_m, bh, b, h = _program_start(n_heads, HEAVIEST_LAST=BOUND_RIGHT)
-    q_start, seq_q = _sequence_rows(CU_Q, b, n_q, VARLEN)
-    k_start, seq_k = _sequence_rows(CU_K, b, n_k, VARLEN)
+    q_start, seq_q, k_start, seq_k = 0, n_q, 0, n_k  # a dense batch: all rows
+    if VARLEN:  # packed sequence b: rows CU[b] to CU[b + 1]
+        q_start, seq_q = _sequence_rows(tl.load(CU_Q + b), tl.load(CU_Q + b + 1))
+        k_start, seq_k = _sequence_rows(tl.load(CU_K + b), tl.load(CU_K + b + 1))
     start_m = pid_m * BLOCK_M
     if VARLEN:
         if start_m >= seq_q:
