@@ -96,8 +96,8 @@ def breakdown(args) -> list[dict]:
     with torch.no_grad():
         o_plain, lse = ft.flash_forward_triton(q.detach(), k.detach(), v.detach(), CAUSAL, 0.125)
     g = ft._cached_geometry(q.shape, k.shape, q.dtype)
-    named = dict(Q=q.detach(), K=k.detach(), V=v.detach(), O=o_plain, L=lse, **ft._sizes(g, CAUSAL),
-                 qk_scale=0.125 * ft.LOG2E)
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    named = ft.forward_arguments(g, qd, kd, vd, o_plain, lse, qd, kd, CAUSAL, 0.125)
     prepared = ft._prepare("fwd", ft._fwd_kernels, g, CAUSAL, named)
     meta = ft._chosen_configs[prepared.key]
     grid = (-(-g.n_q // meta["BLOCK_M"]), g.n_bh)

@@ -807,10 +807,16 @@ def flash_forward_triton(
     return o, lse
 
 
+def forward_arguments(g: _Geometry, q, k, v, o, lse, cu_q, cu_k, window, scale) -> dict:
+    """The forward kernel's runtime arguments by name (strides excepted): cu_q, cu_k are the varlen offsets,
+    or any tensors (q, k) for a dense batch, whose kernels never read them."""
+    return dict(Q=q, K=k, V=v, O=o, L=lse, CU_Q=cu_q, CU_K=cu_k, **_sizes(g, window), qk_scale=scale * LOG2E)
+
+
 def _launch_forward(g: _Geometry, q, k, v, o, lse, cu_q, cu_k, window, scale, traced) -> None:
     launch = _launch_traced if traced else _launch_eager
     launch("fwd", _fwd_kernels, g, window, _tile_grid(g.grid_q, "BLOCK_M", g.n_bh),
-           dict(Q=q, K=k, V=v, O=o, L=lse, CU_Q=cu_q, CU_K=cu_k, **_sizes(g, window), qk_scale=scale * LOG2E))
+           forward_arguments(g, q, k, v, o, lse, cu_q, cu_k, window, scale))
 
 
 def flash_backward_triton(
