@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     for kernel, label in (("fwd", "fwd"), ("dkdv", "bwd dK/dV"), ("dq", "bwd dQ")):
         found = [cfg for key, cfg in flash_triton.chosen_configs().items()
                  if key.kernel == kernel and key.head_dim == args.head_dim and key.dtype == torch.bfloat16]
-        notes.append(f"- {label}: " + (", ".join(f"{k}={v}" for k, v in found[-1].items()) if found else "not launched"))
+        notes.append(f"- {label}: " + (", ".join(f"{k}={v}" for k, v in found[-1].items()) if found else
+                                       "no eager launch (the compiled call autotuned over the same configs in Inductor)"))
     path = write_table(rows, args.out, args.name, "FlashAttention leaderboard timing", notes, environment())
     print(path.read_text())
     return 0
