@@ -100,6 +100,11 @@ class BucketedDDP(DataParallelBase):
         super().__init__(module, process_group, cross_rank_checks, broadcast_buffers)
         self.comm_dtype = comm_dtype
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        # NCCL averages inside the collective (ncclAvg): no separate pass over the gradients after it, which would
+        # sit exposed at the end of backward. gloo has no AVG: sum, then divide. With comm_dtype the gradients are
+        # divided before the cast instead (fp16 must not overflow in the sum).
+        self._average_in_collective = comm_dtype is None and dist.get_backend(process_group) == "nccl"
+        self._reduce_op = dist.ReduceOp.AVG if self._average_in_collective else dist.ReduceOp.SUM
         self.sharded = False  # set by shard_gradients(): ZeRO-2
         total_bytes = sum(p.numel() * p.element_size() for p in self._grad_params)
         if bucket_size_mb == "auto":
@@ -239,7 +244,7 @@ class BucketedDDP(DataParallelBase):
                 buf.div_(self.world_size)
             out = bucket.grad_shard if not bucket.grad_live and buf.dtype == bucket.grad_shard.dtype else \
                 torch.empty(bucket.grad_shard.numel(), dtype=buf.dtype, device=buf.device)
-            bucket.handle = _reduce_scatter_flat(out, buf, group=self.process_group, async_op=True)
+            bucket.handle = _reduce_scatter_flat(out, buf, op=self._reduce_op, group=self.process_group, async_op=True)
             bucket.flags_handle = dist.all_reduce(bucket.flags, group=self.process_group, async_op=True)
             bucket.transient, bucket.reduced = None, (buf, out)
             return
@@ -255,7 +260,8 @@ class BucketedDDP(DataParallelBase):
             torch.div(bucket.buffer, self.world_size, out=bucket.comm)
             bucket.handle = dist.all_reduce(bucket.comm, group=self.process_group, async_op=True)
         else:
-            bucket.handle = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+            # The used-flags travel in the same buffer: averaged, a flag is still > 0 where some rank had it.
+            bucket.handle = dist.all_reduce(bucket.buffer, op=self._reduce_op, group=self.process_group, async_op=True)
 
     def _launch_full_buckets(self) -> None:
         while self._next_to_launch < len(self._buckets):
@@ -287,7 +293,7 @@ class BucketedDDP(DataParallelBase):
         n = bucket.layout.numel
         if bucket.comm is not None:
             bucket.buffer.copy_(bucket.comm)  # already divided before the cast
-        else:
+        elif not self._average_in_collective:
             bucket.buffer[:n].div_(self.world_size)
         complete = len(bucket.ready) == len(bucket.params)
         used = [True] * len(bucket.params) if complete else (bucket.buffer[n:] > 0).tolist()
@@ -306,7 +312,7 @@ class BucketedDDP(DataParallelBase):
         bucket.reduced = ()  # frees the full-size gradient buffer
         bucket.flags_handle.wait()
         bucket.flags_handle = None
-        if self.comm_dtype is None:
+        if self.comm_dtype is None and not self._average_in_collective:
             out.div_(self.world_size)
         if out is not bucket.grad_shard:
             if bucket.grad_live:
