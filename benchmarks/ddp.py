@@ -1,7 +1,10 @@
 """Data-parallel training steps you can trust: every variant interleaved in rounds, median and spread.
 
 A step is zero_grad + forward (bf16 autocast on GPUs) + backward (gradient synchronisation finishes inside it) +
-AdamW step. Variants run round-robin: in each of `--rounds` rounds every variant is built on the same model,
+AdamW step. The timed steps of a round run back to back, as in training, with no wait for the device between
+them: a step's time is the gap between CUDA events recorded at consecutive step starts (`StepMarks`), so work
+that overlaps a step boundary (ZeRO-2's all-gathers under the next forward, FSDP2's prefetch, the host queueing
+the next step) counts as it would in a training loop. Variants run round-robin: in each of `--rounds` rounds every variant is built on the same model,
 warmed up for `--warmup` steps and timed for `--iters` steps, so drift (clocks, temperature, other tenants)
 reaches all of them alike; each variant gets rounds × iters timed steps. A step's time is the slowest rank's.
 
@@ -40,7 +43,7 @@ from benchmarks.harness import (
 from flashsys.dist import BucketedDDP
 from flashsys.nn import TransformerLM
 from flashsys.optim import ShardedOptimizer, ZeRO2Optimizer
-from flashsys.timing import Stopwatch
+from flashsys.timing import StepMarks, Stopwatch
 
 MB = 2**20
 
@@ -148,23 +151,26 @@ def worker(rank, world, device, cfg, batch, warmup, iters, rounds, only, out_jso
                 model, built = own[name]
             else:
                 model, built = shared, VARIANTS[name](shared, device)
+            marks = StepMarks(device)
             for i in range(warmup + iters):
-                watch.start()
+                if i == warmup:
+                    watch.start()  # every rank starts the timed steps together, nothing queued
+                if i >= warmup:
+                    marks.mark()
                 built.opt.zero_grad(set_to_none=True)
                 with autocast():
                     logits = built.net(x[:, :-1])
                 F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), x[:, 1:].reshape(-1)).backward()
                 built.opt.step()
-                ms = watch.elapsed()
-                if i >= warmup:
-                    times[name].append(ms)
+            if hasattr(built.opt, "wait_for_parameters"):
+                built.opt.wait_for_parameters()  # the last step's all-gathers belong to its time
+            marks.mark()
+            times[name].extend(marks.intervals_ms())
             alloc = torch.cuda.memory_allocated(device) / MB if device.type == "cuda" else float("nan")
             memory[name] = (sum(gradient_and_state_bytes(model, built.opt, built.wrapper)), alloc)
             if isinstance(built.wrapper, BucketedDDP):
                 info[name] = {"buckets": len(built.wrapper.bucket_sizes_bytes),
                               "bucket_MB": round(max(built.wrapper.bucket_sizes_bytes, default=0) / MB, 1)}
-            if hasattr(built.opt, "wait_for_parameters"):
-                built.opt.wait_for_parameters()
             if name not in OWN_MODEL:
                 for undo in built.teardown:
                     undo()

@@ -66,6 +66,38 @@ class Stopwatch:
         return (time.perf_counter() - self._t0) * 1e3
 
 
+class StepMarks:
+    """Times of consecutive steps of a loop that never waits for the device between them.
+
+    A per-step sync (Stopwatch) hides what a training loop overlaps across a step boundary: the host queueing the
+    next step while the device finishes the last, or an all-gather left running by `optimizer.step()` that the next
+    forward waits for. Here `mark()` is called at the start of every timed step and once after the last (after
+    anything that step leaves pending has been waited for); `intervals_ms()` waits for the device once and returns
+    the gaps between consecutive marks. On a GPU a mark is a CUDA event on the current stream, so a gap is that
+    step's length on the device's timeline, stalls included; on a CPU it is a host clock reading.
+    """
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.cuda = device is not None and torch.device(device).type == "cuda"
+        self._marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append(event)
+        else:
+            self._marks.append(time.perf_counter())
+
+    def intervals_ms(self) -> list[float]:
+        """Milliseconds between consecutive marks (one fewer than the marks)."""
+        if self.cuda:
+            if self._marks:
+                self._marks[-1].synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self._marks, self._marks[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self._marks, self._marks[1:])]
+
+
 def time_call(fn: Callable[[], T], device: torch.device | str | None = None) -> tuple[T, float]:
     """(fn(), milliseconds): CUDA events around the call on a GPU (no host sync before it), the host clock
     on a CPU."""

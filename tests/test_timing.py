@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from flashsys.timing import Stopwatch, repeat, summarize, time_call
+from flashsys.timing import StepMarks, Stopwatch, repeat, summarize, time_call
 
 
 def test_stopwatch_laps_add_up_to_elapsed():
@@ -29,6 +29,17 @@ def test_repeat_times_only_the_timed_calls():
     calls = []
     samples = repeat(lambda: calls.append(1), warmup=2, iters=5, device="cpu")
     assert len(calls) == 7 and len(samples) == 5 and all(s >= 0 for s in samples)
+
+
+def test_step_marks_give_one_gap_per_step_in_order():
+    marks = StepMarks("cpu")
+    assert marks.intervals_ms() == []
+    for pause in (0.01, 0.03):
+        marks.mark()
+        time.sleep(pause)
+    marks.mark()
+    first, second = marks.intervals_ms()
+    assert first >= 10 and second >= 30 and second > first
 
 
 def test_summarize():
