@@ -5,7 +5,8 @@
 #   bash scripts/gpu_bench_single.sh end_to_end attention_long attention_b1
 #   bash scripts/gpu_bench_single.sh attention_small attention_compiled attention_short
 #   bash scripts/gpu_bench_single.sh host_cost mfu attention_features     # #14 / #15 measurements
-#   bash scripts/gpu_bench_single.sh end_to_end_compare                   # alone: it compiles 8 models
+#   E2E_PRESETS=small bash scripts/gpu_bench_single.sh end_to_end_compare   # one preset per call: both presets'
+#   E2E_PRESETS=medium bash scripts/gpu_bench_single.sh end_to_end_compare  # 8 cells ran past 550 s on an H100
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
