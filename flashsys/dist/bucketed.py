@@ -297,15 +297,19 @@ class BucketedDDP(DataParallelBase):
             bucket.buffer[:n].div_(self.world_size)
         complete = len(bucket.ready) == len(bucket.params)
         used = [True] * len(bucket.params) if complete else (bucket.buffer[n:] > 0).tolist()
+        targets, sources = [], []
         for i, (p, chunk) in enumerate(zip(bucket.params, bucket.layout.views(bucket.buffer))):
             if not used[i]:
                 continue  # no rank had a gradient: it stays None, as in one process
             if self.gradient_as_bucket_view:
                 p.grad = chunk
             elif p.grad is not None:
-                p.grad.copy_(chunk)
+                targets.append(p.grad)
+                sources.append(chunk)
             else:
                 p.grad = chunk.clone()  # used on another rank only
+        if targets:  # one multi-tensor copy per bucket instead of a launch per parameter (host time, exposed)
+            torch._foreach_copy_(targets, sources)
 
     def _finish_sharded(self, bucket: _Bucket) -> None:
         _, out = bucket.reduced
