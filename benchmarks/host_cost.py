@@ -83,7 +83,8 @@ CAUSAL = (-1, 0)  # the (left, right) window of causal attention
 
 
 def breakdown(args) -> list[dict]:
-    """Where one eager flashsys forward + backward spends host time, part by part (flashsys internals)."""
+    """Where one eager flashsys forward + backward spends host time, part by part (flashsys internals). The
+    forward + backward is about: forward + the engine's cost for any Function + the backward alone + the rest."""
     from flashsys.ops.attention import flash_triton as ft
     from flashsys.ops.attention.validation import check_attention_inputs
 
@@ -118,6 +119,9 @@ def breakdown(args) -> list[dict]:
         "forward launch: compiled kernel (flashsys eager path)": lambda: ft._launch_eager(
             "fwd", ft._fwd_kernels, g, CAUSAL, ft._tile_grid(g.n_q, "BLOCK_M", g.n_bh), named),
         "flashsys forward, no grad": lambda: _no_grad(op.apply, q, k, v),
+        "autograd engine: forward + backward of an identity Function": lambda: _Identity.apply(q).backward(do),
+        "backward alone: allocations + dQ and dK/dV launches (flash_backward_triton)": lambda: ft.flash_backward_triton(
+            qd, kd, vd, o_plain, lse, do, CAUSAL, 0.125),
         "flashsys forward + backward": lambda: op.apply(q, k, v, True).backward(do),
     }
     rows = []
