@@ -18,6 +18,7 @@ import torch
 
 from benchmarks.harness import DEVICE, ON_GPU, add_common_args, environment, sync, write_table
 from flashsys.ops.attention import ATTENTION_BACKENDS
+from flashsys.ops.attention.triton_env import interpreter_active
 
 
 def _inputs(n: int, heads: int, head_dim: int, dtype: torch.dtype, grad: bool):
@@ -157,7 +158,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--calls", type=int, default=200, help="calls per timed round (5 rounds, median)")
     p.add_argument("--backends", nargs="+", default=["flash", "sdpa"], choices=list(ATTENTION_BACKENDS))
-    p.add_argument("--breakdown", action="store_true", help="also time the parts of a flashsys call (GPU only)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time the parts of a flashsys call (CUDA, or TRITON_INTERPRET=1 on a CPU)")
     p.add_argument("--name", default=None, help="file name of the table (default host_cost_<device>)")
     args = p.parse_args(argv)
     env = environment()
@@ -167,7 +169,9 @@ def main(argv=None) -> int:
              "host_us > gpu_us: the call is host-bound."]
     path = write_table(headline(args), args.out, name, "Attention host cost per call", notes, env)
     print(path.read_text())
-    if args.breakdown and ON_GPU:
+    if args.breakdown and not (ON_GPU or interpreter_active()):
+        print("--breakdown times the Triton op: it needs CUDA (or TRITON_INTERPRET=1 on a CPU, at tiny shapes)")
+    elif args.breakdown:
         path = write_table(breakdown(args), args.out, f"{name}_breakdown", "Where the host time of a flashsys call goes",
                            [f"B=1, H={args.heads}, N={min(args.seqs)}, D={args.head_dim}, {args.dtype}, causal; "
                             "host µs per call, median of 5 rounds."], env)
