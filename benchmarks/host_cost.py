@@ -86,6 +86,7 @@ CAUSAL = (-1, 0)  # the (left, right) window of causal attention
 def breakdown(args) -> list[dict]:
     """Where one eager flashsys forward + backward spends host time, part by part (flashsys internals). The
     forward + backward is about: forward + the engine's cost for any Function + the backward alone + the rest."""
+    from flashsys.ops.attention import eager_plans
     from flashsys.ops.attention import flash_triton as ft
     from flashsys.ops.attention.validation import check_attention_inputs
 
@@ -93,8 +94,8 @@ def breakdown(args) -> list[dict]:
     n = min(args.seqs)
     q, k, v, do = _inputs(n, args.heads, args.head_dim, dtype, grad=True)
     op = ft.FlashAttention2Triton
-    o = op.apply(q, k, v, True)
-    o.backward(do)
+    for _ in range(3):  # autotune, then make the plans
+        op.apply(q, k, v, True).backward(do)
     with torch.no_grad():
         o_plain, lse = ft.flash_forward_triton(q.detach(), k.detach(), v.detach(), CAUSAL, 0.125)
     g = ft._cached_geometry(q.shape, k.shape, q.dtype)
@@ -105,6 +106,20 @@ def breakdown(args) -> list[dict]:
     grid = (-(-g.n_q // meta["BLOCK_M"]), g.n_bh)
     handle = prepared.handle
 
+    forward_plan = eager_plans.forward_plans.get(eager_plans.forward_key(q, k, v, True, None, None))
+    saved = op.apply(q, k, v, True).grad_fn.saved_tensors
+    backward_key = eager_plans.backward_key(CAUSAL, forward_plan.scale, *saved, do) if forward_plan else None
+    backward_plan = eager_plans.backward_plans.get(backward_key)
+    replay = {}
+    if forward_plan is not None and backward_plan is not None:  # bf16 under the interpreter is not planned
+        replay = {
+            "forward plan: signature (key) + look-up": lambda: eager_plans.forward_plans.get(
+                eager_plans.forward_key(q, k, v, True, None, None)),
+            "forward plan: allocations + launch (ForwardPlan.launch)": lambda: forward_plan.launch(qd, kd, vd),
+            "backward plan: signature (key) + look-up": lambda: eager_plans.backward_plans.get(
+                eager_plans.backward_key(CAUSAL, forward_plan.scale, *saved, do)),
+            "backward plan: allocations + 2 launches (BackwardPlan.launch)": lambda: backward_plan.launch(*saved, do),
+        }
     parts = {
         "autograd.Function.apply of an identity": lambda: _Identity.apply(q),
         "input checks": lambda: check_attention_inputs(q, k, v, True, None, op="x", max_head_dim=256),
@@ -117,11 +132,12 @@ def breakdown(args) -> list[dict]:
                                                                                            **prepared.constexprs),
         "forward launch: JITFunction.run, config given": lambda: handle.fn[grid](*prepared.args, **prepared.constexprs,
                                                                                  **meta),
-        "forward launch: compiled kernel (flashsys eager path)": lambda: ft._launch_eager(
+        "forward launch: compiled kernel (flashsys full path)": lambda: ft._launch_eager(
             "fwd", ft._fwd_kernels, g, CAUSAL, ft._tile_grid(g.n_q, "BLOCK_M", g.n_bh), named),
+        **replay,
         "flashsys forward, no grad": lambda: _no_grad(op.apply, q, k, v),
         "autograd engine: forward + backward of an identity Function": lambda: _Identity.apply(q).backward(do),
-        "backward alone: allocations + dQ and dK/dV launches (flash_backward_triton)": lambda: ft.flash_backward_triton(
+        "backward, full path: allocations + dQ and dK/dV launches (flash_backward_triton)": lambda: ft.flash_backward_triton(
             qd, kd, vd, o_plain, lse, do, CAUSAL, 0.125),
         "flashsys forward + backward": lambda: op.apply(q, k, v, True).backward(do),
     }

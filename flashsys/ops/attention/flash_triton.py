@@ -34,6 +34,8 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 from triton.compiler import CompiledKernel
 
+from . import eager_plans
+from .eager_plans import Recorded
 from .triton_env import interpreter_active
 from .validation import (
     MAX_HEAD_DIM,
@@ -583,6 +585,7 @@ class _LaunchPlan(NamedTuple):
     named: frozenset[str]  # the names a launcher must pass
     strided: tuple[str, ...]  # the tensors whose strides are arguments
     constexprs: tuple[str, ...]  # the compile-time parameters, in signature order (they come last)
+    tensors: tuple[str, ...]  # the pointer arguments: every argument before the first stride
 
 
 @functools.cache
@@ -606,7 +609,9 @@ def _launch_plan(kernel) -> _LaunchPlan:
             slots.append((p.name, None))
     named = frozenset(name for name, axis in slots if axis is None)
     strided = tuple(dict.fromkeys(name for name, axis in slots if axis is not None))
-    return _LaunchPlan(tuple(slots), named, strided, tuple(constexprs))
+    first_stride = next(i for i, (_, axis) in enumerate(slots) if axis is not None)
+    tensors = tuple(name for name, _ in slots[:first_stride])
+    return _LaunchPlan(tuple(slots), named, strided, tuple(constexprs), tensors)
 
 
 def _positional(kernel, named: dict) -> tuple:
@@ -740,9 +745,11 @@ def _launch_signature(prepared: _Launch, device_index: int, grid_xyz: tuple[int,
             *[a.data_ptr() % 16 == 0 if isinstance(a, Tensor) else a for a in prepared.args])
 
 
-def _launch_eager(kernel: str, handles: dict, g: _Geometry, window: tuple[int, int], grid, named: dict) -> None:
+def _launch_eager(kernel: str, handles: dict, g: _Geometry, window: tuple[int, int], grid, named: dict
+                  ) -> Recorded | None:
     """Launch one of the three kernels on real tensors: through Triton's autotuner on the first call of a key,
-    then the JIT kernel with the chosen config, then (same signature) the compiled kernel directly."""
+    then the JIT kernel with the chosen config, then (same signature) the compiled kernel directly. Returns the
+    launch as eager_plans records it, or None where the autotuner ran it."""
     prepared = _prepare(kernel, handles, g, window, named)
     handle, args, constexprs, key = prepared
     meta = _chosen_configs.get(key)
@@ -750,22 +757,43 @@ def _launch_eager(kernel: str, handles: dict, g: _Geometry, window: tuple[int, i
         handle[grid](*args, **constexprs)
         best = handle.best_config
         _chosen_configs[key] = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
-        return
+        return None
     device = named["Q"].device
     grid_xyz = (*grid(meta), 1, 1)[:3]  # a compiled kernel's launcher takes all three grid dims
     signature = _launch_signature(prepared, device.index, grid_xyz) if device.type == "cuda" else None
     fast = _fast_launches.get(signature)
     if fast is not None:
-        run, trailing = fast
-        run(*args, *trailing)
-        return
-    compiled = handle.fn[grid_xyz](*args, **constexprs, **meta)
-    if signature is not None and isinstance(compiled, CompiledKernel):
-        if len(_fast_launches) >= _FAST_LAUNCHES_MAX:
-            _fast_launches.clear()
-        values = {**constexprs, **meta}
-        trailing = tuple(values[name] for name in _launch_plan(handle.fn).constexprs)
-        _fast_launches[signature] = (compiled[grid_xyz], trailing)
+        fast[0](*args, *fast[1])
+    else:
+        compiled = handle.fn[grid_xyz](*args, **constexprs, **meta)
+        fast = _fast_launch(handle.fn, compiled, grid_xyz, args, {**constexprs, **meta})
+        if fast is None:
+            return None
+        if signature is not None:
+            if len(_fast_launches) >= _FAST_LAUNCHES_MAX:
+                _fast_launches.clear()
+            _fast_launches[signature] = fast
+    n_tensors = len(_launch_plan(handle.fn).tensors)
+    return Recorded(fast[0], args[:n_tensors], (*args[n_tensors:], *fast[1]))
+
+
+def _fast_launch(fn, compiled, grid_xyz: tuple[int, int, int], args: tuple, constexprs: dict) -> tuple | None:
+    """(launcher of `compiled` for the grid, the constexpr values in signature order), or None. On a GPU the
+    launcher is Triton's own launch of a compiled kernel; under the interpreter (CPU tensors), which compiles
+    nothing, it interprets the kernel again."""
+    n_tensors = len(_launch_plan(fn).tensors)
+    if not all(isinstance(a, Tensor) for a in args[:n_tensors]) or any(isinstance(a, Tensor) for a in args[n_tensors:]):
+        raise TypeError(f"{fn.fn.__name__}: its pointer arguments must come first, before the strides")
+    trailing = tuple(constexprs[name] for name in _launch_plan(fn).constexprs)
+    if isinstance(compiled, CompiledKernel):
+        return compiled[grid_xyz], trailing
+    if args[0].device.type == "cpu":
+        return functools.partial(_interpreted_launch, fn, grid_xyz), trailing
+    return None
+
+
+def _interpreted_launch(fn, grid_xyz: tuple[int, int, int], *args, stream=None) -> None:
+    fn[grid_xyz](*args)
 
 
 def _launch_traced(kernel: str, handles: dict, g: _Geometry, window: tuple[int, int], grid, named: dict) -> None:
@@ -800,11 +828,20 @@ def flash_forward_triton(
 
     `window` is (left, right), -1 unbounded (causal: (-1, 0)); k, v may have fewer heads than q (grouped-query).
     `traced=True` inside the triton_op (torch.compile); eager calls use the cached fast launch."""
+    o, lse, _ = _planned_forward(q, k, v, window, scale, traced)
+    return o, lse
+
+
+def _planned_forward(q: Tensor, k: Tensor, v: Tensor, window: tuple[int, int], scale: float, traced: bool = False
+                     ) -> tuple[Tensor, Tensor, eager_plans.ForwardPlan | None]:
+    """flash_forward_triton, and the plan that replays it (None until compiled kernels ran it, and when traced)."""
     g = _geometry_of(q.shape, k.shape, q.dtype) if traced else _cached_geometry(q.shape, k.shape, q.dtype)
     o = torch.empty_like(q, memory_format=torch.contiguous_format)  # empty_like: the cheapest allocation call
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    _launch_forward(g, q, k, v, o, lse, q, k, window, scale, traced)
-    return o, lse
+    recorded = _launch_forward(g, q, k, v, o, lse, q, k, window, scale, traced)
+    replays = None if traced else eager_plans.replays(recorded, (q, k, v, o, lse))
+    plan = None if replays is None else eager_plans.ForwardPlan(window, scale, tuple(lse.shape), replays)
+    return o, lse, plan
 
 
 def forward_arguments(g: _Geometry, q, k, v, o, lse, cu_q, cu_k, window, scale) -> dict:
@@ -813,10 +850,10 @@ def forward_arguments(g: _Geometry, q, k, v, o, lse, cu_q, cu_k, window, scale) 
     return dict(Q=q, K=k, V=v, O=o, L=lse, CU_Q=cu_q, CU_K=cu_k, **_sizes(g, window), qk_scale=scale * LOG2E)
 
 
-def _launch_forward(g: _Geometry, q, k, v, o, lse, cu_q, cu_k, window, scale, traced) -> None:
+def _launch_forward(g: _Geometry, q, k, v, o, lse, cu_q, cu_k, window, scale, traced) -> list[Recorded | None]:
     launch = _launch_traced if traced else _launch_eager
-    launch("fwd", _fwd_kernels, g, window, _tile_grid(g.grid_q, "BLOCK_M", g.n_bh),
-           forward_arguments(g, q, k, v, o, lse, cu_q, cu_k, window, scale))
+    return [launch("fwd", _fwd_kernels, g, window, _tile_grid(g.grid_q, "BLOCK_M", g.n_bh),
+                   forward_arguments(g, q, k, v, o, lse, cu_q, cu_k, window, scale))]
 
 
 def flash_backward_triton(
@@ -827,12 +864,21 @@ def flash_backward_triton(
 
     dO may have any strides, stride 0 included.
     """
+    dq, dk, dv, _ = _planned_backward(q, k, v, o, lse, _dense_do(do, q.dtype), window, scale, traced)
+    return dq, dk, dv
+
+
+def _planned_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, window: tuple[int, int],
+                      scale: float, traced: bool = False
+                      ) -> tuple[Tensor, Tensor, Tensor, eager_plans.BackwardPlan | None]:
+    """flash_backward_triton for a dense dO, and the plan that replays it (as `_planned_forward`)."""
     g = _geometry_of(q.shape, k.shape, q.dtype) if traced else _cached_geometry(q.shape, k.shape, q.dtype)
-    do = _dense_do(do, q.dtype)
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     lse_delta = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device=q.device)
-    _launch_backward(g, q, k, v, o, lse, do, dq, dk, dv, lse_delta, q, k, window, scale, traced)
-    return dq, dk, dv
+    recorded = _launch_backward(g, q, k, v, o, lse, do, dq, dk, dv, lse_delta, q, k, window, scale, traced)
+    replays = None if traced else eager_plans.replays(recorded, (q, k, v, o, lse, do, dq, dk, dv, lse_delta))
+    plan = None if replays is None else eager_plans.BackwardPlan(tuple(lse_delta.shape), replays)
+    return dq, dk, dv, plan
 
 
 def _dense_do(do: Tensor, dtype: torch.dtype) -> Tensor:
@@ -846,15 +892,17 @@ def _dense_do(do: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _launch_backward(g: _Geometry, q, k, v, o, lse, do, dq, dk, dv, lse_delta, cu_q, cu_k, window, scale,
-                     traced) -> None:
+                     traced) -> list[Recorded | None]:
     shared = dict(Q=q, K=k, V=v, DO=do, LseDelta=lse_delta, CU_Q=cu_q, CU_K=cu_k, **_sizes(g, window),
                   qk_scale=scale * LOG2E, softmax_scale=scale)
     launch = _launch_traced if traced else _launch_eager
     # dQ first: it writes the (L*log2e, D) pairs that the dK/dV kernel reads.
-    launch("dq", _bwd_dq_kernels, g, window, _tile_grid(g.grid_q, "BLOCK_M", g.n_bh), dict(shared, L=lse, DQ=dq, O=o))
+    dq_launch = launch("dq", _bwd_dq_kernels, g, window, _tile_grid(g.grid_q, "BLOCK_M", g.n_bh),
+                       dict(shared, L=lse, DQ=dq, O=o))
     # One dK/dV program per key tile and K/V head: it sums the query heads of its group itself.
-    launch("dkdv", _bwd_dkdv_kernels, g, window, _tile_grid(g.grid_k, "BLOCK_N", g.n_bh_kv),
-           dict(shared, DK=dk, DV=dv))
+    dkdv_launch = launch("dkdv", _bwd_dkdv_kernels, g, window, _tile_grid(g.grid_k, "BLOCK_N", g.n_bh_kv),
+                         dict(shared, DK=dk, DV=dv))
+    return [dq_launch, dkdv_launch]
 
 
 def _packed_view(t: Tensor, n_seqs: int) -> Tensor:
@@ -985,6 +1033,11 @@ def _eager(*tensors: Tensor) -> bool:
     return not torch.compiler.is_compiling() and all(type(t) in (Tensor, torch.nn.Parameter) for t in tensors)
 
 
+def _plannable(q: Tensor) -> bool:
+    """Eager calls are planned (eager_plans) on CUDA, and on the CPU (interpreter) where no bf16 upcast is needed."""
+    return q.device.type == "cuda" or q.dtype != torch.bfloat16
+
+
 def _on_current_device(q: Tensor) -> contextlib.AbstractContextManager:
     """Triton launches on the current CUDA device: switch to q's device when it is another one."""
     if q.device.type == "cuda" and q.device.index != torch.cuda.current_device():
@@ -1005,18 +1058,28 @@ class FlashAttention2Triton(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False, softmax_scale: float | None = None,
                 window_size: tuple[int, int] | None = None) -> Tensor:
         """Returns O, shaped and typed like q."""
+        key = eager_plans.forward_key(q, k, v, is_causal, softmax_scale, window_size)
+        plan = eager_plans.forward_plans.get(key)
+        if plan is not None and eager_plans.on_current_device(q):  # a repeated eager call: allocate and launch
+            o, lse = plan.launch(q, k, v)
+            ctx.save_for_backward(q, k, v, o, lse)
+            ctx.window, ctx.scale, ctx.plan = plan.window, plan.scale, plan
+            return o
         op = "FlashAttention2Triton"
         scale = check_attention_inputs(q, k, v, is_causal, softmax_scale, op=op, max_head_dim=MAX_HEAD_DIM)
         window = normalize_window(window_size, bool(is_causal), op)
         _check_device(q, op)
-        if _eager(q, k, v):
+        if _eager(q, k, v) and _plannable(q):
             with _on_current_device(q):
-                o, lse = _forward(q, k, v, window, scale)
+                o, lse, plan = _planned_forward(q, k, v, window, scale)
+            eager_plans.forward_plans.remember(key, plan)
+        elif _eager(q, k, v):
+            o, lse = _forward(q, k, v, window, scale)
         else:
             forward = flash_attention_forward_op if q.device.type == "cuda" else _interpreted_forward_op
             o, lse = forward(q, k, v, *window, scale)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.window, ctx.scale = window, scale
+        ctx.window, ctx.scale, ctx.plan = window, scale, plan
         return o
 
     @staticmethod
@@ -1024,7 +1087,17 @@ class FlashAttention2Triton(torch.autograd.Function):
         """(dQ, dK, dV, None, None, None) from the dQ kernel, then the dK/dV kernel; dO may have any strides."""
         refuse_double_backward("FlashAttention2Triton")
         q, k, v, o, lse = ctx.saved_tensors
-        if _eager(q, do):
+        if ctx.plan is not None and _eager(q, do):  # an eager CUDA forward: replay a backward plan, or make one
+            do = _dense_do(do, q.dtype)
+            key = eager_plans.backward_key(ctx.window, ctx.scale, q, k, v, o, lse, do)
+            plan = eager_plans.backward_plans.get(key)
+            with _on_current_device(q):
+                if plan is not None:
+                    dq, dk, dv = plan.launch(q, k, v, o, lse, do)
+                else:
+                    dq, dk, dv, plan = _planned_backward(q, k, v, o, lse, do, ctx.window, ctx.scale)
+                    eager_plans.backward_plans.remember(key, plan)
+        elif _eager(q, do):
             with _on_current_device(q):
                 dq, dk, dv = _backward(q, k, v, o, lse, do, ctx.window, ctx.scale)
         else:

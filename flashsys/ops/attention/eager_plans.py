@@ -1,0 +1,159 @@
+"""Repeated eager calls of the Triton op, replayed from a plan: a call costs its allocations and launches, no more.
+
+Everything an eager call does besides allocating its outputs and launching its kernels follows from its signature:
+the shapes, strides, dtypes, devices and pointer alignment (Triton specialises on it) of its tensors, and the causal
+flag, scale and window. The first calls of a signature take the full path (validation, geometry, autotuning,
+Triton's launcher). Once that path has launched compiled kernels, the launches are recorded as a plan under the
+signature; a later call with the same signature allocates its outputs and replays the launches with its own tensors.
+
+Why: at the sizes of a layer in a small model an attention call costs more host time than GPU time, so in an
+eager model its host time is the step's time (benchmarks/results/host_cost). What a plan skips ran, and passed,
+for this exact signature. Plans exist for plain tensors outside torch.compile: CUDA tensors, and CPU tensors under
+Triton's interpreter (except bf16, which the interpreter computes in fp32), so CPU CI runs the same replays.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+_MAX_PLANS = 1024  # per table; a full table is emptied (a model uses a handful of signatures)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton's launcher asks for itself
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+class Recorded(NamedTuple):
+    """One launch as the full path made it: the compiled kernel's launcher for its grid, the tensors that lead
+    its arguments, and every argument after them (strides, sizes, scale, constexprs) in signature order."""
+
+    run: Callable
+    tensors: tuple[Tensor, ...]
+    tail: tuple
+
+
+class _Replay(NamedTuple):
+    run: Callable
+    slots: tuple[int, ...]  # which of the call's tensors go first, by their position among the call's tensors
+    tail: tuple
+
+
+def replays(recorded: list[Recorded | None], call_tensors: tuple[Tensor, ...]) -> tuple[_Replay, ...] | None:
+    """The recorded launches in terms of the call's tensors (found by identity), or None when a launch was not
+    recorded (the autotuner ran it) or used a tensor the call does not name."""
+    out = []
+    for launch in recorded:
+        if launch is None:
+            return None
+        slots = []
+        for t in launch.tensors:
+            slot = next((i for i, c in enumerate(call_tensors) if c is t), None)
+            if slot is None:
+                return None
+            slots.append(slot)
+        out.append(_Replay(launch.run, tuple(slots), launch.tail))
+    return tuple(out)
+
+
+def _launch_all(plan_replays: tuple[_Replay, ...], tensors: tuple[Tensor, ...], device_index: int) -> None:
+    stream = _raw_stream(device_index) if _raw_stream is not None and device_index >= 0 else None
+    for run, slots, tail in plan_replays:
+        run(*[tensors[i] for i in slots], *tail, stream=stream)
+
+
+def on_current_device(t: Tensor) -> bool:
+    """Whether t is on the current CUDA device, where Triton launches (or on the CPU, under the interpreter).
+    Cheaper than torch.cuda.current_device()."""
+    index = t.get_device()
+    if index < 0:
+        return True
+    return index == (_current_device() if _current_device is not None else torch.cuda.current_device())
+
+
+class ForwardPlan:
+    """The forward of one signature: output shapes, the forward kernel's launch, and the (left, right) window and
+    scale the full path derived (the backward needs them)."""
+
+    __slots__ = ("window", "scale", "lse_shape", "replays")
+
+    def __init__(self, window: tuple[int, int], scale: float, lse_shape: tuple[int, ...],
+                 plan_replays: tuple[_Replay, ...]):
+        self.window, self.scale, self.lse_shape, self.replays = window, scale, lse_shape, plan_replays
+
+    def launch(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        o = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        _launch_all(self.replays, (q, k, v, o, lse), q.get_device())
+        return o, lse
+
+
+class BackwardPlan:
+    """The backward of one signature: the dQ and dK/dV kernels' launches and the (L, D) scratch's shape."""
+
+    __slots__ = ("delta_shape", "replays")
+
+    def __init__(self, delta_shape: tuple[int, ...], plan_replays: tuple[_Replay, ...]):
+        self.delta_shape, self.replays = delta_shape, plan_replays
+
+    def launch(self, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor
+               ) -> tuple[Tensor, Tensor, Tensor]:
+        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+        lse_delta = torch.empty(self.delta_shape, dtype=torch.float32, device=q.device)
+        _launch_all(self.replays, (q, k, v, o, lse, do, dq, dk, dv, lse_delta), q.get_device())
+        return dq, dk, dv
+
+
+def _tensor_signature(t: Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15
+
+
+def forward_key(q, k, v, is_causal, softmax_scale, window_size) -> tuple | None:
+    """The forward's signature, or None where no plan applies (not plain tensors, under torch.compile, or flags
+    of types a plan does not key on)."""
+    if (type(q) not in _PLAIN or type(k) not in _PLAIN or type(v) not in _PLAIN or type(is_causal) is not bool
+            or torch.compiler.is_compiling()):
+        return None
+    if softmax_scale is not None and type(softmax_scale) not in (float, int):
+        return None
+    if window_size is not None and (type(window_size) is not tuple
+                                    or not all(type(w) is int for w in window_size)):
+        return None
+    return (_tensor_signature(q), _tensor_signature(k), _tensor_signature(v), is_causal, softmax_scale, window_size)
+
+
+def backward_key(window: tuple[int, int], scale: float, *tensors: Tensor) -> tuple | None:
+    """The backward's signature: q, k, v, O, L as unpacked (saved-tensor hooks may hand back other strides) and dO."""
+    if torch.compiler.is_compiling() or not all(type(t) in _PLAIN for t in tensors):
+        return None
+    return (window, scale, *[_tensor_signature(t) for t in tensors])
+
+
+class PlanTable:
+    """A bounded {signature: plan} table."""
+
+    def __init__(self):
+        self._plans: dict = {}
+
+    def get(self, key):
+        return None if key is None else self._plans.get(key)
+
+    def remember(self, key, plan) -> None:
+        if key is None or plan is None:
+            return
+        if len(self._plans) >= _MAX_PLANS:
+            self._plans.clear()
+        self._plans[key] = plan
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
+forward_plans = PlanTable()
+backward_plans = PlanTable()
