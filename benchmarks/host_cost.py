@@ -107,7 +107,8 @@ def breakdown(args) -> list[dict]:
     handle = prepared.handle
 
     forward_plan = eager_plans.forward_plans.get(eager_plans.forward_key(q, k, v, True, None, None))
-    saved = op.apply(q, k, v, True).grad_fn.saved_tensors
+    o = op.apply(q, k, v, True)  # held: a saved output is only readable while the output lives
+    saved = o.grad_fn.saved_tensors
     backward_key = eager_plans.backward_key(CAUSAL, forward_plan.scale, *saved, do) if forward_plan else None
     backward_plan = eager_plans.backward_plans.get(backward_key)
     replay = {}

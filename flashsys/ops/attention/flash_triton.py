@@ -1087,17 +1087,18 @@ class FlashAttention2Triton(torch.autograd.Function):
         """(dQ, dK, dV, None, None, None) from the dQ kernel, then the dK/dV kernel; dO may have any strides."""
         refuse_double_backward("FlashAttention2Triton")
         q, k, v, o, lse = ctx.saved_tensors
-        if ctx.plan is not None and _eager(q, do):  # an eager CUDA forward: replay a backward plan, or make one
+        if ctx.plan is not None:  # a planned eager forward: replay a backward plan, or make one
             do = _dense_do(do, q.dtype)
-            key = eager_plans.backward_key(ctx.window, ctx.scale, q, k, v, o, lse, do)
+            key = eager_plans.backward_key(ctx.window, ctx.scale, q, k, v, o, lse, do)  # None if not eager now
             plan = eager_plans.backward_plans.get(key)
-            with _on_current_device(q):
-                if plan is not None:
-                    dq, dk, dv = plan.launch(q, k, v, o, lse, do)
-                else:
+            if plan is not None and eager_plans.on_current_device(q):
+                return (*plan.launch(q, k, v, o, lse, do), None, None, None)
+            if key is not None:
+                with _on_current_device(q):
                     dq, dk, dv, plan = _planned_backward(q, k, v, o, lse, do, ctx.window, ctx.scale)
-                    eager_plans.backward_plans.remember(key, plan)
-        elif _eager(q, do):
+                eager_plans.backward_plans.remember(key, plan)
+                return dq, dk, dv, None, None, None
+        if _eager(q, do):
             with _on_current_device(q):
                 dq, dk, dv = _backward(q, k, v, o, lse, do, ctx.window, ctx.scale)
         else:
