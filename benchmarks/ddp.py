@@ -15,6 +15,8 @@ with the next forward) on BucketedDDP; torch DDP + ZeroRedundancyOptimizer; torc
 `fully_shard(reshard_after_forward=False)` (ZeRO-2's torch counterpart).
 
 exposed_% = (median step - median compute-only step) / compute-only: the communication that did not hide.
+forward_ms, backward_ms, step_ms: the median of each phase of a step (the slowest rank's), from CUDA events at
+its start, before backward and before the optimizer step: where a variant's extra time goes.
 grad_state_MB counts, per rank, the gradient storage (`.grad`, bucket buffers, shards) and optimizer state that
 persist between steps (torch DDP's internal buckets cannot be counted this way: `alloc_MB`, the CUDA allocator's
 figure after a step, includes everything).
@@ -124,6 +126,10 @@ VARIANTS: dict[str, Callable] = {
     "torch FSDP2 (reshard_after_forward=False)": _fsdp2,
 }
 OWN_MODEL = {"torch FSDP2 (reshard_after_forward=False)"}
+# A step's phases, each from its mark to the next: forward (zero_grad, forward, loss; with ZeRO-2's overlapped
+# all-gathers, the waits for them), backward (gradient synchronisation finishes inside it), optimizer step (and
+# whatever it leaves the next step's start to wait for).
+PHASES = ("forward", "backward", "step")
 
 
 def worker(rank, world, device, cfg, batch, warmup, iters, rounds, only, out_json):
@@ -138,6 +144,7 @@ def worker(rank, world, device, cfg, batch, warmup, iters, rounds, only, out_jso
     shared = TransformerLM.from_config(cfg, device=device)
     own: dict[str, tuple[nn.Module, Built]] = {}
     times: dict[str, list[float]] = {n: [] for n in names}
+    phases: dict[str, dict[str, list[float]]] = {n: {ph: [] for ph in PHASES} for n in names}
     memory: dict[str, tuple[int, float]] = {}
     info: dict[str, dict] = {}
     watch = Stopwatch(device, barrier=True)
@@ -155,17 +162,27 @@ def worker(rank, world, device, cfg, batch, warmup, iters, rounds, only, out_jso
             for i in range(warmup + iters):
                 if i == warmup:
                     watch.start()  # every rank starts the timed steps together, nothing queued
-                if i >= warmup:
-                    marks.mark()
+                timed = i >= warmup
+                if timed:
+                    marks.mark()  # three marks a step: its start, backward, optimizer step
                 built.opt.zero_grad(set_to_none=True)
                 with autocast():
                     logits = built.net(x[:, :-1])
-                F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), x[:, 1:].reshape(-1)).backward()
+                loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), x[:, 1:].reshape(-1))
+                if timed:
+                    marks.mark()
+                loss.backward()
+                if timed:
+                    marks.mark()
                 built.opt.step()
             if hasattr(built.opt, "wait_for_parameters"):
                 built.opt.wait_for_parameters()  # the last step's all-gathers belong to its time
             marks.mark()
-            times[name].extend(marks.intervals_ms())
+            gaps = marks.intervals_ms()
+            for k in range(0, len(gaps), len(PHASES)):
+                for phase, ms in zip(PHASES, gaps[k:k + len(PHASES)]):
+                    phases[name][phase].append(ms)
+                times[name].append(sum(gaps[k:k + len(PHASES)]))
             alloc = torch.cuda.memory_allocated(device) / MB if device.type == "cuda" else float("nan")
             memory[name] = (sum(gradient_and_state_bytes(model, built.opt, built.wrapper)), alloc)
             if isinstance(built.wrapper, BucketedDDP):
@@ -181,14 +198,16 @@ def worker(rank, world, device, cfg, batch, warmup, iters, rounds, only, out_jso
                     torch.cuda.empty_cache()
     # The slowest rank's time of each step.
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, (times, memory))
+    dist.all_gather_object(gathered, (times, memory, phases))
     rows = []
     for name in names:
         steps = [max(g[0][name][k] for g in gathered) for k in range(len(times[name]))]
         q = statistics.quantiles(steps, n=10) if len(steps) > 1 else [steps[0]] * 9
         rows.append({"variant": name, "median_ms": statistics.median(steps), "p10_ms": q[0], "p90_ms": q[-1],
                      "steps": len(steps), "grad_state_MB": max(g[1][name][0] for g in gathered) / MB,
-                     "alloc_MB": max(g[1][name][1] for g in gathered), **info.get(name, {})})
+                     "alloc_MB": max(g[1][name][1] for g in gathered), **info.get(name, {}),
+                     **{f"{ph}_ms": statistics.median(max(g[2][name][ph][k] for g in gathered)
+                                                      for k in range(len(times[name]))) for ph in PHASES}})
     compute = rows[0]["median_ms"]
     for r in rows:
         r["exposed_ms"] = r["median_ms"] - compute
