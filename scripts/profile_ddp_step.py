@@ -1,0 +1,64 @@
+"""Profile the data-parallel step of chosen `benchmarks.ddp` variants (GPU probe; rank 0 prints, writes $OUT traces).
+
+Why: `benchmarks.ddp` shows where a variant's extra time goes by phase (forward, backward, step); this names the
+kernels and collectives inside: torch.profiler over two steps per variant after two warm-up steps.
+
+    python scripts/profile_ddp_step.py "BucketedDDP (default: auto)" "ZeRO-2: BucketedDDP + ZeRO2Optimizer"
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.ddp import VARIANTS
+from benchmarks.harness import distributed_model_config, token_batch
+from flashsys.dist import spawn
+from flashsys.nn import TransformerLM
+
+
+def worker(rank, world, device, names):
+    torch.backends.cuda.matmul.allow_tf32 = True
+    cfg = distributed_model_config(SimpleNamespace(preset="xl", context=512))
+    x = token_batch(cfg, 16, device, torch.Generator().manual_seed(rank))
+    torch.manual_seed(0)
+    model = TransformerLM.from_config(cfg, device=device)
+    for name in names:
+        built = VARIANTS[name](model, device)
+
+        def step(built=built):
+            built.opt.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = built.net(x[:, :-1])
+            F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), x[:, 1:].reshape(-1)).backward()
+            built.opt.step()
+
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                step()
+            if hasattr(built.opt, "wait_for_parameters"):
+                built.opt.wait_for_parameters()
+            torch.cuda.synchronize()
+        if rank == 0:
+            print(f"\n===== {name}: 2 steps =====")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60))
+            out = os.environ.get("OUT")
+            if out:
+                prof.export_chrome_trace(os.path.join(out, f"trace_{names.index(name)}.json"))
+        for undo in built.teardown:
+            undo()
+        del built
+        model.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    spawn(worker, 2, sys.argv[1:], backend="nccl")
