@@ -17,6 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from benchmarks.host_cost import _Identity
 from flashsys.ops.attention import flash_triton as ft
 
 N, H, D, CALLS = 128, 16, 64, 300
@@ -47,10 +48,8 @@ def timed_backward(ctx, do):
 ft.FlashAttention2Triton.backward = staticmethod(timed_backward)
 
 
-class Identity(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
+class Identity(_Identity):
+    """host_cost's identity Function, stamping its backward."""
 
     @staticmethod
     def backward(ctx, g):
