@@ -132,6 +132,21 @@ OWN_MODEL = {"torch FSDP2 (reshard_after_forward=False)"}
 PHASES = ("forward", "backward", "step")
 
 
+def train_step(built: Built, x: torch.Tensor, autocast: Callable, mark: Callable[[], None] | None = None) -> None:
+    """One step: zero_grad, forward under `autocast()` and the next-token loss, backward, optimizer step.
+    `mark()`, if given, runs before the backward and before the optimizer step (the phase boundaries)."""
+    built.opt.zero_grad(set_to_none=True)
+    with autocast():
+        logits = built.net(x[:, :-1])
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+    if mark is not None:
+        mark()
+    loss.backward()
+    if mark is not None:
+        mark()
+    built.opt.step()
+
+
 def worker(rank, world, device, cfg, batch, warmup, iters, rounds, only, out_json):
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -162,19 +177,9 @@ def worker(rank, world, device, cfg, batch, warmup, iters, rounds, only, out_jso
             for i in range(warmup + iters):
                 if i == warmup:
                     watch.start()  # every rank starts the timed steps together, nothing queued
-                timed = i >= warmup
-                if timed:
+                if i >= warmup:
                     marks.mark()  # three marks a step: its start, backward, optimizer step
-                built.opt.zero_grad(set_to_none=True)
-                with autocast():
-                    logits = built.net(x[:, :-1])
-                loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), x[:, 1:].reshape(-1))
-                if timed:
-                    marks.mark()
-                loss.backward()
-                if timed:
-                    marks.mark()
-                built.opt.step()
+                train_step(built, x, autocast, marks.mark if i >= warmup else None)
             if hasattr(built.opt, "wait_for_parameters"):
                 built.opt.wait_for_parameters()  # the last step's all-gathers belong to its time
             marks.mark()

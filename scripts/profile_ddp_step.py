@@ -8,15 +8,15 @@ kernels and collectives inside: torch.profiler over two steps per variant after 
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.ddp import VARIANTS
+from benchmarks.ddp import VARIANTS, train_step
 from benchmarks.harness import distributed_model_config, token_batch
 from flashsys.dist import spawn
 from flashsys.nn import TransformerLM
@@ -28,22 +28,16 @@ def worker(rank, world, device, names):
     x = token_batch(cfg, 16, device, torch.Generator().manual_seed(rank))
     torch.manual_seed(0)
     model = TransformerLM.from_config(cfg, device=device)
+    autocast = functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16)
     for name in names:
         built = VARIANTS[name](model, device)
 
-        def step(built=built):
-            built.opt.zero_grad(set_to_none=True)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                logits = built.net(x[:, :-1])
-            F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), x[:, 1:].reshape(-1)).backward()
-            built.opt.step()
-
         for _ in range(2):
-            step()
+            train_step(built, x, autocast)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(2):
-                step()
+                train_step(built, x, autocast)
             if hasattr(built.opt, "wait_for_parameters"):
                 built.opt.wait_for_parameters()
             torch.cuda.synchronize()

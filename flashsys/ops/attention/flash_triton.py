@@ -1040,9 +1040,7 @@ def _plannable(q: Tensor) -> bool:
 
 def _on_current_device(q: Tensor) -> contextlib.AbstractContextManager:
     """Triton launches on the current CUDA device: switch to q's device when it is another one."""
-    if q.device.type == "cuda" and q.device.index != torch.cuda.current_device():
-        return torch.cuda.device(q.device)
-    return contextlib.nullcontext()
+    return contextlib.nullcontext() if eager_plans.on_current_device(q) else torch.cuda.device(q.device)
 
 
 class FlashAttention2Triton(torch.autograd.Function):
@@ -1063,23 +1061,24 @@ class FlashAttention2Triton(torch.autograd.Function):
         if plan is not None and eager_plans.on_current_device(q):  # a repeated eager call: allocate and launch
             o, lse = plan.launch(q, k, v)
             ctx.save_for_backward(q, k, v, o, lse)
-            ctx.window, ctx.scale, ctx.plan = plan.window, plan.scale, plan
+            ctx.window, ctx.scale, ctx.planned = plan.window, plan.scale, True
             return o
         op = "FlashAttention2Triton"
         scale = check_attention_inputs(q, k, v, is_causal, softmax_scale, op=op, max_head_dim=MAX_HEAD_DIM)
         window = normalize_window(window_size, bool(is_causal), op)
         _check_device(q, op)
-        if _eager(q, k, v) and _plannable(q):
+        eager = _eager(q, k, v)
+        if eager and _plannable(q):
             with _on_current_device(q):
                 o, lse, plan = _planned_forward(q, k, v, window, scale)
             eager_plans.forward_plans.remember(key, plan)
-        elif _eager(q, k, v):
+        elif eager:
             o, lse = _forward(q, k, v, window, scale)
         else:
             forward = flash_attention_forward_op if q.device.type == "cuda" else _interpreted_forward_op
             o, lse = forward(q, k, v, *window, scale)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.window, ctx.scale, ctx.plan = window, scale, plan
+        ctx.window, ctx.scale, ctx.planned = window, scale, plan is not None
         return o
 
     @staticmethod
@@ -1087,7 +1086,7 @@ class FlashAttention2Triton(torch.autograd.Function):
         """(dQ, dK, dV, None, None, None) from the dQ kernel, then the dK/dV kernel; dO may have any strides."""
         refuse_double_backward("FlashAttention2Triton")
         q, k, v, o, lse = ctx.saved_tensors
-        if ctx.plan is not None:  # a planned eager forward: replay a backward plan, or make one
+        if ctx.planned:  # a planned eager forward: replay a backward plan, or make one
             do = _dense_do(do, q.dtype)
             key = eager_plans.backward_key(ctx.window, ctx.scale, q, k, v, o, lse, do)  # None if not eager now
             plan = eager_plans.backward_plans.get(key)
