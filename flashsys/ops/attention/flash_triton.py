@@ -312,7 +312,10 @@ def _bwd_dkdv_inner(
         dv += _dot(p_t.to(do.dtype), do, FP32_IEEE)
         ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
         dk += _dot(ds_t, q, FP32_IEEE)
-        if ATOMIC_DQ:
+        if ATOMIC_DQ == 2:  # DQ is a tensor descriptor: one bulk reduce (TMA) per tile, rows past n_q clipped
+            dq = _dot(tl.trans(ds_t), k, FP32_IEEE) * softmax_scale
+            DQ.atomic_add([start_m, 0], dq)
+        elif ATOMIC_DQ:
             dq = _dot(tl.trans(ds_t), k, FP32_IEEE) * softmax_scale  # (BLOCK_M, BLOCK_D)
             dq_ptrs = DQ + rows[:, None] * stride_dqn + offs_d[None, :] * stride_dqd
             if MASKED:
@@ -399,6 +402,9 @@ def _flash_bwd_dkdv_kernel(
         Qh = Q + b * stride_qb + h * stride_qh + q_start * stride_qn
         DOh = DO + b * stride_dob + h * stride_doh + q_start * stride_don
         DQh = DQ + b * stride_dqb + h * stride_dqh + q_start * stride_dqn
+        if ATOMIC_DQ == 2:
+            DQh = tl.make_tensor_descriptor(DQh, shape=[n_q, HEAD_DIM], strides=[stride_dqn, 1],
+                                            block_shape=[BLOCK_M, BLOCK_D])
         if VARLEN:
             LseDeltaH = LseDelta + (h * lse_rows + q_start) * 2
         else:

@@ -1,0 +1,135 @@
+"""Every candidate tile config of each Triton kernel, timed alone at one shape, beside cuDNN (kernel_experiments.md).
+
+The autotuner keeps only its pick, and its pick is noisy (~5% between runs); this prints each candidate's time, so the
+tables' order and the single-pass backward's variants (element-wise atomic dQ, TMA bulk-reduce dQ) can be judged from
+one run. GPU only:
+
+    python scripts/probe_kernel_configs.py --head-dims 64 128 --seq-len 16384 --batch 1 --heads 16
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+from flashsys.ops.attention import FlashAttention2Triton
+from flashsys.ops.attention import flash_triton as ft
+
+
+def _ms(fn) -> float:
+    return do_bench(fn, warmup=25, rep=150)
+
+
+def _time_config(kernel, handles, g, window, named, grid_rows, block, n_bh, config, extra=None):
+    handle, args, constexprs, _ = ft._prepare(kernel, handles, g, window, named)
+    m, n, w, s = config
+    meta = dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
+    grid = (triton.cdiv(grid_rows, meta[block]), n_bh, 1)
+    constexprs = {**constexprs, **(extra or {})}
+    try:
+        def launch():
+            handle.fn[grid](*args, **constexprs, **meta)
+        launch()
+        torch.cuda.synchronize()
+        return _ms(launch)
+    except Exception as e:  # out of shared memory or registers: report, go on
+        return f"{type(e).__name__}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--seq-len", type=int, default=16384)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--causal", choices=["yes", "no", "both"], default="both")
+    args = p.parse_args()
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"shape: batch {args.batch} x heads {args.heads} x N {args.seq_len}, bf16; times in ms (do_bench)\n")
+    causals = {"yes": [True], "no": [False], "both": [True, False]}[args.causal]
+    for d in args.head_dims:
+        for causal in causals:
+            b, h, n = args.batch, args.heads, args.seq_len
+            q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            o = FlashAttention2Triton.apply(*leaves, causal)
+            o.backward(do)
+            lse = o.grad_fn.saved_tensors[4]
+            o = o.detach()
+            chosen = {key.kernel: cfg for key, cfg in ft.chosen_configs().items()
+                      if key.head_dim == d and key.bound_right == causal and key.bucket == triton.next_power_of_2(n)}
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+                cudnn_fwd = _ms(lambda: F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal))
+                out = F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal)
+                cudnn_bwd = _ms(lambda: out.backward(do, retain_graph=True))
+            print(f"## D={d} causal={causal}: cuDNN forward {cudnn_fwd:.3f}, backward {cudnn_bwd:.3f}")
+            print(f"autotuner's picks: {chosen}")
+            scale = d ** -0.5
+            window = (-1, 0) if causal else (-1, -1)
+            g = ft._geometry_of(q.shape, k.shape, q.dtype)
+            cls = g.head_dim_class
+            lse_delta = torch.empty((b, h, n, 2), dtype=torch.float32, device="cuda")
+            dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+            dq_acc = torch.zeros(q.shape, dtype=torch.float32, device="cuda")
+            sizes = ft._sizes(g, window)
+            shared = dict(Q=q, K=k, V=v, DO=do, LseDelta=lse_delta, CU_Q=q, CU_K=k, **sizes,
+                          qk_scale=scale * ft.LOG2E, softmax_scale=scale)
+            fwd_named = dict(Q=q, K=k, V=v, O=torch.empty_like(q), L=torch.empty_like(lse), CU_Q=q, CU_K=k, **sizes,
+                             qk_scale=scale * ft.LOG2E)
+            rows = []
+            for cfg in ft._FWD_TILES[cls] + ft._FWD_TILES_LONG.get(cls, []):
+                rows.append(("fwd", cfg, _time_config("fwd", ft._fwd_kernels, g, window, fwd_named, n, "BLOCK_M",
+                                                      g.n_bh, cfg)))
+            dq_named = dict(shared, L=lse, DQ=dq, O=o)
+            for cfg in ft._BWD_DQ_TILES[cls] + ft._BWD_DQ_TILES_LONG.get(cls, []):
+                rows.append(("dq", cfg, _time_config("dq", ft._bwd_dq_kernels, g, window, dq_named, n, "BLOCK_M",
+                                                     g.n_bh, cfg)))
+            dkdv_named = dict(shared, DK=dk, DV=dv, DQ=dk)
+            for cfg in ft._BWD_DKDV_TILES[cls] + ft._BWD_DKDV_TILES_LONG.get(cls, []):
+                rows.append(("dkdv", cfg, _time_config("dkdv", ft._bwd_dkdv_kernels, g, window, dkdv_named, n,
+                                                       "BLOCK_N", g.n_bh_kv, cfg)))
+            fused_named = dict(shared, DK=dk, DV=dv, DQ=dq_acc)
+            for mode in (1, 2):  # correctness first: each variant's dQ against the two-pass backward's
+                dq_acc.zero_()
+                _time_config("dkdv+dq", ft._bwd_fused_kernels, g, window, fused_named, n, "BLOCK_N", g.n_bh_kv,
+                             ft._BWD_FUSED_TILES[cls][0], {"ATOMIC_DQ": mode})
+                dq_acc.zero_()
+                handle, a, c, _ = ft._prepare("dkdv+dq", ft._bwd_fused_kernels, g, window, fused_named)
+                m_, n_, w_, s_ = ft._BWD_FUSED_TILES[cls][0]
+                handle.fn[(triton.cdiv(n, n_), g.n_bh_kv, 1)](*a, **{**c, "ATOMIC_DQ": mode}, BLOCK_M=m_, BLOCK_N=n_,
+                                                              num_warps=w_, num_stages=s_)
+                err = (dq_acc - leaves[0].grad.float()).norm() / leaves[0].grad.float().norm()
+                print(f"single-pass mode {mode}: relative dQ difference to the two-pass backward {err.item():.2e}")
+            for mode, label in ((1, "dkdv+dq atomic"), (2, "dkdv+dq TMA reduce")):
+                for cfg in ft._BWD_FUSED_TILES[cls]:
+                    rows.append((label, cfg, _time_config("dkdv+dq", ft._bwd_fused_kernels, g, window, fused_named,
+                                                          n, "BLOCK_N", g.n_bh_kv, cfg, {"ATOMIC_DQ": mode})))
+            delta_named = dict(DO=do, L=lse, LseDelta=lse_delta, O=o, CU_Q=q, CU_K=k, **sizes)
+            rows.append(("delta", ft._BWD_DELTA_TILES[cls][0],
+                         _time_config("delta", ft._bwd_delta_kernels, g, window, delta_named, n, "BLOCK_M", g.n_bh,
+                                      ft._BWD_DELTA_TILES[cls][0])))
+            print("| kernel | (BLOCK_M, BLOCK_N, warps, stages) | ms |")
+            print("|---|---|---:|")
+            best = {}
+            for kernel, cfg, t in rows:
+                print(f"| {kernel} | {cfg} | {t if isinstance(t, str) else f'{t:.3f}'} |")
+                if not isinstance(t, str) and (kernel not in best or t < best[kernel][1]):
+                    best[kernel] = (cfg, t)
+            print("best:", {k: (c, round(t, 3)) for k, (c, t) in best.items()})
+            two_pass = best["dq"][1] + best["dkdv"][1]
+            for label in ("dkdv+dq atomic", "dkdv+dq TMA reduce"):
+                if label in best:
+                    print(f"backward: two-pass {two_pass:.3f}, {label} + delta {best[label][1] + best['delta'][1]:.3f}, "
+                          f"cuDNN {cudnn_bwd:.3f}")
+            print(f"forward: best {best['fwd'][1]:.3f}, cuDNN {cudnn_fwd:.3f}\n", flush=True)
+
+
+if __name__ == "__main__":
+    main()
