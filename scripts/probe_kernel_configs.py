@@ -59,8 +59,8 @@ def main() -> None:
             q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             o = FlashAttention2Triton.apply(*leaves, causal)
-            o.backward(do)
             lse = o.grad_fn.saved_tensors[4]
+            o.backward(do)
             o = o.detach()
             chosen = {key.kernel: cfg for key, cfg in ft.chosen_configs().items()
                       if key.head_dim == d and key.bound_right == causal and key.bucket == triton.next_power_of_2(n)}
