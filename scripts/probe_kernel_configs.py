@@ -1,8 +1,8 @@
 """Every candidate tile config of each Triton kernel, timed alone at one shape, beside cuDNN (kernel_experiments.md).
 
 The autotuner keeps only its pick, and its pick is noisy (~5% between runs); this prints each candidate's time, so the
-tables' order and the single-pass backward's variants (element-wise atomic dQ, TMA bulk-reduce dQ) can be judged from
-one run. GPU only:
+tables' order can be judged from one run. (Commit adb2f37 also timed a single-pass backward here: see
+kernel_experiments.md.) GPU only:
 
     python scripts/probe_kernel_configs.py --head-dims 64 128 --seq-len 16384 --batch 1 --heads 16
 """
@@ -49,7 +49,6 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--causal", choices=["yes", "no", "both"], default="both")
     args = p.parse_args()
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     print(f"shape: batch {args.batch} x heads {args.heads} x N {args.seq_len}, bf16; times in ms (do_bench)\n")
     causals = {"yes": [True], "no": [False], "both": [True, False]}[args.causal]
@@ -77,7 +76,6 @@ def main() -> None:
             cls = g.head_dim_class
             lse_delta = torch.empty((b, h, n, 2), dtype=torch.float32, device="cuda")
             dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-            dq_acc = torch.zeros(q.shape, dtype=torch.float32, device="cuda")
             sizes = ft._sizes(g, window)
             shared = dict(Q=q, K=k, V=v, DO=do, LseDelta=lse_delta, CU_Q=q, CU_K=k, **sizes,
                           qk_scale=scale * ft.LOG2E, softmax_scale=scale)
@@ -91,30 +89,10 @@ def main() -> None:
             for cfg in ft._BWD_DQ_TILES[cls] + ft._BWD_DQ_TILES_LONG.get(cls, []):
                 rows.append(("dq", cfg, _time_config("dq", ft._bwd_dq_kernels, g, window, dq_named, n, "BLOCK_M",
                                                      g.n_bh, cfg)))
-            dkdv_named = dict(shared, DK=dk, DV=dv, DQ=dk)
+            dkdv_named = dict(shared, DK=dk, DV=dv)
             for cfg in ft._BWD_DKDV_TILES[cls] + ft._BWD_DKDV_TILES_LONG.get(cls, []):
                 rows.append(("dkdv", cfg, _time_config("dkdv", ft._bwd_dkdv_kernels, g, window, dkdv_named, n,
                                                        "BLOCK_N", g.n_bh_kv, cfg)))
-            fused_named = dict(shared, DK=dk, DV=dv, DQ=dq_acc)
-            for mode in (1, 2):  # correctness first: each variant's dQ against the two-pass backward's
-                dq_acc.zero_()
-                _time_config("dkdv+dq", ft._bwd_fused_kernels, g, window, fused_named, n, "BLOCK_N", g.n_bh_kv,
-                             ft._BWD_FUSED_TILES[cls][0], {"ATOMIC_DQ": mode})
-                dq_acc.zero_()
-                handle, a, c, _ = ft._prepare("dkdv+dq", ft._bwd_fused_kernels, g, window, fused_named)
-                m_, n_, w_, s_ = ft._BWD_FUSED_TILES[cls][0]
-                handle.fn[(triton.cdiv(n, n_), g.n_bh_kv, 1)](*a, **{**c, "ATOMIC_DQ": mode}, BLOCK_M=m_, BLOCK_N=n_,
-                                                              num_warps=w_, num_stages=s_)
-                err = (dq_acc - leaves[0].grad.float()).norm() / leaves[0].grad.float().norm()
-                print(f"single-pass mode {mode}: relative dQ difference to the two-pass backward {err.item():.2e}")
-            for mode, label in ((1, "dkdv+dq atomic"), (2, "dkdv+dq TMA reduce")):
-                for cfg in ft._BWD_FUSED_TILES[cls]:
-                    rows.append((label, cfg, _time_config("dkdv+dq", ft._bwd_fused_kernels, g, window, fused_named,
-                                                          n, "BLOCK_N", g.n_bh_kv, cfg, {"ATOMIC_DQ": mode})))
-            delta_named = dict(DO=do, L=lse, LseDelta=lse_delta, O=o, CU_Q=q, CU_K=k, **sizes)
-            rows.append(("delta", ft._BWD_DELTA_TILES[cls][0],
-                         _time_config("delta", ft._bwd_delta_kernels, g, window, delta_named, n, "BLOCK_M", g.n_bh,
-                                      ft._BWD_DELTA_TILES[cls][0])))
             print("| kernel | (BLOCK_M, BLOCK_N, warps, stages) | ms |")
             print("|---|---|---:|")
             best = {}
@@ -123,11 +101,7 @@ def main() -> None:
                 if not isinstance(t, str) and (kernel not in best or t < best[kernel][1]):
                     best[kernel] = (cfg, t)
             print("best:", {k: (c, round(t, 3)) for k, (c, t) in best.items()})
-            two_pass = best["dq"][1] + best["dkdv"][1]
-            for label in ("dkdv+dq atomic", "dkdv+dq TMA reduce"):
-                if label in best:
-                    print(f"backward: two-pass {two_pass:.3f}, {label} + delta {best[label][1] + best['delta'][1]:.3f}, "
-                          f"cuDNN {cudnn_bwd:.3f}")
+            print(f"backward: two-pass {best['dq'][1] + best['dkdv'][1]:.3f}, cuDNN {cudnn_bwd:.3f}")
             print(f"forward: best {best['fwd'][1]:.3f}, cuDNN {cudnn_fwd:.3f}\n", flush=True)
 
 

@@ -35,17 +35,6 @@ def make_qkv(batch, heads, n_q, n_k, d, dtype, device, seed=None, kv_heads=None)
     return q, k, v, do
 
 
-class SinglePassTriton:
-    """FlashAttention2Triton with `deterministic=False` (the single-pass backward, atomic dQ), callable where the
-    checks take an op's `apply`."""
-
-    @staticmethod
-    def apply(q, k, v, causal=False, scale=None, window=None):
-        from flashsys.ops.attention import FlashAttention2Triton
-
-        return FlashAttention2Triton.apply(q, k, v, causal, scale, window, False)
-
-
 def run_op(op, q, k, v, do, causal, scale, window=None):
     q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
     o = op.apply(q, k, v, causal, scale) if window is None else op.apply(q, k, v, causal, scale, window)

@@ -63,16 +63,13 @@ def main() -> None:
         q, k, window, cu = make()
         q, k = q.to(device), k.to(device)
         launches.clear()
-        for deterministic in (True, False):  # the two-pass backward, and the single pass with atomic dQ
-            if cu is None:
-                o, lse = ft.flash_forward_triton(q, k, k, window, 0.125, traced=True)
-                ft.flash_backward_triton(q, k, k, o, lse, torch.randn_like(q), window, 0.125, traced=True,
-                                         deterministic=deterministic)
-            else:
-                cu = cu.to(device)
-                o, lse = ft.flash_varlen_forward_triton(q, k, k, cu, cu, 40, 40, window, 0.125)
-                ft.flash_varlen_backward_triton(q, k, k, o, lse, torch.randn_like(q), cu, cu, 40, 40, window, 0.125,
-                                                deterministic=deterministic)
+        if cu is None:
+            o, lse = ft.flash_forward_triton(q, k, k, window, 0.125, traced=True)
+            ft.flash_backward_triton(q, k, k, o, lse, torch.randn_like(q), window, 0.125, traced=True)
+        else:
+            cu = cu.to(device)
+            o, lse = ft.flash_varlen_forward_triton(q, k, k, cu, cu, 40, 40, window, 0.125)
+            ft.flash_varlen_backward_triton(q, k, k, o, lse, torch.randn_like(q), cu, cu, 40, 40, window, 0.125)
         for kernel, (handle, args, constexprs, _) in launches:
             kwargs = {**dict(zip(handle.fn.arg_names, args)), **constexprs}
             written[f"{kernel} ({case})"] = analyse(handle, kwargs)

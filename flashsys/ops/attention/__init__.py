@@ -23,7 +23,7 @@ from .backends import (
 from .flash_torch import FlashAttention2Torch, FlashAttentionVarlenTorch
 from .reference import attention_reference, causal_mask, window_mask
 from .triton_env import interpreter_active
-from .validation import MAX_HEAD_DIM, check_deterministic
+from .validation import MAX_HEAD_DIM
 
 
 @functools.cache
@@ -61,7 +61,6 @@ def flash_attention(
     softmax_scale: float | None = None,
     window_size: tuple[int, int] | None = None,
     backend: Backend = "auto",
-    deterministic: bool = True,
 ) -> Float[Tensor, "*batch Nq D"]:
     """FlashAttention-2: softmax(q kᵀ · softmax_scale) v without materialising the N×N scores.
 
@@ -94,10 +93,6 @@ def flash_attention(
             A query that sees no key outputs 0.
         backend: "auto" (Triton on CUDA tensors, the tiled PyTorch op elsewhere), "triton" or "torch";
             the short names of the registry's "flash", "flash-triton" and "flash-torch".
-        deterministic: True (default): the Triton backward is two passes (dQ, then dK/dV) and its gradients are
-            equal bit for bit from run to run. False: one pass that adds dQ with fp32 atomics (five matmuls per
-            tile pair instead of seven, as SDPA's flash and cuDNN backwards do by default); the summation order,
-            and so the last bits of dQ, then vary between runs. The tiled PyTorch op is always deterministic.
 
     Returns:
         The attention output, shaped and typed like q. It is differentiable in q, k and v; the backward
@@ -108,8 +103,6 @@ def flash_attention(
     """
     if backend not in FLASH_ALIASES:
         raise ValueError(f"flash_attention: backend must be one of {tuple(FLASH_ALIASES)}, got {backend!r}")
-    if not check_deterministic(deterministic, "flash_attention") and flash_runs_triton(FLASH_ALIASES[backend], q):
-        return triton_op().apply(q, k, v, causal, softmax_scale, window_size, False)
     return get_backend(backend).fn(q, k, v, causal, softmax_scale, window_size)
 
 
@@ -127,7 +120,6 @@ def flash_attention_varlen(
     softmax_scale: float | None = None,
     window_size: tuple[int, int] | None = None,
     backend: Backend = "auto",
-    deterministic: bool = True,
 ) -> Float[Tensor, "total_q Hq D"]:
     """FlashAttention-2 over packed variable-length sequences (flash-attn's `flash_attn_varlen_func`).
 
@@ -140,7 +132,7 @@ def flash_attention_varlen(
         q: (total_q, Hq, head_dim); k, v: (total_k, Hkv, head_dim) with Hq a multiple of Hkv (grouped-query).
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) offsets: 0, non-decreasing, ending at the token counts.
         max_seqlen_q, max_seqlen_k: the longest sequence of each (sizes the grid; a larger value only wastes programs).
-        causal, softmax_scale, window_size, backend, deterministic: as in `flash_attention`.
+        causal, softmax_scale, window_size, backend: as in `flash_attention`.
 
     Returns:
         (total_q, Hq, head_dim), typed like q; differentiable in q, k and v.
@@ -151,13 +143,12 @@ def flash_attention_varlen(
     """
     if backend not in FLASH_ALIASES:
         raise ValueError(f"flash_attention_varlen: backend must be one of {tuple(FLASH_ALIASES)}, got {backend!r}")
-    deterministic = check_deterministic(deterministic, "flash_attention_varlen")
     if flash_runs_triton(FLASH_ALIASES[backend], q):
-        return triton_op("FlashAttentionVarlenTriton").apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                             max_seqlen_k, causal, softmax_scale, window_size,
-                                                             deterministic)
-    return FlashAttentionVarlenTorch.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                           softmax_scale, window_size)
+        op = triton_op("FlashAttentionVarlenTriton")
+    else:
+        op = FlashAttentionVarlenTorch
+    return op.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                    window_size)
 
 
 __all__ = [

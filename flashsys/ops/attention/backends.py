@@ -78,12 +78,6 @@ def _flash_triton(q, k, v, causal, scale, window=None):
     return triton_op().apply(q, k, v, causal, scale, window)
 
 
-def _flash_triton_atomic(q, k, v, causal, scale, window=None):
-    from . import triton_op
-
-    return triton_op().apply(q, k, v, causal, scale, window, False)
-
-
 def _flash_torch(q, k, v, causal, scale, window=None):
     return FlashAttention2Torch.apply(q, k, v, causal, scale, window)
 
@@ -131,9 +125,6 @@ _ENTRIES = [
     AttentionBackend("flash", _flash_auto, "FlashAttention-2: Triton on CUDA, tiled PyTorch elsewhere"),
     AttentionBackend("flash-triton", _flash_triton, "FlashAttention2Triton (CUDA; CPU only under TRITON_INTERPRET=1)",
                      runs_on="triton"),
-    AttentionBackend("flash-triton-atomic", _flash_triton_atomic,
-                     "FlashAttention2Triton, single-pass backward with atomic dQ (deterministic=False)",
-                     runs_on="triton", core=False),
     AttentionBackend("flash-torch", _flash_torch, "FlashAttention2Torch, the tiled pure-PyTorch op"),
     AttentionBackend("sdpa", _sdpa(None), "torch.nn.functional.scaled_dot_product_attention, kernel chosen by PyTorch"),
     AttentionBackend("naive", _naive, "materialised softmax(QK^T)V, the reference math"),

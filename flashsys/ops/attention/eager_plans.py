@@ -90,25 +90,21 @@ class ForwardPlan:
 
 
 class BackwardPlan:
-    """The backward of one signature: its two kernels' launches (dQ then dK/dV, or with `deterministic=False` the
-    (L, D) pairs then dK/dV with atomic dQ into a zeroed fp32 buffer) and the (L, D) scratch's shape."""
+    """The backward of one signature: the dQ and dK/dV kernels' launches and the (L, D) scratch's shape."""
 
-    __slots__ = ("delta_shape", "replays", "deterministic")
+    __slots__ = ("delta_shape", "replays")
 
-    def __init__(self, delta_shape: tuple[int, ...], plan_replays: tuple[_Replay, ...], deterministic: bool = True):
-        self.delta_shape, self.replays, self.deterministic = delta_shape, plan_replays, deterministic
+    def __init__(self, delta_shape: tuple[int, ...], plan_replays: tuple[_Replay, ...]):
+        self.delta_shape, self.replays = delta_shape, plan_replays
 
     def launch(self, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor
                ) -> tuple[Tensor, Tensor, Tensor]:
-        if self.deterministic:
-            dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-        else:
-            dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
         lse_delta = torch.empty(self.delta_shape, dtype=torch.float32, device=q.device)
         _launch_all(self.replays, (q, k, v, o, lse, do, dq, dk, dv, lse_delta), q.get_device())
-        return dq.to(q.dtype), dk, dv
+        return dq, dk, dv
 
 
 def _tensor_signature(t: Tensor) -> tuple:
@@ -129,12 +125,11 @@ def forward_key(q, k, v, is_causal, softmax_scale, window_size) -> tuple | None:
     return (_tensor_signature(q), _tensor_signature(k), _tensor_signature(v), is_causal, softmax_scale, window_size)
 
 
-def backward_key(window: tuple[int, int], scale: float, *tensors: Tensor, deterministic: bool = True) -> tuple | None:
-    """The backward's signature: q, k, v, O, L as unpacked (saved-tensor hooks may hand back other strides), dO,
-    and which backward."""
+def backward_key(window: tuple[int, int], scale: float, *tensors: Tensor) -> tuple | None:
+    """The backward's signature: q, k, v, O, L as unpacked (saved-tensor hooks may hand back other strides) and dO."""
     if torch.compiler.is_compiling() or not all(type(t) in _PLAIN for t in tensors):
         return None
-    return (window, scale, deterministic, *[_tensor_signature(t) for t in tensors])
+    return (window, scale, *[_tensor_signature(t) for t in tensors])
 
 
 class PlanTable:

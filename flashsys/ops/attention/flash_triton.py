@@ -40,7 +40,6 @@ from .triton_env import interpreter_active
 from .validation import (
     MAX_HEAD_DIM,
     check_attention_inputs,
-    check_deterministic,
     check_varlen_inputs,
     normalize_window,
     refuse_double_backward,
@@ -277,20 +276,15 @@ def _flash_fwd_kernel(
 
 @triton.jit
 def _bwd_dkdv_inner(
-    dk, dv, k, v, Q, DO, LseDelta, DQ, stride_qn, stride_qd, stride_don, stride_dod, stride_dqn, stride_dqd,
-    offs_n, offs_m_base, offs_d, lo, hi, n_q, right_offset, left_offset, qk_scale, softmax_scale,
+    dk, dv, k, v, Q, DO, LseDelta, stride_qn, stride_qd, stride_don, stride_dod,
+    offs_n, offs_m_base, offs_d, lo, hi, n_q, right_offset, left_offset, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     MASKED: tl.constexpr, BOUND_RIGHT: tl.constexpr, BOUND_LEFT: tl.constexpr, FP32_IEEE: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
 ):
     """Accumulate dK, dV of one key tile over query tiles [lo, hi). Works on transposed scores (keys x queries).
 
-    LseDelta holds (L in log2 units, D) per query row, interleaved, as the dQ kernel (or the delta kernel) wrote
-    them: one vector load per tile, where two 1-D loads would be replicated across the threads.
-
-    With ATOMIC_DQ the same pass also adds this key tile's share of dQ (softmax_scale * dS K) into the fp32 DQ
-    with relaxed atomics: five matmuls per tile pair instead of the two passes' seven, in an order that varies
-    from run to run (not bit-deterministic).
+    LseDelta holds (L in log2 units, D) per query row, interleaved, as the dQ kernel wrote them: one vector
+    load per tile, where two 1-D loads would be replicated across the threads.
     """
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m_base
@@ -310,44 +304,27 @@ def _bwd_dkdv_inner(
                                BOUND_RIGHT, BOUND_LEFT)
             p_t = tl.where(visible, p_t, 0.0)
         dv += _dot(p_t.to(do.dtype), do, FP32_IEEE)
-        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-        dk += _dot(ds_t, q, FP32_IEEE)
-        if ATOMIC_DQ == 2:  # DQ is a tensor descriptor: one bulk reduce (TMA) per tile, rows past n_q clipped
-            dq = _dot(tl.trans(ds_t), k, FP32_IEEE) * softmax_scale
-            DQ.atomic_add([start_m, 0], dq)
-        elif ATOMIC_DQ:
-            dq = _dot(tl.trans(ds_t), k, FP32_IEEE) * softmax_scale  # (BLOCK_M, BLOCK_D)
-            dq_ptrs = DQ + rows[:, None] * stride_dqn + offs_d[None, :] * stride_dqd
-            if MASKED:
-                tl.atomic_add(dq_ptrs, dq, mask=(rows[:, None] < n_q) & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
-            elif HEAD_DIM == BLOCK_D:
-                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
-            else:
-                tl.atomic_add(dq_ptrs, dq, mask=offs_d[None, :] < HEAD_DIM, sem="relaxed")
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += _dot(ds_t.to(q.dtype), q, FP32_IEEE)
     return dk, dv
 
 
 @triton.jit
 def _flash_bwd_dkdv_kernel(
-    Q, K, V, DO, LseDelta, DK, DV, DQ, CU_Q, CU_K,
+    Q, K, V, DO, LseDelta, DK, DV, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_don, stride_dod,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    stride_dqb, stride_dqh, stride_dqn, stride_dqd,
     n_heads, kv_group, n_q, n_k, window_left, window_right, qk_scale, softmax_scale, N_BUCKET,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BOUND_RIGHT: tl.constexpr, BOUND_LEFT: tl.constexpr,
-    VARLEN: tl.constexpr, FP32_IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    VARLEN: tl.constexpr, FP32_IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program = one key tile of one (batch, K/V head): dK and dV, looping over the query tiles that see it in
     each of the kv_group query heads that share the K/V head. Summing the group here needs no atomics.
-    VARLEN as in the forward kernel.
-
-    With ATOMIC_DQ it also adds dQ into DQ (fp32, zeroed by the caller; the single-pass backward). Without it
-    DQ is never touched: the launcher passes DK there."""
+    VARLEN as in the forward kernel."""
     # The first key tiles are seen by the most queries: the natural order already runs the heaviest first.
     qk_scale, softmax_scale = _as_fp32(qk_scale), _as_fp32(softmax_scale)
     pid_n, bh_kv, b, h_kv = _program_start(n_heads // kv_group, HEAVIEST_LAST=False)
@@ -401,84 +378,26 @@ def _flash_bwd_dkdv_kernel(
         h = h_kv * kv_group + g
         Qh = Q + b * stride_qb + h * stride_qh + q_start * stride_qn
         DOh = DO + b * stride_dob + h * stride_doh + q_start * stride_don
-        DQh = DQ + b * stride_dqb + h * stride_dqh + q_start * stride_dqn
-        if ATOMIC_DQ == 2:
-            DQh = tl.make_tensor_descriptor(DQh, shape=[n_q, HEAD_DIM], strides=[stride_dqn, 1],
-                                            block_shape=[BLOCK_M, BLOCK_D])
         if VARLEN:
             LseDeltaH = LseDelta + (h * lse_rows + q_start) * 2
         else:
             LseDeltaH = LseDelta + (b * n_heads + h) * lse_rows * 2
         # Three ranges: the tiles at the right edge (masked), the fully visible ones, the tiles at the left edge
         # and the ragged end of the queries (masked).
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, LseDeltaH, DQh, stride_qn, stride_qd, stride_don, stride_dod,
-                                 stride_dqn, stride_dqd,
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, LseDeltaH, stride_qn, stride_qd, stride_don, stride_dod,
                                  offs_n, offs_m_base, offs_d, lo, first_end, n_q, right_offset, left_offset, qk_scale,
-                                 softmax_scale,
                                  HEAD_DIM, BLOCK_D, BLOCK_M, MASKED=True, BOUND_RIGHT=BOUND_RIGHT,
-                                 BOUND_LEFT=BOUND_LEFT, FP32_IEEE=FP32_IEEE, ATOMIC_DQ=ATOMIC_DQ)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, LseDeltaH, DQh, stride_qn, stride_qd, stride_don, stride_dod,
-                                 stride_dqn, stride_dqd,
+                                 BOUND_LEFT=BOUND_LEFT, FP32_IEEE=FP32_IEEE)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, LseDeltaH, stride_qn, stride_qd, stride_don, stride_dod,
                                  offs_n, offs_m_base, offs_d, mid, full_end, n_q, right_offset, left_offset, qk_scale,
-                                 softmax_scale,
                                  HEAD_DIM, BLOCK_D, BLOCK_M, MASKED=False, BOUND_RIGHT=BOUND_RIGHT,
-                                 BOUND_LEFT=BOUND_LEFT, FP32_IEEE=FP32_IEEE, ATOMIC_DQ=ATOMIC_DQ)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, LseDeltaH, DQh, stride_qn, stride_qd, stride_don, stride_dod,
-                                 stride_dqn, stride_dqd,
+                                 BOUND_LEFT=BOUND_LEFT, FP32_IEEE=FP32_IEEE)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Qh, DOh, LseDeltaH, stride_qn, stride_qd, stride_don, stride_dod,
                                  offs_n, offs_m_base, offs_d, last_start, end, n_q, right_offset, left_offset, qk_scale,
-                                 softmax_scale,
                                  HEAD_DIM, BLOCK_D, BLOCK_M, MASKED=True, BOUND_RIGHT=BOUND_RIGHT,
-                                 BOUND_LEFT=BOUND_LEFT, FP32_IEEE=FP32_IEEE, ATOMIC_DQ=ATOMIC_DQ)
+                                 BOUND_LEFT=BOUND_LEFT, FP32_IEEE=FP32_IEEE)
     _store_tile(DK, offs_n, offs_d, stride_dkn, stride_dkd, n_k, dk * softmax_scale, HEAD_DIM)
     _store_tile(DV, offs_n, offs_d, stride_dvn, stride_dvd, n_k, dv, HEAD_DIM)
-
-
-@triton.jit
-def _write_lse_delta(DO, O, L, LseDelta, offs_m, offs_d, stride_don, stride_dod, stride_on, stride_od, n_q,
-                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Store the (L * log2(e), D = rowsum(dO * O)) pair of each row of a query tile for the dK/dV loop; returns
-    (the dO tile, L * log2(e), D). L, LseDelta point at the head's first row."""
-    do = _load_tile(DO, offs_m, offs_d, stride_don, stride_dod, n_q, HEAD_DIM, BLOCK_D, CHECK_ROWS=True)
-    row_ok = offs_m < n_q
-    lse = tl.load(L + offs_m, mask=row_ok, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), 0.0, lse * _LOG2E)  # rows that see no key: every p is masked anyway
-    o = _load_tile(O, offs_m, offs_d, stride_on, stride_od, n_q, HEAD_DIM, BLOCK_D, CHECK_ROWS=True)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    pair = offs_m[:, None] * 2 + tl.arange(0, 2)[None, :]
-    tl.store(LseDelta + pair, tl.join(lse2, delta), mask=row_ok[:, None])
-    return do, lse2, delta
-
-
-@triton.jit
-def _flash_bwd_delta_kernel(
-    DO, L, LseDelta, O, CU_Q, CU_K,
-    stride_dob, stride_doh, stride_don, stride_dod,
-    stride_ob, stride_oh, stride_on, stride_od,
-    n_heads, kv_group, n_q, n_k, window_left, window_right, N_BUCKET,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BOUND_RIGHT: tl.constexpr, BOUND_LEFT: tl.constexpr,
-    VARLEN: tl.constexpr, FP32_IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """The single-pass backward's first step: the (L * log2(e), D) pairs of one query tile, which the two-pass
-    backward's dQ kernel writes on its way. Sizes and window arguments as in the other kernels (unused here)."""
-    pid_m, bh, b, h = _program_start(n_heads, HEAVIEST_LAST=False)
-    q_start, seq_q = 0, n_q
-    if VARLEN:
-        q_start, seq_q = _sequence_rows(tl.load(CU_Q + b), tl.load(CU_Q + b + 1))
-    start_m = pid_m * BLOCK_M
-    if VARLEN:
-        if start_m >= seq_q:
-            return
-        L += h * n_q + q_start
-        LseDelta += (h * n_q + q_start) * 2
-    else:
-        L += bh.to(tl.int64) * n_q
-        LseDelta += bh.to(tl.int64) * n_q * 2
-    DO += b * stride_dob + h * stride_doh + q_start * stride_don
-    O += b * stride_ob + h * stride_oh + q_start * stride_on
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    _write_lse_delta(DO, O, L, LseDelta, offs_m, offs_d, stride_don, stride_dod, stride_on, stride_od, seq_q,
-                     HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -551,8 +470,14 @@ def _flash_bwd_dq_kernel(
     offs_n_base = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     q = _load_tile(Q, offs_m, offs_d, stride_qn, stride_qd, n_q, HEAD_DIM, BLOCK_D, CHECK_ROWS=True)
-    do, lse2, delta = _write_lse_delta(DO, O, L, LseDelta, offs_m, offs_d, stride_don, stride_dod, stride_on,
-                                       stride_od, n_q, HEAD_DIM, BLOCK_D)
+    do = _load_tile(DO, offs_m, offs_d, stride_don, stride_dod, n_q, HEAD_DIM, BLOCK_D, CHECK_ROWS=True)
+    row_ok = offs_m < n_q
+    lse = tl.load(L + offs_m, mask=row_ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse * _LOG2E)  # rows that see no key: every p is masked anyway
+    o = _load_tile(O, offs_m, offs_d, stride_on, stride_od, n_q, HEAD_DIM, BLOCK_D, CHECK_ROWS=True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    pair = offs_m[:, None] * 2 + tl.arange(0, 2)[None, :]
+    tl.store(LseDelta + pair, tl.join(lse2, delta), mask=row_ok[:, None])
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     right_offset = n_k - n_q + window_right
@@ -586,36 +511,27 @@ def _flash_bwd_dq_kernel(
 # Long sequences (N >= LONG_SEQ) at D <= 64 get a handle of their own with only the large tiles that won
 # there in every sweep: with all candidates, timing noise (about 5% between runs) let the autotuner pick
 # a 64x64 forward that is 5% slower than 128x64 at N = 16384.
-# (BLOCK_M, BLOCK_N, num_warps, num_stages), best first.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages), best first. The D = 128 lists keep the candidates that were within
+# ~10% of the best at N = 16384 in scripts/probe_kernel_configs.py (kernel_experiments.md, 2026-11-24).
 _FWD_TILES = {
     64: [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 3),
          (64, 64, 4, 4), (128, 32, 4, 4)],
-    128: [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 2), (128, 64, 8, 4),
-          (128, 128, 8, 3)],
+    128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)],
     256: [(64, 32, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2)],
 }
 # dK/dV kernel: BLOCK_N key rows held in registers, BLOCK_M query rows streamed.
 _BWD_DKDV_TILES = {
     64: [(64, 64, 4, 4), (64, 64, 4, 3), (64, 64, 4, 5), (32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3),
          (16, 128, 4, 4)],
-    128: [(32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 2), (32, 128, 4, 3), (32, 128, 8, 3)],
+    128: [(64, 64, 4, 2), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3)],
     256: [(32, 64, 4, 2), (16, 64, 4, 2), (32, 32, 4, 2)],
 }
 # dQ kernel: BLOCK_M query rows held, BLOCK_N key rows streamed.
 _BWD_DQ_TILES = {
     64: [(128, 64, 8, 4), (128, 64, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 4)],
-    128: [(128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3)],
+    128: [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 4, 3), (64, 64, 4, 2)],
     256: [(64, 32, 4, 2), (64, 16, 4, 2), (32, 32, 4, 2)],
 }
-# Single-pass backward (deterministic=False): the dK/dV kernel with atomic dQ. Larger key tiles mean fewer atomic
-# dQ adds per matmul (their traffic per FLOP is 1 / BLOCK_N).
-_BWD_FUSED_TILES = {
-    64: [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (32, 64, 4, 4)],
-    128: [(64, 128, 8, 2), (32, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 2), (16, 128, 4, 3)],
-    256: [(32, 64, 4, 2), (16, 64, 4, 2), (32, 32, 4, 2)],
-}
-# Its first step, the (L, D) pairs: a row pass, one config.
-_BWD_DELTA_TILES = {64: [(128, 16, 4, 2)], 128: [(64, 16, 4, 2)], 256: [(32, 16, 4, 2)]}
 # fp32 inputs are the accuracy path, not the speed path: fp32 tiles take twice the shared memory and
 # registers, and the fp16/bf16 tiles above make ptxas crawl or run out of resources. Small tiles for all.
 _FP32_TILES = {64: [(32, 32, 4, 2), (64, 32, 4, 2)], 128: [(32, 32, 4, 2)], 256: [(16, 32, 4, 1)]}
@@ -650,10 +566,6 @@ def _tuned(kernel, table, long_table):
 _fwd_kernels = _tuned(_flash_fwd_kernel, _FWD_TILES, _FWD_TILES_LONG)
 _bwd_dkdv_kernels = _tuned(_flash_bwd_dkdv_kernel, _BWD_DKDV_TILES, _BWD_DKDV_TILES_LONG)
 _bwd_dq_kernels = _tuned(_flash_bwd_dq_kernel, _BWD_DQ_TILES, _BWD_DQ_TILES_LONG)
-_bwd_fused_kernels = _tuned(_flash_bwd_dkdv_kernel, _BWD_FUSED_TILES, {})
-_bwd_delta_kernels = _tuned(_flash_bwd_delta_kernel, _BWD_DELTA_TILES, {})
-# Compile-time flags that tell the launches of one kernel apart (the dK/dV kernel with and without atomic dQ).
-_KERNEL_CONSTEXPRS = {"dkdv": {"ATOMIC_DQ": False}, "dkdv+dq": {"ATOMIC_DQ": True}}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -772,7 +684,7 @@ _cached_geometry = functools.lru_cache(maxsize=4096)(_geometry_of)
 class LaunchKey(NamedTuple):
     """Everything the autotuner's own key depends on (Triton adds the dtype to N_BUCKET, HEAD_DIM and the bounds)."""
 
-    kernel: str  # "fwd", "dq", "dkdv", or the single-pass backward's "delta" and "dkdv+dq"
+    kernel: str  # "fwd", "dq" or "dkdv"
     head_dim_class: int
     fp32: bool
     bucket: int
@@ -811,7 +723,7 @@ def _prepare(kernel: str, handles: dict, g: _Geometry, window: tuple[int, int], 
     args = (*_positional(handle.fn, named), g.bucket if g.bucket is not None else g.grid_q)
     bound_left, bound_right = window[0] >= 0, window[1] >= 0
     constexprs = dict(HEAD_DIM=g.d, BLOCK_D=g.block_d, BOUND_RIGHT=bound_right, BOUND_LEFT=bound_left,
-                      VARLEN=g.varlen, FP32_IEEE=g.fp32, **_KERNEL_CONSTEXPRS.get(kernel, {}))
+                      VARLEN=g.varlen, FP32_IEEE=g.fp32)
     key = None if g.bucket is None else LaunchKey(kernel, g.head_dim_class, g.fp32, g.bucket, g.d, bound_right,
                                                   bound_left, g.varlen, g.dtype)
     return _Launch(handle, args, constexprs, key)
@@ -847,7 +759,7 @@ def _launch_eager(kernel: str, handles: dict, g: _Geometry, window: tuple[int, i
         best = handle.best_config
         _chosen_configs[key] = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
         return None
-    device = args[0].device  # every kernel leads with a tensor
+    device = named["Q"].device
     grid_xyz = (*grid(meta), 1, 1)[:3]  # a compiled kernel's launcher takes all three grid dims
     signature = _launch_signature(prepared, device.index, grid_xyz) if device.type == "cuda" else None
     fast = _fast_launches.get(signature)
@@ -947,38 +859,27 @@ def _launch_forward(g: _Geometry, q, k, v, o, lse, cu_q, cu_k, window, scale, tr
 
 def flash_backward_triton(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, window: tuple[int, int], scale: float,
-    traced: bool = False, deterministic: bool = True,
+    traced: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Launch the backward. Deterministic (two passes): the dQ kernel (which also writes the (L*log2e, D) pairs),
-    then the dK/dV kernel. Not deterministic (one pass): the pairs' kernel, then the dK/dV kernel adding dQ into an
-    fp32 buffer with atomics, cast to q's dtype at the end.
+    """Launch the dQ kernel (which also writes the (L*log2e, D) pairs), then the dK/dV kernel.
 
     dO may have any strides, stride 0 included.
     """
-    dq, dk, dv, _ = _planned_backward(q, k, v, o, lse, _dense_do(do, q.dtype), window, scale, traced, deterministic)
+    dq, dk, dv, _ = _planned_backward(q, k, v, o, lse, _dense_do(do, q.dtype), window, scale, traced)
     return dq, dk, dv
 
 
-def dq_buffer(q: Tensor, deterministic: bool) -> Tensor:
-    """Where the backward writes dQ: q's dtype for the two-pass backward; zeroed fp32 for the atomic adds."""
-    if deterministic:
-        return torch.empty_like(q, memory_format=torch.contiguous_format)
-    return torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-
-
 def _planned_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, window: tuple[int, int],
-                      scale: float, traced: bool = False, deterministic: bool = True,
+                      scale: float, traced: bool = False
                       ) -> tuple[Tensor, Tensor, Tensor, eager_plans.BackwardPlan | None]:
     """flash_backward_triton for a dense dO, and the plan that replays it (as `_planned_forward`)."""
     g = _geometry_of(q.shape, k.shape, q.dtype) if traced else _cached_geometry(q.shape, k.shape, q.dtype)
-    dq = dq_buffer(q, deterministic)
-    dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))
+    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     lse_delta = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device=q.device)
-    recorded = _launch_backward(g, q, k, v, o, lse, do, dq, dk, dv, lse_delta, q, k, window, scale, traced,
-                                deterministic)
+    recorded = _launch_backward(g, q, k, v, o, lse, do, dq, dk, dv, lse_delta, q, k, window, scale, traced)
     replays = None if traced else eager_plans.replays(recorded, (q, k, v, o, lse, do, dq, dk, dv, lse_delta))
-    plan = None if replays is None else eager_plans.BackwardPlan(tuple(lse_delta.shape), replays, deterministic)
-    return dq.to(q.dtype), dk, dv, plan
+    plan = None if replays is None else eager_plans.BackwardPlan(tuple(lse_delta.shape), replays)
+    return dq, dk, dv, plan
 
 
 def _dense_do(do: Tensor, dtype: torch.dtype) -> Tensor:
@@ -992,23 +893,16 @@ def _dense_do(do: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _launch_backward(g: _Geometry, q, k, v, o, lse, do, dq, dk, dv, lse_delta, cu_q, cu_k, window, scale,
-                     traced, deterministic: bool = True) -> list[Recorded | None]:
-    """dq is q's dtype (deterministic) or the zeroed fp32 buffer of `dq_buffer` (the atomic single pass)."""
+                     traced) -> list[Recorded | None]:
     shared = dict(Q=q, K=k, V=v, DO=do, LseDelta=lse_delta, CU_Q=cu_q, CU_K=cu_k, **_sizes(g, window),
                   qk_scale=scale * LOG2E, softmax_scale=scale)
     launch = _launch_traced if traced else _launch_eager
-    query_tiles = _tile_grid(g.grid_q, "BLOCK_M", g.n_bh)
-    # One dK/dV program per key tile and K/V head: it sums the query heads of its group itself.
-    key_tiles = _tile_grid(g.grid_k, "BLOCK_N", g.n_bh_kv)
-    if not deterministic:
-        delta_launch = launch("delta", _bwd_delta_kernels, g, window, query_tiles,
-                              dict(DO=do, L=lse, LseDelta=lse_delta, O=o, CU_Q=cu_q, CU_K=cu_k, **_sizes(g, window)))
-        fused_launch = launch("dkdv+dq", _bwd_fused_kernels, g, window, key_tiles, dict(shared, DK=dk, DV=dv, DQ=dq))
-        return [delta_launch, fused_launch]
     # dQ first: it writes the (L*log2e, D) pairs that the dK/dV kernel reads.
-    dq_launch = launch("dq", _bwd_dq_kernels, g, window, query_tiles, dict(shared, L=lse, DQ=dq, O=o))
-    # DQ=dk: the kernel never touches DQ without atomic dQ, and dk is written anyway (no false write to an input).
-    dkdv_launch = launch("dkdv", _bwd_dkdv_kernels, g, window, key_tiles, dict(shared, DK=dk, DV=dv, DQ=dk))
+    dq_launch = launch("dq", _bwd_dq_kernels, g, window, _tile_grid(g.grid_q, "BLOCK_M", g.n_bh),
+                       dict(shared, L=lse, DQ=dq, O=o))
+    # One dK/dV program per key tile and K/V head: it sums the query heads of its group itself.
+    dkdv_launch = launch("dkdv", _bwd_dkdv_kernels, g, window, _tile_grid(g.grid_k, "BLOCK_N", g.n_bh_kv),
+                         dict(shared, DK=dk, DV=dv))
     return [dq_launch, dkdv_launch]
 
 
@@ -1039,20 +933,18 @@ def flash_varlen_forward_triton(
 
 def flash_varlen_backward_triton(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int,
-    max_k: int, window: tuple[int, int], scale: float, deterministic: bool = True,
+    max_k: int, window: tuple[int, int], scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The packed twin of `flash_backward_triton`; lse is (Hq, total_q) as the varlen forward wrote it."""
     g = _varlen_geometry(q, k, cu_q, max_q, max_k)
     n = cu_q.numel() - 1
     do = _dense_do(do, q.dtype)
-    dq = dq_buffer(q, deterministic)
-    dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))
+    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     lse_delta = torch.empty((q.shape[1], q.shape[0], 2), dtype=torch.float32, device=q.device)
     views = [_packed_view(t, n) for t in (q, k, v, o)]
     grads = [_packed_view(t, n) for t in (dq, dk, dv)]
-    _launch_backward(g, *views, lse, _packed_view(do, n), *grads, lse_delta, cu_q, cu_k, window, scale, traced=False,
-                     deterministic=deterministic)
-    return dq.to(q.dtype), dk, dv
+    _launch_backward(g, *views, lse, _packed_view(do, n), *grads, lse_delta, cu_q, cu_k, window, scale, traced=False)
+    return dq, dk, dv
 
 
 def _check_device(q: Tensor, op: str) -> None:
@@ -1086,10 +978,9 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, window: tuple[int, int], softmax_s
 
 
 def _backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, window: tuple[int, int],
-              softmax_scale: float, traced: bool = False, deterministic: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+              softmax_scale: float, traced: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     up_q, up_k, up_v, up_o, up_do = _interpreter_upcast(q, k, v, o, do)
-    grads = flash_backward_triton(up_q, up_k, up_v, up_o, lse, up_do, window, softmax_scale, traced=traced,
-                                  deterministic=deterministic)
+    grads = flash_backward_triton(up_q, up_k, up_v, up_o, lse, up_do, window, softmax_scale, traced=traced)
     return _same_dtype(grads, (q, k, v))
 
 
@@ -1109,10 +1000,9 @@ def flash_attention_forward_op(q: Tensor, k: Tensor, v: Tensor, window_left: int
 @triton_op("flashsys::flash_attention_backward", mutates_args=())
 def flash_attention_backward_op(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, window_left: int, window_right: int,
-    softmax_scale: float, deterministic: bool,
+    softmax_scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return _backward(q, k, v, o, lse, do, (window_left, window_right), softmax_scale, traced=True,
-                     deterministic=deterministic)
+    return _backward(q, k, v, o, lse, do, (window_left, window_right), softmax_scale, traced=True)
 
 
 @torch.library.custom_op("flashsys::flash_attention_forward_interpreted", mutates_args=())
@@ -1129,13 +1019,13 @@ def _(q, k, v, window_left, window_right, softmax_scale):
 @torch.library.custom_op("flashsys::flash_attention_backward_interpreted", mutates_args=())
 def _interpreted_backward_op(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, window_left: int, window_right: int,
-    softmax_scale: float, deterministic: bool,
+    softmax_scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return _backward(q, k, v, o, lse, do, (window_left, window_right), softmax_scale, deterministic=deterministic)
+    return _backward(q, k, v, o, lse, do, (window_left, window_right), softmax_scale)
 
 
 @_interpreted_backward_op.register_fake
-def _(q, k, v, o, lse, do, window_left, window_right, softmax_scale, deterministic):
+def _(q, k, v, o, lse, do, window_left, window_right, softmax_scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -1157,17 +1047,16 @@ def _on_current_device(q: Tensor) -> contextlib.AbstractContextManager:
 class FlashAttention2Triton(torch.autograd.Function):
     """FlashAttention-2 with Triton forward and backward kernels (CUDA; CPU under TRITON_INTERPRET=1).
 
-    `FlashAttention2Triton.apply(q, k, v, is_causal=False, softmax_scale=None, window_size=None,
-    deterministic=True)`; arguments, masks, grouped-query K/V and errors as in `flashsys.ops.flash_attention`,
-    head_dim up to 256. Saves q, k, v, O and the float32 natural-log logsumexp L. `torch.compile(FlashAttention2Triton.apply)` works: under compile the
+    `FlashAttention2Triton.apply(q, k, v, is_causal=False, softmax_scale=None, window_size=None)`; arguments,
+    masks, grouped-query K/V and errors as in `flashsys.ops.flash_attention`, head_dim up to 256. Saves q, k, v, O
+    and the float32 natural-log logsumexp L. `torch.compile(FlashAttention2Triton.apply)` works: under compile the
     kernels run through triton_ops that Inductor launches itself.
     """
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False, softmax_scale: float | None = None,
-                window_size: tuple[int, int] | None = None, deterministic: bool = True) -> Tensor:
-        """Returns O, shaped and typed like q. `deterministic` picks the backward (see `flash_attention`)."""
-        ctx.deterministic = check_deterministic(deterministic, "FlashAttention2Triton")
+                window_size: tuple[int, int] | None = None) -> Tensor:
+        """Returns O, shaped and typed like q."""
         key = eager_plans.forward_key(q, k, v, is_causal, softmax_scale, window_size)
         plan = eager_plans.forward_plans.get(key)
         if plan is not None and eager_plans.on_current_device(q):  # a repeated eager call: allocate and launch
@@ -1195,30 +1084,27 @@ class FlashAttention2Triton(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do: Tensor):
-        """(dQ, dK, dV, None, None, None, None); dO may have any strides."""
+        """(dQ, dK, dV, None, None, None) from the dQ kernel, then the dK/dV kernel; dO may have any strides."""
         refuse_double_backward("FlashAttention2Triton")
         q, k, v, o, lse = ctx.saved_tensors
-        deterministic = ctx.deterministic
         if ctx.planned:  # a planned eager forward: replay a backward plan, or make one
             do = _dense_do(do, q.dtype)
-            key = eager_plans.backward_key(ctx.window, ctx.scale, q, k, v, o, lse, do,
-                                           deterministic=deterministic)  # None if not eager now
+            key = eager_plans.backward_key(ctx.window, ctx.scale, q, k, v, o, lse, do)  # None if not eager now
             plan = eager_plans.backward_plans.get(key)
             if plan is not None and eager_plans.on_current_device(q):
-                return (*plan.launch(q, k, v, o, lse, do), None, None, None, None)
+                return (*plan.launch(q, k, v, o, lse, do), None, None, None)
             if key is not None:
                 with _on_current_device(q):
-                    dq, dk, dv, plan = _planned_backward(q, k, v, o, lse, do, ctx.window, ctx.scale,
-                                                         deterministic=deterministic)
+                    dq, dk, dv, plan = _planned_backward(q, k, v, o, lse, do, ctx.window, ctx.scale)
                 eager_plans.backward_plans.remember(key, plan)
-                return dq, dk, dv, None, None, None, None
+                return dq, dk, dv, None, None, None
         if _eager(q, do):
             with _on_current_device(q):
-                dq, dk, dv = _backward(q, k, v, o, lse, do, ctx.window, ctx.scale, deterministic=deterministic)
+                dq, dk, dv = _backward(q, k, v, o, lse, do, ctx.window, ctx.scale)
         else:
             backward = flash_attention_backward_op if q.device.type == "cuda" else _interpreted_backward_op
-            dq, dk, dv = backward(q, k, v, o, lse, do, *ctx.window, ctx.scale, deterministic)
-        return dq, dk, dv, None, None, None, None
+            dq, dk, dv = backward(q, k, v, o, lse, do, *ctx.window, ctx.scale)
+        return dq, dk, dv, None, None, None
 
 
 class FlashAttentionVarlenTriton(torch.autograd.Function):
@@ -1226,7 +1112,7 @@ class FlashAttentionVarlenTriton(torch.autograd.Function):
     (no padding, no per-sequence launches).
 
     `FlashAttentionVarlenTriton.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-    is_causal=False, softmax_scale=None, window_size=None, deterministic=True)`, as `flashsys.ops.flash_attention_varlen`. Saves q, k, v,
+    is_causal=False, softmax_scale=None, window_size=None)`, as `flashsys.ops.flash_attention_varlen`. Saves q, k, v,
     O, the logsumexp L (Hq, total_q) float32 (flash-attn's varlen layout) and the two offset tensors. Eager only:
     under torch.compile, `flash_attention_varlen` runs outside the graph.
     """
@@ -1234,10 +1120,9 @@ class FlashAttentionVarlenTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                 max_seqlen_k: int, is_causal: bool = False, softmax_scale: float | None = None,
-                window_size: tuple[int, int] | None = None, deterministic: bool = True) -> Tensor:
+                window_size: tuple[int, int] | None = None) -> Tensor:
         """Returns O (total_q, Hq, D), typed like q."""
         op = "FlashAttentionVarlenTriton"
-        ctx.deterministic = check_deterministic(deterministic, op)
         scale = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                                     softmax_scale, op=op, max_head_dim=MAX_HEAD_DIM)
         window = normalize_window(window_size, bool(is_causal), op)
@@ -1259,6 +1144,6 @@ class FlashAttentionVarlenTriton(torch.autograd.Function):
         up_q, up_k, up_v, up_o, up_do = _interpreter_upcast(q, k, v, o, do)
         with _on_current_device(q):
             grads = flash_varlen_backward_triton(up_q, up_k, up_v, up_o, lse, up_do, cu_q, cu_k, *ctx.lengths,
-                                                 ctx.window, ctx.scale, deterministic=ctx.deterministic)
+                                                 ctx.window, ctx.scale)
         dq, dk, dv = _same_dtype(grads, (q, k, v))
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None

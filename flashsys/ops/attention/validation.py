@@ -183,10 +183,3 @@ def _shape_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_head_d
     if max_head_dim is not None and q.shape[-1] > max_head_dim:
         return f"head_dim {q.shape[-1]} is above the supported maximum {max_head_dim}"
     return None
-
-
-def check_deterministic(deterministic: object, op: str) -> bool:
-    """`deterministic` as a bool; anything else (a string, None) is a TypeError rather than a silent truth value."""
-    if type(deterministic) is not bool:
-        raise TypeError(f"{op}: deterministic must be True or False, got {deterministic!r}")
-    return deterministic
