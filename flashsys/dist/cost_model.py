@@ -18,23 +18,35 @@ from ..timing import repeat
 MB = 1024 * 1024
 
 
-def measure_allreduce_cost(device: torch.device, dtype: torch.dtype, group=None, repeats: int = 5) -> tuple[float, float]:
+def measure_allreduce_cost(device: torch.device, dtype: torch.dtype, group=None, repeats: int = 10) -> tuple[float, float]:
     """Fit t(bytes) = o + bytes / w from all-reduces of 4 KiB and 16 MiB. Returns (o seconds, w bytes/second).
 
-    Every rank gets the same numbers (the max over ranks), so every rank builds the same buckets.
+    Both sizes are warmed up before either is timed, and each size's fastest call is kept: a new communicator's
+    first collectives (and a neighbour's burst on a shared host) are slow for reasons the model does not describe,
+    and once made a 4 KiB all-reduce look slower than a 16 MiB one, which fitted an infinite bandwidth and put
+    every gradient in one bucket (2 x H200, 2026-11-24). Every rank gets the same numbers (the max over ranks), so
+    every rank builds the same buckets.
     """
     elem = torch.tensor([], dtype=dtype).element_size()
     sizes = (4096, 16 * MB)
-    times = []
-    for nbytes in sizes:
-        buf = torch.randn(nbytes // elem, device=device).to(dtype)
-        samples = repeat(lambda: dist.all_reduce(buf, group=group), warmup=1, iters=repeats, device=device,
-                         barrier=True, group=group)
-        times.append(statistics.median(samples) / 1e3)
+    buffers = [torch.randn(nbytes // elem, device=device).to(dtype) for nbytes in sizes]
+    for buf in buffers:
+        repeat(lambda: dist.all_reduce(buf, group=group), warmup=0, iters=2, device=device, barrier=True, group=group)
+    times = [min(repeat(lambda: dist.all_reduce(buf, group=group), warmup=1, iters=repeats, device=device,
+                        barrier=True, group=group)) / 1e3 for buf in buffers]
     stats = torch.tensor(times, dtype=torch.float64, device=device if dist.get_backend(group) == "nccl" else "cpu")
     dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
-    t_small, t_big = stats.tolist()
-    w = (sizes[1] - sizes[0]) / max(t_big - t_small, 1e-9)
+    return fit_allreduce_cost(*stats.tolist(), sizes)
+
+
+def fit_allreduce_cost(t_small: float, t_big: float, sizes: tuple[int, int]) -> tuple[float, float]:
+    """(o, w) of t(bytes) = o + bytes / w through two timings (seconds) of all-reduces of `sizes` bytes. When the
+    larger one did not take longer (noise), the bandwidth is bounded by the larger call alone instead of being
+    fitted as infinite."""
+    if t_big > t_small:
+        w = (sizes[1] - sizes[0]) / (t_big - t_small)
+    else:
+        w = sizes[1] / max(t_big, 1e-9)
     o = max(t_small - sizes[0] / w, 1e-7)
     return o, w
 
@@ -74,7 +86,8 @@ def optimal_bucket_bytes(total_bytes: int, overhead_s: float, bandwidth_bps: flo
 
         exposed(b) ~= (S / b) * o + b / w        minimised at        b* = sqrt(S * o * w)
 
-    clamped to [1 MiB, S].
+    clamped to [1 MiB, S / 4]: at least four buckets, so that a measured overhead inflated by noise cannot put all
+    S bytes in one bucket whose whole all-reduce waits for the end of backward.
     """
     b = math.sqrt(total_bytes * overhead_s * bandwidth_bps)
-    return int(min(max(b, MB), max(total_bytes, MB)))
+    return int(min(max(b, MB), max(total_bytes / 4, MB)))

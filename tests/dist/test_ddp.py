@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from flashsys.dist import BucketedDDP, FlatDDP, NaiveDDP, OverlapDDP, optimal_bucket_bytes, spawn
+from flashsys.dist.cost_model import fit_allreduce_cost
 from flashsys.nn import TransformerLM
 
 from .toy import AwkwardModel, assert_params_close, loss_fn, make_batches, make_model
@@ -212,6 +213,18 @@ def test_optimal_bucket_size_formula():
     cost = lambda x: s / x * o + x / w  # noqa: E731
     assert cost(b) <= min(cost(b / 2), cost(b * 2))
     assert optimal_bucket_bytes(10, 1.0, 1e12) == 2**20  # clamped to at least 1 MiB
+    assert optimal_bucket_bytes(int(s), 1.0, 1e12) == int(s / 4)  # and to at most a quarter: four buckets
+
+
+def test_allreduce_cost_fit_survives_a_slow_small_call():
+    """The fit behind "auto": a 4 KiB all-reduce that happened to be slower than the 16 MiB one must not give an
+    infinite bandwidth (it once put all 7.6 GB of xl gradients in one bucket)."""
+    sizes = (4096, 16 * 2**20)
+    o, w = fit_allreduce_cost(20e-6, 20e-6 + sizes[1] / 100e9, sizes)
+    assert abs(w - (sizes[1] - sizes[0]) / (sizes[1] / 100e9)) < 1 and abs(o - (20e-6 - sizes[0] / w)) < 1e-12
+    o, w = fit_allreduce_cost(500e-6, 200e-6, sizes)  # degenerate: bounded by the big call alone
+    assert w == sizes[1] / 200e-6 and o == 500e-6 - sizes[0] / w
+    assert optimal_bucket_bytes(int(7.6e9), o, w) <= 7.6e9 / 4
 
 
 def _rewrap_worker(rank, world, device):
