@@ -8,7 +8,6 @@ benchmark's model curve so both count the same all-reduces.
 from __future__ import annotations
 
 import math
-import statistics
 
 import torch
 import torch.distributed as dist
