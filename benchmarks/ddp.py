@@ -45,7 +45,7 @@ from benchmarks.harness import (
 from flashsys.dist import BucketedDDP
 from flashsys.nn import TransformerLM
 from flashsys.optim import ShardedOptimizer, ZeRO2Optimizer
-from flashsys.timing import StepMarks, Stopwatch
+from flashsys.timing import StepMarks, synchronize
 
 MB = 2**20
 
@@ -162,7 +162,6 @@ def worker(rank, world, device, cfg, batch, warmup, iters, rounds, only, out_jso
     phases: dict[str, dict[str, list[float]]] = {n: {ph: [] for ph in PHASES} for n in names}
     memory: dict[str, tuple[int, float]] = {}
     info: dict[str, dict] = {}
-    watch = Stopwatch(device, barrier=True)
     for _ in range(rounds):
         for name in names:
             if name in OWN_MODEL:
@@ -176,7 +175,8 @@ def worker(rank, world, device, cfg, batch, warmup, iters, rounds, only, out_jso
             marks = StepMarks(device)
             for i in range(warmup + iters):
                 if i == warmup:
-                    watch.start()  # every rank starts the timed steps together, nothing queued
+                    synchronize(device)  # every rank starts the timed steps together, nothing queued
+                    dist.barrier()
                 if i >= warmup:
                     marks.mark()  # three marks a step: its start, backward, optimizer step
                 train_step(built, x, autocast, marks.mark if i >= warmup else None)

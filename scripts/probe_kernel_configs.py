@@ -25,15 +25,16 @@ def _ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=150)
 
 
-def _time_config(kernel, handles, g, window, named, grid_rows, block, n_bh, config, extra=None):
+def _time_config(kernel, handles, g, window, named, grid, config):
+    """One kernel launched alone with `config` (BLOCK_M, BLOCK_N, warps, stages), as Triton's autotuner times a
+    candidate; `grid` is the launcher's `_tile_grid`."""
     handle, args, constexprs, _ = ft._prepare(kernel, handles, g, window, named)
     m, n, w, s = config
     meta = dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
-    grid = (triton.cdiv(grid_rows, meta[block]), n_bh, 1)
-    constexprs = {**constexprs, **(extra or {})}
+    grid_xyz = (*grid(meta), 1)
     try:
         def launch():
-            handle.fn[grid](*args, **constexprs, **meta)
+            handle.fn[grid_xyz](*args, **constexprs, **meta)
         launch()
         torch.cuda.synchronize()
         return _ms(launch)
@@ -76,23 +77,17 @@ def main() -> None:
             cls = g.head_dim_class
             lse_delta = torch.empty((b, h, n, 2), dtype=torch.float32, device="cuda")
             dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-            sizes = ft._sizes(g, window)
-            shared = dict(Q=q, K=k, V=v, DO=do, LseDelta=lse_delta, CU_Q=q, CU_K=k, **sizes,
-                          qk_scale=scale * ft.LOG2E, softmax_scale=scale)
-            fwd_named = dict(Q=q, K=k, V=v, O=torch.empty_like(q), L=torch.empty_like(lse), CU_Q=q, CU_K=k, **sizes,
-                             qk_scale=scale * ft.LOG2E)
-            rows = []
-            for cfg in ft._FWD_TILES[cls] + ft._FWD_TILES_LONG.get(cls, []):
-                rows.append(("fwd", cfg, _time_config("fwd", ft._fwd_kernels, g, window, fwd_named, n, "BLOCK_M",
-                                                      g.n_bh, cfg)))
-            dq_named = dict(shared, L=lse, DQ=dq, O=o)
-            for cfg in ft._BWD_DQ_TILES[cls] + ft._BWD_DQ_TILES_LONG.get(cls, []):
-                rows.append(("dq", cfg, _time_config("dq", ft._bwd_dq_kernels, g, window, dq_named, n, "BLOCK_M",
-                                                     g.n_bh, cfg)))
-            dkdv_named = dict(shared, DK=dk, DV=dv)
-            for cfg in ft._BWD_DKDV_TILES[cls] + ft._BWD_DKDV_TILES_LONG.get(cls, []):
-                rows.append(("dkdv", cfg, _time_config("dkdv", ft._bwd_dkdv_kernels, g, window, dkdv_named, n,
-                                                       "BLOCK_N", g.n_bh_kv, cfg)))
+            fwd_named = ft.forward_arguments(g, q, k, v, torch.empty_like(q), torch.empty_like(lse), q, k, window, scale)
+            dq_named, dkdv_named = ft.backward_arguments(g, q, k, v, o, lse, do, dq, dk, dv, lse_delta, q, k, window,
+                                                         scale)
+            query_tiles = ft._tile_grid(n, "BLOCK_M", g.n_bh)
+            key_tiles = ft._tile_grid(n, "BLOCK_N", g.n_bh_kv)
+            runs = (("fwd", ft._fwd_kernels, fwd_named, query_tiles, ft._FWD_TILES, ft._FWD_TILES_LONG),
+                    ("dq", ft._bwd_dq_kernels, dq_named, query_tiles, ft._BWD_DQ_TILES, ft._BWD_DQ_TILES_LONG),
+                    ("dkdv", ft._bwd_dkdv_kernels, dkdv_named, key_tiles, ft._BWD_DKDV_TILES, ft._BWD_DKDV_TILES_LONG))
+            rows = [(kernel, cfg, _time_config(kernel, handles, g, window, named, grid, cfg))
+                    for kernel, handles, named, grid, table, long_table in runs
+                    for cfg in table[cls] + long_table.get(cls, [])]
             print("| kernel | (BLOCK_M, BLOCK_N, warps, stages) | ms |")
             print("|---|---|---:|")
             best = {}

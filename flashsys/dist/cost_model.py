@@ -29,9 +29,9 @@ def measure_allreduce_cost(device: torch.device, dtype: torch.dtype, group=None,
     elem = torch.tensor([], dtype=dtype).element_size()
     sizes = (4096, 16 * MB)
     buffers = [torch.randn(nbytes // elem, device=device).to(dtype) for nbytes in sizes]
-    for buf in buffers:
+    for buf in buffers:  # warm-up of both sizes first
         repeat(lambda: dist.all_reduce(buf, group=group), warmup=0, iters=2, device=device, barrier=True, group=group)
-    times = [min(repeat(lambda: dist.all_reduce(buf, group=group), warmup=1, iters=repeats, device=device,
+    times = [min(repeat(lambda: dist.all_reduce(buf, group=group), warmup=0, iters=repeats, device=device,
                         barrier=True, group=group)) / 1e3 for buf in buffers]
     stats = torch.tensor(times, dtype=torch.float64, device=device if dist.get_backend(group) == "nccl" else "cpu")
     dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)

@@ -892,17 +892,25 @@ def _dense_do(do: Tensor, dtype: torch.dtype) -> Tensor:
     return do
 
 
-def _launch_backward(g: _Geometry, q, k, v, o, lse, do, dq, dk, dv, lse_delta, cu_q, cu_k, window, scale,
-                     traced) -> list[Recorded | None]:
+def backward_arguments(g: _Geometry, q, k, v, o, lse, do, dq, dk, dv, lse_delta, cu_q, cu_k, window, scale
+                       ) -> tuple[dict, dict]:
+    """The dQ kernel's and the dK/dV kernel's runtime arguments by name (strides excepted); cu_q, cu_k as in
+    `forward_arguments`."""
     shared = dict(Q=q, K=k, V=v, DO=do, LseDelta=lse_delta, CU_Q=cu_q, CU_K=cu_k, **_sizes(g, window),
                   qk_scale=scale * LOG2E, softmax_scale=scale)
+    return dict(shared, L=lse, DQ=dq, O=o), dict(shared, DK=dk, DV=dv)
+
+
+def _launch_backward(g: _Geometry, q, k, v, o, lse, do, dq, dk, dv, lse_delta, cu_q, cu_k, window, scale,
+                     traced) -> list[Recorded | None]:
+    dq_named, dkdv_named = backward_arguments(g, q, k, v, o, lse, do, dq, dk, dv, lse_delta, cu_q, cu_k, window,
+                                              scale)
     launch = _launch_traced if traced else _launch_eager
     # dQ first: it writes the (L*log2e, D) pairs that the dK/dV kernel reads.
-    dq_launch = launch("dq", _bwd_dq_kernels, g, window, _tile_grid(g.grid_q, "BLOCK_M", g.n_bh),
-                       dict(shared, L=lse, DQ=dq, O=o))
+    dq_launch = launch("dq", _bwd_dq_kernels, g, window, _tile_grid(g.grid_q, "BLOCK_M", g.n_bh), dq_named)
     # One dK/dV program per key tile and K/V head: it sums the query heads of its group itself.
     dkdv_launch = launch("dkdv", _bwd_dkdv_kernels, g, window, _tile_grid(g.grid_k, "BLOCK_N", g.n_bh_kv),
-                         dict(shared, DK=dk, DV=dv))
+                         dkdv_named)
     return [dq_launch, dkdv_launch]
 
 
