@@ -81,6 +81,27 @@ def _ours(bucket_mb="auto", optimizer="adamw", **ddp_kw) -> Callable:
     return build
 
 
+_CTA_GROUPS: dict[int, object] = {}
+
+
+def _nccl_group_max_ctas(max_ctas: int):
+    """An NCCL group over all ranks whose collectives run on at most `max_ctas` thread blocks (SMs): fewer SMs
+    taken from backward's GEMMs while a bucket is reduced under them. Created once per value (collective)."""
+    if max_ctas not in _CTA_GROUPS:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.config.max_ctas = max_ctas
+        _CTA_GROUPS[max_ctas] = dist.new_group(backend="nccl", pg_options=opts)
+    return _CTA_GROUPS[max_ctas]
+
+
+def _ours_ctas(max_ctas: int, **ddp_kw) -> Callable:
+    def build(model, device):
+        group = _nccl_group_max_ctas(max_ctas) if device.type == "cuda" else None
+        ddp = BucketedDDP(model, process_group=group, **ddp_kw)
+        return Built(ddp, torch.optim.AdamW(model.parameters(), **_adamw(device)), ddp, [ddp.remove_hooks])
+    return build
+
+
 def _torch_ddp(bucket_mb=25, zero=False) -> Callable:
     def build(model, device):
         ids = [device.index] if device.type == "cuda" else None
@@ -116,6 +137,9 @@ VARIANTS: dict[str, Callable] = {
     "BucketedDDP 100 MB": _ours(100),
     "BucketedDDP auto, bucket views": _ours(gradient_as_bucket_view=True),
     "BucketedDDP auto, bf16 comm": _ours(comm_dtype=torch.bfloat16),
+    "BucketedDDP auto, bucket views, NCCL 4 CTAs": _ours_ctas(4, gradient_as_bucket_view=True),
+    "BucketedDDP auto, bucket views, NCCL 8 CTAs": _ours_ctas(8, gradient_as_bucket_view=True),
+    "BucketedDDP auto, bucket views, NCCL 16 CTAs": _ours_ctas(16, gradient_as_bucket_view=True),
     "torch DDP 25 MB (default)": _torch_ddp(25),
     "torch DDP 100 MB": _torch_ddp(100),
     "torch DDP 250 MB": _torch_ddp(250),
