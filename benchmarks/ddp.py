@@ -81,22 +81,25 @@ def _ours(bucket_mb="auto", optimizer="adamw", **ddp_kw) -> Callable:
     return build
 
 
-_CTA_GROUPS: dict[int, object] = {}
+_NCCL_GROUPS: dict[tuple, object] = {}
 
 
-def _nccl_group_max_ctas(max_ctas: int):
-    """An NCCL group over all ranks whose collectives run on at most `max_ctas` thread blocks (SMs): fewer SMs
-    taken from backward's GEMMs while a bucket is reduced under them. Created once per value (collective)."""
-    if max_ctas not in _CTA_GROUPS:
-        opts = dist.ProcessGroupNCCL.Options()
-        opts.config.max_ctas = max_ctas
-        _CTA_GROUPS[max_ctas] = dist.new_group(backend="nccl", pg_options=opts)
-    return _CTA_GROUPS[max_ctas]
+def _nccl_group(max_ctas: int | None = None, high_priority: bool = False):
+    """An NCCL group over all ranks with its own communicator settings: collectives on at most `max_ctas` thread
+    blocks (fewer SMs taken from backward's GEMMs while a bucket is reduced under them), or on a high-priority
+    stream. Created once per setting (a collective call: every rank builds the variants in the same order)."""
+    key = (max_ctas, high_priority)
+    if key not in _NCCL_GROUPS:
+        opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=high_priority)
+        if max_ctas is not None:
+            opts.config.max_ctas = max_ctas
+        _NCCL_GROUPS[key] = dist.new_group(backend="nccl", pg_options=opts)
+    return _NCCL_GROUPS[key]
 
 
-def _ours_ctas(max_ctas: int, **ddp_kw) -> Callable:
+def _ours_nccl(max_ctas: int | None = None, high_priority: bool = False, **ddp_kw) -> Callable:
     def build(model, device):
-        group = _nccl_group_max_ctas(max_ctas) if device.type == "cuda" else None
+        group = _nccl_group(max_ctas, high_priority) if device.type == "cuda" else None
         ddp = BucketedDDP(model, process_group=group, **ddp_kw)
         return Built(ddp, torch.optim.AdamW(model.parameters(), **_adamw(device)), ddp, [ddp.remove_hooks])
     return build
@@ -137,9 +140,10 @@ VARIANTS: dict[str, Callable] = {
     "BucketedDDP 100 MB": _ours(100),
     "BucketedDDP auto, bucket views": _ours(gradient_as_bucket_view=True),
     "BucketedDDP auto, bf16 comm": _ours(comm_dtype=torch.bfloat16),
-    "BucketedDDP auto, bucket views, NCCL 4 CTAs": _ours_ctas(4, gradient_as_bucket_view=True),
-    "BucketedDDP auto, bucket views, NCCL 8 CTAs": _ours_ctas(8, gradient_as_bucket_view=True),
-    "BucketedDDP auto, bucket views, NCCL 16 CTAs": _ours_ctas(16, gradient_as_bucket_view=True),
+    "BucketedDDP auto, bucket views, NCCL 4 CTAs": _ours_nccl(4, gradient_as_bucket_view=True),
+    "BucketedDDP auto, bucket views, NCCL 8 CTAs": _ours_nccl(8, gradient_as_bucket_view=True),
+    "BucketedDDP auto, bucket views, NCCL 16 CTAs": _ours_nccl(16, gradient_as_bucket_view=True),
+    "BucketedDDP auto, bucket views, NCCL high-priority stream": _ours_nccl(None, True, gradient_as_bucket_view=True),
     "torch DDP 25 MB (default)": _torch_ddp(25),
     "torch DDP 100 MB": _torch_ddp(100),
     "torch DDP 250 MB": _torch_ddp(250),
@@ -150,6 +154,7 @@ VARIANTS: dict[str, Callable] = {
     "torch FSDP2 (reshard_after_forward=False)": _fsdp2,
 }
 OWN_MODEL = {"torch FSDP2 (reshard_after_forward=False)"}
+NCCL_ONLY = {name for name in VARIANTS if "NCCL" in name}  # communicator settings gloo does not have
 # A step's phases, each from its mark to the next: forward (zero_grad, forward, loss; with ZeRO-2's overlapped
 # all-gathers, the waits for them), backward (gradient synchronisation finishes inside it), optimizer step (and
 # whatever it leaves the next step's start to wait for).
@@ -178,7 +183,8 @@ def worker(rank, world, device, cfg, batch, warmup, iters, rounds, only, out_jso
         torch.set_num_threads(1)
     x = token_batch(cfg, batch, device, torch.Generator().manual_seed(rank))
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else contextlib.nullcontext
-    names = [n for n in VARIANTS if n == "compute only" or not only or n in only]
+    names = [n for n in VARIANTS if (n == "compute only" or not only or n in only)
+             and (n not in NCCL_ONLY or dist.get_backend() == "nccl")]
     torch.manual_seed(0)
     shared = TransformerLM.from_config(cfg, device=device)
     own: dict[str, tuple[nn.Module, Built]] = {}
