@@ -1,9 +1,12 @@
 """Host cost of one attention call: microseconds of Python and dispatch per call, flashsys vs SDPA, in one process.
 
 At small shapes the GPU finishes each kernel before the host has queued the next, so what a call costs is the
-host's time, not the GPU's. Each cell queues `--calls` calls back to back (forward without grad, or forward +
+host's time, not the GPU's. A round queues `--calls` calls back to back (forward without grad, or forward +
 backward) and divides the host time by the number of calls; the GPU time per call (CUDA events over the same
 loop, after a sync) is beside it, so a cell where `gpu_us` is larger than `host_us` is GPU-bound, not host-bound.
+The backends run in turns, one round each, for `--rounds` rounds: a shared host's speed drifts by 2x within a
+minute (SDPA's forward + backward read 157 to 285 µs in one process on an H100 machine), so each round's ratio
+to SDPA is taken against the SDPA round beside it, and the table reports the median of those ratios.
 `--breakdown` adds where flashsys's microseconds go, part by part.
 
     python -m benchmarks.host_cost --seqs 128 1024 --breakdown
@@ -12,6 +15,7 @@ loop, after a sync) is beside it, so a cell where `gpu_us` is larger than `host_
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -29,26 +33,29 @@ def _inputs(n: int, heads: int, head_dim: int, dtype: torch.dtype, grad: bool):
     return q, k, v, do
 
 
+def _round_us(call, calls: int) -> tuple[float, float]:
+    """(host µs, GPU µs) per call over `calls` back-to-back calls."""
+    sync()
+    start_event = torch.cuda.Event(enable_timing=True) if ON_GPU else None
+    end_event = torch.cuda.Event(enable_timing=True) if ON_GPU else None
+    if ON_GPU:
+        start_event.record()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        call()
+    host = (time.perf_counter() - t0) / calls * 1e6
+    gpu = float("nan")
+    if ON_GPU:
+        end_event.record()
+        end_event.synchronize()
+        gpu = start_event.elapsed_time(end_event) / calls * 1e3
+    return host, gpu
+
+
 def per_call_us(call, calls: int, rounds: int = 5) -> tuple[float, float]:
     """(host µs, GPU µs) per call: the median over `rounds` of `calls` back-to-back calls."""
-    host, gpu = [], []
-    for _ in range(rounds):
-        sync()
-        start_event = torch.cuda.Event(enable_timing=True) if ON_GPU else None
-        end_event = torch.cuda.Event(enable_timing=True) if ON_GPU else None
-        if ON_GPU:
-            start_event.record()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            call()
-        host.append((time.perf_counter() - t0) / calls * 1e6)
-        if ON_GPU:
-            end_event.record()
-            end_event.synchronize()
-            gpu.append(start_event.elapsed_time(end_event) / calls * 1e3)
-    host.sort()
-    gpu.sort()
-    return host[len(host) // 2], (gpu[len(gpu) // 2] if gpu else float("nan"))
+    host, gpu = zip(*(_round_us(call, calls) for _ in range(rounds)))
+    return statistics.median(host), statistics.median(gpu)
 
 
 def headline(args) -> list[dict]:
@@ -58,7 +65,7 @@ def headline(args) -> list[dict]:
         for what in ("forward", "forward+backward"):
             grad = what != "forward"
             q, k, v, do = _inputs(n, args.heads, args.head_dim, dtype, grad)
-            cells = {}
+            calls = {}
             for name in args.backends:
                 fn = ATTENTION_BACKENDS[name].fn
 
@@ -71,12 +78,20 @@ def headline(args) -> list[dict]:
 
                 for _ in range(args.warmup + 2):  # first calls autotune and compile
                     call()
-                cells[name] = per_call_us(call, args.calls)
-            base = cells.get("sdpa", (float("nan"),))[0]
-            for name, (host, gpu) in cells.items():
+                calls[name] = call
+            rounds = {name: [] for name in calls}
+            for _ in range(args.rounds):  # in turns, so that drift reaches every backend alike
+                for name, call in calls.items():
+                    rounds[name].append(_round_us(call, args.calls))
+            base = rounds.get("sdpa")
+            for name, timed in rounds.items():
+                host = [h for h, _ in timed]
+                ratio = statistics.median(h / b for h, (b, _) in zip(host, base)) if base else float("nan")
+                q10, *_, q90 = statistics.quantiles(host, n=10) if len(host) > 1 else host * 2
                 rows.append({"N": n, "heads": args.heads, "head_dim": args.head_dim, "dtype": args.dtype,
-                             "pass": what, "attention": name, "host_us": host, "gpu_us": gpu,
-                             "host_vs_sdpa": host / base})
+                             "pass": what, "attention": name, "host_us": statistics.median(host),
+                             "host_p10_us": q10, "host_p90_us": q90,
+                             "gpu_us": statistics.median(g for _, g in timed), "host_vs_sdpa": ratio})
     return rows
 
 
@@ -173,7 +188,8 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    p.add_argument("--calls", type=int, default=200, help="calls per timed round (5 rounds, median)")
+    p.add_argument("--calls", type=int, default=200, help="calls per timed round")
+    p.add_argument("--rounds", type=int, default=15, help="timed rounds per backend, taken in turns")
     p.add_argument("--backends", nargs="+", default=["flash", "sdpa"], choices=list(ATTENTION_BACKENDS))
     p.add_argument("--breakdown", action="store_true",
                    help="also time the parts of a flashsys call (CUDA, or TRITON_INTERPRET=1 on a CPU)")
@@ -181,9 +197,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     env = environment()
     name = args.name or f"host_cost_{'gpu' if ON_GPU else 'cpu'}"
-    notes = [f"B=1, causal, {args.dtype}; median of 5 rounds of {args.calls} back-to-back calls. host_us: host time "
-             "per call (the loop's wall time before any sync); gpu_us: GPU time per call over the same loop. "
-             "host_us > gpu_us: the call is host-bound."]
+    notes = [f"B=1, causal, {args.dtype}; {args.rounds} rounds of {args.calls} back-to-back calls per backend, the "
+             "backends in turns. host_us: host time per call (the loop's wall time before any sync), median over "
+             "rounds, with p10/p90; gpu_us: GPU time per call over the same loop. host_us > gpu_us: the call is "
+             "host-bound. host_vs_sdpa: the median over rounds of the ratio to the SDPA round beside it."]
     path = write_table(headline(args), args.out, name, "Attention host cost per call", notes, env)
     print(path.read_text())
     if args.breakdown and not (ON_GPU or interpreter_active()):
