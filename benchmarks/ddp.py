@@ -67,9 +67,12 @@ def _adamw(device) -> dict:
     return kw
 
 
-def _ours(bucket_mb="auto", optimizer="adamw", **ddp_kw) -> Callable:
+def _ours(bucket_mb="auto", optimizer="adamw", nccl: tuple[int | None, bool] | None = None, **ddp_kw) -> Callable:
+    """A BucketedDDP variant; `nccl` = (max_ctas, high_priority) reduces on a group with those communicator
+    settings (`_nccl_group`; NCCL only)."""
     def build(model, device):
-        ddp = BucketedDDP(model, bucket_size_mb=bucket_mb, **ddp_kw)
+        group = {} if nccl is None else {"process_group": _nccl_group(*nccl)}
+        ddp = BucketedDDP(model, bucket_size_mb=bucket_mb, **group, **ddp_kw)
         if optimizer == "zero1":
             opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, **_adamw(device))
         elif optimizer in ("zero2", "zero2-overlap"):
@@ -78,6 +81,7 @@ def _ours(bucket_mb="auto", optimizer="adamw", **ddp_kw) -> Callable:
         else:
             opt = torch.optim.AdamW(model.parameters(), **_adamw(device))
         return Built(ddp, opt, ddp, [ddp.remove_hooks])
+    build.nccl_only = nccl is not None
     return build
 
 
@@ -95,14 +99,6 @@ def _nccl_group(max_ctas: int | None = None, high_priority: bool = False):
             opts.config.max_ctas = max_ctas
         _NCCL_GROUPS[key] = dist.new_group(backend="nccl", pg_options=opts)
     return _NCCL_GROUPS[key]
-
-
-def _ours_nccl(max_ctas: int | None = None, high_priority: bool = False, **ddp_kw) -> Callable:
-    def build(model, device):
-        group = _nccl_group(max_ctas, high_priority) if device.type == "cuda" else None
-        ddp = BucketedDDP(model, process_group=group, **ddp_kw)
-        return Built(ddp, torch.optim.AdamW(model.parameters(), **_adamw(device)), ddp, [ddp.remove_hooks])
-    return build
 
 
 def _torch_ddp(bucket_mb=25, zero=False) -> Callable:
@@ -140,10 +136,10 @@ VARIANTS: dict[str, Callable] = {
     "BucketedDDP 100 MB": _ours(100),
     "BucketedDDP auto, bucket views": _ours(gradient_as_bucket_view=True),
     "BucketedDDP auto, bf16 comm": _ours(comm_dtype=torch.bfloat16),
-    "BucketedDDP auto, bucket views, NCCL 4 CTAs": _ours_nccl(4, gradient_as_bucket_view=True),
-    "BucketedDDP auto, bucket views, NCCL 8 CTAs": _ours_nccl(8, gradient_as_bucket_view=True),
-    "BucketedDDP auto, bucket views, NCCL 16 CTAs": _ours_nccl(16, gradient_as_bucket_view=True),
-    "BucketedDDP auto, bucket views, NCCL high-priority stream": _ours_nccl(None, True, gradient_as_bucket_view=True),
+    "BucketedDDP auto, bucket views, NCCL 4 CTAs": _ours(nccl=(4, False), gradient_as_bucket_view=True),
+    "BucketedDDP auto, bucket views, NCCL 8 CTAs": _ours(nccl=(8, False), gradient_as_bucket_view=True),
+    "BucketedDDP auto, bucket views, NCCL 16 CTAs": _ours(nccl=(16, False), gradient_as_bucket_view=True),
+    "BucketedDDP auto, bucket views, NCCL high-priority stream": _ours(nccl=(None, True), gradient_as_bucket_view=True),
     "torch DDP 25 MB (default)": _torch_ddp(25),
     "torch DDP 100 MB": _torch_ddp(100),
     "torch DDP 250 MB": _torch_ddp(250),
@@ -154,7 +150,8 @@ VARIANTS: dict[str, Callable] = {
     "torch FSDP2 (reshard_after_forward=False)": _fsdp2,
 }
 OWN_MODEL = {"torch FSDP2 (reshard_after_forward=False)"}
-NCCL_ONLY = {name for name in VARIANTS if "NCCL" in name}  # communicator settings gloo does not have
+# Rows on NCCL communicator settings, which gloo does not have.
+NCCL_ONLY = {name for name, build in VARIANTS.items() if getattr(build, "nccl_only", False)}
 # A step's phases, each from its mark to the next: forward (zero_grad, forward, loss; with ZeRO-2's overlapped
 # all-gathers, the waits for them), backward (gradient synchronisation finishes inside it), optimizer step (and
 # whatever it leaves the next step's start to wait for).
