@@ -58,7 +58,8 @@ class LaunchSaveAttrs(LaunchOnly):
         return o
 
 
-def per_call_us(fn) -> float:
+def median_call_us(fn) -> float:
+    """Median µs of single calls (benchmarks.host_cost.per_call_us averages whole rounds instead)."""
     for _ in range(30):
         fn()
     torch.cuda.synchronize()
@@ -94,12 +95,12 @@ def main() -> int:
         ("SDPA forward + backward", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)),
     ]
     for label, fn in rows:
-        print(f"  {label:<52} {per_call_us(fn):8.1f}")
+        print(f"  {label:<52} {median_call_us(fn):8.1f}")
     with torch.autograd.set_multithreading_enabled(False):
         for label, fn in rows[-2:]:
-            print(f"  {label + ', engine threads off':<52} {per_call_us(fn):8.1f}")
+            print(f"  {label + ', engine threads off':<52} {median_call_us(fn):8.1f}")
     for label, fn in rows[-2:]:  # once more, after: drift between the first and the last rows
-        print(f"  {label + ' (again)':<52} {per_call_us(fn):8.1f}")
+        print(f"  {label + ' (again)':<52} {median_call_us(fn):8.1f}")
     return 0
 
 
