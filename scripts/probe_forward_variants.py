@@ -8,6 +8,9 @@
   a cubic polynomial on the FMA units (as FlashAttention-4 does) pay? Modes: mufu (tl.math.exp2), none (no
   exponential at all: wrong results, the time bound), poly (every exponential by the polynomial), half (half of
   each tile's columns each way).
+--question pipeline: does issuing the next key tile's S = Q Kᵀ before this tile's softmax (FlashAttention-3's
+  intra-warpgroup overlap, written by hand: S is carried across iterations) let the tensor cores work under the
+  exponentials? Timed against the same kernel in the plain order.
 
 Each output but mode "none" is checked against SDPA first.
 
@@ -88,9 +91,28 @@ def _ws_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, lo, hi, offs_m, offs_n, qk
 
 
 @triton.jit
+def _pipelined_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, lo, hi, qk_scale, BLOCK_N: tl.constexpr):
+    """Unmasked key tiles, S of tile j + 1 issued before tile j's softmax. The last iteration computes one S it
+    does not use (its rows past the end read zeros or the next head: harmless, and not used)."""
+    qk = tl.dot(q, desc_k.load([row0 + lo, 0]).T)
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        qk_next = tl.dot(q, desc_k.load([row0 + start_n + BLOCK_N, 0]).T)
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = desc_v.load([row0 + start_n, 0])
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+        qk = qk_next
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _ws_fwd(desc_q, desc_k, desc_v, desc_o, L, n_ctx, qk_scale,
             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-            WS: tl.constexpr, EXP: tl.constexpr):
+            WS: tl.constexpr, EXP: tl.constexpr, PIPE: tl.constexpr = False):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)  # heaviest tiles first
     bh = tl.program_id(1)
     row0 = bh * n_ctx
@@ -101,7 +123,13 @@ def _ws_fwd(desc_q, desc_k, desc_v, desc_o, L, n_ctx, qk_scale,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if CAUSAL:
+    if CAUSAL and PIPE:
+        acc, l_i, m_i = _pipelined_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, 0, start_m, qk_scale, BLOCK_N)
+        acc, l_i, m_i = _ws_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, start_m, start_m + BLOCK_M, offs_m,
+                                  offs_n, qk_scale, BLOCK_M, BLOCK_N, True, WS, EXP)
+    elif PIPE:
+        acc, l_i, m_i = _pipelined_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, 0, n_ctx, qk_scale, BLOCK_N)
+    elif CAUSAL:
         acc, l_i, m_i = _ws_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, 0, start_m, offs_m, offs_n, qk_scale,
                                   BLOCK_M, BLOCK_N, False, WS, EXP)
         acc, l_i, m_i = _ws_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, start_m, start_m + BLOCK_M, offs_m,
@@ -113,7 +141,7 @@ def _ws_fwd(desc_q, desc_k, desc_v, desc_o, L, n_ctx, qk_scale,
     desc_o.store([row0 + start_m, 0], (acc / l_i[:, None]).to(desc_o.dtype))
 
 
-def probe_forward(q, k, v, causal, bm, bn, warps, stages, ws, exp="mufu"):
+def probe_forward(q, k, v, causal, bm, bn, warps, stages, ws, exp="mufu", pipe=False):
     b, h, n, d = q.shape
     o = torch.empty_like(q)
     lse = torch.empty(b * h * n, device=q.device, dtype=torch.float32)
@@ -123,17 +151,20 @@ def probe_forward(q, k, v, causal, bm, bn, warps, stages, ws, exp="mufu"):
 
     def run():
         _ws_fwd[grid](*args, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, WS=ws, EXP=EXP_MODES[exp],
-                      num_warps=warps, num_stages=stages)
+                      PIPE=pipe, num_warps=warps, num_stages=stages)
     return run, o
 
 
 WS_TILES = ((128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (128, 128, 4, 2), (128, 128, 8, 3), (64, 128, 4, 3))
+PIPE_TILES = {64: ((128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 2), (256, 64, 8, 2),
+                   (256, 128, 8, 2)),
+              128: ((128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (256, 64, 8, 2))}
 EXP_TILES = {64: ((128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3)), 128: ((128, 64, 8, 3), (128, 128, 8, 3))}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--question", choices=["ws", "exp"], default="ws")
+    ap.add_argument("--question", choices=["ws", "exp", "pipeline"], default="ws")
     ap.add_argument("--head-dims", type=int, nargs="+", default=[128])
     args = ap.parse_args()
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
@@ -141,9 +172,13 @@ def main() -> int:
     for d in args.head_dims:
         for causal in (True, False):
             if args.question == "ws":
-                variants = [(tile, ws, "mufu") for tile in WS_TILES for ws in (False, True)]
+                variants = [(tile, ws, "mufu", False) for tile in WS_TILES for ws in (False, True)]
+            elif args.question == "exp":
+                variants = [(tile, False, exp, False) for tile in EXP_TILES.get(d, EXP_TILES[128])
+                            for exp in EXP_MODES]
             else:
-                variants = [(tile, False, exp) for tile in EXP_TILES.get(d, EXP_TILES[128]) for exp in EXP_MODES]
+                variants = [(tile, False, "mufu", pipe) for tile in PIPE_TILES.get(d, PIPE_TILES[128])
+                            for pipe in (False, True)]
             report(d, causal, variants)
     return 0
 
@@ -164,13 +199,13 @@ def report(d: int, causal: bool, variants) -> None:
     with torch.no_grad():
         ms = triton.testing.do_bench(lambda: flash_attention(q, k, v, causal=causal))
     rows.append(("flashsys forward", ms))
-    for (bm, bn, warps, stages), ws, exp in variants:
-        label = f"probe {bm}x{bn} {warps}w {stages}s ws={ws} exp={exp}"
+    for (bm, bn, warps, stages), ws, exp, pipe in variants:
+        label = f"probe {bm}x{bn} {warps}w {stages}s ws={ws} exp={exp}" + (" S-ahead" if pipe else "")
         if causal and bm % bn:  # the unmasked causal loop ends at start_m: BLOCK_N must divide BLOCK_M
             rows.append((label + " skipped: causal needs BLOCK_N | BLOCK_M", float("nan")))
             continue
         try:
-            run, o = probe_forward(q, k, v, causal, bm, bn, warps, stages, ws, exp)
+            run, o = probe_forward(q, k, v, causal, bm, bn, warps, stages, ws, exp, pipe)
             run()
             torch.cuda.synchronize()
             err = (o.float() - ref.float()).abs().max().item()
