@@ -14,6 +14,8 @@ Choices that pay (each measured in benchmarks/results/kernel_experiments.md, wit
   and hands the dK/dV kernel one interleaved (L*log2(e), D) pair per query row: its inner loop then reads
   both with one vector load and no multiply.
 - Causal grids launch the heaviest query tiles first.
+- The scale-and-subtract before each `exp2` is an explicit `tl.fma`: one instruction per score whatever a Triton
+  version's default for fusing a multiply and an add (triton-lang/triton#11270 proposes turning it off).
 - Any stride: rank-3 (B, N, D) and rank-4 (B, H, N, D) views and non-contiguous inputs are addressed
   by their strides, never copied; only a dO whose last stride is not 1 (a stride-0 dO) is made dense.
 - Plain pointer arithmetic with masks: block pointers were removed in Triton 3.9.
@@ -196,9 +198,9 @@ def _fwd_inner(
         else:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # qk_scale > 0, so max commutes with it
             m_sub = m_new
-        p = tl.math.exp2(qk * qk_scale - m_sub[:, None])  # one FMA per score
+        p = tl.math.exp2(tl.fma(qk, qk_scale, -m_sub[:, None]))  # one FMA per score, fused on every Triton
         alpha = tl.math.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = tl.fma(l_i, alpha, tl.sum(p, 1))
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32_IEEE)
         m_i = m_new
     return acc, l_i, m_i
@@ -295,10 +297,10 @@ def _bwd_dkdv_inner(
             lse2, delta = tl.split(tl.load(LseDelta + pair, mask=rows[:, None] < n_q, other=0.0))
         else:
             lse2, delta = tl.split(tl.load(LseDelta + pair))
-        s_t = _dot(k, tl.trans(q), FP32_IEEE) * qk_scale  # (BLOCK_N, BLOCK_M)
+        s_t = _dot(k, tl.trans(q), FP32_IEEE)  # (BLOCK_N, BLOCK_M), unscaled
         # dP^T does not depend on P: issued before the exponentials, the tensor cores work while exp2 runs.
         dp_t = _dot(v, tl.trans(do), FP32_IEEE)
-        p_t = tl.math.exp2(s_t - lse2[None, :])
+        p_t = tl.math.exp2(tl.fma(s_t, qk_scale, -lse2[None, :]))
         if MASKED:
             visible = _visible(rows[None, :], offs_n[:, None], rows[None, :], n_q, right_offset, left_offset,
                                BOUND_RIGHT, BOUND_LEFT)
@@ -412,8 +414,8 @@ def _bwd_dq_inner(
         cols = start_n + offs_n_base
         k = _load_tile(K, cols, offs_d, stride_kn, stride_kd, n_k, HEAD_DIM, BLOCK_D, CHECK_ROWS=MASKED)
         v = _load_tile(V, cols, offs_d, stride_vn, stride_vd, n_k, HEAD_DIM, BLOCK_D, CHECK_ROWS=MASKED)
-        s = _dot(q, tl.trans(k), FP32_IEEE) * qk_scale
-        p = tl.math.exp2(s - lse2[:, None])
+        s = _dot(q, tl.trans(k), FP32_IEEE)
+        p = tl.math.exp2(tl.fma(s, qk_scale, -lse2[:, None]))
         if MASKED:
             visible = _visible(offs_m[:, None], cols[None, :], cols[None, :], n_k, right_offset, left_offset,
                                BOUND_RIGHT, BOUND_LEFT)
