@@ -16,13 +16,20 @@ import torch
 
 
 def _fake_cuda_driver() -> None:
-    """TTIR generation asks the active driver for its target and nothing else: stand one in on a CPU machine."""
+    """TTIR generation asks the active driver for its target, and `JITFunction.warmup` (a compile to SASS, no launch)
+    also for a device and a stream: stand one in on a CPU machine. scripts/sass_mix.py uses it too."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     class TargetOnly:
         def get_current_target(self):
             return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
 
     triton.runtime.driver.set_active(TargetOnly())
 

@@ -15,7 +15,7 @@ Choices that pay (each measured in benchmarks/results/kernel_experiments.md, wit
   both with one vector load and no multiply.
 - Causal grids launch the heaviest query tiles first.
 - The scale-and-subtract before each `exp2` is an explicit `tl.fma`: one instruction per score whatever a Triton
-  version's default for fusing a multiply and an add (triton-lang/triton#11270 proposes turning it off).
+  version's default for fusing a multiply and an add (Triton 3.9 warns that 3.10 turns that fusion off).
 - Any stride: rank-3 (B, N, D) and rank-4 (B, H, N, D) views and non-contiguous inputs are addressed
   by their strides, never copied; only a dO whose last stride is not 1 (a stride-0 dO) is made dense.
 - Plain pointer arithmetic with masks: block pointers were removed in Triton 3.9.
