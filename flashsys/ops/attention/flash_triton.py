@@ -11,7 +11,7 @@ Choices that pay (each measured in benchmarks/results/kernel_experiments.md, wit
   masked tiles are never visited.
 - The backward is atomic-free: one kernel computes dQ for a query tile looping over key tiles, then another
   computes dK, dV for a key tile looping over query tiles. The dQ kernel also computes D = rowsum(dO*O)
-  and hands the dK/dV kernel one interleaved (L*log2(e), D) pair per query row: its inner loop then reads
+  and hands the dK/dV kernel one interleaved (-L*log2(e), D) pair per query row: its inner loop then reads
   both with one vector load and no multiply.
 - Causal grids launch the heaviest query tiles first.
 - The scale-and-subtract before each `exp2` is an explicit `tl.fma`: one instruction per score whatever a Triton
@@ -285,8 +285,8 @@ def _bwd_dkdv_inner(
 ):
     """Accumulate dK, dV of one key tile over query tiles [lo, hi). Works on transposed scores (keys x queries).
 
-    LseDelta holds (L in log2 units, D) per query row, interleaved, as the dQ kernel wrote them: one vector
-    load per tile, where two 1-D loads would be replicated across the threads.
+    LseDelta holds (-L in log2 units, D) per query row, interleaved, as the dQ kernel wrote them: one vector
+    load per tile, where two 1-D loads would be replicated across the threads; -L is the FMA's addend as it is.
     """
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m_base
@@ -294,13 +294,13 @@ def _bwd_dkdv_inner(
         do = _load_tile(DO, rows, offs_d, stride_don, stride_dod, n_q, HEAD_DIM, BLOCK_D, CHECK_ROWS=MASKED)
         pair = rows[:, None] * 2 + tl.arange(0, 2)[None, :]
         if MASKED:
-            lse2, delta = tl.split(tl.load(LseDelta + pair, mask=rows[:, None] < n_q, other=0.0))
+            neg_lse2, delta = tl.split(tl.load(LseDelta + pair, mask=rows[:, None] < n_q, other=0.0))
         else:
-            lse2, delta = tl.split(tl.load(LseDelta + pair))
+            neg_lse2, delta = tl.split(tl.load(LseDelta + pair))
         s_t = _dot(k, tl.trans(q), FP32_IEEE)  # (BLOCK_N, BLOCK_M), unscaled
         # dP^T does not depend on P: issued before the exponentials, the tensor cores work while exp2 runs.
         dp_t = _dot(v, tl.trans(do), FP32_IEEE)
-        p_t = tl.math.exp2(tl.fma(s_t, qk_scale, -lse2[None, :]))
+        p_t = tl.math.exp2(tl.fma(s_t, qk_scale, neg_lse2[None, :]))
         if MASKED:
             visible = _visible(rows[None, :], offs_n[:, None], rows[None, :], n_q, right_offset, left_offset,
                                BOUND_RIGHT, BOUND_LEFT)
@@ -404,7 +404,7 @@ def _flash_bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_inner(
-    dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+    dq, q, do, neg_lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
     offs_m, offs_n_base, offs_d, lo, hi, n_k, right_offset, left_offset, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, BOUND_RIGHT: tl.constexpr, BOUND_LEFT: tl.constexpr, FP32_IEEE: tl.constexpr,
@@ -415,7 +415,7 @@ def _bwd_dq_inner(
         k = _load_tile(K, cols, offs_d, stride_kn, stride_kd, n_k, HEAD_DIM, BLOCK_D, CHECK_ROWS=MASKED)
         v = _load_tile(V, cols, offs_d, stride_vn, stride_vd, n_k, HEAD_DIM, BLOCK_D, CHECK_ROWS=MASKED)
         s = _dot(q, tl.trans(k), FP32_IEEE)
-        p = tl.math.exp2(tl.fma(s, qk_scale, -lse2[:, None]))
+        p = tl.math.exp2(tl.fma(s, qk_scale, neg_lse2[:, None]))
         if MASKED:
             visible = _visible(offs_m[:, None], cols[None, :], cols[None, :], n_k, right_offset, left_offset,
                                BOUND_RIGHT, BOUND_LEFT)
@@ -442,8 +442,8 @@ def _flash_bwd_dq_kernel(
     """One program = one query tile of one (batch, query head): dQ, looping over the key tiles it sees (K/V head
     h // kv_group). VARLEN as in the forward kernel.
 
-    On the way it writes LseDelta[row] = (L * log2(e), rowsum(dO * O)) for the dK/dV kernel, which runs
-    after it: no separate preprocess kernel, and no multiply or second load in the dK/dV inner loop.
+    On the way it writes LseDelta[row] = (-L * log2(e), rowsum(dO * O)) for the dK/dV kernel, which runs
+    after it: no separate preprocess kernel, and no multiply, negation or second load in the dK/dV inner loop.
     """
     qk_scale, softmax_scale = _as_fp32(qk_scale), _as_fp32(softmax_scale)
     pid_m, bh, b, h = _program_start(n_heads, HEAVIEST_LAST=BOUND_RIGHT)
@@ -475,11 +475,11 @@ def _flash_bwd_dq_kernel(
     do = _load_tile(DO, offs_m, offs_d, stride_don, stride_dod, n_q, HEAD_DIM, BLOCK_D, CHECK_ROWS=True)
     row_ok = offs_m < n_q
     lse = tl.load(L + offs_m, mask=row_ok, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), 0.0, lse * _LOG2E)  # rows that see no key: every p is masked anyway
+    neg_lse2 = tl.where(lse == float("-inf"), 0.0, lse * -_LOG2E)  # rows that see no key: every p is masked
     o = _load_tile(O, offs_m, offs_d, stride_on, stride_od, n_q, HEAD_DIM, BLOCK_D, CHECK_ROWS=True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     pair = offs_m[:, None] * 2 + tl.arange(0, 2)[None, :]
-    tl.store(LseDelta + pair, tl.join(lse2, delta), mask=row_ok[:, None])
+    tl.store(LseDelta + pair, tl.join(neg_lse2, delta), mask=row_ok[:, None])
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     right_offset = n_k - n_q + window_right
@@ -487,15 +487,15 @@ def _flash_bwd_dq_kernel(
     lo, full_lo, full_hi, hi = _key_tile_range(start_m, n_k, right_offset, left_offset, BLOCK_M, BLOCK_N,
                                                BOUND_RIGHT, BOUND_LEFT)
     if BOUND_LEFT:
-        dq = _bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+        dq = _bwd_dq_inner(dq, q, do, neg_lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                            offs_m, offs_n_base, offs_d, lo, full_lo, n_k, right_offset, left_offset, qk_scale,
                            HEAD_DIM, BLOCK_D, BLOCK_N, MASKED=True, BOUND_RIGHT=BOUND_RIGHT, BOUND_LEFT=BOUND_LEFT,
                            FP32_IEEE=FP32_IEEE)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+    dq = _bwd_dq_inner(dq, q, do, neg_lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                        offs_m, offs_n_base, offs_d, full_lo, full_hi, n_k, right_offset, left_offset, qk_scale,
                        HEAD_DIM, BLOCK_D, BLOCK_N, MASKED=False, BOUND_RIGHT=BOUND_RIGHT, BOUND_LEFT=BOUND_LEFT,
                        FP32_IEEE=FP32_IEEE)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+    dq = _bwd_dq_inner(dq, q, do, neg_lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                        offs_m, offs_n_base, offs_d, full_hi, hi, n_k, right_offset, left_offset, qk_scale,
                        HEAD_DIM, BLOCK_D, BLOCK_N, MASKED=True, BOUND_RIGHT=BOUND_RIGHT, BOUND_LEFT=BOUND_LEFT,
                        FP32_IEEE=FP32_IEEE)
@@ -863,7 +863,7 @@ def flash_backward_triton(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, window: tuple[int, int], scale: float,
     traced: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Launch the dQ kernel (which also writes the (L*log2e, D) pairs), then the dK/dV kernel.
+    """Launch the dQ kernel (which also writes the (-L*log2e, D) pairs), then the dK/dV kernel.
 
     dO may have any strides, stride 0 included.
     """
@@ -908,7 +908,7 @@ def _launch_backward(g: _Geometry, q, k, v, o, lse, do, dq, dk, dv, lse_delta, c
     dq_named, dkdv_named = backward_arguments(g, q, k, v, o, lse, do, dq, dk, dv, lse_delta, cu_q, cu_k, window,
                                               scale)
     launch = _launch_traced if traced else _launch_eager
-    # dQ first: it writes the (L*log2e, D) pairs that the dK/dV kernel reads.
+    # dQ first: it writes the (-L*log2e, D) pairs that the dK/dV kernel reads.
     dq_launch = launch("dq", _bwd_dq_kernels, g, window, _tile_grid(g.grid_q, "BLOCK_M", g.n_bh), dq_named)
     # One dK/dV program per key tile and K/V head: it sums the query heads of its group itself.
     dkdv_launch = launch("dkdv", _bwd_dkdv_kernels, g, window, _tile_grid(g.grid_k, "BLOCK_N", g.n_bh_kv),
