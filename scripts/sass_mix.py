@@ -2,7 +2,7 @@
 
 Why: a timing on a lent GPU moves by 2-6% between runs of the same code, so whether a source change altered the
 machine code at all is best answered by the machine code. This compiles the forward, dQ and dK/dV kernels at the
-leaderboard's shape class (bf16, D 64, causal) with one fixed tile each, prints counts of the instructions that
+leaderboard's shape class (bf16, D 64, causal; --head-dim 128 for the other class) with one fixed tile each, prints counts of the instructions that
 matter for attention (FP32 pipe, MUFU, tensor-core HGMMA), and with --dump DIR writes each kernel's SASS
 (addresses and encodings stripped) so two versions can be diffed. Needs compiled Triton with its bundled ptxas and
 cuobjdump, not the interpreter.
@@ -45,6 +45,7 @@ def _sass(compiled) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dump", help="directory to write <kernel>.sass into")
+    p.add_argument("--head-dim", type=int, default=64, choices=[64, 128])
     args = p.parse_args()
     if os.environ.get("TRITON_INTERPRET"):
         p.error("needs compiled Triton: unset TRITON_INTERPRET")
@@ -60,11 +61,11 @@ def main() -> int:
         lambda kernel, handles, g, window, grid, named: launches.append(
             (kernel, ft._prepare(kernel, handles, g, window, named))))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    q = torch.randn(16, 1024, 64, dtype=torch.bfloat16, device=device)
+    q = torch.randn(16, 1024, args.head_dim, dtype=torch.bfloat16, device=device)
     k, do = torch.randn_like(q), torch.randn_like(q)
     o, lse = ft.flash_forward_triton(q, k, k, (-1, 0), 0.125, traced=True)
     ft.flash_backward_triton(q, k, k, o, lse, do, (-1, 0), 0.125, traced=True)
-    print(f"triton {triton.__version__}, sm_90, bf16 D 64 causal; TRITON_DEFAULT_FP_FUSION="
+    print(f"triton {triton.__version__}, sm_90, bf16 D {args.head_dim} causal; TRITON_DEFAULT_FP_FUSION="
           f"{os.environ.get('TRITON_DEFAULT_FP_FUSION', 'unset')}")
     for kernel, (handle, kargs, constexprs, _) in launches:
         name = next(t for t in TILES if t in kernel.lower())
