@@ -71,6 +71,18 @@ def _exp2(x, EXP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _online_softmax_step(acc, l_i, m_i, qk, v, qk_scale, EXP: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+    """One key tile's online-softmax update of (acc, l, m) from its raw scores qk and values v."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = _exp2(qk * qk_scale - m_new[:, None], EXP, BLOCK_M, BLOCK_N)
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _ws_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, lo, hi, offs_m, offs_n, qk_scale,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, WS: tl.constexpr,
               EXP: tl.constexpr):
@@ -79,32 +91,21 @@ def _ws_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, lo, hi, offs_m, offs_n, qk
         qk = tl.dot(q, k.T)
         if MASK:
             qk = tl.where(offs_m[:, None] >= start_n + offs_n[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = _exp2(qk * qk_scale - m_new[:, None], EXP, BLOCK_M, BLOCK_N)
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = desc_v.load([row0 + start_n, 0])
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
+        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, qk, desc_v.load([row0 + start_n, 0]), qk_scale, EXP,
+                                             BLOCK_M, BLOCK_N)
     return acc, l_i, m_i
 
 
 @triton.jit
-def _pipelined_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, lo, hi, qk_scale, BLOCK_N: tl.constexpr):
+def _pipelined_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, lo, hi, qk_scale, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
     """Unmasked key tiles, S of tile j + 1 issued before tile j's softmax. The last iteration computes one S it
     does not use (its rows past the end read zeros or the next head: harmless, and not used)."""
     qk = tl.dot(q, desc_k.load([row0 + lo, 0]).T)
     for start_n in tl.range(lo, hi, BLOCK_N):
         qk_next = tl.dot(q, desc_k.load([row0 + start_n + BLOCK_N, 0]).T)
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = desc_v.load([row0 + start_n, 0])
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
+        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, qk, desc_v.load([row0 + start_n, 0]), qk_scale, 0,
+                                             BLOCK_M, BLOCK_N)
         qk = qk_next
     return acc, l_i, m_i
 
@@ -124,11 +125,13 @@ def _ws_fwd(desc_q, desc_k, desc_v, desc_o, L, n_ctx, qk_scale,
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     if CAUSAL and PIPE:
-        acc, l_i, m_i = _pipelined_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, 0, start_m, qk_scale, BLOCK_N)
+        acc, l_i, m_i = _pipelined_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, 0, start_m, qk_scale, BLOCK_M,
+                                         BLOCK_N)
         acc, l_i, m_i = _ws_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, start_m, start_m + BLOCK_M, offs_m,
                                   offs_n, qk_scale, BLOCK_M, BLOCK_N, True, WS, EXP)
     elif PIPE:
-        acc, l_i, m_i = _pipelined_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, 0, n_ctx, qk_scale, BLOCK_N)
+        acc, l_i, m_i = _pipelined_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, 0, n_ctx, qk_scale, BLOCK_M,
+                                         BLOCK_N)
     elif CAUSAL:
         acc, l_i, m_i = _ws_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, 0, start_m, offs_m, offs_n, qk_scale,
                                   BLOCK_M, BLOCK_N, False, WS, EXP)
