@@ -1,11 +1,11 @@
 """The instruction mix of flashsys's three Triton kernels, compiled for sm_90 on any machine (no GPU, no launch).
 
-Why: a timing on a lent GPU moves by 2-6% between runs of the same code, so whether a source change altered the
+Why: a timing on a lent GPU moves by 2-4% between runs of the same code, so whether a source change altered the
 machine code at all is best answered by the machine code. This compiles the forward, dQ and dK/dV kernels at the
-leaderboard's shape class (bf16, D 64, causal; --head-dim 128 for the other class) with one fixed tile each, prints counts of the instructions that
-matter for attention (FP32 pipe, MUFU, tensor-core HGMMA), and with --dump DIR writes each kernel's SASS
-(addresses and encodings stripped) so two versions can be diffed. Needs compiled Triton with its bundled ptxas and
-cuobjdump, not the interpreter.
+leaderboard's shape class (bf16, D 64, causal; --head-dim 128 for the other class) with one fixed tile each, prints
+counts of the instructions that matter for attention (FP32 pipe, MUFU, tensor-core HGMMA), and with --dump DIR writes
+each kernel's SASS (Triton's disassembly: control bits and instruction, no addresses) so two versions can be diffed.
+Needs compiled Triton with its bundled ptxas and cuobjdump, not the interpreter.
 
     python scripts/sass_mix.py                                  # Triton's default FP fusion
     TRITON_DEFAULT_FP_FUSION=0 python scripts/sass_mix.py       # the default Triton 3.10 announces
@@ -17,9 +17,7 @@ import argparse
 import collections
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import torch
 
@@ -31,17 +29,6 @@ TILES = {"fwd": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
 COUNTED = ("FFMA", "FMUL", "FADD", "MUFU", "HGMMA", "FMNMX", "FSEL")
 
 
-def _sass(compiled) -> str:
-    import triton
-
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        tool = os.path.join(triton.__path__[0], "backends", "nvidia", "bin", "cuobjdump")
-        text = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    return re.sub(r"/\*[0-9a-f]{4}\*/|/\* 0x[0-9a-f]+ \*/", "", text)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dump", help="directory to write <kernel>.sass into")
@@ -49,22 +36,23 @@ def main() -> int:
     args = p.parse_args()
     if os.environ.get("TRITON_INTERPRET"):
         p.error("needs compiled Triton: unset TRITON_INTERPRET")
+    from tests.ops.inductor_writes import _fake_cuda_driver, recorded_launches
+
     if not torch.cuda.is_available():
-        from tests.ops.inductor_writes import _fake_cuda_driver
         _fake_cuda_driver()
     import triton
 
     from flashsys.ops.attention import flash_triton as ft
 
-    launches = []
-    ft._launch_eager = ft._launch_traced = (
-        lambda kernel, handles, g, window, grid, named: launches.append(
-            (kernel, ft._prepare(kernel, handles, g, window, named))))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q = torch.randn(16, 1024, args.head_dim, dtype=torch.bfloat16, device=device)
     k, do = torch.randn_like(q), torch.randn_like(q)
-    o, lse = ft.flash_forward_triton(q, k, k, (-1, 0), 0.125, traced=True)
-    ft.flash_backward_triton(q, k, k, o, lse, do, (-1, 0), 0.125, traced=True)
+
+    def run():
+        o, lse = ft.flash_forward_triton(q, k, k, (-1, 0), 0.125, traced=True)
+        ft.flash_backward_triton(q, k, k, o, lse, do, (-1, 0), 0.125, traced=True)
+
+    launches = recorded_launches(run)
     print(f"triton {triton.__version__}, sm_90, bf16 D {args.head_dim} causal; TRITON_DEFAULT_FP_FUSION="
           f"{os.environ.get('TRITON_DEFAULT_FP_FUSION', 'unset')}")
     for kernel, (handle, kargs, constexprs, _) in launches:
@@ -72,9 +60,9 @@ def main() -> int:
         fn = handle.fn
         while type(fn).__name__ != "JITFunction":  # under the autotuner / heuristics wrappers
             fn = fn.fn
-        sass = _sass(fn.warmup(*kargs, **constexprs, **TILES[name], grid=(1,)))
-        ops = collections.Counter(m.group(1).split(".")[0] for m in
-                                  re.finditer(r"^\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)\s", sass, re.M))
+        sass = fn.warmup(*kargs, **constexprs, **TILES[name], grid=(1,)).asm["sass"]  # Triton's cuobjdump, lazily
+        ops = collections.Counter(m.group(1).split(".")[0] for m in  # lines: "<control bits>\t[@pred ]OPCODE ..."
+                                  re.finditer(r"^\S+\t(?:@!?U?P\w+\s+)?([A-Z][\w.]*)", sass, re.M))
         print(f"{name:5} {TILES[name]}: {sum(ops.values())} instructions; "
               + ", ".join(f"{op} {ops[op]}" for op in COUNTED))
         if args.dump:

@@ -21,7 +21,7 @@ def _fake_cuda_driver() -> None:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    class TargetOnly:
+    class CompileOnly:
         def get_current_target(self):
             return GPUTarget("cuda", 90, 32)
 
@@ -31,7 +31,7 @@ def _fake_cuda_driver() -> None:
         def get_current_stream(self, device=None):
             return 0
 
-    triton.runtime.driver.set_active(TargetOnly())
+    triton.runtime.driver.set_active(CompileOnly())
 
 
 def _analysis():
@@ -45,10 +45,9 @@ def _analysis():
     return lambda kernel, kwargs: sorted(wrap.identify_mutated_tensors(kernel, kwargs, {}))
 
 
-def main() -> None:
-    assert not os.environ.get("TRITON_INTERPRET"), "the analysis needs compiled Triton, not the interpreter"
-    if not torch.cuda.is_available():
-        _fake_cuda_driver()
+def recorded_launches(run) -> list[tuple[str, tuple]]:
+    """(kernel, prepared launch) for each launch `run()` makes, as `flash_triton._prepare` builds it; nothing is
+    launched (the TTIR or the compiled kernel is all a reader needs). scripts/sass_mix.py uses it too."""
     from flashsys.ops.attention import flash_triton as ft
 
     launches = []
@@ -56,7 +55,21 @@ def main() -> None:
     def record(kernel, handles, g, window, grid, named):
         launches.append((kernel, ft._prepare(kernel, handles, g, window, named)))
 
-    ft._launch_eager = ft._launch_traced = record  # nothing runs: the TTIR is all the analysis reads
+    saved = ft._launch_eager, ft._launch_traced
+    ft._launch_eager = ft._launch_traced = record
+    try:
+        run()
+    finally:
+        ft._launch_eager, ft._launch_traced = saved
+    return launches
+
+
+def main() -> None:
+    assert not os.environ.get("TRITON_INTERPRET"), "the analysis needs compiled Triton, not the interpreter"
+    if not torch.cuda.is_available():
+        _fake_cuda_driver()
+    from flashsys.ops.attention import flash_triton as ft
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
     written = {}
     analyse = _analysis()
@@ -69,15 +82,17 @@ def main() -> None:
     for case, make in cases.items():
         q, k, window, cu = make()
         q, k = q.to(device), k.to(device)
-        launches.clear()
-        if cu is None:
-            o, lse = ft.flash_forward_triton(q, k, k, window, 0.125, traced=True)
-            ft.flash_backward_triton(q, k, k, o, lse, torch.randn_like(q), window, 0.125, traced=True)
-        else:
-            cu = cu.to(device)
-            o, lse = ft.flash_varlen_forward_triton(q, k, k, cu, cu, 40, 40, window, 0.125)
-            ft.flash_varlen_backward_triton(q, k, k, o, lse, torch.randn_like(q), cu, cu, 40, 40, window, 0.125)
-        for kernel, (handle, args, constexprs, _) in launches:
+
+        def run(q=q, k=k, window=window, cu=cu):
+            if cu is None:
+                o, lse = ft.flash_forward_triton(q, k, k, window, 0.125, traced=True)
+                ft.flash_backward_triton(q, k, k, o, lse, torch.randn_like(q), window, 0.125, traced=True)
+            else:
+                cu = cu.to(device)
+                o, lse = ft.flash_varlen_forward_triton(q, k, k, cu, cu, 40, 40, window, 0.125)
+                ft.flash_varlen_backward_triton(q, k, k, o, lse, torch.randn_like(q), cu, cu, 40, 40, window, 0.125)
+
+        for kernel, (handle, args, constexprs, _) in recorded_launches(run):
             kwargs = {**dict(zip(handle.fn.arg_names, args)), **constexprs}
             written[f"{kernel} ({case})"] = analyse(handle, kwargs)
     print(json.dumps(written))
