@@ -124,22 +124,16 @@ def _ws_fwd(desc_q, desc_k, desc_v, desc_o, L, n_ctx, qk_scale,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if CAUSAL and PIPE:
-        acc, l_i, m_i = _pipelined_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, 0, start_m, qk_scale, BLOCK_M,
+    unmasked_hi = start_m if CAUSAL else n_ctx  # causal: the tiles left of the diagonal one
+    if PIPE:
+        acc, l_i, m_i = _pipelined_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, 0, unmasked_hi, qk_scale, BLOCK_M,
                                          BLOCK_N)
-        acc, l_i, m_i = _ws_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, start_m, start_m + BLOCK_M, offs_m,
-                                  offs_n, qk_scale, BLOCK_M, BLOCK_N, True, WS, EXP)
-    elif PIPE:
-        acc, l_i, m_i = _pipelined_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, 0, n_ctx, qk_scale, BLOCK_M,
-                                         BLOCK_N)
-    elif CAUSAL:
-        acc, l_i, m_i = _ws_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, 0, start_m, offs_m, offs_n, qk_scale,
-                                  BLOCK_M, BLOCK_N, False, WS, EXP)
-        acc, l_i, m_i = _ws_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, start_m, start_m + BLOCK_M, offs_m,
-                                  offs_n, qk_scale, BLOCK_M, BLOCK_N, True, WS, EXP)
     else:
-        acc, l_i, m_i = _ws_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, 0, n_ctx, offs_m, offs_n, qk_scale,
+        acc, l_i, m_i = _ws_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, 0, unmasked_hi, offs_m, offs_n, qk_scale,
                                   BLOCK_M, BLOCK_N, False, WS, EXP)
+    if CAUSAL:
+        acc, l_i, m_i = _ws_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, start_m, start_m + BLOCK_M, offs_m,
+                                  offs_n, qk_scale, BLOCK_M, BLOCK_N, True, WS, EXP)
     tl.store(L + bh * n_ctx + offs_m, m_i * 0.6931471805599453 + tl.log(l_i))
     desc_o.store([row0 + start_m, 0], (acc / l_i[:, None]).to(desc_o.dtype))
 
