@@ -7,7 +7,9 @@ loop, after a sync) is beside it, so a cell where `gpu_us` is larger than `host_
 The backends run in turns, one round each, for `--rounds` rounds: a shared host's speed drifts by 2x within a
 minute (SDPA's forward + backward read 157 to 285 µs in one process on an H100 machine), so each round's ratio
 to SDPA is taken against the SDPA round beside it, and the table reports the median of those ratios.
-`--breakdown` adds where flashsys's microseconds go, part by part.
+`--breakdown` adds where flashsys's microseconds go, part by part. On a GPU, flashsys runs twice: with its native
+launcher (the default: a C++ autograd node launching the compiled kernels) and with it suspended (the Python path,
+eager_plans' replays through Triton's launcher), column `launcher`.
 
     python -m benchmarks.host_cost --seqs 128 1024 --breakdown
 """
@@ -15,13 +17,14 @@ to SDPA is taken against the SDPA round beside it, and the table reports the med
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
 import torch
 
 from benchmarks.harness import DEVICE, ON_GPU, add_common_args, environment, sync, write_table
-from flashsys.ops.attention import ATTENTION_BACKENDS
+from flashsys.ops.attention import ATTENTION_BACKENDS, native_launch
 from flashsys.ops.attention.triton_env import interpreter_active
 
 
@@ -68,28 +71,31 @@ def headline(args) -> list[dict]:
             calls = {}
             for name in args.backends:
                 fn = ATTENTION_BACKENDS[name].fn
+                launchers = ["native", "python"] if name == "flash" and native_launch.status() == "ready" else [None]
+                for launcher in launchers:
+                    def call(fn=fn, launcher=launcher):
+                        with native_launch.suspended() if launcher == "python" else contextlib.nullcontext():
+                            if grad:
+                                fn(q, k, v, True, None).backward(do)
+                            else:
+                                with torch.no_grad():
+                                    fn(q, k, v, True, None)
 
-                def call(fn=fn):
-                    if grad:
-                        fn(q, k, v, True, None).backward(do)
-                    else:
-                        with torch.no_grad():
-                            fn(q, k, v, True, None)
-
-                for _ in range(args.warmup + 2):  # first calls autotune and compile
-                    call()
-                calls[name] = call
+                    for _ in range(args.warmup + 2):  # first calls autotune and compile
+                        call()
+                    calls[(name, launcher)] = call
             rounds = {name: [] for name in calls}
             for _ in range(args.rounds):  # in turns, so that drift reaches every backend alike
                 for name, call in calls.items():
                     rounds[name].append(_round_us(call, args.calls))
-            base = rounds.get("sdpa")
-            for name, timed in rounds.items():
+            base = rounds.get(("sdpa", None))
+            for (name, launcher), timed in rounds.items():
                 host = [h for h, _ in timed]
                 ratio = statistics.median(h / b for h, (b, _) in zip(host, base)) if base else float("nan")
                 q10, *_, q90 = statistics.quantiles(host, n=10) if len(host) > 1 else host * 2
                 rows.append({"N": n, "heads": args.heads, "head_dim": args.head_dim, "dtype": args.dtype,
-                             "pass": what, "attention": name, "host_us": statistics.median(host),
+                             "pass": what, "attention": name, "launcher": launcher or "-",
+                             "host_us": statistics.median(host),
                              "host_p10_us": q10, "host_p90_us": q90,
                              "gpu_us": statistics.median(g for _, g in timed), "host_vs_sdpa": ratio})
     return rows
@@ -195,7 +201,10 @@ def main(argv=None) -> int:
                    help="also time the parts of a flashsys call (CUDA, or TRITON_INTERPRET=1 on a CPU)")
     p.add_argument("--name", default=None, help="file name of the table (default host_cost_<device>)")
     args = p.parse_args(argv)
+    if ON_GPU:
+        native_launch.wait()  # built once per machine (about a minute), then loaded from torch's extension cache
     env = environment()
+    env["native launcher"] = native_launch.status()
     name = args.name or f"host_cost_{'gpu' if ON_GPU else 'cpu'}"
     notes = [f"B=1, causal, {args.dtype}; {args.rounds} rounds of {args.calls} back-to-back calls per backend, the "
              "backends in turns. host_us: host time per call (the loop's wall time before any sync), median over "

@@ -31,7 +31,7 @@ stamps: dict[str, list[float]] = {"enter": [], "exit": [], "thread": []}
 prof = cProfile.Profile()
 PROFILE = [False]
 
-orig_backward = ft.FlashAttention2Triton.backward
+orig_backward = ft._FlashAttention2TritonFunction.backward
 
 
 def timed_backward(ctx, do):
@@ -46,7 +46,7 @@ def timed_backward(ctx, do):
     return out
 
 
-ft.FlashAttention2Triton.backward = staticmethod(timed_backward)
+ft._FlashAttention2TritonFunction.backward = staticmethod(timed_backward)
 
 
 class Identity(_Identity):

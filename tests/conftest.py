@@ -31,3 +31,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "multigpu" in item.keywords and n_gpu < 2:
             item.add_marker(skip_multi)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _native_launcher_ready():
+    """On a GPU, repeated eager attention calls take the native launcher once its extension is built (in the
+    background on first use). Build it before any test, so that each test runs the path a user gets, not whichever
+    one the build's timing picks."""
+    if torch.cuda.is_available():
+        from flashsys.ops.attention import native_launch
+
+        native_launch.wait()
+    yield

@@ -6,6 +6,7 @@ the error of plain PyTorch attention computed in the same low precision, plus a 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from flashsys.ops.attention import attention_reference, window_mask
@@ -106,3 +107,25 @@ def assert_matches_reference(op, q, k, v, do, causal, scale, window=None):
     finite = ~torch.isinf(lse_ref)
     if finite.any():
         assert (lse[finite] - lse_ref[finite]).abs().max().item() <= 1e-4 * (1 + lse_ref[finite].abs().max().item())
+
+
+
+def select_launcher(name: str, request, monkeypatch) -> None:
+    """Make eager Triton calls take one launcher for a test: "python" (eager_plans' replays, the native extension
+    out of sight) or "native" (native_launch's C++ node; built on first use, skipped where no C++ compiler exists;
+    on a CPU it takes the interpreter's launches too). The native plan tables start empty."""
+    import shutil
+
+    from flashsys.ops.attention import native_launch
+
+    if name == "python":
+        monkeypatch.setattr(native_launch, "_module", None)
+        return
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler: the native launcher cannot be built here")
+    assert native_launch.wait(), native_launch.status()  # a compiler is there: the build must work
+    native_launch.clear()
+    if not torch.cuda.is_available():
+        native_launch.allow_interpreted(True)
+        request.addfinalizer(lambda: native_launch.allow_interpreted(False))
+    request.addfinalizer(native_launch.clear)

@@ -2,7 +2,8 @@
 results for fresh inputs, and anything that changes the launch (shape, strides, alignment, dtype, flags, saved-tensor
 hooks, dO's strides) must reach its own plan or the full path, never another signature's plan.
 
-On a CPU these run under Triton's interpreter in fp32 (the only CPU dtype that is planned); on a GPU in bf16.
+On a CPU these run under Triton's interpreter in fp32 (the only CPU dtype that is planned); on a GPU in bf16. Every
+test runs with each launcher: eager_plans' Python replays, and native_launch's C++ node, which replays the same plans.
 """
 
 from __future__ import annotations
@@ -13,15 +14,21 @@ import torch
 from flashsys.ops.attention import FlashAttention2Triton, eager_plans
 from flashsys.ops.attention import flash_triton as ft
 
-from .attention_checks import assert_matches_reference, make_qkv
+from .attention_checks import assert_matches_reference, make_qkv, select_launcher
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPE = torch.bfloat16 if CUDA else torch.float32
 
 
+@pytest.fixture(autouse=True, params=["python", "native"])
+def launcher(request, monkeypatch):
+    select_launcher(request.param, request, monkeypatch)
+    return request.param
+
+
 @pytest.fixture(autouse=True)
-def _fresh_plans():
+def _fresh_plans(launcher):
     eager_plans.forward_plans.clear()
     eager_plans.backward_plans.clear()
     yield

@@ -27,20 +27,25 @@ _current_device = getattr(torch._C, "_cuda_getDevice", None)
 
 class Recorded(NamedTuple):
     """One launch as the full path made it: the compiled kernel's launcher for its grid, the tensors that lead
-    its arguments, and every argument after them (strides, sizes, scale, constexprs) in signature order."""
+    its arguments, and every argument after them (strides, sizes, scale, constexprs) in signature order; on a GPU
+    also the compiled kernel and its grid (what native_launch needs to launch it without Triton's launcher)."""
 
     run: Callable
     tensors: tuple[Tensor, ...]
     tail: tuple
+    kernel: object = None  # triton CompiledKernel; None under the interpreter
+    grid: tuple[int, int, int] | None = None
 
 
-class _Replay(NamedTuple):
+class Replay(NamedTuple):
     run: Callable
     slots: tuple[int, ...]  # which of the call's tensors go first, by their position among the call's tensors
     tail: tuple
+    kernel: object
+    grid: tuple[int, int, int] | None
 
 
-def replays(recorded: list[Recorded | None], call_tensors: tuple[Tensor, ...]) -> tuple[_Replay, ...] | None:
+def replays(recorded: list[Recorded | None], call_tensors: tuple[Tensor, ...]) -> tuple[Replay, ...] | None:
     """The recorded launches in terms of the call's tensors (found by identity), or None when a launch was not
     recorded (the autotuner ran it) or used a tensor the call does not name."""
     out = []
@@ -53,13 +58,13 @@ def replays(recorded: list[Recorded | None], call_tensors: tuple[Tensor, ...]) -
             if slot is None:
                 return None
             slots.append(slot)
-        out.append(_Replay(launch.run, tuple(slots), launch.tail))
+        out.append(Replay(launch.run, tuple(slots), launch.tail, launch.kernel, launch.grid))
     return tuple(out)
 
 
-def _launch_all(plan_replays: tuple[_Replay, ...], tensors: tuple[Tensor, ...], device_index: int) -> None:
+def _launch_all(plan_replays: tuple[Replay, ...], tensors: tuple[Tensor, ...], device_index: int) -> None:
     stream = _raw_stream(device_index) if _raw_stream is not None and device_index >= 0 else None
-    for run, slots, tail in plan_replays:
+    for run, slots, tail, _, _ in plan_replays:
         run(*[tensors[i] for i in slots], *tail, stream=stream)
 
 
@@ -74,13 +79,15 @@ def on_current_device(t: Tensor) -> bool:
 
 class ForwardPlan:
     """The forward of one signature: output shapes, the forward kernel's launch, and the (left, right) window and
-    scale the full path derived (the backward needs them)."""
+    scale the full path derived (the backward needs them). `native`: whether native_launch holds it too (None:
+    not offered yet; False: it refused it)."""
 
-    __slots__ = ("window", "scale", "lse_shape", "replays")
+    __slots__ = ("window", "scale", "lse_shape", "replays", "native")
 
     def __init__(self, window: tuple[int, int], scale: float, lse_shape: tuple[int, ...],
-                 plan_replays: tuple[_Replay, ...]):
+                 plan_replays: tuple[Replay, ...]):
         self.window, self.scale, self.lse_shape, self.replays = window, scale, lse_shape, plan_replays
+        self.native: bool | None = None
 
     def launch(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         o = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -90,12 +97,14 @@ class ForwardPlan:
 
 
 class BackwardPlan:
-    """The backward of one signature: the dQ and dK/dV kernels' launches and the (L, D) scratch's shape."""
+    """The backward of one signature: the dQ and dK/dV kernels' launches and the (L, D) scratch's shape;
+    `native` as in ForwardPlan."""
 
-    __slots__ = ("delta_shape", "replays")
+    __slots__ = ("delta_shape", "replays", "native")
 
-    def __init__(self, delta_shape: tuple[int, ...], plan_replays: tuple[_Replay, ...]):
+    def __init__(self, delta_shape: tuple[int, ...], plan_replays: tuple[Replay, ...]):
         self.delta_shape, self.replays = delta_shape, plan_replays
+        self.native: bool | None = None
 
     def launch(self, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor
                ) -> tuple[Tensor, Tensor, Tensor]:
@@ -111,16 +120,21 @@ def _tensor_signature(t: Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15
 
 
-def forward_key(q, k, v, is_causal, softmax_scale, window_size) -> tuple | None:
-    """The forward's signature, or None where no plan applies (not plain tensors, under torch.compile, or flags
-    of types a plan does not key on)."""
+def plannable(q, k, v, is_causal, softmax_scale, window_size) -> bool:
+    """Whether a forward call can have a plan: plain tensors outside torch.compile, and flags of the types a plan
+    keys on (a (left, right) window of ints)."""
     if (type(q) not in _PLAIN or type(k) not in _PLAIN or type(v) not in _PLAIN or type(is_causal) is not bool
             or torch.compiler.is_compiling()):
-        return None
+        return False
     if softmax_scale is not None and type(softmax_scale) not in (float, int):
-        return None
-    if window_size is not None and (type(window_size) is not tuple
-                                    or not all(type(w) is int for w in window_size)):
+        return False
+    return window_size is None or (type(window_size) is tuple and len(window_size) == 2
+                                   and type(window_size[0]) is int and type(window_size[1]) is int)
+
+
+def forward_key(q, k, v, is_causal, softmax_scale, window_size) -> tuple | None:
+    """The forward's signature, or None where no plan applies (see `plannable`)."""
+    if not plannable(q, k, v, is_causal, softmax_scale, window_size):
         return None
     return (_tensor_signature(q), _tensor_signature(k), _tensor_signature(v), is_causal, softmax_scale, window_size)
 

@@ -37,7 +37,7 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 from triton.compiler import CompiledKernel
 
-from . import eager_plans
+from . import eager_plans, native_launch
 from .eager_plans import Recorded
 from .triton_env import interpreter_active
 from .validation import (
@@ -780,21 +780,21 @@ def _launch_eager(kernel: str, handles: dict, g: _Geometry, window: tuple[int, i
                 _fast_launches.clear()
             _fast_launches[signature] = fast
     n_tensors = len(_launch_plan(handle.fn).tensors)
-    return Recorded(fast[0], args[:n_tensors], (*args[n_tensors:], *fast[1]))
+    return Recorded(fast[0], args[:n_tensors], (*args[n_tensors:], *fast[1]), fast[2], grid_xyz)
 
 
 def _fast_launch(fn, compiled, grid_xyz: tuple[int, int, int], args: tuple, constexprs: dict) -> tuple | None:
-    """(launcher of `compiled` for the grid, the constexpr values in signature order), or None. On a GPU the
-    launcher is Triton's own launch of a compiled kernel; under the interpreter (CPU tensors), which compiles
-    nothing, it interprets the kernel again."""
+    """(launcher of `compiled` for the grid, the constexpr values in signature order, the compiled kernel or None),
+    or None. On a GPU the launcher is Triton's own launch of a compiled kernel; under the interpreter (CPU
+    tensors), which compiles nothing, it interprets the kernel again."""
     n_tensors = len(_launch_plan(fn).tensors)
     if not all(isinstance(a, Tensor) for a in args[:n_tensors]) or any(isinstance(a, Tensor) for a in args[n_tensors:]):
         raise TypeError(f"{fn.fn.__name__}: its pointer arguments must come first, before the strides")
     trailing = tuple(constexprs[name] for name in _launch_plan(fn).constexprs)
     if isinstance(compiled, CompiledKernel):
-        return compiled[grid_xyz], trailing
+        return compiled[grid_xyz], trailing, compiled
     if args[0].device.type == "cpu":
-        return functools.partial(_interpreted_launch, fn, grid_xyz), trailing
+        return functools.partial(_interpreted_launch, fn, grid_xyz), trailing, None
     return None
 
 
@@ -1057,14 +1057,39 @@ def _on_current_device(q: Tensor) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext() if eager_plans.on_current_device(q) else torch.cuda.device(q.device)
 
 
-class FlashAttention2Triton(torch.autograd.Function):
-    """FlashAttention-2 with Triton forward and backward kernels (CUDA; CPU under TRITON_INTERPRET=1).
+def _planned_eager_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+                            window: tuple[int, int], scale: float) -> tuple[Tensor, Tensor, Tensor] | None:
+    """The backward of a planned eager forward with a dense dO: replay its plan, or make one (and offer it to the
+    native launcher); None where no plan applies (not eager now)."""
+    key = eager_plans.backward_key(window, scale, q, k, v, o, lse, do)
+    if key is None:
+        return None
+    plan = eager_plans.backward_plans.get(key)
+    if plan is not None and eager_plans.on_current_device(q):
+        grads = plan.launch(q, k, v, o, lse, do)
+    else:
+        with _on_current_device(q):
+            *grads, plan = _planned_backward(q, k, v, o, lse, do, window, scale)
+        eager_plans.backward_plans.remember(key, plan)
+    native_launch.offer_backward(plan, window, scale, q, k, v, o, lse, do)
+    return tuple(grads)
 
-    `FlashAttention2Triton.apply(q, k, v, is_causal=False, softmax_scale=None, window_size=None)`; arguments,
-    masks, grouped-query K/V and errors as in `flashsys.ops.flash_attention`, head_dim up to 256. Saves q, k, v, O
-    and the float32 natural-log logsumexp L. `torch.compile(FlashAttention2Triton.apply)` works: under compile the
-    kernels run through triton_ops that Inductor launches itself.
-    """
+
+def _native_backward_fallback(q, k, v, o, lse, do, window_left, window_right, scale):
+    """The backward of a native forward whose backward has no native plan yet (dO is already dense)."""
+    grads = _planned_eager_backward(q, k, v, o, lse, do, (window_left, window_right), scale)
+    if grads is None:
+        with _on_current_device(q):
+            grads = _backward(q, k, v, o, lse, do, (window_left, window_right), scale)
+    return grads
+
+
+native_launch.set_backward_fallback(_native_backward_fallback)
+
+
+class _FlashAttention2TritonFunction(torch.autograd.Function):
+    """The Python path of `FlashAttention2Triton` (first calls of a signature, traced calls, and every call the
+    native launcher does not take): validation, autotuning, eager plans, the ops Inductor launches."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False, softmax_scale: float | None = None,
@@ -1074,6 +1099,7 @@ class FlashAttention2Triton(torch.autograd.Function):
         plan = eager_plans.forward_plans.get(key)
         if plan is not None and eager_plans.on_current_device(q):  # a repeated eager call: allocate and launch
             o, lse = plan.launch(q, k, v)
+            native_launch.offer_forward(plan, q, k, v, is_causal, softmax_scale, window_size)
             ctx.save_for_backward(q, k, v, o, lse)
             ctx.window, ctx.scale, ctx.planned = plan.window, plan.scale, True
             return o
@@ -1086,6 +1112,9 @@ class FlashAttention2Triton(torch.autograd.Function):
             with _on_current_device(q):
                 o, lse, plan = _planned_forward(q, k, v, window, scale)
             eager_plans.forward_plans.remember(key, plan)
+            if plan is not None and q.device.type == "cuda":
+                native_launch.start_build()  # once per process; until it is ready, plans are offered on replay
+            native_launch.offer_forward(plan, q, k, v, is_causal, softmax_scale, window_size)
         elif eager:
             o, lse = _forward(q, k, v, window, scale)
         else:
@@ -1101,16 +1130,9 @@ class FlashAttention2Triton(torch.autograd.Function):
         refuse_double_backward("FlashAttention2Triton")
         q, k, v, o, lse = ctx.saved_tensors
         if ctx.planned:  # a planned eager forward: replay a backward plan, or make one
-            do = _dense_do(do, q.dtype)
-            key = eager_plans.backward_key(ctx.window, ctx.scale, q, k, v, o, lse, do)  # None if not eager now
-            plan = eager_plans.backward_plans.get(key)
-            if plan is not None and eager_plans.on_current_device(q):
-                return (*plan.launch(q, k, v, o, lse, do), None, None, None)
-            if key is not None:
-                with _on_current_device(q):
-                    dq, dk, dv, plan = _planned_backward(q, k, v, o, lse, do, ctx.window, ctx.scale)
-                eager_plans.backward_plans.remember(key, plan)
-                return dq, dk, dv, None, None, None
+            grads = _planned_eager_backward(q, k, v, o, lse, _dense_do(do, q.dtype), ctx.window, ctx.scale)
+            if grads is not None:
+                return (*grads, None, None, None)
         if _eager(q, do):
             with _on_current_device(q):
                 dq, dk, dv = _backward(q, k, v, o, lse, do, ctx.window, ctx.scale)
@@ -1118,6 +1140,29 @@ class FlashAttention2Triton(torch.autograd.Function):
             backward = flash_attention_backward_op if q.device.type == "cuda" else _interpreted_backward_op
             dq, dk, dv = backward(q, k, v, o, lse, do, *ctx.window, ctx.scale)
         return dq, dk, dv, None, None, None
+
+
+class FlashAttention2Triton(_FlashAttention2TritonFunction):
+    """FlashAttention-2 with Triton forward and backward kernels (CUDA; CPU under TRITON_INTERPRET=1).
+
+    `FlashAttention2Triton.apply(q, k, v, is_causal=False, softmax_scale=None, window_size=None)`; arguments,
+    masks, grouped-query K/V and errors as in `flashsys.ops.flash_attention`, head_dim up to 256. Saves q, k, v, O
+    and the float32 natural-log logsumexp L. `torch.compile(FlashAttention2Triton.apply)` works: under compile the
+    kernels run through triton_ops that Inductor launches itself. Repeated eager calls of a signature run from C++
+    (native_launch) once its extension is built; the first calls, and every call it cannot take, run in Python.
+    """
+
+    @classmethod
+    def apply(cls, q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False, softmax_scale: float | None = None,
+              window_size: tuple[int, int] | None = None) -> Tensor:
+        # Dynamo takes `X.apply` in traced code for autograd.Function.apply and does not run this; where it traces
+        # this frame itself (torch.compile(FlashAttention2Triton.apply)) it reaches the Function's apply through
+        # the base class by name (not super(), which it cannot follow here).
+        if not torch.compiler.is_compiling():
+            o = native_launch.forward(q, k, v, is_causal, softmax_scale, window_size)
+            if o is not None:
+                return o
+        return _FlashAttention2TritonFunction.apply(q, k, v, is_causal, softmax_scale, window_size)
 
 
 class FlashAttentionVarlenTriton(torch.autograd.Function):

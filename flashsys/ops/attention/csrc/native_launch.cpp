@@ -1,0 +1,397 @@
+// The eager attention call in C++: plan look-up, allocation, kernel launches and the autograd node.
+//
+// Why: a Python autograd.Function costs ~86 µs of host time per forward + backward before it does anything (its
+// backward waits for the GIL on the autograd engine's device thread), and Triton's Python launcher ~19 µs per
+// launch; SDPA's whole forward + backward costs less than that. Everything here replays what the Python path
+// (flash_triton.py, eager_plans.py) already did once for the same signature: the kernels it compiled and chose,
+// their grids and their arguments. Nothing here decides anything; a signature it has no plan for goes back to
+// Python (forward: `forward` returns None; backward: the registered fallback).
+//
+// A launch is either a CUDA kernel (cuLaunchKernel with the argument words the Python side packed from the
+// kernel's PTX parameter list) or, on the CPU under Triton's interpreter, a Python callable: that is how CPU CI
+// runs this same node.
+#include <ATen/TensorSubclassLikeUtils.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/python_cpp_function.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cuda.h>  // types only (from Triton's bundled headers); the driver is opened with dlopen
+#include <dlfcn.h>
+
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+namespace py = pybind11;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+namespace {
+
+constexpr size_t kMaxParams = 64;
+constexpr size_t kMaxPlans = 1024;  // per table; a full table is emptied, as eager_plans.PlanTable
+
+using LaunchKernelFn = CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                    CUstream, void**, void**);
+using ErrorStringFn = CUresult (*)(CUresult, const char**);
+LaunchKernelFn cu_launch_kernel = nullptr;
+ErrorStringFn cu_error_string = nullptr;
+
+void open_driver() {
+  if (cu_launch_kernel != nullptr) return;
+  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) throw std::runtime_error("flashsys native launch: cannot open libcuda.so.1");
+  cu_launch_kernel = reinterpret_cast<LaunchKernelFn>(dlsym(lib, "cuLaunchKernel"));
+  cu_error_string = reinterpret_cast<ErrorStringFn>(dlsym(lib, "cuGetErrorString"));
+  if (cu_launch_kernel == nullptr) throw std::runtime_error("flashsys native launch: no cuLaunchKernel in libcuda");
+}
+
+struct Launch {
+  // CUDA: the compiled kernel and everything cuLaunchKernel takes. Each kernel parameter is one 8-byte word
+  // (little-endian: a 4-byte parameter is the word's low half); `pointers` overwrite words with tensor addresses.
+  CUfunction function = nullptr;
+  unsigned grid[3] = {0, 0, 0};
+  unsigned threads = 0;
+  unsigned shared_bytes = 0;
+  std::vector<uint64_t> words;
+  std::vector<std::pair<int, int>> pointers;  // (parameter index, call-tensor slot)
+  // Interpreter: run(*call_tensors[slots], *tail).
+  PyObject* run = nullptr;  // owned reference, never released (plans live as long as the process)
+  std::vector<int> slots;
+  PyObject* tail = nullptr;
+};
+
+struct ForwardPlan {
+  std::vector<Launch> launches;
+  std::vector<int64_t> lse_shape;
+  int64_t window_left, window_right;
+  double scale;
+};
+
+struct BackwardPlan {
+  std::vector<Launch> launches;
+  std::vector<int64_t> delta_shape;
+};
+
+// Keys: the bytes of what eager_plans keys on (shapes, strides, dtypes, devices, 16-byte alignment, flags).
+void append(std::string& key, int64_t x) { key.append(reinterpret_cast<const char*>(&x), sizeof x); }
+
+void append_tensor(std::string& key, const at::Tensor& t) {
+  append(key, t.dim());
+  for (int64_t s : t.sizes()) append(key, s);
+  for (int64_t s : t.strides()) append(key, s);
+  append(key, static_cast<int64_t>(t.scalar_type()));
+  append(key, static_cast<int64_t>(t.device().type()) * 1024 + t.device().index());
+  append(key, static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) & 15));
+}
+
+void append_double(std::string& key, double x) {
+  int64_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  append(key, bits);
+}
+
+using Window = std::optional<std::tuple<int64_t, int64_t>>;
+
+std::string forward_key(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+                        std::optional<double> scale, const Window& window) {
+  std::string key;
+  key.reserve(320);
+  for (const at::Tensor* t : {&q, &k, &v}) append_tensor(key, *t);
+  append(key, causal);
+  append(key, scale.has_value());
+  append_double(key, scale.value_or(0.0));
+  append(key, window.has_value());
+  append(key, window ? std::get<0>(*window) : 0);
+  append(key, window ? std::get<1>(*window) : 0);
+  return key;
+}
+
+std::string backward_key(int64_t window_left, int64_t window_right, double scale,
+                         std::initializer_list<const at::Tensor*> tensors) {
+  std::string key;
+  key.reserve(640);
+  append(key, window_left);
+  append(key, window_right);
+  append_double(key, scale);
+  for (const at::Tensor* t : tensors) append_tensor(key, *t);
+  return key;
+}
+
+template <typename Plan>
+class PlanTable {
+ public:
+  std::shared_ptr<const Plan> get(const std::string& key) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = plans_.find(key);
+    return it == plans_.end() ? nullptr : it->second;
+  }
+  void put(std::string key, Plan plan) {
+    auto value = std::make_shared<const Plan>(std::move(plan));
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (plans_.size() >= kMaxPlans) plans_.clear();
+    plans_.insert_or_assign(std::move(key), std::move(value));
+  }
+  void clear() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    plans_.clear();
+  }
+  size_t size() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return plans_.size();
+  }
+
+ private:
+  // A mutex, not the GIL: the backward looks plans up on the autograd engine's device thread, which must not wait
+  // for the GIL (that wait is most of a Python Function's backward cost). A plan stays alive while a call uses it.
+  mutable std::mutex mutex_;
+  std::unordered_map<std::string, std::shared_ptr<const Plan>> plans_;
+};
+
+PlanTable<ForwardPlan> forward_plans;
+PlanTable<BackwardPlan> backward_plans;
+PyObject* backward_fallback = nullptr;  // Python: (q, k, v, o, lse, do, wl, wr, scale) -> (dq, dk, dv)
+std::atomic<bool> interpreted_allowed{false};  // CPU tensors (Triton's interpreter): only when CPU tests ask for it
+
+bool plain(const at::Tensor& t) {
+  // Functorch wrappers, Python subclasses, dispatch modes, meta tensors, and forward-mode AD tangents take
+  // the Python path, whose autograd.Function handles (or refuses) them.
+  return t.defined() && !at::isTensorSubclassLike(t) && !t._fw_grad(0).defined();
+}
+
+CUstream current_stream(const c10::Device& device) {
+  c10::Stream stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device);
+  return static_cast<CUstream>(stream.native_handle());
+}
+
+void launch_all(const std::vector<Launch>& launches, const at::Tensor* tensors) {
+  const c10::Device device = tensors[0].device();
+  if (device.is_cpu()) {  // Triton's interpreter
+    py::gil_scoped_acquire gil;
+    for (const Launch& l : launches) {
+      py::tuple args(l.slots.size());
+      for (size_t i = 0; i < l.slots.size(); ++i) args[i] = py::cast(tensors[l.slots[i]]);
+      py::tuple tail = py::reinterpret_borrow<py::tuple>(l.tail);
+      py::reinterpret_borrow<py::object>(l.run)(*(args + tail));
+    }
+    return;
+  }
+  CUstream stream = current_stream(device);
+  uint64_t words[kMaxParams];
+  void* params[kMaxParams];
+  for (const Launch& l : launches) {
+    if (l.grid[0] == 0 || l.grid[1] == 0 || l.grid[2] == 0) continue;  // as Triton: an empty grid launches nothing
+    const size_t n = l.words.size();
+    std::memcpy(words, l.words.data(), n * sizeof(uint64_t));
+    for (const auto& [param, slot] : l.pointers)
+      words[param] = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(tensors[slot].data_ptr()));
+    for (size_t i = 0; i < n; ++i) params[i] = &words[i];
+    CUresult r = cu_launch_kernel(l.function, l.grid[0], l.grid[1], l.grid[2], l.threads, 1, 1, l.shared_bytes,
+                                  stream, params, nullptr);
+    if (r != CUDA_SUCCESS) {
+      const char* msg = "unknown error";
+      if (cu_error_string != nullptr) cu_error_string(r, &msg);
+      throw std::runtime_error(std::string("flashsys native launch: cuLaunchKernel failed: ") + msg);
+    }
+  }
+}
+
+at::Tensor empty_like_contiguous(const at::Tensor& t) { return at::empty(t.sizes(), t.options()); }
+
+at::Tensor dense_grad(at::Tensor g, const at::Tensor& like) {  // as flash_triton._dense_do
+  if (g.scalar_type() != like.scalar_type()) g = g.to(like.scalar_type());
+  if (g.stride(-1) != 1) g = g.contiguous();
+  return g;
+}
+
+}  // namespace
+
+namespace flashsys {
+
+// Named (not in the anonymous namespace): grad_fn.name() shows it.
+struct FlashAttention2TritonNative : public torch::autograd::Function<FlashAttention2TritonNative> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const ForwardPlan* plan) {
+    at::Tensor o = empty_like_contiguous(q);
+    at::Tensor lse = at::empty(plan->lse_shape, q.options().dtype(at::kFloat));
+    const at::Tensor tensors[] = {q, k, v, o, lse};
+    launch_all(plan->launches, tensors);
+    ctx->save_for_backward({q, k, v, o, lse});
+    ctx->saved_data["window_left"] = plan->window_left;
+    ctx->saved_data["window_right"] = plan->window_right;
+    ctx->saved_data["scale"] = plan->scale;
+    return o;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (at::GradMode::is_enabled())  // the same refusal as validation.refuse_double_backward
+      throw std::runtime_error(
+          "FlashAttention2Triton: double backward is not supported (backward ran with create_graph=True, as in "
+          "gradgradcheck or a gradient penalty). Use the 'naive' attention backend "
+          "(flashsys.ops.attention_reference) for higher-order gradients.");
+    variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &o = saved[3], &lse = saved[4];
+    const int64_t wl = ctx->saved_data["window_left"].toInt(), wr = ctx->saved_data["window_right"].toInt();
+    const double scale = ctx->saved_data["scale"].toDouble();
+    at::Tensor d_o = dense_grad(grads[0], q);
+    c10::DeviceGuard device_guard(q.device());
+    auto plan = backward_plans.get(backward_key(wl, wr, scale, {&q, &k, &v, &o, &lse, &d_o}));
+    if (plan != nullptr && plain(d_o)) {
+      at::Tensor dq = empty_like_contiguous(q), dk = empty_like_contiguous(k), dv = empty_like_contiguous(v);
+      at::Tensor delta = at::empty(plan->delta_shape, q.options().dtype(at::kFloat));
+      const at::Tensor tensors[] = {q, k, v, o, lse, d_o, dq, dk, dv, delta};
+      launch_all(plan->launches, tensors);
+      return {dq, dk, dv, at::Tensor()};
+    }
+    py::gil_scoped_acquire gil;  // no plan: the Python path computes the gradients and makes one
+    if (backward_fallback == nullptr) throw std::runtime_error("flashsys native launch: no backward fallback set");
+    py::tuple r = py::reinterpret_borrow<py::object>(backward_fallback)(q, k, v, o, lse, d_o, wl, wr, scale);
+    return {r[0].cast<at::Tensor>(), r[1].cast<at::Tensor>(), r[2].cast<at::Tensor>(), at::Tensor()};
+  }
+};
+
+// The node's Python type: as a Python Function's node it has `saved_tensors` (q, k, v, O, L), which the op's
+// contract exposes (one (B, Nq) float32 logsumexp) and tests read.
+PyObject* saved_tensors(PyObject* self, void* /*unused*/) {
+  HANDLE_TH_ERRORS
+  auto* node = dynamic_cast<torch::autograd::CppNode<FlashAttention2TritonNative>*>(
+      reinterpret_cast<torch::autograd::THPCppFunction*>(self)->cdata.get());
+  TORCH_CHECK(node != nullptr, "not a FlashAttention2TritonNative node");
+  variable_list saved = node->ctx_.get_saved_variables();  // raises once a backward has freed them, as Python's
+  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(saved.size()));
+  if (out == nullptr) return nullptr;
+  for (size_t i = 0; i < saved.size(); ++i) PyTuple_SET_ITEM(out, i, THPVariable_Wrap(saved[i]));
+  return out;
+  END_HANDLE_TH_ERRORS
+}
+
+// What torch's own C++ nodes expose (THP_FUNCTION_DEFAULT_* minus the entries that not every torch declares).
+PyGetSetDef node_properties[] = {
+    {(char*)"next_functions", torch::autograd::THPCppFunction_next_functions, nullptr, nullptr, nullptr},
+    {(char*)"requires_grad", torch::autograd::THPCppFunction_requires_grad, nullptr, nullptr, nullptr},
+    {(char*)"metadata", torch::autograd::THPCppFunction_metadata, nullptr, nullptr, nullptr},
+    {(char*)"saved_tensors", saved_tensors, nullptr, nullptr, nullptr},
+    {nullptr}};
+PyMethodDef node_methods[] = {
+    {(char*)"_register_hook_dict", torch::autograd::THPCppFunction_register_hook_dict, METH_O, nullptr},
+    {(char*)"register_hook", torch::autograd::THPCppFunction_register_hook, METH_O, nullptr},
+    {(char*)"register_prehook", torch::autograd::THPCppFunction_register_prehook, METH_O, nullptr},
+    {(char*)"name", torch::autograd::THPCppFunction_name, METH_NOARGS, nullptr},
+    {nullptr}};
+PyTypeObject node_type;
+
+void register_node_type() {
+  torch::autograd::_initFunctionPyTypeObject(node_type, "FlashAttention2TritonNativeBackward", node_properties,
+                                             node_methods);
+  torch::autograd::registerCppFunction(typeid(torch::autograd::CppNode<FlashAttention2TritonNative>), &node_type);
+}
+
+}  // namespace flashsys
+
+namespace {
+
+bool launchable(const at::Tensor& q) {
+  if (q.is_cuda()) return true;
+  return q.is_cpu() && interpreted_allowed;
+}
+
+// The eager call: O, or None where there is no plan for this signature (the Python path then runs and makes one).
+py::object forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+                   std::optional<double> scale, const Window& window) {
+  if (!plain(q) || !plain(k) || !plain(v) || !launchable(q)) return py::none();
+  auto plan = forward_plans.get(forward_key(q, k, v, causal, scale, window));
+  if (plan == nullptr) return py::none();
+  c10::DeviceGuard device_guard(q.device());  // Triton launches on the current device; so do these launches
+  return py::cast(flashsys::FlashAttention2TritonNative::apply(q, k, v, plan.get()));
+}
+
+Launch make_launch(py::handle spec) {
+  // CUDA: (function, (gx, gy, gz), threads, shared_bytes, words, [(param, slot), ...]);
+  // interpreter: (run, [slot, ...], tail).
+  py::tuple t = py::reinterpret_borrow<py::tuple>(spec);
+  Launch l;
+  if (t.size() == 6) {
+    open_driver();
+    l.function = reinterpret_cast<CUfunction>(t[0].cast<uintptr_t>());
+    auto grid = t[1].cast<std::tuple<unsigned, unsigned, unsigned>>();
+    l.grid[0] = std::get<0>(grid), l.grid[1] = std::get<1>(grid), l.grid[2] = std::get<2>(grid);
+    l.threads = t[2].cast<unsigned>();
+    l.shared_bytes = t[3].cast<unsigned>();
+    l.words = t[4].cast<std::vector<uint64_t>>();
+    l.pointers = t[5].cast<std::vector<std::pair<int, int>>>();
+    if (l.words.size() > kMaxParams) throw std::invalid_argument("flashsys native launch: too many parameters");
+    for (const auto& [param, slot] : l.pointers)
+      if (param < 0 || static_cast<size_t>(param) >= l.words.size() || slot < 0)
+        throw std::invalid_argument("flashsys native launch: pointer parameter out of range");
+  } else if (t.size() == 3) {
+    l.run = t[0].ptr();
+    Py_INCREF(l.run);
+    l.slots = t[1].cast<std::vector<int>>();
+    py::tuple tail = t[2].cast<py::tuple>();
+    l.tail = tail.ptr();
+    Py_INCREF(l.tail);
+  } else {
+    throw std::invalid_argument("flashsys native launch: a launch is a 6-tuple (CUDA) or a 3-tuple (interpreter)");
+  }
+  return l;
+}
+
+std::vector<Launch> make_launches(const py::list& specs, int n_tensors) {
+  std::vector<Launch> out;
+  for (py::handle spec : specs) {
+    out.push_back(make_launch(spec));
+    for (const auto& [param, slot] : out.back().pointers)
+      if (slot >= n_tensors) throw std::invalid_argument("flashsys native launch: tensor slot out of range");
+    for (int slot : out.back().slots)
+      if (slot < 0 || slot >= n_tensors) throw std::invalid_argument("flashsys native launch: tensor slot out of range");
+  }
+  return out;
+}
+
+void add_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+                 std::optional<double> scale, const Window& window, const py::list& launches,
+                 std::vector<int64_t> lse_shape, int64_t window_left, int64_t window_right, double resolved_scale) {
+  forward_plans.put(forward_key(q, k, v, causal, scale, window),
+                    ForwardPlan{make_launches(launches, 5), std::move(lse_shape), window_left, window_right,
+                                resolved_scale});
+}
+
+void add_backward(int64_t window_left, int64_t window_right, double scale, const at::Tensor& q, const at::Tensor& k,
+                  const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse, const at::Tensor& d_o,
+                  const py::list& launches, std::vector<int64_t> delta_shape) {
+  backward_plans.put(backward_key(window_left, window_right, scale, {&q, &k, &v, &o, &lse, &d_o}),
+                     BackwardPlan{make_launches(launches, 10), std::move(delta_shape)});
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "flashsys: eager attention calls replayed from plans, with a C++ autograd node";
+  flashsys::register_node_type();
+  m.def("forward", &forward, "O for a planned signature, else None", py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("causal"), py::arg("scale"), py::arg("window"));
+  m.def("add_forward", &add_forward);
+  m.def("add_backward", &add_backward);
+  m.def("set_backward_fallback", [](py::object fn) {
+    Py_XDECREF(backward_fallback);
+    backward_fallback = fn.release().ptr();
+  });
+  m.def("allow_interpreted", [](bool allowed) { interpreted_allowed = allowed; });
+  m.def("clear", [] {
+    forward_plans.clear();
+    backward_plans.clear();
+  });
+  m.def("sizes", [] { return std::make_tuple(forward_plans.size(), backward_plans.size()); });
+}

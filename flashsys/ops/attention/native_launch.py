@@ -1,0 +1,250 @@
+"""Repeated eager attention calls launched from C++, with a C++ autograd node (csrc/native_launch.cpp).
+
+Why: a planned eager call (eager_plans) still pays for Python's autograd.Function (~86 µs per forward + backward on
+an H100 host, most of it the backward waiting for the GIL on the autograd engine's device thread) and Triton's
+Python launcher (~19 µs per launch). SDPA pays neither. The C++ side looks plans up by the same signature, allocates
+the outputs, launches the kernels with cuLaunchKernel and records a C++ autograd node whose backward does the same
+without the GIL. It replays only what the Python path did for that exact signature; a signature it has no plan for
+returns to the Python path (forward: `forward` gives None; backward: `backward_fallback`), which makes the plan and
+offers it here.
+
+The extension is compiled on first use (torch.utils.cpp_extension with ninja and a C++ compiler, no CUDA toolkit:
+it opens libcuda with dlopen and takes the driver's types from Triton's bundled cuda.h), in a background thread, so
+no call waits for it: until it is ready, calls take the Python path. `FLASHSYS_NATIVE_LAUNCH=0` turns it off;
+`status()` says where it stands. A kernel whose launch needs anything cuLaunchKernel alone does not give (Triton's
+scratch buffers, clusters, launch hooks set by a profiler) stays with Triton's launcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+import struct
+import threading
+import warnings
+from pathlib import Path
+from typing import Callable
+
+from torch import Tensor
+
+from . import eager_plans
+
+_SOURCE = Path(__file__).with_name("csrc") / "native_launch.cpp"
+_NAME = "flashsys_native_launch"  # torch.utils.cpp_extension's build directory and module name
+ENV = "FLASHSYS_NATIVE_LAUNCH"
+_MAX_SHARED = 227 * 1024  # larger needs a launch attribute cuLaunchKernel does not take
+
+_module = None  # the compiled extension, once loaded
+_status = "not built"
+_lock = threading.Lock()
+_thread: threading.Thread | None = None
+_backward_fallback: Callable | None = None
+_suspended = False
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0"
+
+
+def status() -> str:
+    """'ready', 'building', 'not built', 'off (FLASHSYS_NATIVE_LAUNCH=0)' or 'failed: <reason>'."""
+    return "off (FLASHSYS_NATIVE_LAUNCH=0)" if not enabled() else _status
+
+
+def set_backward_fallback(fn: Callable) -> None:
+    """fn(q, k, v, o, lse, do, window_left, window_right, scale) -> (dq, dk, dv): the backward of a native
+    forward whose backward signature has no plan yet (flash_triton gives its planned backward)."""
+    global _backward_fallback
+    _backward_fallback = fn
+    if _module is not None:
+        _module.set_backward_fallback(fn)
+
+
+def _build() -> None:
+    global _module, _status
+    try:
+        import triton
+        from torch.utils.cpp_extension import load
+
+        include = Path(triton.__file__).parent / "backends" / "nvidia" / "include"
+        if not (include / "cuda.h").exists():
+            raise RuntimeError(f"no cuda.h in {include}")
+        module = load(name=_NAME, sources=[str(_SOURCE)], extra_include_paths=[str(include)],
+                      extra_cflags=["-O2"], verbose=False)
+        if _backward_fallback is not None:
+            module.set_backward_fallback(_backward_fallback)
+        _module, _status = module, "ready"
+    except Exception as e:  # noqa: BLE001 - any build failure leaves the Python path, said once
+        lines = str(e).strip().splitlines() or [""]
+        reason = next((line for line in lines if "error:" in line), lines[-1])  # the compiler's first error
+        _status = f"failed: {type(e).__name__}: {reason.strip()}"
+        warnings.warn(f"flashsys: the native launcher for eager attention did not build ({_status}); eager calls "
+                      f"take the Python path, about 1.6x SDPA's host time per call. {ENV}=0 skips the build.",
+                      RuntimeWarning, stacklevel=2)
+
+
+def start_build() -> None:
+    """Build (or load the cached build of) the extension in a background thread, once per process."""
+    global _thread, _status
+    if not enabled():
+        return
+    with _lock:
+        if _thread is None:
+            _status = "building"
+            _thread = threading.Thread(target=_build, name="flashsys-native-launch-build", daemon=True)
+            _thread.start()
+
+
+def wait(timeout: float | None = None) -> bool:
+    """Start the build if needed and wait for it; True when the native launcher is ready."""
+    start_build()
+    if _thread is not None:
+        _thread.join(timeout)
+    return _module is not None
+
+
+def allow_interpreted(allowed: bool) -> None:
+    """Let CPU tensors (Triton's interpreter) take the native node too: how CPU tests run it. Off by default:
+    interpreted calls gain nothing from it."""
+    if _module is not None:
+        _module.allow_interpreted(allowed)
+    elif allowed:
+        raise RuntimeError(f"flashsys native launcher not ready ({status()})")
+
+
+@contextlib.contextmanager
+def suspended():
+    """Calls inside take the Python path (eager_plans' replays): to compare the two launchers, or to rule this
+    one out. Native nodes made before still run their backward natively."""
+    global _suspended
+    before, _suspended = _suspended, True
+    try:
+        yield
+    finally:
+        _suspended = before
+
+
+def clear() -> None:
+    if _module is not None:
+        _module.clear()
+
+
+def sizes() -> tuple[int, int]:
+    """(forward plans, backward plans) the native tables hold."""
+    return (0, 0) if _module is None else tuple(_module.sizes())
+
+
+try:  # a profiler's launch hooks (Triton >= 3.4 keeps them in knobs; older ones on CompiledKernel)
+    from triton import knobs as _knobs
+
+    _hooks = _knobs.runtime
+except ImportError:  # pragma: no cover - old Triton
+    from triton.compiler import CompiledKernel as _hooks
+
+
+def _hook_set(hook) -> bool:
+    # Triton 3.9 keeps a chain of hooks (empty unless a profiler added one); older ones a function or None.
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _launch_hooks_set() -> bool:
+    return _hook_set(_hooks.launch_enter_hook) or _hook_set(_hooks.launch_exit_hook)
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, is_causal, softmax_scale, window_size) -> Tensor | None:
+    """O from a native plan for this call's signature, or None (no plan, not ready, or a call the Python path
+    must take: traced, tensor subclasses, functorch, forward-mode AD, dispatch modes, launch hooks)."""
+    module = _module
+    if (module is None or _suspended or not eager_plans.plannable(q, k, v, is_causal, softmax_scale, window_size)
+            or _launch_hooks_set()):
+        return None
+    return module.forward(q, k, v, is_causal, softmax_scale, window_size)
+
+
+def offer_forward(plan: eager_plans.ForwardPlan | None, q: Tensor, k: Tensor, v: Tensor, is_causal,
+                  softmax_scale, window_size) -> None:
+    """Give the native side a forward plan the Python path made or replayed (once per plan)."""
+    if _module is None or _suspended or plan is None or plan.native is not None:
+        return
+    specs = _launch_specs(plan.replays)
+    plan.native = specs is not None
+    if specs is not None:
+        _module.add_forward(q, k, v, is_causal, softmax_scale, window_size, specs, list(plan.lse_shape),
+                            *plan.window, float(plan.scale))
+
+
+def offer_backward(plan: eager_plans.BackwardPlan | None, window: tuple[int, int], scale: float, q: Tensor,
+                   k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor) -> None:
+    """As `offer_forward`, for a backward plan of (q, k, v, O, L as unpacked, the dense dO)."""
+    if _module is None or _suspended or plan is None or plan.native is not None:
+        return
+    specs = _launch_specs(plan.replays)
+    plan.native = specs is not None
+    if specs is not None:
+        _module.add_backward(*window, float(scale), q, k, v, o, lse, do, specs, list(plan.delta_shape))
+
+
+def _launch_specs(replays: tuple[eager_plans.Replay, ...]) -> list[tuple] | None:
+    specs = []
+    for r in replays:
+        spec = (r.run, list(r.slots), tuple(r.tail)) if r.kernel is None else cuda_launch_spec(r)
+        if spec is None:
+            return None
+        specs.append(spec)
+    return specs
+
+
+_INT_BITS = {"i8": 8, "u8": 8, "i16": 16, "u16": 16, "i32": 32, "u32": 32, "i64": 64, "u64": 64}
+_PTX_BYTES = {"u8": 1, "s8": 1, "b8": 1, "u16": 2, "s16": 2, "b16": 2, "u32": 4, "s32": 4, "b32": 4,
+              "u64": 8, "s64": 8, "b64": 8, "f32": 4}
+
+
+@functools.lru_cache(maxsize=512)
+def ptx_parameters(ptx: str) -> tuple[str, ...] | None:
+    """The PTX types of a kernel's parameters, in order ('u64', 'u32', 'f32', ...): what cuLaunchKernel reads,
+    Triton's hidden scratch pointers included. None when the PTX has not exactly one entry."""
+    entries = re.findall(r"\.entry\s+[\w$]+\s*\((.*?)\)", ptx, re.S)
+    if len(entries) != 1:
+        return None
+    return tuple(re.findall(r"\.param\s+\.(\w+)", entries[0]))
+
+
+def cuda_launch_spec(replay: eager_plans.Replay) -> tuple | None:
+    """(function, grid, threads, shared bytes, words, [(parameter, slot)]) for cuLaunchKernel: one 8-byte word per
+    PTX parameter, packed from the kernel's Triton signature and the replay's arguments; or None where the launch
+    needs more than cuLaunchKernel takes, or the signature and the PTX do not agree."""
+    kernel, slots = replay.kernel, replay.slots
+    md = kernel.metadata
+    if (getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_pdl", False)
+            or getattr(md, "launch_cooperative_grid", False) or getattr(md, "global_scratch_size", 0)
+            or getattr(md, "profile_scratch_size", 0) or getattr(md, "tensordesc_meta", None)
+            or md.shared > _MAX_SHARED or getattr(kernel, "function", None) is None):
+        return None
+    types = list(kernel.src.signature.values())
+    values = [None] * len(slots) + list(replay.tail)
+    params = ptx_parameters(kernel.asm.get("ptx", "")) if hasattr(kernel.asm, "get") else None
+    if params is None or len(types) != len(values):
+        return None
+    words, pointers = [], []
+    for i, (ty, value) in enumerate(zip(types, values)):
+        if ty == "constexpr":
+            continue
+        if len(words) >= len(params):
+            return None
+        ptx = params[len(words)]
+        if isinstance(ty, str) and ty.startswith("*") and i < len(slots) and ptx == "u64":
+            pointers.append((len(words), slots[i]))
+            words.append(0)
+        elif ty in _INT_BITS and type(value) is int and _PTX_BYTES.get(ptx) == _INT_BITS[ty] // 8:
+            words.append(value & ((1 << _INT_BITS[ty]) - 1))
+        elif ty in ("fp32", "f32") and type(value) in (float, int) and ptx == "f32":
+            words.append(struct.unpack("<I", struct.pack("<f", value))[0])
+        else:
+            return None
+    extras = params[len(words):]  # Triton's scratch pointers: null, as its launcher passes them at size 0
+    if any(p != "u64" for p in extras):
+        return None
+    words.extend(0 for _ in extras)
+    return (kernel.function, tuple(replay.grid), 32 * md.num_warps, md.shared, words, pointers)

@@ -1,0 +1,174 @@
+"""The native launcher (flashsys.ops.attention.native_launch): repeated eager calls run a C++ autograd node that
+replays the Python path's plans. It must give the Python path's results bit for bit, keep the op's autograd contract
+(saved tensors, double-backward refusal, in-place checks, hooks), hand back to Python whatever it has no plan for,
+and pack kernel arguments exactly as the kernel's PTX declares them.
+
+On a CPU the node runs the interpreter's launches (fp32); on a GPU it launches the compiled kernels (bf16).
+test_eager_plans.py runs its replay tests with this launcher too.
+"""
+
+from __future__ import annotations
+
+import struct
+import types
+import warnings
+
+import pytest
+import torch
+
+from flashsys.ops.attention import FlashAttention2Triton, eager_plans, native_launch
+
+from .attention_checks import assert_matches_reference, make_qkv, select_launcher
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPE = torch.bfloat16 if CUDA else torch.float32
+NATIVE = "FlashAttention2TritonNativeBackward"
+
+
+@pytest.fixture(autouse=True)
+def native(request, monkeypatch):
+    select_launcher("native", request, monkeypatch)
+    eager_plans.forward_plans.clear()
+    eager_plans.backward_plans.clear()
+    yield
+    eager_plans.forward_plans.clear()
+    eager_plans.backward_plans.clear()
+
+
+def _call(q, k, v, do, causal=True, scale=None, window=None):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    o = FlashAttention2Triton.apply(*leaves, causal, scale, window)
+    node = type(o.grad_fn).__name__
+    lse = [t for t in o.grad_fn.saved_tensors if t.dtype == torch.float32 and t.dim() == q.dim() - 1]
+    o.backward(do)
+    return node, [o.detach(), *lse, *(t.grad for t in leaves)]
+
+
+CASES = {
+    "causal": dict(shape=(2, 2, 40, 40, 32), causal=True),
+    "gqa, Nq != Nk, window": dict(shape=(1, 4, 24, 56, 16), causal=False, window=(8, 4), kv_heads=2),
+    "rank 3, scale": dict(shape=(2, None, 33, 33, 16), causal=True, scale=0.3),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_repeated_calls_run_the_native_node_and_equal_the_python_path(case):
+    batch, heads, n_q, n_k, d = case["shape"]
+    flags = dict(causal=case["causal"], scale=case.get("scale"), window=case.get("window"))
+    q, k, v, do = make_qkv(batch, heads, n_q, n_k, d, DTYPE, DEVICE, seed=1, kv_heads=case.get("kv_heads"))
+    # the Python path first (it may autotune on the first call, unless an earlier test chose this key's configs,
+    # and makes the plans on the next), then the native node
+    runs = [_call(q, k, v, do, **flags) for _ in range(4)]
+    nodes = [node for node, _ in runs]
+    assert nodes[0] == "_FlashAttention2TritonFunctionBackward" and nodes[-2:] == [NATIVE] * 2, nodes
+    assert native_launch.sizes() == (1, 1)
+    for node, results in runs[nodes.index(NATIVE):]:
+        assert len(results) == len(runs[0][1]) == 5  # O, exactly one float32 logsumexp, three gradients
+        for native_result, python_result in zip(results, runs[0][1]):
+            assert torch.equal(native_result, python_result)
+    q2, k2, v2, do2 = make_qkv(batch, heads, n_q, n_k, d, DTYPE, DEVICE, seed=2, kv_heads=case.get("kv_heads"))
+    assert_matches_reference(FlashAttention2Triton, q2, k2, v2, do2, case["causal"], case.get("scale"),
+                             case.get("window"))
+
+
+def _warm(q, k, v, do):
+    for _ in range(2):
+        _call(q, k, v, do)
+    assert native_launch.sizes() == (1, 1)
+
+
+def test_the_native_node_keeps_the_autograd_contract():
+    q, k, v, do = make_qkv(1, 2, 24, 24, 16, DTYPE, DEVICE, seed=3)
+    _warm(q, k, v, do)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+
+    o = FlashAttention2Triton.apply(*leaves, True)
+    assert type(o.grad_fn).__name__ == NATIVE and o.grad_fn.next_functions
+    with pytest.raises(RuntimeError, match="double backward is not supported"):
+        torch.autograd.grad(o.sum(), leaves[0], create_graph=True)
+
+    o = FlashAttention2Triton.apply(*leaves, True)
+    with torch.no_grad():
+        leaves[2].mul_(1.0)  # a saved input changed after the forward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        o.backward(do)
+
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    o = FlashAttention2Triton.apply(*leaves, True)
+    seen = []
+    o.register_hook(lambda g: seen.append(g.shape))
+    o.backward(do)
+    assert seen == [o.shape]
+    with pytest.raises(RuntimeError, match="freed|second time"):
+        o.grad_fn.saved_tensors  # noqa: B018 - freed by the backward, as a Python Function's
+
+    with torch.no_grad():
+        o = FlashAttention2Triton.apply(q, k, v, True)
+    assert o.grad_fn is None
+    assert torch.equal(o, _call(q, k, v, do)[1][0])
+
+
+def test_what_the_native_side_does_not_take_goes_back_to_python():
+    q, k, v, do = make_qkv(1, 2, 24, 24, 16, DTYPE, DEVICE, seed=4)
+    _warm(q, k, v, do)
+    assert native_launch.forward(q, k, v, True, None, None) is not None
+    assert native_launch.forward(q, k, v, 1, None, None) is None  # flags of another type: the full path decides
+    assert native_launch.forward(q, k, v, True, None, (4, 0)) is None  # no plan for these flags yet
+    assert native_launch.forward(q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v, True, None, None) is None
+    import torch.autograd.forward_ad as fwad
+
+    with fwad.dual_level():
+        dual = fwad.make_dual(q, torch.randn_like(q))
+        assert native_launch.forward(dual, k, v, True, None, None) is None  # forward-mode AD: Python's Function
+    # a backward with a dO of other strides has no native backward plan: the Python path computes it and offers one
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    o = FlashAttention2Triton.apply(*leaves, True)
+    o.backward(do.transpose(1, 2).contiguous().transpose(1, 2))
+    assert native_launch.sizes() == (1, 2)
+    torch.testing.assert_close(leaves[0].grad, _call(q, k, v, do)[1][2], rtol=0, atol=0)
+
+
+def _fake_kernel(signature: dict, ptx_params: list[str], **metadata):
+    md = dict(num_warps=4, num_ctas=1, shared=1024, global_scratch_size=0, profile_scratch_size=0, launch_pdl=False,
+              launch_cooperative_grid=False, tensordesc_meta=None)
+    md.update(metadata)
+    ptx = ".visible .entry k(\n" + ",\n".join(f"\t.param .{p} k_param_{i}" for i, p in enumerate(ptx_params)) + "\n)"
+    return types.SimpleNamespace(metadata=types.SimpleNamespace(**md), src=types.SimpleNamespace(signature=signature),
+                                 asm={"ptx": ptx}, function=0xABC)
+
+
+def test_arguments_are_packed_as_the_ptx_declares_them():
+    signature = {"A": "*bf16", "B": "*fp32", "s": "i32", "one": "constexpr", "big": "i64", "scale": "fp32",
+                 "BLOCK": "constexpr"}
+    kernel = _fake_kernel(signature, ["u64", "u64", "u32", "u64", "f32", "u64", "u64"])
+    replay = eager_plans.Replay(None, (3, 0), (-5, 1, 2**40 + 7, 0.125, 64), kernel, (4, 2, 1))
+    fn, grid, threads, shared, words, pointers = native_launch.cuda_launch_spec(replay)
+    assert (fn, grid, threads, shared) == (0xABC, (4, 2, 1), 128, 1024)
+    assert pointers == [(0, 3), (1, 0)]
+    assert words == [0, 0, 2**32 - 5, 2**40 + 7, struct.unpack("<I", struct.pack("<f", 0.125))[0], 0, 0]
+    refused = {
+        "a scratch buffer": _fake_kernel(signature, ["u64"] * 2 + ["u32", "u64", "f32"] + ["u64"] * 2,
+                                         global_scratch_size=64),
+        "PTX of another signature": _fake_kernel(signature, ["u64", "u64", "u64", "u64", "f32"]),
+        "a cluster": _fake_kernel(signature, ["u64"] * 2 + ["u32", "u64", "f32"], num_ctas=2),
+    }
+    for why, bad in refused.items():
+        assert native_launch.cuda_launch_spec(replay._replace(kernel=bad)) is None, why
+
+
+def test_a_failed_build_says_why_and_leaves_the_python_path(monkeypatch, tmp_path):
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(native_launch, "_SOURCE", broken)
+    monkeypatch.setattr(native_launch, "_NAME", "flashsys_native_launch_broken_test")
+    monkeypatch.setattr(native_launch, "_module", None)
+    monkeypatch.setattr(native_launch, "_thread", None)
+    monkeypatch.setattr(native_launch, "_status", "not built")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not native_launch.wait()
+    assert native_launch.status().startswith("failed:") and "error" in native_launch.status()
+    assert any("did not build" in str(w.message) for w in caught)
+    q, k, v, do = make_qkv(1, 2, 24, 24, 16, DTYPE, DEVICE, seed=5)
+    assert_matches_reference(FlashAttention2Triton, q, k, v, do, True, None)
