@@ -33,6 +33,15 @@ RESULTS = Path(__file__).parent / "results"
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
+native_launch = None
+if ON_GPU:  # eager flashsys calls take the native launcher once it is built (in the background on first use): build
+    try:    # it before any benchmark times anything, so no row depends on when the build finished
+        from flashsys.ops.attention import native_launch
+
+        native_launch.wait()
+    except ImportError:  # no Triton: no flashsys Triton op either
+        pass
+
 
 def sync() -> None:
     """Wait for this process's GPU work (no-op on a CPU)."""
@@ -215,6 +224,8 @@ def environment() -> dict[str, str]:
         pass
     if ON_GPU:
         env["gpus"] = str(torch.cuda.device_count())
+        if native_launch is not None:
+            env["native launcher"] = native_launch.status()
     return env
 
 

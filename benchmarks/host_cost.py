@@ -201,10 +201,7 @@ def main(argv=None) -> int:
                    help="also time the parts of a flashsys call (CUDA, or TRITON_INTERPRET=1 on a CPU)")
     p.add_argument("--name", default=None, help="file name of the table (default host_cost_<device>)")
     args = p.parse_args(argv)
-    if ON_GPU:
-        native_launch.wait()  # built once per machine (about a minute), then loaded from torch's extension cache
-    env = environment()
-    env["native launcher"] = native_launch.status()
+    env = environment()  # on a GPU, after the native launcher is ready (headline() asks for its status)
     name = args.name or f"host_cost_{'gpu' if ON_GPU else 'cpu'}"
     notes = [f"B=1, causal, {args.dtype}; {args.rounds} rounds of {args.calls} back-to-back calls per backend, the "
              "backends in turns. host_us: host time per call (the loop's wall time before any sync), median over "
