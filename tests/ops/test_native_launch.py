@@ -143,7 +143,8 @@ def test_arguments_are_packed_as_the_ptx_declares_them():
                  "BLOCK": "constexpr"}
     kernel = _fake_kernel(signature, ["u64", "u64", "u32", "u64", "f32", "u64", "u64"])
     replay = eager_plans.Replay(None, (3, 0), (-5, 1, 2**40 + 7, 0.125, 64), kernel, (4, 2, 1))
-    fn, grid, threads, shared, words, pointers = native_launch.cuda_launch_spec(replay)
+    fn, grid, threads, shared, words, pointers, keep_alive = native_launch.cuda_launch_spec(replay)
+    assert keep_alive is kernel
     assert (fn, grid, threads, shared) == (0xABC, (4, 2, 1), 128, 1024)
     assert pointers == [(0, 3), (1, 0)]
     assert words == [0, 0, 2**32 - 5, 2**40 + 7, struct.unpack("<I", struct.pack("<f", 0.125))[0], 0, 0]
@@ -155,6 +156,12 @@ def test_arguments_are_packed_as_the_ptx_declares_them():
     }
     for why, bad in refused.items():
         assert native_launch.cuda_launch_spec(replay._replace(kernel=bad)) is None, why
+    bad = replay._replace(kernel=refused["a cluster"])
+    with pytest.warns(RuntimeWarning, match="cannot launch"):  # a refused plan stays Python's, and says so once
+        assert native_launch._launch_specs((bad,)) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native_launch._launch_specs((bad,)) is None
 
 
 def test_a_failed_build_says_why_and_leaves_the_python_path(monkeypatch, tmp_path):

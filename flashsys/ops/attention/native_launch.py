@@ -116,8 +116,8 @@ def allow_interpreted(allowed: bool) -> None:
 
 @contextlib.contextmanager
 def suspended():
-    """Calls inside take the Python path (eager_plans' replays): to compare the two launchers, or to rule this
-    one out. Native nodes made before still run their backward natively."""
+    """Calls inside take the Python path (eager_plans' replays), in every thread: to compare the two launchers, or
+    to rule this one out. Native nodes made before still run their backward natively."""
     global _suspended
     before, _suspended = _suspended, True
     try:
@@ -186,11 +186,20 @@ def offer_backward(plan: eager_plans.BackwardPlan | None, window: tuple[int, int
         _module.add_backward(*window, float(scale), q, k, v, o, lse, do, specs, list(plan.delta_shape))
 
 
+_refused_kernels: set[str] = set()
+
+
 def _launch_specs(replays: tuple[eager_plans.Replay, ...]) -> list[tuple] | None:
     specs = []
     for r in replays:
         spec = (r.run, list(r.slots), tuple(r.tail)) if r.kernel is None else cuda_launch_spec(r)
         if spec is None:
+            name = getattr(getattr(r.kernel, "src", None), "name", None) or repr(r.kernel)
+            if name not in _refused_kernels:  # slower, not wrong: said once per kernel
+                _refused_kernels.add(name)
+                warnings.warn(f"flashsys: the native launcher cannot launch {name} (its launch needs more than "
+                              "cuLaunchKernel takes, or its PTX and signature disagree); calls of it keep the Python "
+                              "path", RuntimeWarning, stacklevel=3)
             return None
         specs.append(spec)
     return specs
@@ -212,9 +221,10 @@ def ptx_parameters(ptx: str) -> tuple[str, ...] | None:
 
 
 def cuda_launch_spec(replay: eager_plans.Replay) -> tuple | None:
-    """(function, grid, threads, shared bytes, words, [(parameter, slot)]) for cuLaunchKernel: one 8-byte word per
-    PTX parameter, packed from the kernel's Triton signature and the replay's arguments; or None where the launch
-    needs more than cuLaunchKernel takes, or the signature and the PTX do not agree."""
+    """(function, grid, threads, shared bytes, words, [(parameter, slot)], kernel) for cuLaunchKernel: one 8-byte
+    word per PTX parameter, packed from the kernel's Triton signature and the replay's arguments, and the compiled
+    kernel (kept alive with the plan: it owns the function); or None where the launch needs more than
+    cuLaunchKernel takes, or the signature and the PTX do not agree."""
     kernel, slots = replay.kernel, replay.slots
     md = kernel.metadata
     if (getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_pdl", False)
@@ -247,4 +257,4 @@ def cuda_launch_spec(replay: eager_plans.Replay) -> tuple | None:
     if any(p != "u64" for p in extras):
         return None
     words.extend(0 for _ in extras)
-    return (kernel.function, tuple(replay.grid), 32 * md.num_warps, md.shared, words, pointers)
+    return (kernel.function, tuple(replay.grid), 32 * md.num_warps, md.shared, words, pointers, kernel)

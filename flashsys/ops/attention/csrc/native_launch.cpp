@@ -67,6 +67,7 @@ struct Launch {
   unsigned shared_bytes = 0;
   std::vector<uint64_t> words;
   std::vector<std::pair<int, int>> pointers;  // (parameter index, call-tensor slot)
+  PyObject* keep_alive = nullptr;  // the CompiledKernel that owns `function`; owned, never released
   // Interpreter: run(*call_tensors[slots], *tail).
   PyObject* run = nullptr;  // owned reference, never released (plans live as long as the process)
   std::vector<int> slots;
@@ -318,11 +319,11 @@ py::object forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 }
 
 Launch make_launch(py::handle spec) {
-  // CUDA: (function, (gx, gy, gz), threads, shared_bytes, words, [(param, slot), ...]);
+  // CUDA: (function, (gx, gy, gz), threads, shared_bytes, words, [(param, slot), ...], compiled kernel);
   // interpreter: (run, [slot, ...], tail).
   py::tuple t = py::reinterpret_borrow<py::tuple>(spec);
   Launch l;
-  if (t.size() == 6) {
+  if (t.size() == 7) {
     open_driver();
     l.function = reinterpret_cast<CUfunction>(t[0].cast<uintptr_t>());
     auto grid = t[1].cast<std::tuple<unsigned, unsigned, unsigned>>();
@@ -335,6 +336,8 @@ Launch make_launch(py::handle spec) {
     for (const auto& [param, slot] : l.pointers)
       if (param < 0 || static_cast<size_t>(param) >= l.words.size() || slot < 0)
         throw std::invalid_argument("flashsys native launch: pointer parameter out of range");
+    l.keep_alive = t[6].ptr();
+    Py_INCREF(l.keep_alive);
   } else if (t.size() == 3) {
     l.run = t[0].ptr();
     Py_INCREF(l.run);
@@ -343,7 +346,7 @@ Launch make_launch(py::handle spec) {
     l.tail = tail.ptr();
     Py_INCREF(l.tail);
   } else {
-    throw std::invalid_argument("flashsys native launch: a launch is a 6-tuple (CUDA) or a 3-tuple (interpreter)");
+    throw std::invalid_argument("flashsys native launch: a launch is a 7-tuple (CUDA) or a 3-tuple (interpreter)");
   }
   return l;
 }
