@@ -160,7 +160,10 @@ def forward(q: Tensor, k: Tensor, v: Tensor, is_causal, softmax_scale, window_si
     if (module is None or _suspended or not eager_plans.plannable(q, k, v, is_causal, softmax_scale, window_size)
             or _launch_hooks_set()):
         return None
-    return module.forward(q, k, v, is_causal, softmax_scale, window_size)
+    try:
+        return module.forward(q, k, v, is_causal, softmax_scale, window_size)
+    except TypeError:  # a flag outside C++'s types (an int beyond 64 bits): the Python path validates it
+        return None
 
 
 def offer_forward(plan: eager_plans.ForwardPlan | None, q: Tensor, k: Tensor, v: Tensor, is_causal,
