@@ -115,6 +115,7 @@ def test_what_the_native_side_does_not_take_goes_back_to_python():
     assert native_launch.forward(q, k, v, True, None, None) is not None
     assert native_launch.forward(q, k, v, 1, None, None) is None  # flags of another type: the full path decides
     assert native_launch.forward(q, k, v, True, None, (4, 0)) is None  # no plan for these flags yet
+    assert native_launch.forward(q, k, v, True, None, (2**70, 0)) is None  # beyond C++'s int64: Python validates
     assert native_launch.forward(q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v, True, None, None) is None
     import torch.autograd.forward_ad as fwad
 
