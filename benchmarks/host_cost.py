@@ -157,12 +157,19 @@ def breakdown(args) -> list[dict]:
         "forward launch: compiled kernel (flashsys full path)": lambda: ft._launch_eager(
             "fwd", ft._fwd_kernels, g, CAUSAL, ft._tile_grid(g.n_q, "BLOCK_M", g.n_bh), named),
         **replay,
-        "flashsys forward, no grad": lambda: _no_grad(op.apply, q, k, v),
+        "flashsys forward, no grad, Python path": lambda: _python_path(_no_grad, op.apply, q, k, v),
         "autograd engine: forward + backward of an identity Function": lambda: _Identity.apply(q).backward(do),
         "backward, full path: allocations + dQ and dK/dV launches (flash_backward_triton)": lambda: ft.flash_backward_triton(
             qd, kd, vd, o_plain, lse, do, CAUSAL, 0.125),
-        "flashsys forward + backward": lambda: op.apply(q, k, v, True).backward(do),
+        "flashsys forward + backward, Python path": lambda: _python_path(lambda: op.apply(q, k, v, True).backward(do)),
     }
+    if native_launch.status() == "ready":
+        parts.update({
+            "native launcher: signature (C++ key) + look-up, a miss": lambda: native_launch.forward(
+                q, k, v, True, None, (3, 0)),
+            "flashsys forward, no grad, native launcher": lambda: _no_grad(op.apply, q, k, v),
+            "flashsys forward + backward, native launcher": lambda: op.apply(q, k, v, True).backward(do),
+        })
     rows = []
     for name, fn in parts.items():
         for _ in range(3):
@@ -170,6 +177,11 @@ def breakdown(args) -> list[dict]:
         host, _ = per_call_us(fn, args.calls)
         rows.append({"part": name, "host_us": host})
     return rows
+
+
+def _python_path(fn, *args):
+    with native_launch.suspended():
+        return fn(*args)
 
 
 def _no_grad(fn, *args):
