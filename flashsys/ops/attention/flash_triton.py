@@ -16,7 +16,8 @@ Choices that pay (each measured in benchmarks/results/kernel_experiments.md, wit
 - Causal grids launch the heaviest query tiles first.
 - In the backward, the scale-and-subtract before each `exp2` is an explicit `tl.fma` on the stored -L: one
   instruction per score whatever a Triton version's default for fusing a multiply and an add (Triton 3.9 warns
-  that 3.10 turns that fusion off). The forward still relies on that fusion (see `_fwd_inner`).
+  that 3.10 turns that fusion off). The forward uses `tl.fma` only where Triton does not fuse by default
+  (`_FMA_SCORES`): the plain expression schedules better where it does.
 - Any stride: rank-3 (B, N, D) and rank-4 (B, H, N, D) views and non-contiguous inputs are addressed
   by their strides, never copied; only a dO whose last stride is not 1 (a stride-0 dO) is made dense.
 - Plain pointer arithmetic with masks: block pointers were removed in Triton 3.9.
@@ -52,6 +53,20 @@ LOG2E = 1.4426950408889634
 # The kernels' copies: a @triton.jit function may only read globals that are constexpr.
 _LOG2E: tl.constexpr = tl.constexpr(LOG2E)
 _LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+
+def _fp_fusion_by_default() -> bool:
+    """Whether Triton fuses a multiply and an add into one FMA where a launch does not say: its default up to 3.9
+    (3.9 warns that 3.10 turns it off). Read from Triton's knobs without asking `fp_fusion_enabled`, which warns."""
+    language = getattr(getattr(triton, "knobs", None), "language", None)
+    if language is None or not hasattr(language, "default_fp_fusion"):
+        return os.environ.get("TRITON_DEFAULT_FP_FUSION", "1") == "1"
+    return bool(language.default_fp_fusion) and not getattr(language, "force_disable_fp_fusion", False)
+
+
+# Where Triton does not fuse by default, the forward's scale-and-subtract is an explicit FMA (the backward's always
+# is); where it does, the plain expression schedules better on Triton 3.6 (kernel_experiments.md).
+_FMA_SCORES: tl.constexpr = tl.constexpr(not _fp_fusion_by_default())
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -199,9 +214,12 @@ def _fwd_inner(
         else:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # qk_scale > 0, so max commutes with it
             m_sub = m_new
-        # One FMA per score where Triton fuses a multiply and an add (its default up to 3.9). An explicit tl.fma
-        # here read ~4% slower at D 128 on Triton 3.6, with a reordered schedule (kernel_experiments.md).
-        p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
+        # One FMA per score either way (_FMA_SCORES). The explicit tl.fma read ~4% slower at D 128 on Triton 3.6,
+        # with a reordered schedule, so a Triton that fuses by default gets the plain expression.
+        if _FMA_SCORES:
+            p = tl.math.exp2(tl.fma(qk, qk_scale, -m_sub[:, None]))
+        else:
+            p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32_IEEE)
