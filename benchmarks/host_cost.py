@@ -17,7 +17,7 @@ eager_plans' replays through Triton's launcher), column `launcher`.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 import statistics
 import time
 
@@ -73,13 +73,15 @@ def headline(args) -> list[dict]:
                 fn = ATTENTION_BACKENDS[name].fn
                 launchers = ["native", "python"] if name == "flash" and native_launch.status() == "ready" else [None]
                 for launcher in launchers:
-                    def call(fn=fn, launcher=launcher):
-                        with native_launch.suspended() if launcher == "python" else contextlib.nullcontext():
-                            if grad:
-                                fn(q, k, v, True, None).backward(do)
-                            else:
-                                with torch.no_grad():
-                                    fn(q, k, v, True, None)
+                    def call(fn=fn):
+                        if grad:
+                            fn(q, k, v, True, None).backward(do)
+                        else:
+                            with torch.no_grad():
+                                fn(q, k, v, True, None)
+
+                    if launcher == "python":
+                        call = functools.partial(_python_path, call)
 
                     for _ in range(args.warmup + 2):  # first calls autotune and compile
                         call()
@@ -213,7 +215,7 @@ def main(argv=None) -> int:
                    help="also time the parts of a flashsys call (CUDA, or TRITON_INTERPRET=1 on a CPU)")
     p.add_argument("--name", default=None, help="file name of the table (default host_cost_<device>)")
     args = p.parse_args(argv)
-    env = environment()  # on a GPU, after the native launcher is ready (headline() asks for its status)
+    env = environment()
     name = args.name or f"host_cost_{'gpu' if ON_GPU else 'cpu'}"
     notes = [f"B=1, causal, {args.dtype}; {args.rounds} rounds of {args.calls} back-to-back calls per backend, the "
              "backends in turns. host_us: host time per call (the loop's wall time before any sync), median over "

@@ -119,7 +119,9 @@ def select_launcher(name: str, request, monkeypatch) -> None:
     from flashsys.ops.attention import native_launch
 
     if name == "python":
-        monkeypatch.setattr(native_launch, "_module", None)
+        suspension = native_launch.suspended()
+        suspension.__enter__()
+        request.addfinalizer(lambda: suspension.__exit__(None, None, None))
         return
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler: the native launcher cannot be built here")

@@ -166,27 +166,28 @@ def forward(q: Tensor, k: Tensor, v: Tensor, is_causal, softmax_scale, window_si
         return None
 
 
-def offer_forward(plan: eager_plans.ForwardPlan | None, q: Tensor, k: Tensor, v: Tensor, is_causal,
-                  softmax_scale, window_size) -> None:
-    """Give the native side a forward plan the Python path made or replayed (once per plan)."""
+def _offer(plan, register: Callable[[list], None]) -> None:
+    """Convert a plan's launches once and, unless a launch is refused, `register` them with the extension."""
     if _module is None or _suspended or plan is None or plan.native is not None:
         return
     specs = _launch_specs(plan.replays)
     plan.native = specs is not None
     if specs is not None:
-        _module.add_forward(q, k, v, is_causal, softmax_scale, window_size, specs, list(plan.lse_shape),
-                            *plan.window, float(plan.scale))
+        register(specs)
+
+
+def offer_forward(plan: eager_plans.ForwardPlan | None, q: Tensor, k: Tensor, v: Tensor, is_causal,
+                  softmax_scale, window_size) -> None:
+    """Give the native side a forward plan the Python path made or replayed (once per plan)."""
+    _offer(plan, lambda specs: _module.add_forward(q, k, v, is_causal, softmax_scale, window_size, specs,
+                                                    list(plan.lse_shape), *plan.window, float(plan.scale)))
 
 
 def offer_backward(plan: eager_plans.BackwardPlan | None, window: tuple[int, int], scale: float, q: Tensor,
                    k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor) -> None:
     """As `offer_forward`, for a backward plan of (q, k, v, O, L as unpacked, the dense dO)."""
-    if _module is None or _suspended or plan is None or plan.native is not None:
-        return
-    specs = _launch_specs(plan.replays)
-    plan.native = specs is not None
-    if specs is not None:
-        _module.add_backward(*window, float(scale), q, k, v, o, lse, do, specs, list(plan.delta_shape))
+    _offer(plan, lambda specs: _module.add_backward(*window, float(scale), q, k, v, o, lse, do, specs,
+                                                     list(plan.delta_shape)))
 
 
 _refused_kernels: set[str] = set()
@@ -237,7 +238,7 @@ def cuda_launch_spec(replay: eager_plans.Replay) -> tuple | None:
         return None
     types = list(kernel.src.signature.values())
     values = [None] * len(slots) + list(replay.tail)
-    params = ptx_parameters(kernel.asm.get("ptx", "")) if hasattr(kernel.asm, "get") else None
+    params = ptx_parameters(kernel.asm.get("ptx", ""))
     if params is None or len(types) != len(values):
         return None
     words, pointers = [], []

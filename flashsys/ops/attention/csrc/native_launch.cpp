@@ -318,7 +318,7 @@ py::object forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   return py::cast(flashsys::FlashAttention2TritonNative::apply(q, k, v, plan.get()));
 }
 
-Launch make_launch(py::handle spec) {
+Launch make_launch(py::handle spec, int n_tensors) {
   // CUDA: (function, (gx, gy, gz), threads, shared_bytes, words, [(param, slot), ...], compiled kernel);
   // interpreter: (run, [slot, ...], tail).
   py::tuple t = py::reinterpret_borrow<py::tuple>(spec);
@@ -334,14 +334,16 @@ Launch make_launch(py::handle spec) {
     l.pointers = t[5].cast<std::vector<std::pair<int, int>>>();
     if (l.words.size() > kMaxParams) throw std::invalid_argument("flashsys native launch: too many parameters");
     for (const auto& [param, slot] : l.pointers)
-      if (param < 0 || static_cast<size_t>(param) >= l.words.size() || slot < 0)
-        throw std::invalid_argument("flashsys native launch: pointer parameter out of range");
+      if (param < 0 || static_cast<size_t>(param) >= l.words.size() || slot < 0 || slot >= n_tensors)
+        throw std::invalid_argument("flashsys native launch: pointer parameter or tensor slot out of range");
     l.keep_alive = t[6].ptr();
     Py_INCREF(l.keep_alive);
   } else if (t.size() == 3) {
     l.run = t[0].ptr();
     Py_INCREF(l.run);
     l.slots = t[1].cast<std::vector<int>>();
+    for (int slot : l.slots)
+      if (slot < 0 || slot >= n_tensors) throw std::invalid_argument("flashsys native launch: tensor slot out of range");
     py::tuple tail = t[2].cast<py::tuple>();
     l.tail = tail.ptr();
     Py_INCREF(l.tail);
@@ -353,13 +355,7 @@ Launch make_launch(py::handle spec) {
 
 std::vector<Launch> make_launches(const py::list& specs, int n_tensors) {
   std::vector<Launch> out;
-  for (py::handle spec : specs) {
-    out.push_back(make_launch(spec));
-    for (const auto& [param, slot] : out.back().pointers)
-      if (slot >= n_tensors) throw std::invalid_argument("flashsys native launch: tensor slot out of range");
-    for (int slot : out.back().slots)
-      if (slot < 0 || slot >= n_tensors) throw std::invalid_argument("flashsys native launch: tensor slot out of range");
-  }
+  for (py::handle spec : specs) out.push_back(make_launch(spec, n_tensors));
   return out;
 }
 
