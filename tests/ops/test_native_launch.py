@@ -180,3 +180,13 @@ def test_a_failed_build_says_why_and_leaves_the_python_path(monkeypatch, tmp_pat
     assert any("did not build" in str(w.message) for w in caught)
     q, k, v, do = make_qkv(1, 2, 24, 24, 16, DTYPE, DEVICE, seed=5)
     assert_matches_reference(FlashAttention2Triton, q, k, v, do, True, None)
+
+
+def test_the_switch_takes_only_on_or_off(monkeypatch):
+    monkeypatch.setenv(native_launch.ENV, "off")
+    assert native_launch.status() == "off (FLASHSYS_NATIVE_LAUNCH=off)"
+    monkeypatch.setenv(native_launch.ENV, "1")
+    assert native_launch.status() == "ready"
+    monkeypatch.setenv(native_launch.ENV, "maybe")
+    with pytest.raises(ValueError, match="FLASHSYS_NATIVE_LAUNCH='maybe'"):
+        native_launch.start_build()

@@ -45,12 +45,19 @@ _suspended = False
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1") != "0"
+    """FLASHSYS_NATIVE_LAUNCH: unset, 1, true, on or yes (the default: on); 0, false, off or no. Anything else
+    raises, naming the variable, rather than being read as either."""
+    value = os.environ.get(ENV, "1").strip().lower()
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{ENV}={os.environ[ENV]!r}: set it to 0 (off) or 1 (on)")
 
 
 def status() -> str:
-    """'ready', 'building', 'not built', 'off (FLASHSYS_NATIVE_LAUNCH=0)' or 'failed: <reason>'."""
-    return "off (FLASHSYS_NATIVE_LAUNCH=0)" if not enabled() else _status
+    """'ready', 'building', 'not built', 'off (FLASHSYS_NATIVE_LAUNCH=...)' or 'failed: <reason>'."""
+    return f"off ({ENV}={os.environ.get(ENV)})" if not enabled() else _status
 
 
 def set_backward_fallback(fn: Callable) -> None:
