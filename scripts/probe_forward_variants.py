@@ -11,11 +11,16 @@
 --question pipeline: does issuing the next key tile's S = Q Kᵀ before this tile's softmax (FlashAttention-3's
   intra-warpgroup overlap, written by hand: S is carried across iterations) let the tensor cores work under the
   exponentials? Timed against the same kernel in the plain order.
+--question rescale: does skipping the rescale of the accumulator pay (FlashAttention-4's conditional rescaling)?
+  A row's running maximum is only raised when some row of the tile grew by more than 8 (log2 units): until then
+  the tile keeps its stale maxima (p <= 2^8, exact enough in fp32 and bf16) and neither multiplies acc and l by
+  alpha nor waits for the last P·V product before the next one. The branch is tile-wide (one max over the rows).
 
 Each output but mode "none" is checked against SDPA first.
 
     python scripts/probe_forward_variants.py --question ws
     python scripts/probe_forward_variants.py --question exp --head-dims 64 128
+    python scripts/probe_forward_variants.py --question rescale --head-dims 64 128
 """
 
 from __future__ import annotations
@@ -83,16 +88,34 @@ def _online_softmax_step(acc, l_i, m_i, qk, v, qk_scale, EXP: tl.constexpr, BLOC
 
 
 @triton.jit
+def _lazy_softmax_step(acc, l_i, m_i, qk, v, qk_scale):
+    """_online_softmax_step that keeps stale row maxima until one grows by more than 8 (log2 units)."""
+    m_cand = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    if tl.max(m_cand - m_i, 0) > 8.0:  # also the first tile: m_i is -inf
+        alpha = tl.math.exp2(m_i - m_cand)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha
+        m_i = m_cand
+    p = tl.math.exp2(qk * qk_scale - m_i[:, None])
+    l_i = l_i + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _ws_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, lo, hi, offs_m, offs_n, qk_scale,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, WS: tl.constexpr,
-              EXP: tl.constexpr):
+              EXP: tl.constexpr, LAZY: tl.constexpr = False):
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         k = desc_k.load([row0 + start_n, 0])
         qk = tl.dot(q, k.T)
         if MASK:
             qk = tl.where(offs_m[:, None] >= start_n + offs_n[None, :], qk, float("-inf"))
-        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, qk, desc_v.load([row0 + start_n, 0]), qk_scale, EXP,
-                                             BLOCK_M, BLOCK_N)
+        if LAZY:
+            acc, l_i, m_i = _lazy_softmax_step(acc, l_i, m_i, qk, desc_v.load([row0 + start_n, 0]), qk_scale)
+        else:
+            acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, qk, desc_v.load([row0 + start_n, 0]), qk_scale,
+                                                 EXP, BLOCK_M, BLOCK_N)
     return acc, l_i, m_i
 
 
@@ -113,7 +136,7 @@ def _pipelined_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, lo, hi, qk_scale, B
 @triton.jit
 def _ws_fwd(desc_q, desc_k, desc_v, desc_o, L, n_ctx, qk_scale,
             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-            WS: tl.constexpr, EXP: tl.constexpr, PIPE: tl.constexpr = False):
+            WS: tl.constexpr, EXP: tl.constexpr, PIPE: tl.constexpr = False, LAZY: tl.constexpr = False):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)  # heaviest tiles first
     bh = tl.program_id(1)
     row0 = bh * n_ctx
@@ -130,15 +153,15 @@ def _ws_fwd(desc_q, desc_k, desc_v, desc_o, L, n_ctx, qk_scale,
                                          BLOCK_N)
     else:
         acc, l_i, m_i = _ws_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, 0, unmasked_hi, offs_m, offs_n, qk_scale,
-                                  BLOCK_M, BLOCK_N, False, WS, EXP)
+                                  BLOCK_M, BLOCK_N, False, WS, EXP, LAZY)
     if CAUSAL:
         acc, l_i, m_i = _ws_inner(acc, l_i, m_i, q, desc_k, desc_v, row0, start_m, start_m + BLOCK_M, offs_m,
-                                  offs_n, qk_scale, BLOCK_M, BLOCK_N, True, WS, EXP)
+                                  offs_n, qk_scale, BLOCK_M, BLOCK_N, True, WS, EXP, LAZY)
     tl.store(L + bh * n_ctx + offs_m, m_i * 0.6931471805599453 + tl.log(l_i))
     desc_o.store([row0 + start_m, 0], (acc / l_i[:, None]).to(desc_o.dtype))
 
 
-def probe_forward(q, k, v, causal, bm, bn, warps, stages, ws, exp="mufu", pipe=False):
+def probe_forward(q, k, v, causal, bm, bn, warps, stages, ws, exp="mufu", pipe=False, lazy=False):
     b, h, n, d = q.shape
     o = torch.empty_like(q)
     lse = torch.empty(b * h * n, device=q.device, dtype=torch.float32)
@@ -148,7 +171,7 @@ def probe_forward(q, k, v, causal, bm, bn, warps, stages, ws, exp="mufu", pipe=F
 
     def run():
         _ws_fwd[grid](*args, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, WS=ws, EXP=EXP_MODES[exp],
-                      PIPE=pipe, num_warps=warps, num_stages=stages)
+                      PIPE=pipe, LAZY=lazy, num_warps=warps, num_stages=stages)
     return run, o
 
 
@@ -161,7 +184,7 @@ EXP_TILES = {64: ((128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3)), 128: ((12
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--question", choices=["ws", "exp", "pipeline"], default="ws")
+    ap.add_argument("--question", choices=["ws", "exp", "pipeline", "rescale"], default="ws")
     ap.add_argument("--head-dims", type=int, nargs="+", default=[128])
     args = ap.parse_args()
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
@@ -170,6 +193,9 @@ def main() -> int:
         for causal in (True, False):
             if args.question == "ws":
                 variants = [(tile, ws, "mufu", False) for tile in WS_TILES for ws in (False, True)]
+            elif args.question == "rescale":
+                variants = [(tile, False, "mufu", lazy) for tile in PIPE_TILES.get(d, PIPE_TILES[128])
+                            for lazy in ("plain", "lazy")]
             elif args.question == "exp":
                 variants = [(tile, False, exp, False) for tile in EXP_TILES.get(d, EXP_TILES[128])
                             for exp in EXP_MODES]
@@ -196,13 +222,16 @@ def report(d: int, causal: bool, variants) -> None:
     with torch.no_grad():
         ms = triton.testing.do_bench(lambda: flash_attention(q, k, v, causal=causal))
     rows.append(("flashsys forward", ms))
-    for (bm, bn, warps, stages), ws, exp, pipe in variants:
-        label = f"probe {bm}x{bn} {warps}w {stages}s ws={ws} exp={exp}" + (" S-ahead" if pipe else "")
+    for (bm, bn, warps, stages), ws, exp, mode in variants:
+        # mode: True / False (S issued ahead or not), or "plain" / "lazy" (the rescale question)
+        pipe, lazy = mode is True, mode == "lazy"
+        label = f"probe {bm}x{bn} {warps}w {stages}s ws={ws} exp={exp}" + (" S-ahead" if pipe else "") + (
+            f" rescale={mode}" if isinstance(mode, str) else "")
         if causal and bm % bn:  # the unmasked causal loop ends at start_m: BLOCK_N must divide BLOCK_M
             rows.append((label + " skipped: causal needs BLOCK_N | BLOCK_M", float("nan")))
             continue
         try:
-            run, o = probe_forward(q, k, v, causal, bm, bn, warps, stages, ws, exp, pipe)
+            run, o = probe_forward(q, k, v, causal, bm, bn, warps, stages, ws, exp, pipe, lazy)
             run()
             torch.cuda.synchronize()
             err = (o.float() - ref.float()).abs().max().item()
