@@ -60,6 +60,43 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, row, slot, pred):
 
 
 @gluon.jit
+def _causal_mask(s, offs_m, j, first_masked, BLOCK_N: gl.constexpr):
+    """S of key tile j with each query's later keys at -inf, for tiles from the first one that straddles the diagonal."""
+    if j >= first_masked:
+        offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+        s = gl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
+    return s
+
+
+@gluon.jit
+def _first_softmax(s, qk_scale):
+    """(P, row max, row sum) of the first key tile (scores in log2 units after qk_scale)."""
+    m_i = gl.max(s, 1) * qk_scale
+    p = gl.exp2(s * qk_scale - m_i[:, None])
+    return p, m_i, gl.sum(p, 1)
+
+
+@gluon.jit
+def _online_softmax(s, m_i, l_i, qk_scale):
+    """(P, new row max, alpha, new row sum) of a later key tile; O is rescaled by alpha once its last P·V is done."""
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    p = gl.exp2(s * qk_scale - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    return p, m_new, alpha, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _store_out(acc, m_i, l_i, offs_m, L, row0, o_desc, o_row, staging):
+    """L (natural log) and O = acc / l; O goes through `staging` (the Q buffer, no longer read) by a TMA store."""
+    gl.store(L + row0 + offs_m, m_i * 0.6931471805599453 + gl.log(l_i))
+    acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, acc.type.layout))[:, None]
+    staging.store(acc.to(o_desc.dtype))
+    fence_async_shared()
+    _tma_store(o_desc, [o_row, 0], staging)
+    tma.store_wait(0)
+
+
+@gluon.jit
 def _gluon_fwd(q_desc, k_desc, v_desc, o_desc, L, n_ctx, qk_scale,
                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                NBUF: gl.constexpr, NUM_WARPS: gl.constexpr):
@@ -72,7 +109,6 @@ def _gluon_fwd(q_desc, k_desc, v_desc, o_desc, L, n_ctx, qk_scale,
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     dtype: gl.constexpr = q_desc.dtype
 
     if CAUSAL:  # heaviest tiles first
@@ -113,12 +149,7 @@ def _gluon_fwd(q_desc, k_desc, v_desc, o_desc, L, n_ctx, qk_scale,
     mbarrier.wait(k_bar.index(0), 0)
     s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=[s])
-    if first_masked == 0:
-        offs_n = gl.arange(0, BLOCK_N, layout=col_s)
-        s = gl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
-    m_i = gl.max(s, 1) * qk_scale
-    p = gl.exp2(s * qk_scale - m_i[:, None])
-    l_i = gl.sum(p, 1)
+    p, m_i, l_i = _first_softmax(_causal_mask(s, offs_m, 0, first_masked, BLOCK_N), qk_scale)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
 
     for j in range(1, n_tiles):
@@ -130,14 +161,7 @@ def _gluon_fwd(q_desc, k_desc, v_desc, o_desc, L, n_ctx, qk_scale,
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         acc_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=[s_tok])  # S_j is done; P_{j-1} V_{j-1} may still run
-        if j >= first_masked:
-            offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
-            s = gl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        p = gl.exp2(s * qk_scale - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
+        p, m_i, alpha, l_i = _online_softmax(_causal_mask(s, offs_m, j, first_masked, BLOCK_N), m_i, l_i, qk_scale)
         acc = warpgroup_mma_wait(0, deps=[acc_tok])
         # Buffer `prev` is free once every warp's products that read it are done: refill it NBUF tiles ahead.
         # One warpgroup: its wait above covers them all (a wgmma is issued by the whole warpgroup); two: the
@@ -157,12 +181,7 @@ def _gluon_fwd(q_desc, k_desc, v_desc, o_desc, L, n_ctx, qk_scale,
     for i in gl.static_range(NBUF):
         mbarrier.invalidate(k_bar.index(i))
         mbarrier.invalidate(v_bar.index(i))
-    gl.store(L + row0 + offs_m, m_i * 0.6931471805599453 + gl.log(l_i))
-    acc = acc / gl.convert_layout(l_i, row_o)[:, None]
-    q_smem.store(acc.to(dtype))  # Q is no longer read: its buffer stages O for the TMA store
-    fence_async_shared()
-    _tma_store(o_desc, [row0 + start_m, 0], q_smem)
-    tma.store_wait(0)
+    _store_out(acc, m_i, l_i, offs_m, L, row0, o_desc, row0 + start_m, q_smem)
 
 
 @gluon.jit
@@ -193,7 +212,6 @@ def _pp_consumer(o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_b
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     dtype: gl.constexpr = o_desc.dtype
     my_m = start_m + HALF * HALF_M
     other_m = start_m + (1 - HALF) * HALF_M
@@ -215,12 +233,7 @@ def _pp_consumer(o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_b
     s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     mbarrier.arrive(turn_bar.index(1 - HALF))
     s = warpgroup_mma_wait(0, deps=[s])
-    if first_masked == 0:
-        offs_n = gl.arange(0, BLOCK_N, layout=col_s)
-        s = gl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
-    m_i = gl.max(s, 1) * qk_scale
-    p = gl.exp2(s * qk_scale - m_i[:, None])
-    l_i = gl.sum(p, 1)
+    p, m_i, l_i = _first_softmax(_causal_mask(s, offs_m, 0, first_masked, BLOCK_N), qk_scale)
     acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, layout=o_layout)
     for j in range(1, n_tiles):
         slot = j % NBUF
@@ -232,14 +245,7 @@ def _pp_consumer(o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_b
         acc_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(prev), acc, is_async=True)
         mbarrier.arrive(turn_bar.index(1 - HALF))
         s = warpgroup_mma_wait(1, deps=[s_tok])
-        if j >= first_masked:
-            offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
-            s = gl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        p = gl.exp2(s * qk_scale - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
+        p, m_i, alpha, l_i = _online_softmax(_causal_mask(s, offs_m, j, first_masked, BLOCK_N), m_i, l_i, qk_scale)
         acc = warpgroup_mma_wait(0, deps=[acc_tok])
         mbarrier.arrive(empty_bar.index(prev))
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -253,28 +259,7 @@ def _pp_consumer(o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_b
     for t in range(n_tiles + 1, n_other + 1):  # the turns the other warpgroup still takes (causal: its extra tiles)
         mbarrier.wait(turn_bar.index(HALF), t & 1)
         mbarrier.arrive(turn_bar.index(1 - HALF))
-    gl.store(L + row0 + offs_m, m_i * 0.6931471805599453 + gl.log(l_i))
-    acc = acc / gl.convert_layout(l_i, row_o)[:, None]
-    q.store(acc.to(dtype))
-    fence_async_shared()
-    _tma_store(o_desc, [row0 + my_m, 0], q)
-    tma.store_wait(0)
-
-
-@gluon.jit
-def _pp_consumer0(o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar, turn_bar, row0, start_m, n_ctx,
-                  qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  CAUSAL: gl.constexpr, NBUF: gl.constexpr):
-    _pp_consumer(o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar, turn_bar, row0, start_m, n_ctx,
-                 qk_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, NBUF)
-
-
-@gluon.jit
-def _pp_consumer1(o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar, turn_bar, row0, start_m, n_ctx,
-                  qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  CAUSAL: gl.constexpr, NBUF: gl.constexpr):
-    _pp_consumer(o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar, turn_bar, row0, start_m, n_ctx,
-                 qk_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, NBUF)
+    _store_out(acc, m_i, l_i, offs_m, L, row0, o_desc, row0 + my_m, q)
 
 
 @gluon.jit
@@ -314,17 +299,18 @@ def _gluon_fwd_pingpong(q_desc, k_desc, v_desc, o_desc, L, n_ctx, qk_scale,
     mbarrier.arrive(turn_bar.index(0))  # warpgroup 0 takes the first turn
     # The argument tuples are written out in the call: a tuple bound to a name first passes its constexprs on
     # wrapped twice (Triton 3.6), and arithmetic on them then fails.
-    gl.warp_specialize([(_pp_consumer0, (o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar, turn_bar,
-                                         row0, start_m, n_ctx, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, NBUF)),
-                        (_pp_consumer1, (o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar, turn_bar,
-                                         row0, start_m, n_ctx, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, NBUF)),
+    gl.warp_specialize([(_pp_consumer, (o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar, turn_bar,
+                                        row0, start_m, n_ctx, qk_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, NBUF)),
+                        (_pp_consumer, (o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar, turn_bar,
+                                        row0, start_m, n_ctx, qk_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, NBUF)),
                         (_pp_producer, (q_desc, k_desc, v_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
                                         empty_bar, row0, start_m, n_tiles, BLOCK_M, BLOCK_N, NBUF))],
                        [4, 1], [CONSUMER_REGS, 24])
 
 
-def gluon_forward_pingpong(q, k, v, causal, bm, bn, regs, nbuf):
-    """(launch, O, L, (args, constexprs)) of the ping-pong kernel, as gluon_forward."""
+def _kernel_args(q, k, v, bm, q_rows, bn):
+    """(O, L, the kernel's runtime arguments) for dense contiguous (B, H, N, D) q, k, v: TMA descriptors over the
+    flat (B·H·N, D) views with q_rows-row blocks for Q and O and bn-row blocks for K and V."""
     b, h, n, d = q.shape
     assert n % bm == 0 and n % bn == 0, "the probe takes whole tiles only"
     o = torch.empty_like(q)
@@ -335,33 +321,28 @@ def gluon_forward_pingpong(q, k, v, causal, bm, bn, regs, nbuf):
         layout = gl.NVMMASharedLayout.get_default_for([rows, d], gdt)
         return TensorDescriptor.from_tensor(t.view(b * h * n, d), [rows, d], layout)
 
-    args = (desc(q, bm // 2), desc(k, bn), desc(v, bn), desc(o, bm // 2), lse, n, 1.0 / math.sqrt(d) * LOG2E)
-    grid = (n // bm, b * h)
-    consts = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, NBUF=nbuf, CONSUMER_REGS=regs)
-
-    def run():
-        _gluon_fwd_pingpong[grid](*args, **consts, num_warps=4)
-    return run, o, lse, (args, consts)
+    return o, lse, (desc(q, q_rows), desc(k, bn), desc(v, bn), desc(o, q_rows), lse, n, 1.0 / math.sqrt(d) * LOG2E)
 
 
 def gluon_forward(q, k, v, causal, bm, bn, warps, nbuf):
-    """(launch, O, L) for dense contiguous (B, H, N, D) q, k, v."""
+    """(launch, O, L, (args, constexprs)) of the plain kernel."""
     b, h, n, d = q.shape
-    assert n % bm == 0 and n % bn == 0, "the probe takes whole tiles only"
-    o = torch.empty_like(q)
-    lse = torch.empty(b * h * n, device=q.device, dtype=torch.float32)
-    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]
-
-    def desc(t, rows):
-        layout = gl.NVMMASharedLayout.get_default_for([rows, d], gdt)
-        return TensorDescriptor.from_tensor(t.view(b * h * n, d), [rows, d], layout)
-
-    args = (desc(q, bm), desc(k, bn), desc(v, bn), desc(o, bm), lse, n, 1.0 / math.sqrt(d) * LOG2E)
-    grid = (n // bm, b * h)
+    o, lse, args = _kernel_args(q, k, v, bm, bm, bn)
     consts = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, NBUF=nbuf, NUM_WARPS=warps)
 
     def run():
-        _gluon_fwd[grid](*args, **consts, num_warps=warps)
+        _gluon_fwd[(n // bm, b * h)](*args, **consts, num_warps=warps)
+    return run, o, lse, (args, consts)
+
+
+def gluon_forward_pingpong(q, k, v, causal, bm, bn, regs, nbuf):
+    """(launch, O, L, (args, constexprs)) of the ping-pong kernel (Q and O in blocks of bm // 2 rows)."""
+    b, h, n, d = q.shape
+    o, lse, args = _kernel_args(q, k, v, bm, bm // 2, bn)
+    consts = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, NBUF=nbuf, CONSUMER_REGS=regs)
+
+    def run():
+        _gluon_fwd_pingpong[(n // bm, b * h)](*args, **consts, num_warps=4)
     return run, o, lse, (args, consts)
 
 
