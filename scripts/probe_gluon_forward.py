@@ -44,7 +44,6 @@ except ImportError as exc:  # a Triton without Gluon's Hopper API
     sys.exit(0)
 
 LOG2E = 1.4426950408889634
-LN2 = math.log(2.0)
 # TMA copies: Triton 3.6 (the GPUs) names them async_copy_*; later Tritons (CI's 3.9) renamed them.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
@@ -61,7 +60,7 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, row, slot, pred):
 
 @gluon.jit
 def _causal_mask(s, offs_m, j, first_masked, BLOCK_N: gl.constexpr):
-    """S of key tile j with each query's later keys at -inf, for tiles from the first one that straddles the diagonal."""
+    """S of key tile j with each query's later keys at -inf, from the first tile that straddles the diagonal on."""
     if j >= first_masked:
         offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
         s = gl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
@@ -324,26 +323,30 @@ def _kernel_args(q, k, v, bm, q_rows, bn):
     return o, lse, (desc(q, q_rows), desc(k, bn), desc(v, bn), desc(o, q_rows), lse, n, 1.0 / math.sqrt(d) * LOG2E)
 
 
+def _launchers(kernel, grid, args, consts, num_warps):
+    """(run: launch on the grid, compile_kernel: compile for a one-program grid without launching)."""
+    def run():
+        kernel[grid](*args, **consts, num_warps=num_warps)
+
+    def compile_kernel():
+        return kernel.warmup(*args, **consts, num_warps=num_warps, grid=(1,))
+    return run, compile_kernel
+
+
 def gluon_forward(q, k, v, causal, bm, bn, warps, nbuf):
-    """(launch, O, L, (args, constexprs)) of the plain kernel."""
+    """(launch, compile, O, L) of the plain kernel."""
     b, h, n, d = q.shape
     o, lse, args = _kernel_args(q, k, v, bm, bm, bn)
     consts = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, NBUF=nbuf, NUM_WARPS=warps)
-
-    def run():
-        _gluon_fwd[(n // bm, b * h)](*args, **consts, num_warps=warps)
-    return run, o, lse, (args, consts)
+    return (*_launchers(_gluon_fwd, (n // bm, b * h), args, consts, warps), o, lse)
 
 
 def gluon_forward_pingpong(q, k, v, causal, bm, bn, regs, nbuf):
-    """(launch, O, L, (args, constexprs)) of the ping-pong kernel (Q and O in blocks of bm // 2 rows)."""
+    """(launch, compile, O, L) of the ping-pong kernel (Q and O in blocks of bm // 2 rows)."""
     b, h, n, d = q.shape
     o, lse, args = _kernel_args(q, k, v, bm, bm // 2, bn)
     consts = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, NBUF=nbuf, CONSUMER_REGS=regs)
-
-    def run():
-        _gluon_fwd_pingpong[(n // bm, b * h)](*args, **consts, num_warps=4)
-    return run, o, lse, (args, consts)
+    return (*_launchers(_gluon_fwd_pingpong, (n // bm, b * h), args, consts, 4), o, lse)
 
 
 # ("plain", (BLOCK_M, BLOCK_N, warps, buffers)): 4 warps = one warpgroup, 8 = two sharing the key tiles;
@@ -374,7 +377,8 @@ def _resource_usage(kern) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kern.asm["cubin"])
         f.flush()
-        out = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-res-usage", f.name], capture_output=True, text=True).stdout
+        out = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-res-usage", f.name], capture_output=True,
+                             text=True).stdout
     found = re.search(r"REG:(\d+).*?STACK:(\d+).*?LOCAL:(\d+)", out)
     return f"{found[1]} registers, stack {found[2]} B, local {found[3]} B" if found else out.strip()[-200:]
 
@@ -388,11 +392,10 @@ def compile_only(head_dims) -> int:
         q = torch.randn(1, 2, 1024, d, dtype=torch.bfloat16)
         for causal in (True, False):
             for kind, params in VARIANTS[d]:
-                _, _, _, (args, consts) = build(kind, q, q, q, causal, params)
+                _, compile_kernel, _, _ = build(kind, q, q, q, causal, params)
                 label = f"D {d} causal {causal} {variant_label(kind, params)}"
                 try:
-                    kernel = _gluon_fwd if kind == "plain" else _gluon_fwd_pingpong
-                    kern = kernel.warmup(*args, **consts, num_warps=params[2] if kind == "plain" else 4, grid=(1,))
+                    kern = compile_kernel()
                     print(f"{label}: {_resource_usage(kern)}, {kern.metadata.shared} B shared")
                 except Exception as exc:  # noqa: BLE001  the point is to see what fails
                     print(f"{label}: FAILED {type(exc).__name__}: {str(exc)[-1500:]}")
@@ -401,10 +404,14 @@ def compile_only(head_dims) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--seqs", type=int, nargs="+", default=[16384], help="N per cell; B = 16384 // N")
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], choices=sorted(VARIANTS))
+    ap.add_argument("--seqs", type=int, nargs="+", default=[16384],
+                    help="N per cell, a multiple of 256 that divides 16384; B = 16384 // N")
     ap.add_argument("--compile-only", action="store_true")
     args = ap.parse_args()
+    bad = [n for n in args.seqs if n <= 0 or n % 256 or 16384 % n]
+    if bad:  # the kernels take whole tiles (up to 256 rows), and every cell holds 16k tokens
+        ap.error(f"--seqs: {bad} is not a multiple of 256 that divides 16384")
     if args.compile_only:
         return compile_only(args.head_dims)
     if not torch.cuda.is_available():
@@ -436,7 +443,7 @@ def main() -> int:
             for kind, params in VARIANTS[d]:
                 label = variant_label(kind, params)
                 try:
-                    run, o, lse, _ = build(kind, q, k, v, causal, params)
+                    run, _, o, lse = build(kind, q, k, v, causal, params)
                     run()
                     torch.cuda.synchronize()
                     err = (o.float() - ref.float()).abs().max().item()
