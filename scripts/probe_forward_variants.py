@@ -161,7 +161,9 @@ def _ws_fwd(desc_q, desc_k, desc_v, desc_o, L, n_ctx, qk_scale,
     desc_o.store([row0 + start_m, 0], (acc / l_i[:, None]).to(desc_o.dtype))
 
 
-def probe_forward(q, k, v, causal, bm, bn, warps, stages, ws, exp="mufu", pipe=False, lazy=False):
+def probe_forward(q, k, v, causal, bm, bn, warps, stages, ws, exp="mufu", order="plain"):
+    """(launch, O). order: "plain", "S-ahead" (S of the next tile before this tile's softmax) or "lazy" (the
+    conditional rescale)."""
     b, h, n, d = q.shape
     o = torch.empty_like(q)
     lse = torch.empty(b * h * n, device=q.device, dtype=torch.float32)
@@ -171,7 +173,7 @@ def probe_forward(q, k, v, causal, bm, bn, warps, stages, ws, exp="mufu", pipe=F
 
     def run():
         _ws_fwd[grid](*args, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, WS=ws, EXP=EXP_MODES[exp],
-                      PIPE=pipe, LAZY=lazy, num_warps=warps, num_stages=stages)
+                      PIPE=order == "S-ahead", LAZY=order == "lazy", num_warps=warps, num_stages=stages)
     return run, o
 
 
@@ -192,16 +194,14 @@ def main() -> int:
     for d in args.head_dims:
         for causal in (True, False):
             if args.question == "ws":
-                variants = [(tile, ws, "mufu", False) for tile in WS_TILES for ws in (False, True)]
-            elif args.question == "rescale":
-                variants = [(tile, False, "mufu", lazy) for tile in PIPE_TILES.get(d, PIPE_TILES[128])
-                            for lazy in ("plain", "lazy")]
+                variants = [(tile, ws, "mufu", "plain") for tile in WS_TILES for ws in (False, True)]
             elif args.question == "exp":
-                variants = [(tile, False, exp, False) for tile in EXP_TILES.get(d, EXP_TILES[128])
+                variants = [(tile, False, exp, "plain") for tile in EXP_TILES.get(d, EXP_TILES[128])
                             for exp in EXP_MODES]
-            else:
-                variants = [(tile, False, "mufu", pipe) for tile in PIPE_TILES.get(d, PIPE_TILES[128])
-                            for pipe in (False, True)]
+            else:  # pipeline, rescale: the plain order beside the question's
+                other = "S-ahead" if args.question == "pipeline" else "lazy"
+                variants = [(tile, False, "mufu", order) for tile in PIPE_TILES.get(d, PIPE_TILES[128])
+                            for order in ("plain", other)]
             report(d, causal, variants)
     return 0
 
@@ -222,16 +222,13 @@ def report(d: int, causal: bool, variants) -> None:
     with torch.no_grad():
         ms = triton.testing.do_bench(lambda: flash_attention(q, k, v, causal=causal))
     rows.append(("flashsys forward", ms))
-    for (bm, bn, warps, stages), ws, exp, mode in variants:
-        # mode: True / False (S issued ahead or not), or "plain" / "lazy" (the rescale question)
-        pipe, lazy = mode is True, mode == "lazy"
-        label = f"probe {bm}x{bn} {warps}w {stages}s ws={ws} exp={exp}" + (" S-ahead" if pipe else "") + (
-            f" rescale={mode}" if isinstance(mode, str) else "")
+    for (bm, bn, warps, stages), ws, exp, order in variants:
+        label = f"probe {bm}x{bn} {warps}w {stages}s ws={ws} exp={exp}" + ("" if order == "plain" else f" {order}")
         if causal and bm % bn:  # the unmasked causal loop ends at start_m: BLOCK_N must divide BLOCK_M
             rows.append((label + " skipped: causal needs BLOCK_N | BLOCK_M", float("nan")))
             continue
         try:
-            run, o = probe_forward(q, k, v, causal, bm, bn, warps, stages, ws, exp, pipe, lazy)
+            run, o = probe_forward(q, k, v, causal, bm, bn, warps, stages, ws, exp, order)
             run()
             torch.cuda.synchronize()
             err = (o.float() - ref.float()).abs().max().item()
