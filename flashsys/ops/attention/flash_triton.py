@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 from triton.compiler import CompiledKernel
 
-from . import eager_plans, native_launch
+from . import eager_plans, flash_gluon, native_launch
 from .eager_plans import Recorded
 from .triton_env import interpreter_active
 from .validation import (
@@ -858,10 +858,14 @@ def flash_forward_triton(
 
 def _planned_forward(q: Tensor, k: Tensor, v: Tensor, window: tuple[int, int], scale: float, traced: bool = False
                      ) -> tuple[Tensor, Tensor, eager_plans.ForwardPlan | None]:
-    """flash_forward_triton, and the plan that replays it (None until compiled kernels ran it, and when traced)."""
-    g = _geometry_of(q.shape, k.shape, q.dtype) if traced else _cached_geometry(q.shape, k.shape, q.dtype)
+    """flash_forward_triton, and the plan that replays it (None until compiled kernels ran it, and when traced).
+    Where the Gluon forward takes the call (Hopper, flash_gluon.takes) it runs instead, unplanned."""
     o = torch.empty_like(q, memory_format=torch.contiguous_format)  # empty_like: the cheapest allocation call
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    if not traced and flash_gluon.takes(q, k, v):
+        flash_gluon.forward(q, k, v, o, lse, window, scale)
+        return o, lse, None
+    g = _geometry_of(q.shape, k.shape, q.dtype) if traced else _cached_geometry(q.shape, k.shape, q.dtype)
     recorded = _launch_forward(g, q, k, v, o, lse, q, k, window, scale, traced)
     replays = None if traced else eager_plans.replays(recorded, (q, k, v, o, lse))
     plan = None if replays is None else eager_plans.ForwardPlan(window, scale, tuple(lse.shape), replays)
@@ -1036,6 +1040,18 @@ def flash_attention_backward_op(
     return _backward(q, k, v, o, lse, do, (window_left, window_right), softmax_scale, traced=True)
 
 
+# On Hopper the compiled graph's forward is the Gluon kernel where it takes the inputs. Inductor cannot re-emit a
+# Gluon kernel as it does a `tl` one, so it runs through an opaque custom op; its body checks what a traced call
+# cannot (the tensors' addresses) and runs the `tl` forward where the Gluon one does not take the call.
+
+
+@torch.library.custom_op("flashsys::flash_attention_forward_gluon", mutates_args=())
+def _gluon_forward_op(q: Tensor, k: Tensor, v: Tensor, window_left: int, window_right: int,
+                      softmax_scale: float) -> tuple[Tensor, Tensor]:
+    with _on_current_device(q):
+        return _forward(q, k, v, (window_left, window_right), softmax_scale)
+
+
 @torch.library.custom_op("flashsys::flash_attention_forward_interpreted", mutates_args=())
 def _interpreted_forward_op(q: Tensor, k: Tensor, v: Tensor, window_left: int, window_right: int,
                             softmax_scale: float) -> tuple[Tensor, Tensor]:
@@ -1043,6 +1059,7 @@ def _interpreted_forward_op(q: Tensor, k: Tensor, v: Tensor, window_left: int, w
 
 
 @_interpreted_forward_op.register_fake
+@_gluon_forward_op.register_fake
 def _(q, k, v, window_left, window_right, softmax_scale):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
@@ -1058,6 +1075,13 @@ def _interpreted_backward_op(
 @_interpreted_backward_op.register_fake
 def _(q, k, v, o, lse, do, window_left, window_right, softmax_scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _traced_forward(q: Tensor, k: Tensor, v: Tensor):
+    """The op a traced (torch.compile) forward call runs."""
+    if q.device.type != "cuda":
+        return _interpreted_forward_op
+    return _gluon_forward_op if flash_gluon.problem(q, k, v) is None else flash_attention_forward_op
 
 
 def _eager(*tensors: Tensor) -> bool:
@@ -1136,8 +1160,7 @@ class _FlashAttention2TritonFunction(torch.autograd.Function):
         elif eager:
             o, lse = _forward(q, k, v, window, scale)
         else:
-            forward = flash_attention_forward_op if q.device.type == "cuda" else _interpreted_forward_op
-            o, lse = forward(q, k, v, *window, scale)
+            o, lse = _traced_forward(q, k, v)(q, k, v, *window, scale)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.window, ctx.scale, ctx.planned = window, scale, plan is not None
         return o

@@ -1,0 +1,227 @@
+"""The Gluon forward on Hopper: which calls it takes, its variants, how one is chosen, and its launch.
+
+The kernels (`gluon_kernels.py`) overlap each tile's softmax with the tensor cores, which the `tl` forward cannot
+express; on an H100 they run 10-20% faster than it (benchmarks/results/kernel_experiments.md). They need an sm_90
+GPU, a Triton with Gluon's Hopper API (3.6 or later) and TMA-friendly tensors, so they take a call only where all
+of that holds and the `tl` forward (flash_triton) runs every other call: CPUs and the interpreter, other GPUs,
+varlen batches, fp32, head dims other than 64 and 128, strides TMA cannot address. Both write the same O and L,
+so the backward (the `tl` kernels) is the same whichever ran.
+
+`takes(q, k, v)` says whether a call goes here; `FLASHSYS_GLUON=0` turns the path off (for A/B timings).
+Each (head dim, dtype, window bounds, length bucket) picks its variant by timing the candidates on its first call,
+as Triton's autotuner does for the `tl` kernels; `FLASHSYS_TRITON_AUTOTUNE=0` takes the first candidate.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+from torch import Tensor
+
+LOG2E = 1.4426950408889634
+HEAD_DIMS = (64, 128)
+_DTYPES = (torch.float16, torch.bfloat16)
+# The work (B * H * Nq * Nk * D) below which a call keeps the `tl` forward. This path's host time per call is about
+# 200 µs (Triton's launch of a Gluon kernel, four TMA descriptors; the native launcher's `tl` forward costs ~20 µs),
+# and a forward + backward through it about 800 µs (the Python autograd path against the native one's ~170 µs). The
+# bar puts the GPU's forward + backward well past that (~1.2 ms at D 64 causal on an H100): H100, B 1, H 16:
+# benchmarks/results/kernel_configs/probe_gluon_host_h100.txt.
+MIN_WORK = 1 << 36
+
+
+class Variant(NamedTuple):
+    """One kernel configuration: "plain" (one warpgroup) or "pingpong" (producer warp + two consumer warpgroups
+    with `regs` registers per thread)."""
+
+    kind: str
+    block_m: int
+    block_n: int
+    nbuf: int  # K/V buffers in flight
+    regs: int = 0
+
+    def label(self) -> str:
+        extra = f" {self.regs} regs" if self.kind == "pingpong" else ""
+        return f"{self.kind} {self.block_m}x{self.block_n} {self.nbuf}buf{extra}"
+
+
+# Candidates per head dim, best single choice first: each won some cells of the H100 sweep
+# (kernel_configs/probe_gluon_forward_sweep_h100.txt), and none of the others won any.
+VARIANTS: dict[int, tuple[Variant, ...]] = {
+    64: (Variant("plain", 64, 128, 3), Variant("plain", 128, 64, 3), Variant("pingpong", 128, 128, 3, 240)),
+    128: (Variant("pingpong", 128, 64, 4, 240), Variant("pingpong", 128, 128, 2, 240), Variant("plain", 64, 64, 3)),
+}
+
+
+@functools.cache
+def _kernels():
+    """The kernel module, or None where this Triton has no Gluon Hopper API (imported once, on first use)."""
+    try:
+        from . import gluon_kernels
+    except ImportError:
+        return None
+    return gluon_kernels
+
+
+def enabled() -> bool:
+    return os.environ.get("FLASHSYS_GLUON", "1") != "0"
+
+
+@functools.cache
+def _hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def _tma_strides_ok(t: Tensor) -> bool:
+    """Every stride TMA reads is a positive multiple of 16 bytes, the last is 1 (dims of size 1 are never strided)."""
+    if t.stride(-1) != 1:
+        return False
+    return all(size == 1 or (stride > 0 and stride % 8 == 0) for size, stride in zip(t.shape[:-1], t.stride()[:-1]))
+
+
+def problem(q: Tensor, k: Tensor, v: Tensor) -> str | None:
+    """None when the Gluon forward takes these (validated, dense) inputs, else why not. Cheapest checks first: an
+    eager call asks this every time."""
+    if q.device.type != "cuda":
+        return "not a CUDA tensor"
+    if q.dtype not in _DTYPES:
+        return f"dtype {q.dtype} (takes float16, bfloat16)"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"head dim {q.shape[-1]} (takes {HEAD_DIMS})"
+    if not enabled():
+        return "FLASHSYS_GLUON=0"
+    if not _hopper(q.device.index if q.device.index is not None else torch.cuda.current_device()):
+        return "not an sm_90 (Hopper) GPU"
+    if _kernels() is None:
+        return "this Triton has no Gluon Hopper API"
+    sizes = [s for t in (q, k, v) for s in (*t.shape, *t.stride())]
+    if any(type(s) is not int for s in sizes):
+        return "symbolic shapes or strides (torch.compile with dynamic shapes)"
+    work = q.shape[-2] * k.shape[-2] * q.shape[0] * (q.shape[1] if q.dim() == 4 else 1) * q.shape[-1]
+    if work < MIN_WORK:
+        return f"B*H*Nq*Nk*D = {work} < {MIN_WORK} (host-bound there: the native launcher's `tl` forward costs less)"
+    if not all(_tma_strides_ok(t) for t in (q, k, v)):
+        return "strides TMA cannot address (each must be a multiple of 16 bytes, the last 1)"
+    return None
+
+
+def takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether the Gluon forward runs this call (real tensors: their addresses must be 16-byte aligned too)."""
+    return problem(q, k, v) is None and all(t.data_ptr() % 16 == 0 for t in (q, k, v))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launch
+# ----------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _smem_layout(rows: int, head_dim: int, dtype: torch.dtype):
+    gl = _kernels().gl
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], {torch.bfloat16: gl.bfloat16,
+                                                                        torch.float16: gl.float16}[dtype])
+
+
+def _rank4(t: Tensor) -> Tensor:
+    return t if t.dim() == 4 else t.unsqueeze(1)
+
+
+def _descriptor(t: Tensor, rows: int):
+    """A TMA descriptor of rank-4 t copying (1, 1, rows, D) boxes. A dim of size 1 gets the stride it would have
+    if t were dense over the dims inside it (its own may be anything; TMA checks every stride)."""
+    shape, strides = list(t.shape), list(t.stride())
+    for axis in (1, 0):
+        if shape[axis] == 1:
+            strides[axis] = shape[axis + 1] * strides[axis + 1]
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    return TensorDescriptor(t, shape, strides, [1, 1, rows, shape[3]], _smem_layout(rows, shape[3], t.dtype))
+
+
+def _launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, o4: Tensor, lse: Tensor,
+                  window: tuple[int, int], scale: float) -> tuple:
+    """(kernel, grid, positional arguments, keyword arguments) of one launch on rank-4 tensors."""
+    kernels = _kernels()
+    batch, n_heads, n_q, d = q4.shape
+    q_rows = variant.block_m if variant.kind == "plain" else variant.block_m // 2
+    args = (_descriptor(q4, q_rows), _descriptor(k4, variant.block_n), _descriptor(v4, variant.block_n),
+            _descriptor(o4, q_rows), lse, n_heads, n_heads // k4.shape[1], n_q, k4.shape[2], window[0], window[1],
+            scale * LOG2E)
+    kwargs = dict(HEAD_DIM=d, BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, BOUND_RIGHT=window[1] >= 0,
+                  BOUND_LEFT=window[0] >= 0, NBUF=variant.nbuf, num_warps=4)
+    if variant.kind == "plain":
+        kernel = kernels.attention_forward
+    else:
+        kernel = kernels.attention_forward_pingpong
+        kwargs["CONSUMER_REGS"] = variant.regs
+    return kernel, (triton.cdiv(n_q, variant.block_m), batch * n_heads), args, kwargs
+
+
+def _launch(variant: Variant, *tensors_and_scalars) -> None:
+    kernel, grid, args, kwargs = _launch_parts(variant, *tensors_and_scalars)
+    kernel[grid](*args, **kwargs)
+
+
+def compile_only(variant: Variant, q: Tensor, k: Tensor, v: Tensor, window: tuple[int, int], scale: float):
+    """Compile `variant` for these inputs' shapes without launching it (Triton's `warmup`; on a CPU machine under a
+    stand-in driver that names sm_90, as the CPU tests do). Returns the compiled kernel."""
+    o = torch.empty_like(q)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    kernel, _, args, kwargs = _launch_parts(variant, *(_rank4(t) for t in (q, k, v, o)), lse, window, scale)
+    return kernel.warmup(*args, **kwargs, grid=(1,))
+
+
+class ChoiceKey(NamedTuple):
+    head_dim: int
+    dtype: torch.dtype
+    bound_right: bool
+    bound_left: bool
+    bucket: int  # max(Nq, Nk) rounded up to a power of two
+
+
+_chosen: dict[ChoiceKey, Variant] = {}
+
+
+def chosen_variants() -> dict[ChoiceKey, Variant]:
+    """{key: variant} chosen so far in this process."""
+    return dict(_chosen)
+
+
+def _autotune_enabled() -> bool:
+    return os.environ.get("FLASHSYS_TRITON_AUTOTUNE", "1") != "0"
+
+
+def _choose(key: ChoiceKey, run) -> Variant:
+    """The variant for `key`: timed on this call's tensors the first time (each candidate, by
+    triton.testing.do_bench), then remembered. `run(variant)` launches one; a candidate that fails to compile or
+    launch on this GPU is skipped."""
+    chosen = _chosen.get(key)
+    if chosen is not None:
+        return chosen
+    candidates = VARIANTS[key.head_dim]
+    if not _autotune_enabled() or torch.cuda.is_current_stream_capturing():
+        return candidates[0]  # not remembered while capturing: a later eager call may still time them
+    from triton.testing import do_bench
+
+    times = {}
+    for variant in candidates:
+        try:
+            times[variant] = do_bench(lambda: run(variant), warmup=5, rep=25)
+        except Exception:  # noqa: BLE001  (out of shared memory or registers on this GPU: not a candidate here)
+            continue
+    if not times:
+        raise RuntimeError(f"flashsys Gluon forward: no variant of {[v.label() for v in candidates]} runs for {key}")
+    _chosen[key] = min(times, key=times.get)
+    return _chosen[key]
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, window: tuple[int, int], scale: float) -> None:
+    """Write O (dense, shaped like q) and L (float32, q.shape[:-1], dense) for inputs `takes` accepted; window as
+    the `tl` forward takes it ((left, right), -1 unbounded; causal (-1, 0))."""
+    q4, k4, v4, o4 = (_rank4(t) for t in (q, k, v, o))
+    bucket = 1 << (max(q4.shape[2], k4.shape[2]) - 1).bit_length()
+    key = ChoiceKey(q4.shape[3], q.dtype, window[1] >= 0, window[0] >= 0, bucket)
+    variant = _choose(key, lambda var: _launch(var, q4, k4, v4, o4, lse, window, scale))
+    _launch(variant, q4, k4, v4, o4, lse, window, scale)

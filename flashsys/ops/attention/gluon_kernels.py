@@ -1,0 +1,343 @@
+"""The FlashAttention forward for Hopper GPUs (sm_90), written in Gluon, Triton's lower-level language.
+
+Importing this module needs a Triton with Gluon's Hopper API (3.6 or later); `flash_gluon` imports it only
+where that is so. The host side (which inputs take these kernels, the variants, tuning) is in `flash_gluon.py`.
+
+Why Gluon: a `tl` kernel on Hopper runs each tile's softmax and its two tensor-core products one after the other
+(Triton waits for each `wgmma` before its result is used). Gluon exposes FlashAttention-3's tools, and both
+kernels here use its intra-warpgroup overlap:
+
+    S_t = Q K_tᵀ (async); O += P_{t-1} V_{t-1} (async); wait for S_t only; softmax(S_t) -> P_t runs while the
+    P V product is still on the tensor cores; wait for it; rescale O; refill the freed K/V buffer (TMA).
+
+- `attention_forward`: one warpgroup per program, several programs per SM (best at D 64 and short sequences).
+- `attention_forward_pingpong`: warp-specialised. A producer warp issues the TMA copies into a ring of buffers;
+  two consumer warpgroups of BLOCK_M // 2 query rows share the key tiles and take turns at issuing their products
+  (FlashAttention-3's inter-warpgroup ping-pong), so one's softmax runs while the other's products run.
+
+Both write what the `tl` forward writes (O, and L in natural log) for every input it takes: grouped-query K/V
+(head h reads K/V head h // kv_group), Nq != Nk, causal and sliding windows (bottom-right aligned), lengths that are
+not a multiple of the tile (TMA reads zeros past the end and clips the stores), and rows that see no key
+(O = 0, L = -inf). Tensors are rank-4 (B, H, N, D) TMA descriptors with their own strides: the kernels copy
+(1, 1, rows, D) boxes and view them as (rows, D) tiles.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
+
+# TMA copies: Triton 3.6 names them async_copy_*; later Tritons renamed them async_load / async_store.
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+
+@gluon.jit
+def _program_tile(n_heads, kv_group, HEAVIEST_FIRST: gl.constexpr):
+    """(query-tile index, flat batch*head index, batch, head, K/V head). Causal grids run the last query tiles, which
+    see the most keys, first."""
+    pid_m = gl.program_id(0)
+    if HEAVIEST_FIRST:
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    bh = gl.program_id(1)
+    h = bh % n_heads
+    return pid_m, bh, bh // n_heads, h, h // kv_group
+
+
+@gluon.jit
+def _key_range(start_m, n_rows, n_k, right_offset, left_offset, BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr,
+               BOUND_LEFT: gl.constexpr):
+    """(lo, full_lo, full_hi, hi) in key rows for query rows [start_m, start_m + n_rows), as the `tl` forward's
+    `_key_tile_range`: keys in [full_lo, full_hi) are visible to every one of these queries, [lo, hi) holds every
+    key that any of them sees. lo, full_lo and full_hi are multiples of BLOCK_N."""
+    if BOUND_RIGHT:
+        hi = gl.maximum(gl.minimum(n_k, start_m + n_rows + right_offset), 0)
+        full_hi = gl.maximum(gl.minimum(n_k, start_m + 1 + right_offset), 0) // BLOCK_N * BLOCK_N
+    else:
+        hi = n_k
+        full_hi = n_k // BLOCK_N * BLOCK_N
+    if BOUND_LEFT:
+        lo = gl.minimum(gl.maximum(start_m + left_offset, 0) // BLOCK_N * BLOCK_N, hi)
+        full_lo = gl.cdiv(gl.maximum(start_m + n_rows - 1 + left_offset, 0), BLOCK_N) * BLOCK_N
+        full_lo = gl.minimum(gl.maximum(full_lo, lo), hi)
+        full_hi = gl.minimum(gl.maximum(full_hi, full_lo), hi)
+    else:
+        lo = 0
+        full_lo = 0
+    return lo, full_lo, full_hi, hi
+
+
+@gluon.jit
+def _masked_scores(s, offs_m, kn, n_k, right_offset, left_offset, lo_full, hi_full, BLOCK_N: gl.constexpr,
+                   BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr):
+    """S of the key tile starting at kn, with the keys a query may not see at -inf; a tile inside
+    [lo_full, hi_full) is visible to every query and is returned as it is (a uniform branch)."""
+    if (kn < lo_full) | (kn >= hi_full):
+        offs_n = kn + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+        visible = offs_n[None, :] < n_k
+        if BOUND_RIGHT:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + right_offset)
+        if BOUND_LEFT:
+            visible = visible & (offs_n[None, :] >= offs_m[:, None] + left_offset)
+        s = gl.where(visible, s, float("-inf"))
+    return s
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, qk_scale):
+    """(P, new row max, alpha, new row sum) after one key tile, scores in log2 units after qk_scale. A row that has
+    seen no key yet keeps m = -inf; its exponentials subtract 0 instead, so nothing is NaN."""
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s * qk_scale - m_sub[:, None])
+    alpha = gl.exp2(m_i - m_sub)
+    return p, m_new, alpha, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _load_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, key_row, slot, pred):
+    """TMA copies of the K and V tile at key_row into buffer `slot`; each signals its own barrier."""
+    mbarrier.expect(k_bar.index(slot), k_desc.block_type.nbytes, pred=pred)
+    _tma_load(k_desc, [b, h_kv, key_row, 0], k_bar.index(slot), k_smem.index(slot), pred=pred)
+    mbarrier.expect(v_bar.index(slot), v_desc.block_type.nbytes, pred=pred)
+    _tma_load(v_desc, [b, h_kv, key_row, 0], v_bar.index(slot), v_smem.index(slot), pred=pred)
+
+
+@gluon.jit
+def _tile(box, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """A (1, 1, ROWS, D) TMA box in shared memory as the (ROWS, D) tile the tensor cores read."""
+    return box.reshape([ROWS, HEAD_DIM])
+
+
+@gluon.jit
+def _store_out(acc, m_i, l_i, offs_m, L, n_q, o_desc, b, h, row, staging, ROWS: gl.constexpr,
+               HEAD_DIM: gl.constexpr):
+    """L (natural log; -inf for a row that saw no key) and O = acc / l (0 there) of query rows row.. (offs_m). O goes
+    through `staging` (the query tile's box, no longer read) by a TMA store, which clips rows past n_q."""
+    seen = l_i > 0.0
+    l_safe = gl.where(seen, l_i, 1.0)
+    gl.store(L + offs_m, gl.where(seen, m_i * 0.6931471805599453 + gl.log(l_safe), float("-inf")), mask=offs_m < n_q)
+    acc = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, acc.type.layout))[:, None]
+    _tile(staging, ROWS, HEAD_DIM).store(acc.to(o_desc.dtype))
+    fence_async_shared()
+    _tma_store(o_desc, [b, h, row, 0], staging)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def attention_forward(q_desc, k_desc, v_desc, o_desc, L, n_heads, kv_group, n_q, n_k, window_left, window_right,
+                      qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr):
+    """One program (one warpgroup) = one query tile of one (batch, head); NBUF K/V buffers in flight.
+    L is (B, H, Nq) float32, contiguous; window bounds as the `tl` forward takes them (-1: unbounded)."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    dtype: gl.constexpr = q_desc.dtype
+
+    pid_m, bh, b, h, h_kv = _program_tile(n_heads, kv_group, BOUND_RIGHT)
+    start_m = pid_m * BLOCK_M
+    right_offset = n_k - n_q + window_right  # query i sees key j iff i + left_offset <= j <= i + right_offset
+    left_offset = n_k - n_q - window_left
+    lo, full_lo, full_hi, hi = _key_range(start_m, BLOCK_M, n_k, right_offset, left_offset, BLOCK_N, BOUND_RIGHT,
+                                          BOUND_LEFT)
+    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+
+    q_box = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NBUF):
+        mbarrier.init(k_bar.index(i), count=1)
+        mbarrier.init(v_bar.index(i), count=1)
+    fence_async_shared()
+
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    _tma_load(q_desc, [b, h, start_m, 0], q_bar, q_box)
+    for i in gl.static_range(NBUF):
+        _load_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, lo + i * BLOCK_N, i, i < n_tiles)
+
+    q = _tile(q_box, BLOCK_M, HEAD_DIM)
+    offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_s)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    mbarrier.wait(q_bar, 0)
+    if n_tiles > 0:
+        # Tile 0: S and its softmax; nothing to overlap yet.
+        mbarrier.wait(k_bar.index(0), 0)
+        s = warpgroup_mma(q, _tile(k_smem.index(0), BLOCK_N, HEAD_DIM).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        s = _masked_scores(s, offs_m, lo, n_k, right_offset, left_offset, full_lo, full_hi, BLOCK_N, BOUND_RIGHT,
+                           BOUND_LEFT)
+        p, m_i, alpha, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+        for t in range(1, n_tiles):
+            slot = t % NBUF
+            prev = (t - 1) % NBUF
+            mbarrier.wait(k_bar.index(slot), (t // NBUF) & 1)
+            s_tok = warpgroup_mma(q, _tile(k_smem.index(slot), BLOCK_N, HEAD_DIM).permute((1, 0)), s_zero,
+                                  use_acc=False, is_async=True)
+            mbarrier.wait(v_bar.index(prev), ((t - 1) // NBUF) & 1)
+            acc_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem.index(prev), BLOCK_N,
+                                                                                    HEAD_DIM), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s_tok])  # S_t is done; P_{t-1} V_{t-1} may still run
+            s = _masked_scores(s, offs_m, lo + t * BLOCK_N, n_k, right_offset, left_offset, full_lo, full_hi,
+                               BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
+            p, m_i, alpha, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+            acc = warpgroup_mma_wait(0, deps=[acc_tok])
+            # Buffer `prev` is free: this warpgroup's wait above covers every product that read it. Refill it.
+            _load_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, lo + (t - 1 + NBUF) * BLOCK_N, prev,
+                     t - 1 + NBUF < n_tiles)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        last = (n_tiles - 1) % NBUF
+        mbarrier.wait(v_bar.index(last), ((n_tiles - 1) // NBUF) & 1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem.index(last), BLOCK_N, HEAD_DIM),
+                            acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(NBUF):
+        mbarrier.invalidate(k_bar.index(i))
+        mbarrier.invalidate(v_bar.index(i))
+    _store_out(acc, m_i, l_i, offs_m, L + bh.to(gl.int64) * n_q, n_q, o_desc, b, h, start_m, q_box, BLOCK_M,
+               HEAD_DIM)
+
+
+@gluon.jit
+def _pingpong_producer(q_desc, k_desc, v_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar, b, h, h_kv,
+                       start_m, lo, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr):
+    """One warp: both halves' queries, then K/V tile t into buffer t % NBUF once both consumers released tile
+    t - NBUF."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    for half in gl.static_range(2):
+        mbarrier.expect(q_bar.index(half), q_desc.block_type.nbytes)
+        _tma_load(q_desc, [b, h, start_m + half * HALF_M, 0], q_bar.index(half), q_smem.index(half))
+    for t in range(n_tiles):
+        slot = t % NBUF
+        mbarrier.wait(empty_bar.index(slot), ((t // NBUF) - 1) & 1, pred=t >= NBUF)
+        _load_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, lo + t * BLOCK_N, slot, True)
+
+
+@gluon.jit
+def _pingpong_consumer(o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar, turn_bar, b, h, n_q, n_k,
+                       start_m, lo, full_lo, full_hi, n_tiles, right_offset, left_offset, qk_scale, HALF: gl.constexpr,
+                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr,
+                       BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr):
+    """One warpgroup: query rows start_m + HALF * BLOCK_M // 2 on. Both warpgroups run every key tile of the
+    program's range (a tile one half does not see is masked for it), so they take the same number of turns:
+    turn t (parity t & 1) is this warpgroup's t-th issue of products, and passing it lets the other one issue."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    dtype: gl.constexpr = o_desc.dtype
+    my_m = start_m + HALF * HALF_M
+    q_box = q_smem.index(HALF)
+    q = _tile(q_box, HALF_M, HEAD_DIM)
+    offs_m = my_m + gl.arange(0, HALF_M, layout=row_s)
+    s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
+    m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([HALF_M], gl.float32, layout=row_s)
+    acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, layout=o_layout)
+    mbarrier.wait(q_bar.index(HALF), 0)  # always: the query box is the output's staging buffer
+    if n_tiles > 0:
+        mbarrier.wait(turn_bar.index(HALF), 0)
+        mbarrier.wait(k_bar.index(0), 0)
+        s = warpgroup_mma(q, _tile(k_smem.index(0), BLOCK_N, HEAD_DIM).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+        mbarrier.arrive(turn_bar.index(1 - HALF))
+        s = warpgroup_mma_wait(0, deps=[s])
+        s = _masked_scores(s, offs_m, lo, n_k, right_offset, left_offset, full_lo, full_hi, BLOCK_N, BOUND_RIGHT,
+                           BOUND_LEFT)
+        p, m_i, alpha, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+        for t in range(1, n_tiles):
+            slot = t % NBUF
+            prev = (t - 1) % NBUF
+            mbarrier.wait(turn_bar.index(HALF), t & 1)
+            mbarrier.wait(k_bar.index(slot), (t // NBUF) & 1)
+            s_tok = warpgroup_mma(q, _tile(k_smem.index(slot), BLOCK_N, HEAD_DIM).permute((1, 0)), s_zero,
+                                  use_acc=False, is_async=True)
+            mbarrier.wait(v_bar.index(prev), ((t - 1) // NBUF) & 1)
+            acc_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem.index(prev), BLOCK_N,
+                                                                                    HEAD_DIM), acc, is_async=True)
+            mbarrier.arrive(turn_bar.index(1 - HALF))
+            s = warpgroup_mma_wait(1, deps=[s_tok])
+            s = _masked_scores(s, offs_m, lo + t * BLOCK_N, n_k, right_offset, left_offset, full_lo, full_hi,
+                               BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
+            p, m_i, alpha, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+            acc = warpgroup_mma_wait(0, deps=[acc_tok])
+            mbarrier.arrive(empty_bar.index(prev))
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        last = (n_tiles - 1) % NBUF
+        mbarrier.wait(turn_bar.index(HALF), n_tiles & 1)
+        mbarrier.wait(v_bar.index(last), ((n_tiles - 1) // NBUF) & 1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem.index(last), BLOCK_N, HEAD_DIM),
+                            acc, is_async=True)
+        mbarrier.arrive(turn_bar.index(1 - HALF))
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(empty_bar.index(last))
+    _store_out(acc, m_i, l_i, offs_m, L, n_q, o_desc, b, h, my_m, q_box, HALF_M, HEAD_DIM)
+
+
+@gluon.jit
+def attention_forward_pingpong(q_desc, k_desc, v_desc, o_desc, L, n_heads, kv_group, n_q, n_k, window_left,
+                               window_right, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                               BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr,
+                               NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """Warp-specialised: a producer warp (TMA) and two consumer warpgroups of BLOCK_M // 2 rows each that share the
+    key tiles and ping-pong (see _pingpong_consumer). q_desc and o_desc have BLOCK_M // 2-row boxes."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    dtype: gl.constexpr = q_desc.dtype
+    pid_m, bh, b, h, h_kv = _program_tile(n_heads, kv_group, BOUND_RIGHT)
+    start_m = pid_m * BLOCK_M
+    right_offset = n_k - n_q + window_right
+    left_offset = n_k - n_q - window_left
+    lo, full_lo, full_hi, hi = _key_range(start_m, BLOCK_M, n_k, right_offset, left_offset, BLOCK_N, BOUND_RIGHT,
+                                          BOUND_LEFT)
+    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+    L = L + bh.to(gl.int64) * n_q
+    q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, HALF_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    empty_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(turn_bar.index(i), count=1)
+    for i in gl.static_range(NBUF):
+        mbarrier.init(k_bar.index(i), count=1)
+        mbarrier.init(v_bar.index(i), count=1)
+        mbarrier.init(empty_bar.index(i), count=2)
+    fence_async_shared()
+    mbarrier.arrive(turn_bar.index(0))  # warpgroup 0 takes the first turn
+    # The argument tuples are written out in the call: a tuple bound to a name first passes its constexprs on
+    # wrapped twice (Triton 3.6), and arithmetic on them then fails.
+    gl.warp_specialize([(_pingpong_consumer, (o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar,
+                                              turn_bar, b, h, n_q, n_k, start_m, lo, full_lo, full_hi, n_tiles,
+                                              right_offset, left_offset, qk_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                              BOUND_RIGHT, BOUND_LEFT, NBUF)),
+                        (_pingpong_consumer, (o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar,
+                                              turn_bar, b, h, n_q, n_k, start_m, lo, full_lo, full_hi, n_tiles,
+                                              right_offset, left_offset, qk_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                              BOUND_RIGHT, BOUND_LEFT, NBUF)),
+                        (_pingpong_producer, (q_desc, k_desc, v_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
+                                              empty_bar, b, h, h_kv, start_m, lo, n_tiles, BLOCK_M, BLOCK_N, NBUF))],
+                       [4, 1], [CONSUMER_REGS, 24])

@@ -1,0 +1,42 @@
+"""Compile every Gluon forward variant for sm_90 without a GPU, for every mask kind, and print what each compiled
+to as one JSON line ({variant and mask: "ok" or the error}). Run as a subprocess by test_gluon_forward (a stand-in
+driver replaces Triton's for the whole process), or by hand:
+
+    python -m tests.ops.gluon_compile
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+
+def main() -> None:
+    assert not os.environ.get("TRITON_INTERPRET"), "compiling needs Triton's compiler, not the interpreter"
+    from flashsys.ops.attention import flash_gluon
+
+    if not torch.cuda.is_available():
+        from tests.ops.inductor_writes import _fake_cuda_driver
+
+        _fake_cuda_driver()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    compiled = {}
+    for d, variants in flash_gluon.VARIANTS.items():
+        # Grouped-query K/V, Nq != Nk and lengths that are no multiple of a tile: the shapes the kernels mask.
+        q = torch.randn(2, 4, 300, d, dtype=torch.bfloat16, device=device)
+        k = torch.randn(2, 2, 200, d, dtype=torch.bfloat16, device=device)
+        for mask, window in (("causal", (-1, 0)), ("full", (-1, -1)), ("window", (64, 16))):
+            for variant in variants:
+                label = f"D {d} {mask} {variant.label()}"
+                try:
+                    flash_gluon.compile_only(variant, q, k, k, window, 0.125)
+                    compiled[label] = "ok"
+                except Exception as exc:  # noqa: BLE001  the test shows which one failed and why
+                    compiled[label] = f"{type(exc).__name__}: {str(exc)[-1500:]}"
+    print(json.dumps(compiled))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""The Gluon forward (Hopper): which calls it takes, that every variant compiles (on CPU too, for sm_90), and on an
+H100 that every variant matches float64 reference math for every feature the `tl` forward has, alone and through
+the op, eager and compiled."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flashsys.ops.attention import attention_reference
+
+from .attention_checks import FLOOR, assert_matches_reference, make_qkv, rel_err
+
+pytest.importorskip("triton")
+from flashsys.ops.attention import flash_gluon  # noqa: E402
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+hopper_only = pytest.mark.skipif(not HOPPER or flash_gluon._kernels() is None,
+                                 reason="needs an sm_90 GPU and a Triton with Gluon's Hopper API")
+
+
+def test_tma_stride_rules():
+    """TMA addresses strides that are positive multiples of 16 bytes with a unit last stride; a dim of size 1 is
+    never strided. The common layouts pass, the rest go to the `tl` forward."""
+    x = torch.randn(2, 8, 64, 64, dtype=torch.bfloat16)
+    assert flash_gluon._tma_strides_ok(x)
+    assert flash_gluon._tma_strides_ok(torch.randn(2, 64, 8, 64, dtype=torch.bfloat16).transpose(1, 2))  # (B, N, H, D)
+    assert flash_gluon._tma_strides_ok(torch.randn(2, 64, 72, dtype=torch.bfloat16)[..., :64])  # padded rows
+    assert flash_gluon._tma_strides_ok(torch.randn(1, 64, 64, dtype=torch.bfloat16).unsqueeze(1))
+    assert not flash_gluon._tma_strides_ok(x.transpose(-1, -2))  # last stride not 1
+    assert not flash_gluon._tma_strides_ok(x[:, :1].expand(2, 8, 64, 64))  # heads by a stride of 0
+    assert not flash_gluon._tma_strides_ok(torch.randn(2, 64, 68, dtype=torch.bfloat16)[..., :64])  # 136-byte rows
+
+
+def test_calls_it_does_not_take_say_why():
+    q = torch.randn(1, 2, 64, 64)
+    assert flash_gluon.problem(q, q, q) == "not a CUDA tensor"
+    if torch.cuda.is_available():
+        assert "dtype" in flash_gluon.problem(q.cuda(), q.cuda(), q.cuda())
+        assert "head dim" in flash_gluon.problem(*(torch.randn(1, 2, 64, 96, device="cuda", dtype=torch.float16),) * 3)
+
+
+def test_every_variant_compiles_for_hopper():
+    """Every variant, causal, full and windowed, with grouped-query K/V and ragged lengths, compiles for sm_90 on
+    this machine's Triton (CI's newest one; a CPU needs no GPU to compile)."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    if flash_gluon._kernels() is None:
+        pytest.skip("this Triton has no Gluon Hopper API")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    r = subprocess.run([sys.executable, "-m", "tests.ops.gluon_compile"], capture_output=True, text=True, timeout=900,
+                       env=env, cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    compiled = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(compiled) == 3 * sum(len(v) for v in flash_gluon.VARIANTS.values())
+    failed = {label: why for label, why in compiled.items() if why != "ok"}
+    assert not failed, failed
+
+
+# (batch, heads, kv heads, Nq, Nk, window, rank-3 / (B, N, H, D) layout, dtype): each case masks something.
+CASES = [
+    (2, 4, 4, 1000, 1000, (-1, 0), "bhnd", torch.bfloat16),  # causal, ragged last tile
+    (1, 4, 2, 300, 1000, (-1, -1), "bhnd", torch.float16),  # Nq < Nk, grouped-query
+    (1, 2, 2, 1000, 300, (-1, 0), "bhnd", torch.bfloat16),  # Nq > Nk causal: the first 700 rows see no key
+    (1, 8, 2, 1024, 1024, (128, 0), "bnhd", torch.bfloat16),  # sliding window, (B, N, H, D) strides, GQA
+    (2, 2, 2, 777, 777, (64, 64), "bhnd", torch.float16),  # two-sided window
+    (3, 1, 1, 512, 512, (-1, 0), "bnd", torch.bfloat16),  # rank 3
+]
+
+
+def _inputs(batch, heads, kv_heads, n_q, n_k, d, layout, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(h, n):
+        shape = (batch, n, h, d) if layout == "bnhd" else (batch, h, n, d)
+        t = torch.randn(*shape, generator=g).to("cuda", dtype)
+        return t.transpose(1, 2) if layout == "bnhd" else t
+
+    q, k, v = draw(heads, n_q), draw(kv_heads, n_k), draw(kv_heads, n_k)
+    if layout == "bnd":
+        q, k, v = (t[:, 0] for t in (q, k, v))
+    return q, k, v
+
+
+@hopper_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[3]}x{c[4]}-w{c[5]}-{c[6]}-{str(c[7])[6:]}")
+@pytest.mark.parametrize("variant", [(d, v) for d, vs in flash_gluon.VARIANTS.items() for v in vs],
+                         ids=lambda dv: f"d{dv[0]}-{dv[1].label().replace(' ', '-')}")
+def test_each_variant_matches_reference_gpu(variant, case):
+    d, var = variant
+    batch, heads, kv_heads, n_q, n_k, window, layout, dtype = case
+    q, k, v = _inputs(batch, heads, kv_heads, n_q, n_k, d, layout, dtype, seed=n_q + d)
+    scale = d ** -0.5
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device="cuda")
+    o.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    flash_gluon._launch(var, *(flash_gluon._rank4(t) for t in (q, k, v, o)), lse, window, scale)
+    group = heads // kv_heads
+
+    def expand(t):
+        return t.repeat_interleave(group, dim=1) if t.dim() == 4 and group > 1 else t
+
+    o_ref, lse_ref = attention_reference(q.double(), expand(k).double(), expand(v).double(), False, scale, window)
+    o_plain, _ = attention_reference(q, expand(k), expand(v), False, scale, window)
+    err, base = rel_err(o, o_ref), rel_err(o_plain, o_ref)
+    assert err <= 2 * base + FLOOR[dtype], f"O: error {err:.3g} vs plain PyTorch {base:.3g}"
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref)), "L: rows that see no key differ"
+    finite = ~torch.isinf(lse_ref)
+    assert (lse[finite].double() - lse_ref[finite]).abs().max().item() <= 1e-4 * (1 + lse_ref[finite].abs().max())
+    assert (o[~finite] == 0).all(), "O of a row that sees no key is 0"
+
+
+@hopper_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_op_takes_gluon_forward_and_trains_gpu(causal, monkeypatch):
+    """Through FlashAttention2Triton a large enough call runs the Gluon forward (its choice is recorded), and O, L
+    and the gradients of the `tl` backward behind it match float64 as every other path must."""
+    from flashsys.ops.attention import FlashAttention2Triton
+
+    monkeypatch.setattr(flash_gluon, "MIN_WORK", 0)  # a shape float64 reference math can check in seconds
+    q, k, v, do = make_qkv(1, 16, 2048, 2048, 64, torch.bfloat16, "cuda", seed=3, kv_heads=4)
+    assert flash_gluon.takes(q, k, v)
+    flash_gluon._chosen.clear()
+    assert_matches_reference(FlashAttention2Triton, q, k, v, do, causal, None)
+    assert flash_gluon.chosen_variants(), "the Gluon forward did not run"
+
+
+@hopper_only
+@pytest.mark.gpu
+def test_compiled_op_runs_the_gluon_forward_bit_for_bit_gpu(monkeypatch):
+    """torch.compile's graph calls the Gluon forward through its custom op, with the variant eager chose: equal."""
+    from flashsys.ops.attention import FlashAttention2Triton, flash_triton
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(flash_gluon, "MIN_WORK", 0)
+    q, k, v, _ = make_qkv(1, 16, 4096, 4096, 128, torch.bfloat16, "cuda", seed=5)
+    assert flash_triton._traced_forward(q, k, v) is flash_triton._gluon_forward_op
+    compiled = torch.compile(FlashAttention2Triton.apply, dynamic=False)
+    results = []
+    for fn in (FlashAttention2Triton.apply, compiled):
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        o = fn(qq, kk, vv, True)
+        o.sum().backward()
+        results.append((o.detach(), qq.grad, kk.grad, vv.grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@hopper_only
+@pytest.mark.gpu
+def test_small_switched_off_and_unaligned_calls_take_the_tl_forward_gpu(monkeypatch):
+    """Below MIN_WORK (host-bound calls), with FLASHSYS_GLUON=0, and for tensors TMA cannot address, the `tl`
+    forward runs."""
+    q = torch.randn(1, 16, 2048, 64, device="cuda", dtype=torch.bfloat16)
+    assert "host-bound" in flash_gluon.problem(q, q, q)
+    big = torch.randn(1, 16, 8192, 64, device="cuda", dtype=torch.bfloat16)
+    assert flash_gluon.takes(big, big, big)
+    monkeypatch.setattr(flash_gluon, "MIN_WORK", 0)
+    assert flash_gluon.takes(q, q, q)
+    unaligned = torch.randn(16 * 2048 * 64 + 1, device="cuda", dtype=torch.bfloat16)[1:].view(1, 16, 2048, 64)
+    assert flash_gluon.problem(unaligned, unaligned, unaligned) is None and not flash_gluon.takes(unaligned, q, q)
+    monkeypatch.setenv("FLASHSYS_GLUON", "0")
+    assert flash_gluon.problem(q, q, q) == "FLASHSYS_GLUON=0"
