@@ -226,6 +226,9 @@ def environment() -> dict[str, str]:
         env["gpus"] = str(torch.cuda.device_count())
         if native_launch is not None:
             env["native launcher"] = native_launch.status()
+            from flashsys.ops.attention import flash_gluon
+
+            env["gluon forward"] = flash_gluon.status()
     return env
 
 

@@ -189,6 +189,21 @@ def chosen_variants() -> dict[ChoiceKey, Variant]:
     return dict(_chosen)
 
 
+def status() -> str:
+    """One line for benchmark headers: whether this path runs on the current GPU, and the variants chosen so far
+    ("causal" stands for any right bound without a left one, "window" for a left bound)."""
+    if not enabled():
+        return "off (FLASHSYS_GLUON=0)"
+    if not torch.cuda.is_available() or not _hopper(torch.cuda.current_device()):
+        return "off (not an sm_90 GPU)"
+    if _kernels() is None:
+        return "off (this Triton has no Gluon Hopper API)"
+    masks = {(True, False): "causal", (False, False): "full", (True, True): "window", (False, True): "window"}
+    chosen = "; ".join(f"D {k.head_dim} {str(k.dtype)[6:]} {masks[k.bound_right, k.bound_left]} N<={k.bucket}: "
+                       f"{v.label()}" for k, v in sorted(_chosen.items(), key=str))
+    return f"on where B*H*Nq*Nk*D >= 2^{MIN_WORK.bit_length() - 1}" + (f"; chose {chosen}" if chosen else "")
+
+
 def _autotune_enabled() -> bool:
     return os.environ.get("FLASHSYS_TRITON_AUTOTUNE", "1") != "0"
 
@@ -201,8 +216,11 @@ def _choose(key: ChoiceKey, run) -> Variant:
     if chosen is not None:
         return chosen
     candidates = VARIANTS[key.head_dim]
-    if not _autotune_enabled() or torch.cuda.is_current_stream_capturing():
-        return candidates[0]  # not remembered while capturing: a later eager call may still time them
+    if torch.cuda.is_current_stream_capturing():
+        return candidates[0]  # not remembered: a later call outside the capture may still time them
+    if not _autotune_enabled():
+        _chosen[key] = candidates[0]
+        return candidates[0]
     from triton.testing import do_bench
 
     times = {}
