@@ -169,3 +169,34 @@ def test_small_switched_off_and_unaligned_calls_take_the_tl_forward_gpu(monkeypa
     assert flash_gluon.problem(unaligned, unaligned, unaligned) is None and not flash_gluon.takes(unaligned, q, q)
     monkeypatch.setenv("FLASHSYS_GLUON", "0")
     assert flash_gluon.problem(q, q, q) == "FLASHSYS_GLUON=0"
+
+
+def test_choice_takes_the_fastest_median_and_leaves_out_variants_that_fail(monkeypatch):
+    """The first call of a key times every candidate in interleaved rounds; the lowest median wins (one slow round
+    does not decide), a candidate that raises is left out, and a key where all raise fails naming each error."""
+    import triton.testing
+
+    d64 = flash_gluon.VARIANTS[64]
+    draws = {d64[0]: iter([1.0, 9.0, 1.0, 1.0, 1.0]), d64[1]: iter([2.0, 0.5, 2.0, 2.0, 2.0])}
+    current = {}
+
+    def run(variant):
+        current["v"] = variant
+
+    def fake_bench(fn, warmup, rep):
+        fn()
+        variant = current["v"]
+        if variant not in draws:
+            raise RuntimeError("out of resources: shared memory")
+        return next(draws[variant])
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU builds of torch raise
+    monkeypatch.setattr(flash_gluon, "_chosen", {})
+    monkeypatch.setenv("FLASHSYS_TRITON_AUTOTUNE", "1")
+    key = flash_gluon.ChoiceKey(64, torch.bfloat16, True, False, 16384)
+    assert flash_gluon._choose(key, run) == d64[0]
+    assert flash_gluon.chosen_variants() == {key: d64[0]}
+    draws.clear()
+    with pytest.raises(RuntimeError, match="no variant runs.*out of resources"):
+        flash_gluon._choose(key._replace(bucket=1024), run)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import statistics
 from typing import NamedTuple
 
 import torch
@@ -208,10 +209,16 @@ def _autotune_enabled() -> bool:
     return os.environ.get("FLASHSYS_TRITON_AUTOTUNE", "1") != "0"
 
 
+# The choice times every candidate in interleaved rounds and takes each one's median: on an H100 one process's
+# timings of the same kernel drift by 5-15% (clocks, heat), and a single pass per candidate picked a variant 4-8%
+# slower than the best (kernel_configs/probe_gluon_variants_h100.txt).
+_CHOICE_ROUNDS = 5
+
+
 def _choose(key: ChoiceKey, run) -> Variant:
-    """The variant for `key`: timed on this call's tensors the first time (each candidate, by
-    triton.testing.do_bench), then remembered. `run(variant)` launches one; a candidate that fails to compile or
-    launch on this GPU is skipped."""
+    """The variant for `key`: timed on this call's tensors the first time (each candidate by triton.testing.do_bench,
+    in _CHOICE_ROUNDS interleaved rounds), then remembered. `run(variant)` launches one; a candidate that fails to
+    compile or launch on this GPU is left out (and the call fails if all do)."""
     chosen = _chosen.get(key)
     if chosen is not None:
         return chosen
@@ -223,15 +230,21 @@ def _choose(key: ChoiceKey, run) -> Variant:
         return candidates[0]
     from triton.testing import do_bench
 
-    times = {}
-    for variant in candidates:
-        try:
-            times[variant] = do_bench(lambda: run(variant), warmup=5, rep=25)
-        except Exception:  # noqa: BLE001  (out of shared memory or registers on this GPU: not a candidate here)
-            continue
+    times: dict[Variant, list[float]] = {}
+    errors = {}
+    for _ in range(_CHOICE_ROUNDS):
+        for variant in candidates:
+            if variant in errors:
+                continue
+            try:
+                times.setdefault(variant, []).append(do_bench(lambda: run(variant), warmup=2, rep=10))
+            except Exception as exc:  # noqa: BLE001  (out of shared memory or registers on this GPU)
+                errors[variant] = exc
+                times.pop(variant, None)
     if not times:
-        raise RuntimeError(f"flashsys Gluon forward: no variant of {[v.label() for v in candidates]} runs for {key}")
-    _chosen[key] = min(times, key=times.get)
+        raise RuntimeError(f"flashsys Gluon forward: no variant runs for {key}: "
+                           + "; ".join(f"{v.label()}: {e}" for v, e in errors.items()))
+    _chosen[key] = min(times, key=lambda v: statistics.median(times[v]))
     return _chosen[key]
 
 
