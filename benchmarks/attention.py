@@ -40,6 +40,31 @@ def implementation(name: str):
     return lambda q, k, v, causal: backend(q, k, v, causal)
 
 
+def plot_rows(rows: list[dict], out, tag: str) -> None:
+    """One figure per (dtype, causal): forward+backward time against sequence length, a panel per head dim.
+    Takes the table's rows (benchmarks/results/attention/*.csv read back gives the same figures)."""
+    plt = pyplot()
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    head_dims = sorted({r["head_dim"] for r in rows})
+    for dt in dict.fromkeys(r["dtype"] for r in rows):
+        for c in dict.fromkeys(r["causal"] for r in rows):
+            fig, axes = plt.subplots(1, len(head_dims), figsize=(4.5 * len(head_dims), 3.6), squeeze=False)
+            for ax, d in zip(axes[0], head_dims):
+                for name in impls:
+                    pts = [(r["seq_len"], r["fwd_bwd_ms"]) for r in rows if r["impl"] == name and r["dtype"] == dt
+                           and r["causal"] == c and r["head_dim"] == d and "fwd_bwd_ms" in r]
+                    if pts:
+                        ax.plot(*zip(*pts), marker="o", label=name)
+                ax.set_xscale("log", base=2)
+                ax.set_yscale("log")
+                ax.set_title(f"D={d}, {dt}, {'causal' if c else 'full'}")
+                ax.set_xlabel("sequence length")
+                ax.set_ylabel("forward+backward (ms)")
+            axes[0][0].legend(fontsize=7)
+            save_plot(fig, out, f"attention_{tag}_{dt}_{'causal' if c else 'full'}")
+            plt.close(fig)
+
+
 def attention_flops(b, h, n, d, causal):
     fwd = 4 * b * h * n * n * d / (2 if causal else 1)
     return fwd, 2.5 * fwd
@@ -123,24 +148,7 @@ def main(argv=None) -> int:
                         + "; times are medians (do_bench on CUDA); "
                         "TFLOP/s counts 4·B·H·N²·D per forward (halved when causal) and 2.5× that for backward; "
                         "vs_best_sdpa = fwd_bwd time over the faster SDPA backend's (below 1 is faster)."], env)
-    plt = pyplot()
-    for dt in args.dtypes:
-        for c in causals:
-            fig, axes = plt.subplots(1, len(args.head_dims), figsize=(4.5 * len(args.head_dims), 3.6), squeeze=False)
-            for ax, d in zip(axes[0], args.head_dims):
-                for name in impls:
-                    pts = [(r["seq_len"], r["fwd_bwd_ms"]) for r in rows if r["impl"] == name and r["dtype"] == dt
-                           and r["causal"] == c and r["head_dim"] == d and "fwd_bwd_ms" in r]
-                    if pts:
-                        ax.plot(*zip(*pts), marker="o", label=name)
-                ax.set_xscale("log", base=2)
-                ax.set_yscale("log")
-                ax.set_title(f"D={d}, {dt}, {'causal' if c else 'full'}")
-                ax.set_xlabel("sequence length")
-                ax.set_ylabel("forward+backward (ms)")
-            axes[0][0].legend(fontsize=7)
-            save_plot(fig, args.out, f"attention_{tag}_{dt}_{'causal' if c else 'full'}")
-            plt.close(fig)
+    plot_rows(rows, args.out, tag)
     print(path.read_text())
     return 0
 
