@@ -76,6 +76,19 @@ def flash_algorithm_gradients(q, k, v, do, causal, scale, dtype, window=None):
     return ds @ k * scale, dk
 
 
+def eager_then_compiled(op, q, k, v, causal) -> list[tuple[torch.Tensor, ...]]:
+    """[(O, dQ, dK, dV) of `op.apply` eager, the same of torch.compile(op.apply) with static shapes], each from
+    o.sum().backward() on fresh leaves. Eager runs first, as the leaderboard does."""
+    compiled = torch.compile(op.apply, dynamic=False)
+    results = []
+    for fn in (op.apply, compiled):
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        o = fn(qq, kk, vv, causal)
+        o.sum().backward()
+        results.append((o.detach(), qq.grad, kk.grad, vv.grad))
+    return results
+
+
 def assert_matches_reference(op, q, k, v, do, causal, scale, window=None):
     """O, L, dQ, dK, dV of `op` against float64. The tolerance is twice the larger of plain PyTorch's error in the
     same precision and, for dQ and dK, the error the FlashAttention-2 contract itself implies (D from the saved,

@@ -17,7 +17,7 @@ import torch
 
 def _fake_cuda_driver() -> None:
     """TTIR generation asks the active driver for its target, and `JITFunction.warmup` (a compile to SASS, no launch)
-    also for a device and a stream: stand one in on a CPU machine. scripts/sass_mix.py and probe_gluon_forward.py
+    also for a device and a stream: stand one in on a CPU machine. scripts/sass_mix.py and tests/ops/gluon_compile.py
     use it too."""
     import triton
     from triton.backends.compiler import GPUTarget

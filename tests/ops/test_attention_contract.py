@@ -17,7 +17,7 @@ from flashsys.ops.attention import (
     flash_attention,
 )
 
-from .attention_checks import assert_matches_reference, make_qkv, rel_err
+from .attention_checks import assert_matches_reference, eager_then_compiled, make_qkv, rel_err
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -125,14 +125,7 @@ def test_torch_compile_of_triton_op_matches_eager(dtype):
     torch._dynamo.reset()
     n = 1000 if CUDA else 40
     q, k, v, _ = make_qkv(2, 4 if CUDA else 2, n, n, 64 if CUDA else 16, dtype, DEVICE, seed=7)
-    compiled = torch.compile(FlashAttention2Triton.apply, dynamic=False)
-    results = []
-    for fn in (FlashAttention2Triton.apply, compiled):
-        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
-        o = fn(qq, kk, vv, True)
-        o.sum().backward()
-        results.append((o.detach(), qq.grad, kk.grad, vv.grad))
-    for a, b in zip(*results):
+    for a, b in zip(*eager_then_compiled(FlashAttention2Triton, q, k, v, True)):
         if dtype == torch.float32:  # bf16 matches bit for bit; fp32 gradients differ at rounding level (~1e-8)
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
         else:

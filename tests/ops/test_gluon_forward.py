@@ -14,7 +14,7 @@ import torch
 
 from flashsys.ops.attention import attention_reference
 
-from .attention_checks import FLOOR, assert_matches_reference, make_qkv, rel_err
+from .attention_checks import FLOOR, assert_matches_reference, eager_then_compiled, make_qkv, rel_err
 
 pytest.importorskip("triton")
 from flashsys.ops.attention import flash_gluon  # noqa: E402
@@ -143,14 +143,7 @@ def test_compiled_op_runs_the_gluon_forward_bit_for_bit_gpu(monkeypatch):
     monkeypatch.setattr(flash_gluon, "MIN_WORK", 0)
     q, k, v, _ = make_qkv(1, 16, 4096, 4096, 128, torch.bfloat16, "cuda", seed=5)
     assert flash_triton._traced_forward(q, k, v) is flash_triton._gluon_forward_op
-    compiled = torch.compile(FlashAttention2Triton.apply, dynamic=False)
-    results = []
-    for fn in (FlashAttention2Triton.apply, compiled):
-        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
-        o = fn(qq, kk, vv, True)
-        o.sum().backward()
-        results.append((o.detach(), qq.grad, kk.grad, vv.grad))
-    for a, b in zip(*results):
+    for a, b in zip(*eager_then_compiled(FlashAttention2Triton, q, k, v, True)):
         assert torch.equal(a, b)
 
 
