@@ -150,8 +150,8 @@ def test_compiled_op_runs_the_gluon_forward_bit_for_bit_gpu(monkeypatch):
 @hopper_only
 @pytest.mark.gpu
 def test_small_switched_off_and_unaligned_calls_take_the_tl_forward_gpu(monkeypatch):
-    """Below MIN_WORK (host-bound calls), with FLASHSYS_GLUON=0, and for tensors TMA cannot address, the `tl`
-    forward runs."""
+    """Below MIN_WORK (host-bound calls), for tensors TMA cannot address, once the path turned itself off, and with
+    FLASHSYS_GLUON=0, the `tl` forward runs."""
     q = torch.randn(1, 16, 2048, 64, device="cuda", dtype=torch.bfloat16)
     assert "host-bound" in flash_gluon.problem(q, q, q)
     big = torch.randn(1, 16, 8192, 64, device="cuda", dtype=torch.bfloat16)
@@ -160,13 +160,16 @@ def test_small_switched_off_and_unaligned_calls_take_the_tl_forward_gpu(monkeypa
     assert flash_gluon.takes(q, q, q)
     unaligned = torch.randn(16 * 2048 * 64 + 1, device="cuda", dtype=torch.bfloat16)[1:].view(1, 16, 2048, 64)
     assert flash_gluon.problem(unaligned, unaligned, unaligned) is None and not flash_gluon.takes(unaligned, q, q)
+    monkeypatch.setattr(flash_gluon, "_broken", "no variant ran: (a test)")
+    assert flash_gluon.problem(q, q, q) == "no variant ran: (a test)" and "off" in flash_gluon.status()
     monkeypatch.setenv("FLASHSYS_GLUON", "0")
     assert flash_gluon.problem(q, q, q) == "FLASHSYS_GLUON=0"
 
 
 def test_choice_takes_the_fastest_median_and_leaves_out_variants_that_fail(monkeypatch):
     """The first call of a key times every candidate in interleaved rounds; the lowest median wins (one slow round
-    does not decide), a candidate that raises is left out, and a key where all raise fails naming each error."""
+    does not decide), a candidate that raises is left out, and where all raise the path turns itself off for the
+    process with a warning naming each error (the `tl` forward then runs)."""
     import triton.testing
 
     d64 = flash_gluon.VARIANTS[64]
@@ -191,5 +194,8 @@ def test_choice_takes_the_fastest_median_and_leaves_out_variants_that_fail(monke
     assert flash_gluon._choose(key, run) == d64[0]
     assert flash_gluon.chosen_variants() == {key: d64[0]}
     draws.clear()
-    with pytest.raises(RuntimeError, match="no variant runs.*out of resources"):
-        flash_gluon._choose(key._replace(bucket=1024), run)
+    monkeypatch.setattr(flash_gluon, "_broken", None)
+    with pytest.warns(RuntimeWarning, match="Gluon forward is off.*out of resources"):
+        assert flash_gluon._choose(key._replace(bucket=1024), run) is None
+    assert "no variant ran" in flash_gluon._broken
+    assert "no variant ran" in flash_gluon.status() or "not an sm_90" in flash_gluon.status()

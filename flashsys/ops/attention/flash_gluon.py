@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import statistics
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -57,12 +58,19 @@ VARIANTS: dict[int, tuple[Variant, ...]] = {
 }
 
 
+# Why this path is off in this process, once it found out: the kernels do not import (a Triton without Gluon's
+# Hopper API, or one whose API moved) or no variant compiles and runs on this GPU. The `tl` forward runs instead.
+_broken: str | None = None
+
+
 @functools.cache
 def _kernels():
-    """The kernel module, or None where this Triton has no Gluon Hopper API (imported once, on first use)."""
+    """The kernel module, or None where it does not import here (imported once, on first use; `_broken` says why)."""
+    global _broken
     try:
         from . import gluon_kernels
-    except ImportError:
+    except (ImportError, AttributeError, TypeError) as exc:  # no Gluon, or an API that moved since Triton 3.9
+        _broken = f"the Gluon kernels do not import with this Triton ({type(exc).__name__}: {exc})"
         return None
     return gluon_kernels
 
@@ -96,8 +104,8 @@ def problem(q: Tensor, k: Tensor, v: Tensor) -> str | None:
         return "FLASHSYS_GLUON=0"
     if not _hopper(q.device.index if q.device.index is not None else torch.cuda.current_device()):
         return "not an sm_90 (Hopper) GPU"
-    if _kernels() is None:
-        return "this Triton has no Gluon Hopper API"
+    if _kernels() is None or _broken is not None:
+        return _broken
     sizes = [s for t in (q, k, v) for s in (*t.shape, *t.stride())]
     if any(type(s) is not int for s in sizes):
         return "symbolic shapes or strides (torch.compile with dynamic shapes)"
@@ -134,7 +142,7 @@ def _descriptor(t: Tensor, rows: int):
     """A TMA descriptor of rank-4 t copying (1, 1, rows, D) boxes. A dim of size 1 gets the stride it would have
     if t were dense over the dims inside it (its own may be anything; TMA checks every stride)."""
     shape, strides = list(t.shape), list(t.stride())
-    for axis in (1, 0):
+    for axis in (2, 1, 0):
         if shape[axis] == 1:
             strides[axis] = shape[axis + 1] * strides[axis + 1]
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -197,8 +205,8 @@ def status() -> str:
         return "off (FLASHSYS_GLUON=0)"
     if not torch.cuda.is_available() or not _hopper(torch.cuda.current_device()):
         return "off (not an sm_90 GPU)"
-    if _kernels() is None:
-        return "off (this Triton has no Gluon Hopper API)"
+    if _kernels() is None or _broken is not None:
+        return f"off ({_broken})"
     masks = {(True, False): "causal", (False, False): "full", (True, True): "window", (False, True): "window"}
     chosen = "; ".join(f"D {k.head_dim} {str(k.dtype)[6:]} {masks[k.bound_right, k.bound_left]} N<={k.bucket}: "
                        f"{v.label()}" for k, v in sorted(_chosen.items(), key=str))
@@ -215,10 +223,11 @@ def _autotune_enabled() -> bool:
 _CHOICE_ROUNDS = 5
 
 
-def _choose(key: ChoiceKey, run) -> Variant:
+def _choose(key: ChoiceKey, run) -> Variant | None:
     """The variant for `key`: timed on this call's tensors the first time (each candidate by triton.testing.do_bench,
     in _CHOICE_ROUNDS interleaved rounds), then remembered. `run(variant)` launches one; a candidate that fails to
-    compile or launch on this GPU is left out (and the call fails if all do)."""
+    compile or launch on this GPU is left out. None, with a RuntimeWarning that turns this path off for the
+    process, where none runs: the `tl` forward then takes the call."""
     chosen = _chosen.get(key)
     if chosen is not None:
         return chosen
@@ -242,17 +251,24 @@ def _choose(key: ChoiceKey, run) -> Variant:
                 errors[variant] = exc
                 times.pop(variant, None)
     if not times:
-        raise RuntimeError(f"flashsys Gluon forward: no variant runs for {key}: "
-                           + "; ".join(f"{v.label()}: {e}" for v, e in errors.items()))
+        global _broken
+        _broken = "no variant ran: " + "; ".join(f"{v.label()}: {type(e).__name__}: {e}" for v, e in errors.items())
+        warnings.warn(f"flashsys: the Gluon forward is off in this process, the `tl` forward runs ({_broken})",
+                      RuntimeWarning, stacklevel=4)
+        return None
     _chosen[key] = min(times, key=lambda v: statistics.median(times[v]))
     return _chosen[key]
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, window: tuple[int, int], scale: float) -> None:
+def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, window: tuple[int, int], scale: float) -> bool:
     """Write O (dense, shaped like q) and L (float32, q.shape[:-1], dense) for inputs `takes` accepted; window as
-    the `tl` forward takes it ((left, right), -1 unbounded; causal (-1, 0))."""
+    the `tl` forward takes it ((left, right), -1 unbounded; causal (-1, 0)). False where no variant runs here (the
+    caller runs the `tl` forward)."""
     q4, k4, v4, o4 = (_rank4(t) for t in (q, k, v, o))
     bucket = 1 << (max(q4.shape[2], k4.shape[2]) - 1).bit_length()
     key = ChoiceKey(q4.shape[3], q.dtype, window[1] >= 0, window[0] >= 0, bucket)
     variant = _choose(key, lambda var: _launch(var, q4, k4, v4, o4, lse, window, scale))
+    if variant is None:
+        return False
     _launch(variant, q4, k4, v4, o4, lse, window, scale)
+    return True

@@ -862,8 +862,7 @@ def _planned_forward(q: Tensor, k: Tensor, v: Tensor, window: tuple[int, int], s
     Where the Gluon forward takes the call (Hopper, flash_gluon.takes) it runs instead, unplanned."""
     o = torch.empty_like(q, memory_format=torch.contiguous_format)  # empty_like: the cheapest allocation call
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    if not traced and flash_gluon.takes(q, k, v):
-        flash_gluon.forward(q, k, v, o, lse, window, scale)
+    if not traced and flash_gluon.takes(q, k, v) and flash_gluon.forward(q, k, v, o, lse, window, scale):
         return o, lse, None
     g = _geometry_of(q.shape, k.shape, q.dtype) if traced else _cached_geometry(q.shape, k.shape, q.dtype)
     recorded = _launch_forward(g, q, k, v, o, lse, q, k, window, scale, traced)
