@@ -1,7 +1,8 @@
 """FlashAttention-2 in Triton: forward kernel, atomic-free backward kernels, autotune configs, autograd.Function.
 
 Layout of this file (after Liger-Kernel): kernels, then autotune configs, then host launchers, then the
-`torch.autograd.Function`. The pure-PyTorch twin of every kernel is in `flash_torch.py`.
+`torch.autograd.Function`. The pure-PyTorch twin of every kernel is in `flash_torch.py`. On Hopper the forward of a
+large call runs the Gluon kernels instead (`flash_gluon.py` says which calls); the backward is always these kernels.
 
 Choices that pay (each measured in benchmarks/results/kernel_experiments.md, with the ones that did not):
 - Scores are computed in the log2 domain: log2(e) is folded into the softmax scale so the kernels call
