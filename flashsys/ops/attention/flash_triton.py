@@ -172,7 +172,8 @@ def _key_tile_range(start_m, n_k, right_offset, left_offset, BLOCK_M: tl.constex
                     BOUND_RIGHT: tl.constexpr, BOUND_LEFT: tl.constexpr):
     """(lo, full_lo, full_hi, hi) for the query tile starting at start_m: key tiles in [full_lo, full_hi) are fully
     visible to every query of the tile (no mask needed); [lo, full_lo) and [full_hi, hi) straddle a window edge or
-    the sequence end; keys outside [lo, hi) are seen by none of its queries and are never visited."""
+    the sequence end; keys outside [lo, hi) are seen by none of its queries and are never visited. The Gluon forward
+    (gluon_kernels.py) calls it too."""
     if BOUND_RIGHT:
         hi = tl.maximum(tl.minimum(n_k, start_m + BLOCK_M + right_offset), 0)
         full_hi = tl.maximum(tl.minimum(n_k, start_m + 1 + right_offset), 0) // BLOCK_N * BLOCK_N

@@ -25,6 +25,9 @@ not a multiple of the tile (TMA reads zeros past the end and clips the stores), 
 from __future__ import annotations
 
 from triton.experimental import gluon
+
+# The tile ranges are the `tl` forward's own (a @triton.jit helper of scalar arithmetic, which Gluon calls as it is).
+from .flash_triton import _key_tile_range
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
@@ -47,33 +50,11 @@ def _program_tile(n_heads, kv_group, HEAVIEST_FIRST: gl.constexpr):
 
 
 @gluon.jit
-def _key_range(start_m, n_rows, n_k, right_offset, left_offset, BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr,
-               BOUND_LEFT: gl.constexpr):
-    """(lo, full_lo, full_hi, hi) in key rows for query rows [start_m, start_m + n_rows), as the `tl` forward's
-    `_key_tile_range`: keys in [full_lo, full_hi) are visible to every one of these queries, [lo, hi) holds every
-    key that any of them sees. lo, full_lo and full_hi are multiples of BLOCK_N."""
-    if BOUND_RIGHT:
-        hi = gl.maximum(gl.minimum(n_k, start_m + n_rows + right_offset), 0)
-        full_hi = gl.maximum(gl.minimum(n_k, start_m + 1 + right_offset), 0) // BLOCK_N * BLOCK_N
-    else:
-        hi = n_k
-        full_hi = n_k // BLOCK_N * BLOCK_N
-    if BOUND_LEFT:
-        lo = gl.minimum(gl.maximum(start_m + left_offset, 0) // BLOCK_N * BLOCK_N, hi)
-        full_lo = gl.cdiv(gl.maximum(start_m + n_rows - 1 + left_offset, 0), BLOCK_N) * BLOCK_N
-        full_lo = gl.minimum(gl.maximum(full_lo, lo), hi)
-        full_hi = gl.minimum(gl.maximum(full_hi, full_lo), hi)
-    else:
-        lo = 0
-        full_lo = 0
-    return lo, full_lo, full_hi, hi
-
-
-@gluon.jit
 def _masked_scores(s, offs_m, kn, n_k, right_offset, left_offset, lo_full, hi_full, BLOCK_N: gl.constexpr,
                    BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr):
     """S of the key tile starting at kn, with the keys a query may not see at -inf; a tile inside
-    [lo_full, hi_full) is visible to every query and is returned as it is (a uniform branch)."""
+    [lo_full, hi_full) (from `_key_tile_range`) is visible to every query and is returned as it is (a uniform
+    branch)."""
     if (kn < lo_full) | (kn >= hi_full):
         offs_n = kn + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
         visible = offs_n[None, :] < n_k
@@ -145,8 +126,8 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, L, n_heads, kv_group, n_q,
     start_m = pid_m * BLOCK_M
     right_offset = n_k - n_q + window_right  # query i sees key j iff i + left_offset <= j <= i + right_offset
     left_offset = n_k - n_q - window_left
-    lo, full_lo, full_hi, hi = _key_range(start_m, BLOCK_M, n_k, right_offset, left_offset, BLOCK_N, BOUND_RIGHT,
-                                          BOUND_LEFT)
+    lo, full_lo, full_hi, hi = _key_tile_range(start_m, n_k, right_offset, left_offset, BLOCK_M, BLOCK_N, BOUND_RIGHT,
+                                               BOUND_LEFT)
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
 
     q_box = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -307,8 +288,8 @@ def attention_forward_pingpong(q_desc, k_desc, v_desc, o_desc, L, n_heads, kv_gr
     start_m = pid_m * BLOCK_M
     right_offset = n_k - n_q + window_right
     left_offset = n_k - n_q - window_left
-    lo, full_lo, full_hi, hi = _key_range(start_m, BLOCK_M, n_k, right_offset, left_offset, BLOCK_N, BOUND_RIGHT,
-                                          BOUND_LEFT)
+    lo, full_lo, full_hi, hi = _key_tile_range(start_m, n_k, right_offset, left_offset, BLOCK_M, BLOCK_N, BOUND_RIGHT,
+                                               BOUND_LEFT)
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
     L = L + bh.to(gl.int64) * n_q
     q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, HALF_M, HEAD_DIM], q_desc.layout)
