@@ -92,6 +92,88 @@ def _tile(box, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
     return box.reshape([ROWS, HEAD_DIM])
 
 
+@gluon.constexpr_function
+def _mma_layout(cols):
+    """The register layout of a (rows, cols) wgmma accumulator of one warpgroup (S: cols = BLOCK_N; O: HEAD_DIM)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cols, 16])
+
+
+@gluon.jit
+def _rows(x, acc):
+    """A per-row vector (in S's layout) in the rows of `acc`'s layout, broadcast over its columns."""
+    return gl.convert_layout(x, gl.SliceLayout(1, acc.type.layout))[:, None]
+
+
+@gluon.jit
+def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_hi, n_k, right_offset, left_offset,
+            qk_scale, k_desc, v_desc, b, h_kv, turn_bar, empty_bar, HALF: gl.constexpr, ROWS: gl.constexpr,
+            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr, BOUND_RIGHT: gl.constexpr,
+            BOUND_LEFT: gl.constexpr, PINGPONG: gl.constexpr):
+    """(O unnormalised, row max, row sum) of one warpgroup's ROWS query rows over key tiles lo, lo + BLOCK_N, ...
+    (n_tiles of them), with the intra-warpgroup overlap of the module docstring.
+
+    The plain kernel refills a freed K/V buffer itself (k_desc, v_desc, b, h_kv); a ping-pong consumer (PINGPONG)
+    instead waits for its turn before issuing products and passes it on after (turn_bar, HALF), and releases a
+    freed buffer to the producer (empty_bar). The arguments the other kind uses are None."""
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_mma_layout(HEAD_DIM), k_width=2)
+    dtype: gl.constexpr = k_smem.dtype
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=_mma_layout(HEAD_DIM))
+    if n_tiles > 0:
+        # Tile 0: S and its softmax; nothing to overlap yet.
+        if PINGPONG:
+            mbarrier.wait(turn_bar.index(HALF), 0)
+        mbarrier.wait(k_bar.index(0), 0)
+        s = warpgroup_mma(q, _tile(k_smem.index(0), BLOCK_N, HEAD_DIM).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn_bar.index(1 - HALF))
+        s = warpgroup_mma_wait(0, deps=[s])
+        s = _masked_scores(s, offs_m, lo, n_k, right_offset, left_offset, full_lo, full_hi, BLOCK_N, BOUND_RIGHT,
+                           BOUND_LEFT)
+        p, m_i, alpha, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+        for t in range(1, n_tiles):
+            slot = t % NBUF
+            prev = (t - 1) % NBUF
+            if PINGPONG:
+                mbarrier.wait(turn_bar.index(HALF), t & 1)
+            mbarrier.wait(k_bar.index(slot), (t // NBUF) & 1)
+            s_tok = warpgroup_mma(q, _tile(k_smem.index(slot), BLOCK_N, HEAD_DIM).permute((1, 0)), s_zero,
+                                  use_acc=False, is_async=True)
+            mbarrier.wait(v_bar.index(prev), ((t - 1) // NBUF) & 1)
+            acc_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem.index(prev), BLOCK_N,
+                                                                                    HEAD_DIM), acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn_bar.index(1 - HALF))
+            s = warpgroup_mma_wait(1, deps=[s_tok])  # S_t is done; P_{t-1} V_{t-1} may still run
+            s = _masked_scores(s, offs_m, lo + t * BLOCK_N, n_k, right_offset, left_offset, full_lo, full_hi,
+                               BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
+            p, m_i, alpha, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+            acc = warpgroup_mma_wait(0, deps=[acc_tok])
+            # Buffer `prev` is free: this warpgroup's wait above covers every product of its own that read it.
+            if PINGPONG:
+                mbarrier.arrive(empty_bar.index(prev))
+            else:
+                _load_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, lo + (t - 1 + NBUF) * BLOCK_N, prev,
+                         t - 1 + NBUF < n_tiles)
+            acc = acc * _rows(alpha, acc)
+        last = (n_tiles - 1) % NBUF
+        if PINGPONG:
+            mbarrier.wait(turn_bar.index(HALF), n_tiles & 1)
+        mbarrier.wait(v_bar.index(last), ((n_tiles - 1) // NBUF) & 1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem.index(last), BLOCK_N, HEAD_DIM),
+                            acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn_bar.index(1 - HALF))
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        if PINGPONG:
+            mbarrier.arrive(empty_bar.index(last))
+    return acc, m_i, l_i
+
+
 @gluon.jit
 def _store_out(acc, m_i, l_i, offs_m, L, n_q, o_desc, b, h, row, staging, ROWS: gl.constexpr,
                HEAD_DIM: gl.constexpr):
@@ -100,7 +182,7 @@ def _store_out(acc, m_i, l_i, offs_m, L, n_q, o_desc, b, h, row, staging, ROWS: 
     seen = l_i > 0.0
     l_safe = gl.where(seen, l_i, 1.0)
     gl.store(L + offs_m, gl.where(seen, m_i * 0.6931471805599453 + gl.log(l_safe), float("-inf")), mask=offs_m < n_q)
-    acc = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, acc.type.layout))[:, None]
+    acc = acc / _rows(l_safe, acc)
     _tile(staging, ROWS, HEAD_DIM).store(acc.to(o_desc.dtype))
     fence_async_shared()
     _tma_store(o_desc, [b, h, row, 0], staging)
@@ -113,13 +195,6 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, L, n_heads, kv_group, n_q,
                       BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr):
     """One program (one warpgroup) = one query tile of one (batch, head); NBUF K/V buffers in flight.
     L is (B, H, Nq) float32, contiguous; window bounds as the `tl` forward takes them (-1: unbounded)."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = q_desc.dtype
 
     pid_m, bh, b, h, h_kv = _program_tile(n_heads, kv_group, BOUND_RIGHT)
@@ -147,45 +222,11 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, L, n_heads, kv_group, n_q,
     for i in gl.static_range(NBUF):
         _load_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, lo + i * BLOCK_N, i, i < n_tiles)
 
-    q = _tile(q_box, BLOCK_M, HEAD_DIM)
-    offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_s)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _mma_layout(BLOCK_N)))
     mbarrier.wait(q_bar, 0)
-    if n_tiles > 0:
-        # Tile 0: S and its softmax; nothing to overlap yet.
-        mbarrier.wait(k_bar.index(0), 0)
-        s = warpgroup_mma(q, _tile(k_smem.index(0), BLOCK_N, HEAD_DIM).permute((1, 0)), s_zero, use_acc=False,
-                          is_async=True)
-        s = warpgroup_mma_wait(0, deps=[s])
-        s = _masked_scores(s, offs_m, lo, n_k, right_offset, left_offset, full_lo, full_hi, BLOCK_N, BOUND_RIGHT,
-                           BOUND_LEFT)
-        p, m_i, alpha, l_i = _softmax_step(s, m_i, l_i, qk_scale)
-        for t in range(1, n_tiles):
-            slot = t % NBUF
-            prev = (t - 1) % NBUF
-            mbarrier.wait(k_bar.index(slot), (t // NBUF) & 1)
-            s_tok = warpgroup_mma(q, _tile(k_smem.index(slot), BLOCK_N, HEAD_DIM).permute((1, 0)), s_zero,
-                                  use_acc=False, is_async=True)
-            mbarrier.wait(v_bar.index(prev), ((t - 1) // NBUF) & 1)
-            acc_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem.index(prev), BLOCK_N,
-                                                                                    HEAD_DIM), acc, is_async=True)
-            s = warpgroup_mma_wait(1, deps=[s_tok])  # S_t is done; P_{t-1} V_{t-1} may still run
-            s = _masked_scores(s, offs_m, lo + t * BLOCK_N, n_k, right_offset, left_offset, full_lo, full_hi,
-                               BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
-            p, m_i, alpha, l_i = _softmax_step(s, m_i, l_i, qk_scale)
-            acc = warpgroup_mma_wait(0, deps=[acc_tok])
-            # Buffer `prev` is free: this warpgroup's wait above covers every product that read it. Refill it.
-            _load_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, lo + (t - 1 + NBUF) * BLOCK_N, prev,
-                     t - 1 + NBUF < n_tiles)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        last = (n_tiles - 1) % NBUF
-        mbarrier.wait(v_bar.index(last), ((n_tiles - 1) // NBUF) & 1)
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem.index(last), BLOCK_N, HEAD_DIM),
-                            acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[acc])
+    acc, m_i, l_i = _attend(_tile(q_box, BLOCK_M, HEAD_DIM), offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo,
+                            full_lo, full_hi, n_k, right_offset, left_offset, qk_scale, k_desc, v_desc, b, h_kv, None,
+                            None, 0, BLOCK_M, HEAD_DIM, BLOCK_N, NBUF, BOUND_RIGHT, BOUND_LEFT, False)
 
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(NBUF):
@@ -219,59 +260,13 @@ def _pingpong_consumer(o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, e
     program's range (a tile one half does not see is masked for it), so they take the same number of turns:
     turn t (parity t & 1) is this warpgroup's t-th issue of products, and passing it lets the other one issue."""
     HALF_M: gl.constexpr = BLOCK_M // 2
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    dtype: gl.constexpr = o_desc.dtype
     my_m = start_m + HALF * HALF_M
     q_box = q_smem.index(HALF)
-    q = _tile(q_box, HALF_M, HEAD_DIM)
-    offs_m = my_m + gl.arange(0, HALF_M, layout=row_s)
-    s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
-    m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_s)
-    l_i = gl.zeros([HALF_M], gl.float32, layout=row_s)
-    acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, layout=o_layout)
+    offs_m = my_m + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, _mma_layout(BLOCK_N)))
     mbarrier.wait(q_bar.index(HALF), 0)  # always: the query box is the output's staging buffer
-    if n_tiles > 0:
-        mbarrier.wait(turn_bar.index(HALF), 0)
-        mbarrier.wait(k_bar.index(0), 0)
-        s = warpgroup_mma(q, _tile(k_smem.index(0), BLOCK_N, HEAD_DIM).permute((1, 0)), s_zero, use_acc=False,
-                          is_async=True)
-        mbarrier.arrive(turn_bar.index(1 - HALF))
-        s = warpgroup_mma_wait(0, deps=[s])
-        s = _masked_scores(s, offs_m, lo, n_k, right_offset, left_offset, full_lo, full_hi, BLOCK_N, BOUND_RIGHT,
-                           BOUND_LEFT)
-        p, m_i, alpha, l_i = _softmax_step(s, m_i, l_i, qk_scale)
-        for t in range(1, n_tiles):
-            slot = t % NBUF
-            prev = (t - 1) % NBUF
-            mbarrier.wait(turn_bar.index(HALF), t & 1)
-            mbarrier.wait(k_bar.index(slot), (t // NBUF) & 1)
-            s_tok = warpgroup_mma(q, _tile(k_smem.index(slot), BLOCK_N, HEAD_DIM).permute((1, 0)), s_zero,
-                                  use_acc=False, is_async=True)
-            mbarrier.wait(v_bar.index(prev), ((t - 1) // NBUF) & 1)
-            acc_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem.index(prev), BLOCK_N,
-                                                                                    HEAD_DIM), acc, is_async=True)
-            mbarrier.arrive(turn_bar.index(1 - HALF))
-            s = warpgroup_mma_wait(1, deps=[s_tok])
-            s = _masked_scores(s, offs_m, lo + t * BLOCK_N, n_k, right_offset, left_offset, full_lo, full_hi,
-                               BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
-            p, m_i, alpha, l_i = _softmax_step(s, m_i, l_i, qk_scale)
-            acc = warpgroup_mma_wait(0, deps=[acc_tok])
-            mbarrier.arrive(empty_bar.index(prev))
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        last = (n_tiles - 1) % NBUF
-        mbarrier.wait(turn_bar.index(HALF), n_tiles & 1)
-        mbarrier.wait(v_bar.index(last), ((n_tiles - 1) // NBUF) & 1)
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem.index(last), BLOCK_N, HEAD_DIM),
-                            acc, is_async=True)
-        mbarrier.arrive(turn_bar.index(1 - HALF))
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        mbarrier.arrive(empty_bar.index(last))
+    acc, m_i, l_i = _attend(_tile(q_box, HALF_M, HEAD_DIM), offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo,
+                            full_lo, full_hi, n_k, right_offset, left_offset, qk_scale, None, None, None, None,
+                            turn_bar, empty_bar, HALF, HALF_M, HEAD_DIM, BLOCK_N, NBUF, BOUND_RIGHT, BOUND_LEFT, True)
     _store_out(acc, m_i, l_i, offs_m, L, n_q, o_desc, b, h, my_m, q_box, HALF_M, HEAD_DIM)
 
 
