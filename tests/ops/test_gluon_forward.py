@@ -189,7 +189,7 @@ def test_choice_takes_the_fastest_median_and_leaves_out_variants_that_fail(monke
     monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU builds of torch raise
     monkeypatch.setattr(flash_gluon, "_chosen", {})
-    monkeypatch.setenv("FLASHSYS_TRITON_AUTOTUNE", "1")
+    monkeypatch.setattr(flash_gluon, "autotune_enabled", lambda: True)  # CPU CI runs the interpreter, which is off
     key = flash_gluon.ChoiceKey(64, torch.bfloat16, True, False, 16384)
     assert flash_gluon._choose(key, run) == d64[0]
     assert flash_gluon.chosen_variants() == {key: d64[0]}
@@ -199,3 +199,22 @@ def test_choice_takes_the_fastest_median_and_leaves_out_variants_that_fail(monke
         assert flash_gluon._choose(key._replace(bucket=1024), run) is None
     assert "no variant ran" in flash_gluon._broken
     assert "no variant ran" in flash_gluon.status() or "not an sm_90" in flash_gluon.status()
+
+
+def test_switches_take_only_on_or_off(monkeypatch):
+    """FLASHSYS_GLUON and FLASHSYS_TRITON_AUTOTUNE read as the native launcher's switch does: 'false' is off (it
+    used to read as on), and a value that is neither raises naming the variable."""
+    from flashsys.ops.attention.triton_env import autotune_enabled
+
+    monkeypatch.setenv("FLASHSYS_GLUON", "false")
+    assert not flash_gluon.enabled()
+    monkeypatch.setenv("FLASHSYS_GLUON", "yes")
+    assert flash_gluon.enabled()
+    monkeypatch.setenv("FLASHSYS_GLUON", "maybe")
+    with pytest.raises(ValueError, match="FLASHSYS_GLUON='maybe'"):
+        flash_gluon.enabled()
+    monkeypatch.setenv("FLASHSYS_TRITON_AUTOTUNE", "off")
+    assert not autotune_enabled()
+    monkeypatch.setenv("FLASHSYS_TRITON_AUTOTUNE", "2")
+    with pytest.raises(ValueError, match="FLASHSYS_TRITON_AUTOTUNE='2'"):
+        autotune_enabled()

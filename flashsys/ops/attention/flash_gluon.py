@@ -24,6 +24,8 @@ import torch
 import triton
 from torch import Tensor
 
+from .triton_env import autotune_enabled, env_switch
+
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -75,8 +77,12 @@ def _kernels():
     return gluon_kernels
 
 
+ENV = "FLASHSYS_GLUON"
+
+
 def enabled() -> bool:
-    return os.environ.get("FLASHSYS_GLUON", "1") != "0"
+    """FLASHSYS_GLUON, an on/off switch (triton_env.env_switch: a value other than on or off raises)."""
+    return env_switch(ENV)
 
 
 @functools.cache
@@ -101,7 +107,7 @@ def problem(q: Tensor, k: Tensor, v: Tensor) -> str | None:
     if q.shape[-1] not in HEAD_DIMS:
         return f"head dim {q.shape[-1]} (takes {HEAD_DIMS})"
     if not enabled():
-        return "FLASHSYS_GLUON=0"
+        return f"{ENV}={os.environ[ENV]}"
     if not _hopper(q.device.index if q.device.index is not None else torch.cuda.current_device()):
         return "not an sm_90 (Hopper) GPU"
     if _kernels() is None or _broken is not None:
@@ -202,7 +208,7 @@ def status() -> str:
     """One line for benchmark headers: whether this path runs on the current GPU, and the variants chosen so far
     ("causal" stands for any right bound without a left one, "window" for a left bound)."""
     if not enabled():
-        return "off (FLASHSYS_GLUON=0)"
+        return f"off ({ENV}={os.environ[ENV]})"
     if not torch.cuda.is_available() or not _hopper(torch.cuda.current_device()):
         return "off (not an sm_90 GPU)"
     if _kernels() is None or _broken is not None:
@@ -211,10 +217,6 @@ def status() -> str:
     chosen = "; ".join(f"D {k.head_dim} {str(k.dtype)[6:]} {masks[k.bound_right, k.bound_left]} N<={k.bucket}: "
                        f"{v.label()}" for k, v in sorted(_chosen.items(), key=str))
     return f"on where B*H*Nq*Nk*D >= 2^{MIN_WORK.bit_length() - 1}" + (f"; chose {chosen}" if chosen else "")
-
-
-def _autotune_enabled() -> bool:
-    return os.environ.get("FLASHSYS_TRITON_AUTOTUNE", "1") != "0"
 
 
 # The choice times every candidate in interleaved rounds and takes each one's median: on an H100 one process's
@@ -234,7 +236,7 @@ def _choose(key: ChoiceKey, run) -> Variant | None:
     candidates = VARIANTS[key.head_dim]
     if torch.cuda.is_current_stream_capturing():
         return candidates[0]  # not remembered: a later call outside the capture may still time them
-    if not _autotune_enabled():
+    if not autotune_enabled():
         _chosen[key] = candidates[0]
         return candidates[0]
     from triton.testing import do_bench

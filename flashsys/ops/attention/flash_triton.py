@@ -41,7 +41,7 @@ from triton.compiler import CompiledKernel
 
 from . import eager_plans, flash_gluon, native_launch
 from .eager_plans import Recorded
-from .triton_env import interpreter_active
+from .triton_env import autotune_enabled, interpreter_active
 from .validation import (
     MAX_HEAD_DIM,
     check_attention_inputs,
@@ -568,12 +568,8 @@ _BWD_DQ_TILES_LONG = {64: [(128, 64, 8, 4), (128, 64, 8, 3)]}
 _AUTOTUNE_KEY = ["N_BUCKET", "HEAD_DIM", "BOUND_RIGHT", "BOUND_LEFT", "VARLEN"]
 
 
-def _autotune_enabled() -> bool:
-    return not interpreter_active() and os.environ.get("FLASHSYS_TRITON_AUTOTUNE", "1") != "0"
-
-
 def _configs(tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:
-    chosen = tiles if _autotune_enabled() else tiles[:1]
+    chosen = tiles if autotune_enabled() else tiles[:1]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in chosen]
 
 

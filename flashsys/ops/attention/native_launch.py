@@ -30,6 +30,7 @@ from typing import Callable
 from torch import Tensor
 
 from . import eager_plans
+from .triton_env import env_switch
 
 _SOURCE = Path(__file__).with_name("csrc") / "native_launch.cpp"
 _NAME = "flashsys_native_launch"  # torch.utils.cpp_extension's build directory and module name
@@ -45,14 +46,8 @@ _suspended = False
 
 
 def enabled() -> bool:
-    """FLASHSYS_NATIVE_LAUNCH: unset, 1, true, on or yes (the default: on); 0, false, off or no. Anything else
-    raises, naming the variable, rather than being read as either."""
-    value = os.environ.get(ENV, "1").strip().lower()
-    if value in ("1", "true", "on", "yes"):
-        return True
-    if value in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(f"{ENV}={os.environ[ENV]!r}: set it to 0 (off) or 1 (on)")
+    """FLASHSYS_NATIVE_LAUNCH, an on/off switch (triton_env.env_switch: a value other than on or off raises)."""
+    return env_switch(ENV)
 
 
 def status() -> str:

@@ -11,6 +11,23 @@ import importlib.util
 import os
 
 
+def env_switch(name: str) -> bool:
+    """A flashsys on/off environment variable: unset, 1, true, on or yes is on (every switch defaults to on); 0,
+    false, off or no is off. Anything else raises, naming the variable, rather than being read as either."""
+    value = os.environ.get(name, "1").strip().lower()
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{name}={os.environ[name]!r}: set it to 0 (off) or 1 (on)")
+
+
+def autotune_enabled() -> bool:
+    """FLASHSYS_TRITON_AUTOTUNE (on by default): time every candidate config on a key's first call; off, and under the
+    interpreter, take the first candidate."""
+    return env_switch("FLASHSYS_TRITON_AUTOTUNE") and not interpreter_active()
+
+
 def interpreter_active() -> bool:
     """True when Triton runs kernels on the CPU (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
