@@ -91,15 +91,18 @@ def _hopper(device_index: int) -> bool:
 
 
 def _tma_strides_ok(t: Tensor) -> bool:
-    """Every stride TMA reads is a positive multiple of 16 bytes, the last is 1 (dims of size 1 are never strided)."""
+    """Every stride TMA reads is a positive multiple of 16 bytes (and known: not symbolic), the last is 1 (dims of size
+    1 are never strided)."""
     if t.stride(-1) != 1:
         return False
-    return all(size == 1 or (stride > 0 and stride % 8 == 0) for size, stride in zip(t.shape[:-1], t.stride()[:-1]))
+    return all(size == 1 or (type(stride) is int and stride > 0 and stride % 8 == 0)
+               for size, stride in zip(t.shape[:-1], t.stride()[:-1]))
 
 
 def problem(q: Tensor, k: Tensor, v: Tensor) -> str | None:
     """None when the Gluon forward takes these (validated, dense) inputs, else why not. Cheapest checks first: an
-    eager call asks this every time."""
+    eager call on the Python path asks this every time, and most small calls stop at the size bar before any stride
+    is read."""
     if q.device.type != "cuda":
         return "not a CUDA tensor"
     if q.dtype not in _DTYPES:
@@ -112,9 +115,8 @@ def problem(q: Tensor, k: Tensor, v: Tensor) -> str | None:
         return "not an sm_90 (Hopper) GPU"
     if _kernels() is None or _broken is not None:
         return _broken
-    sizes = [s for t in (q, k, v) for s in (*t.shape, *t.stride())]
-    if any(type(s) is not int for s in sizes):
-        return "symbolic shapes or strides (torch.compile with dynamic shapes)"
+    if any(type(n) is not int for n in (*q.shape, *k.shape)):  # v is shaped like k (validated)
+        return "symbolic shapes (torch.compile with dynamic shapes)"
     work = q.shape[-2] * k.shape[-2] * q.shape[0] * (q.shape[1] if q.dim() == 4 else 1) * q.shape[-1]
     if work < MIN_WORK:
         return f"B*H*Nq*Nk*D = {work} < {MIN_WORK} (host-bound there: the native launcher's `tl` forward costs less)"
