@@ -228,7 +228,7 @@ def environment() -> dict[str, str]:
             env["native launcher"] = native_launch.status()
             from flashsys.ops.attention import flash_gluon
 
-            env["gluon forward"] = flash_gluon.status()
+            env["gluon kernels"] = flash_gluon.status()
     return env
 
 

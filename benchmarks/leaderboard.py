@@ -101,10 +101,12 @@ def main(argv: list[str] | None = None) -> int:
                  if key.kernel == kernel and key.head_dim == args.head_dim and key.dtype == torch.bfloat16]
         notes.append(f"- {label}: " + (", ".join(f"{k}={v}" for k, v in found[-1].items()) if found else
                                        "no eager launch (the compiled call autotuned over the same configs in Inductor)"))
-    gluon = [f"{v.label()} (N <= {key.bucket})" for key, v in flash_gluon.chosen_variants().items()
-             if key.head_dim == args.head_dim and key.dtype == torch.bfloat16 and key.bound_right]
-    if gluon:  # the compiled graph's forward ran the Gluon kernel (flash_gluon), not the `tl` one above
-        notes.append(f"- fwd (Gluon, what ran): {', '.join(gluon)}")
+    for kernel, label in (("forward", "fwd"), ("dkdv", "bwd dK/dV")):
+        gluon = [f"{v.label()} (N <= {key.bucket})" for key, v in flash_gluon.chosen_variants().items()
+                 if key.kernel == kernel and key.head_dim == args.head_dim and key.dtype == torch.bfloat16
+                 and key.bound_right]
+        if gluon:  # the compiled graph ran the Gluon kernel (flash_gluon), not the `tl` one above
+            notes.append(f"- {label} (Gluon, what ran): {', '.join(gluon)}")
     path = write_table(rows, args.out, args.name, "FlashAttention leaderboard timing", notes, environment())
     print(path.read_text())
     return 0

@@ -46,8 +46,8 @@ def test_calls_it_does_not_take_say_why():
 
 
 def test_every_variant_compiles_for_hopper():
-    """Every variant, causal, full and windowed, with grouped-query K/V and ragged lengths, compiles for sm_90 on
-    this machine's Triton (CI's newest one; a CPU needs no GPU to compile)."""
+    """Every variant (the forward's and the dK/dV kernel's), causal, full and windowed, with grouped-query K/V and
+    ragged lengths, compiles for sm_90 on this machine's Triton (CI's newest one; a CPU needs no GPU to compile)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     if flash_gluon._kernels() is None:
         pytest.skip("this Triton has no Gluon Hopper API")
@@ -57,7 +57,8 @@ def test_every_variant_compiles_for_hopper():
                        env=env, cwd=root)
     assert r.returncode == 0, r.stderr[-3000:]
     compiled = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(compiled) == 3 * sum(len(v) for v in flash_gluon.VARIANTS.values())
+    assert len(compiled) == 3 * sum(len(v) for table in (flash_gluon.VARIANTS, flash_gluon.DKDV_VARIANTS)
+                                    for v in table.values())
     failed = {label: why for label, why in compiled.items() if why != "ok"}
     assert not failed, failed
 
@@ -195,7 +196,7 @@ def test_choice_takes_the_fastest_median_and_leaves_out_variants_that_fail(monke
     assert flash_gluon.chosen_variants() == {key: d64[0]}
     draws.clear()
     monkeypatch.setattr(flash_gluon, "_broken", None)
-    with pytest.warns(RuntimeWarning, match="Gluon forward is off.*out of resources"):
+    with pytest.warns(RuntimeWarning, match="Gluon kernels are off.*out of resources"):
         assert flash_gluon._choose(key._replace(bucket=1024), run) is None
     assert "no variant ran" in flash_gluon._broken
     assert "no variant ran" in flash_gluon.status() or "not an sm_90" in flash_gluon.status()

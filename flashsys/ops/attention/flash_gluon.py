@@ -60,6 +60,14 @@ VARIANTS: dict[int, tuple[Variant, ...]] = {
 }
 
 
+# The dK/dV kernel's candidates ("dkdv": block_m query rows streamed through nbuf buffers, block_n key rows held
+# by block_n // 16 warps). D 128 only: at D 64 every variant ran 0-8% slower than the `tl` dK/dV kernel on an H100,
+# at D 128 up to 6% faster (kernel_configs/probe_gluon_backward_h100.txt); a third buffer was slower everywhere.
+DKDV_VARIANTS: dict[int, tuple[Variant, ...]] = {
+    128: (Variant("dkdv", 64, 64, 2), Variant("dkdv", 64, 128, 2)),
+}
+
+
 # Why this path is off in this process, once it found out: the kernels do not import (a Triton without Gluon's
 # Hopper API, or one whose API moved) or no variant compiles and runs on this GPU. The `tl` forward runs instead.
 _broken: str | None = None
@@ -130,6 +138,12 @@ def takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
     return problem(q, k, v) is None and all(t.data_ptr() % 16 == 0 for t in (q, k, v))
 
 
+def takes_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor) -> bool:
+    """Whether the Gluon dK/dV kernel runs this backward: the forward's conditions, a head dim it has variants for,
+    and a dO that TMA can read (the `tl` dQ kernel runs first either way)."""
+    return (q.shape[-1] in DKDV_VARIANTS and takes(q, k, v) and _tma_strides_ok(do) and do.data_ptr() % 16 == 0)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Launch
 # ----------------------------------------------------------------------------------------------------
@@ -176,8 +190,23 @@ def _launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, o4: Tens
     return kernel, (triton.cdiv(n_q, variant.block_m), batch * n_heads), args, kwargs
 
 
+def _dkdv_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, do4: Tensor, dk4: Tensor, dv4: Tensor,
+                       lse_delta: Tensor, window: tuple[int, int], scale: float) -> tuple:
+    """As `_launch_parts`, for the dK/dV kernel."""
+    batch, n_heads, n_q, d = q4.shape
+    kv_heads, n_k = k4.shape[1], k4.shape[2]
+    m, n = variant.block_m, variant.block_n
+    args = (_descriptor(q4, m), _descriptor(k4, n), _descriptor(v4, n), _descriptor(do4, m), _descriptor(dk4, n),
+            _descriptor(dv4, n), lse_delta, n_heads, n_heads // kv_heads, n_q, n_k, window[0], window[1],
+            scale * LOG2E, scale)
+    kwargs = dict(HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n, BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0,
+                  NBUF=variant.nbuf, num_warps=n // 16)
+    return _kernels().attention_backward_dkdv, (triton.cdiv(n_k, n), batch * kv_heads), args, kwargs
+
+
 def _launch(variant: Variant, *tensors_and_scalars) -> None:
-    kernel, grid, args, kwargs = _launch_parts(variant, *tensors_and_scalars)
+    parts = _dkdv_launch_parts if variant.kind == "dkdv" else _launch_parts
+    kernel, grid, args, kwargs = parts(variant, *tensors_and_scalars)
     kernel[grid](*args, **kwargs)
 
 
@@ -186,7 +215,13 @@ def compile_only(variant: Variant, q: Tensor, k: Tensor, v: Tensor, window: tupl
     stand-in driver that names sm_90, as the CPU tests do). Returns the compiled kernel."""
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    kernel, _, args, kwargs = _launch_parts(variant, *(_rank4(t) for t in (q, k, v, o)), lse, window, scale)
+    if variant.kind == "dkdv":
+        lse_delta = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device=q.device)
+        tensors = (q, k, v, q, torch.empty_like(k), torch.empty_like(v))
+        kernel, _, args, kwargs = _dkdv_launch_parts(variant, *(_rank4(t) for t in tensors), lse_delta, window,
+                                                     scale)
+    else:
+        kernel, _, args, kwargs = _launch_parts(variant, *(_rank4(t) for t in (q, k, v, o)), lse, window, scale)
     return kernel.warmup(*args, **kwargs, grid=(1,))
 
 
@@ -196,6 +231,15 @@ class ChoiceKey(NamedTuple):
     bound_right: bool
     bound_left: bool
     bucket: int  # max(Nq, Nk) rounded up to a power of two
+    kernel: str = "forward"  # or "dkdv"
+
+    @classmethod
+    def of(cls, q4: Tensor, k4: Tensor, window: tuple[int, int], kernel: str) -> ChoiceKey:
+        bucket = 1 << (max(q4.shape[2], k4.shape[2]) - 1).bit_length()
+        return cls(q4.shape[3], q4.dtype, window[1] >= 0, window[0] >= 0, bucket, kernel)
+
+    def candidates(self) -> tuple[Variant, ...]:
+        return (VARIANTS if self.kernel == "forward" else DKDV_VARIANTS)[self.head_dim]
 
 
 _chosen: dict[ChoiceKey, Variant] = {}
@@ -216,8 +260,8 @@ def status() -> str:
     if _kernels() is None or _broken is not None:
         return f"off ({_broken})"
     masks = {(True, False): "causal", (False, False): "full", (True, True): "window", (False, True): "window"}
-    chosen = "; ".join(f"D {k.head_dim} {str(k.dtype)[6:]} {masks[k.bound_right, k.bound_left]} N<={k.bucket}: "
-                       f"{v.label()}" for k, v in sorted(_chosen.items(), key=str))
+    chosen = "; ".join(f"{k.kernel} D {k.head_dim} {str(k.dtype)[6:]} {masks[k.bound_right, k.bound_left]} "
+                       f"N<={k.bucket}: {v.label()}" for k, v in sorted(_chosen.items(), key=str))
     return f"on where B*H*Nq*Nk*D >= 2^{MIN_WORK.bit_length() - 1}" + (f"; chose {chosen}" if chosen else "")
 
 
@@ -235,7 +279,7 @@ def _choose(key: ChoiceKey, run) -> Variant | None:
     chosen = _chosen.get(key)
     if chosen is not None:
         return chosen
-    candidates = VARIANTS[key.head_dim]
+    candidates = key.candidates()
     if torch.cuda.is_current_stream_capturing():
         return candidates[0]  # not remembered: a later call outside the capture may still time them
     if not autotune_enabled():
@@ -257,7 +301,7 @@ def _choose(key: ChoiceKey, run) -> Variant | None:
     if not times:
         global _broken
         _broken = "no variant ran: " + "; ".join(f"{v.label()}: {type(e).__name__}: {e}" for v, e in errors.items())
-        warnings.warn(f"flashsys: the Gluon forward is off in this process, the `tl` forward runs ({_broken})",
+        warnings.warn(f"flashsys: the Gluon kernels are off in this process, the `tl` kernels run ({_broken})",
                       RuntimeWarning, stacklevel=4)
         return None
     _chosen[key] = min(times, key=lambda v: statistics.median(times[v]))
@@ -269,10 +313,23 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, window: tup
     the `tl` forward takes it ((left, right), -1 unbounded; causal (-1, 0)). False where no variant runs here (the
     caller runs the `tl` forward)."""
     q4, k4, v4, o4 = (_rank4(t) for t in (q, k, v, o))
-    bucket = 1 << (max(q4.shape[2], k4.shape[2]) - 1).bit_length()
-    key = ChoiceKey(q4.shape[3], q.dtype, window[1] >= 0, window[0] >= 0, bucket)
-    variant = _choose(key, lambda var: _launch(var, q4, k4, v4, o4, lse, window, scale))
+    variant = _choose(ChoiceKey.of(q4, k4, window, "forward"),
+                      lambda var: _launch(var, q4, k4, v4, o4, lse, window, scale))
     if variant is None:
         return False
     _launch(variant, q4, k4, v4, o4, lse, window, scale)
+    return True
+
+
+def backward_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse_delta: Tensor, dk: Tensor, dv: Tensor,
+                  window: tuple[int, int], scale: float) -> bool:
+    """Write dK and dV (dense, shaped like k and v) for inputs `takes_backward` accepted, after the `tl` dQ kernel
+    wrote lse_delta ((*q.shape[:-1], 2) float32, dense). False where no variant runs here (the caller runs the
+    `tl` dK/dV kernel)."""
+    q4, k4, v4, do4, dk4, dv4 = (_rank4(t) for t in (q, k, v, do, dk, dv))
+    variant = _choose(ChoiceKey.of(q4, k4, window, "dkdv"),
+                      lambda var: _launch(var, q4, k4, v4, do4, dk4, dv4, lse_delta, window, scale))
+    if variant is None:
+        return False
+    _launch(variant, q4, k4, v4, do4, dk4, dv4, lse_delta, window, scale)
     return True

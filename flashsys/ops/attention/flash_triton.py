@@ -192,6 +192,34 @@ def _key_tile_range(start_m, n_k, right_offset, left_offset, BLOCK_M: tl.constex
 
 
 @triton.jit
+def _query_tile_range(start_n, n_q, right_offset, left_offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BOUND_RIGHT: tl.constexpr, BOUND_LEFT: tl.constexpr):
+    """(lo, full_lo, full_hi, hi) for the key tile starting at start_n, the dK/dV kernels' mirror of
+    `_key_tile_range`: query tiles lo, lo + BLOCK_M, ... up to hi see some of its keys; a query tile starting in
+    [full_lo, full_hi) sees all of them (no mask needed), and the others straddle a window edge or the end of the
+    queries. full_hi < full_lo means that no query tile sees all the keys. lo, full_lo and full_hi are multiples of
+    BLOCK_M (hi need not be). The Gluon dK/dV kernel (gluon_kernels.py) calls it too."""
+    if BOUND_RIGHT:
+        # Queries before `lo` see none of these keys; from `full_lo` on they see all of them (right edge).
+        lo = tl.maximum(start_n - right_offset, 0) // BLOCK_M * BLOCK_M
+        full_lo = tl.maximum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - right_offset, 0), BLOCK_M) * BLOCK_M, lo)
+    else:
+        lo = 0
+        full_lo = 0
+    full_hi = n_q // BLOCK_M * BLOCK_M
+    if BOUND_LEFT:
+        # Queries from `hi` on see none of these keys; before `full_hi` they see all of them (left edge).
+        hi = tl.minimum(tl.maximum(start_n + BLOCK_N - left_offset, 0), n_q)
+        full_hi = tl.minimum(full_hi, tl.maximum(start_n - left_offset + 1, 0) // BLOCK_M * BLOCK_M)
+        lo = tl.minimum(lo, hi)
+        full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+        full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    else:
+        hi = n_q
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
     offs_m, offs_n, offs_d, lo, hi, n_k, right_offset, left_offset, qk_scale,
@@ -378,27 +406,10 @@ def _flash_bwd_dkdv_kernel(
 
     right_offset = n_k - n_q + window_right
     left_offset = n_k - n_q - window_left
-    if BOUND_RIGHT:
-        # Queries before `lo` see none of these keys; from `mid` on they see all of them (right edge).
-        lo = tl.maximum(start_n - right_offset, 0) // BLOCK_M * BLOCK_M
-        mid = tl.maximum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - right_offset, 0), BLOCK_M) * BLOCK_M, lo)
-    else:
-        lo = 0
-        mid = 0
-    full_end = n_q // BLOCK_M * BLOCK_M
-    if BOUND_LEFT:
-        # Queries from `end` on see none of these keys; before `full_end` they see all of them (left edge).
-        end = tl.minimum(tl.maximum(start_n + BLOCK_N - left_offset, 0), n_q)
-        full_end = tl.minimum(full_end, tl.maximum(start_n - left_offset + 1, 0) // BLOCK_M * BLOCK_M)
-        lo = tl.minimum(lo, end)
-        mid = tl.minimum(tl.maximum(mid, lo), end)
-        full_end = tl.minimum(tl.maximum(full_end, mid), end)
-        first_end = mid
-        last_start = full_end
-    else:
-        end = n_q
-        first_end = tl.minimum(mid, n_q)
-        last_start = tl.maximum(mid, full_end)
+    lo, mid, full_end, end = _query_tile_range(start_n, n_q, right_offset, left_offset, BLOCK_M, BLOCK_N,
+                                               BOUND_RIGHT, BOUND_LEFT)
+    first_end = tl.minimum(mid, end)
+    last_start = tl.maximum(mid, full_end)
     for g in range(kv_group):
         h = h_kv * kv_group + g
         Qh = Q + b * stride_qb + h * stride_qh + q_start * stride_qn
@@ -896,11 +907,13 @@ def flash_backward_triton(
 def _planned_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, window: tuple[int, int],
                       scale: float, traced: bool = False
                       ) -> tuple[Tensor, Tensor, Tensor, eager_plans.BackwardPlan | None]:
-    """flash_backward_triton for a dense dO, and the plan that replays it (as `_planned_forward`)."""
+    """flash_backward_triton for a dense dO, and the plan that replays it (as `_planned_forward`). Where the Gluon
+    dK/dV kernel takes the call (Hopper, flash_gluon.takes_backward) it runs after the `tl` dQ kernel, unplanned."""
     g = _geometry_of(q.shape, k.shape, q.dtype) if traced else _cached_geometry(q.shape, k.shape, q.dtype)
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     lse_delta = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device=q.device)
-    recorded = _launch_backward(g, q, k, v, o, lse, do, dq, dk, dv, lse_delta, q, k, window, scale, traced)
+    gluon = not traced and flash_gluon.takes_backward(q, k, v, do)
+    recorded = _launch_backward(g, q, k, v, o, lse, do, dq, dk, dv, lse_delta, q, k, window, scale, traced, gluon)
     replays = None if traced else eager_plans.replays(recorded, (q, k, v, o, lse, do, dq, dk, dv, lse_delta))
     plan = None if replays is None else eager_plans.BackwardPlan(tuple(lse_delta.shape), replays)
     return dq, dk, dv, plan
@@ -926,12 +939,14 @@ def backward_arguments(g: _Geometry, q, k, v, o, lse, do, dq, dk, dv, lse_delta,
 
 
 def _launch_backward(g: _Geometry, q, k, v, o, lse, do, dq, dk, dv, lse_delta, cu_q, cu_k, window, scale,
-                     traced) -> list[Recorded | None]:
+                     traced, gluon: bool = False) -> list[Recorded | None]:
     dq_named, dkdv_named = backward_arguments(g, q, k, v, o, lse, do, dq, dk, dv, lse_delta, cu_q, cu_k, window,
                                               scale)
     launch = _launch_traced if traced else _launch_eager
     # dQ first: it writes the (-L*log2e, D) pairs that the dK/dV kernel reads.
     dq_launch = launch("dq", _bwd_dq_kernels, g, window, _tile_grid(g.grid_q, "BLOCK_M", g.n_bh), dq_named)
+    if gluon and flash_gluon.backward_dkdv(q, k, v, do, lse_delta, dk, dv, window, scale):
+        return [dq_launch, None]  # not replayable: the call stays on the Python path
     # One dK/dV program per key tile and K/V head: it sums the query heads of its group itself.
     dkdv_launch = launch("dkdv", _bwd_dkdv_kernels, g, window, _tile_grid(g.grid_k, "BLOCK_N", g.n_bh_kv),
                          dkdv_named)
@@ -1055,6 +1070,15 @@ def _interpreted_forward_op(q: Tensor, k: Tensor, v: Tensor, window_left: int, w
     return _forward(q, k, v, (window_left, window_right), softmax_scale)
 
 
+@torch.library.custom_op("flashsys::flash_attention_backward_gluon", mutates_args=())
+def _gluon_backward_op(
+    q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, window_left: int, window_right: int,
+    softmax_scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    with _on_current_device(q):
+        return _backward(q, k, v, o, lse, do, (window_left, window_right), softmax_scale)
+
+
 @_interpreted_forward_op.register_fake
 @_gluon_forward_op.register_fake
 def _(q, k, v, window_left, window_right, softmax_scale):
@@ -1070,6 +1094,7 @@ def _interpreted_backward_op(
 
 
 @_interpreted_backward_op.register_fake
+@_gluon_backward_op.register_fake
 def _(q, k, v, o, lse, do, window_left, window_right, softmax_scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
@@ -1079,6 +1104,13 @@ def _traced_forward(q: Tensor, k: Tensor, v: Tensor):
     if q.device.type != "cuda":
         return _interpreted_forward_op
     return _gluon_forward_op if flash_gluon.problem(q, k, v) is None else flash_attention_forward_op
+
+
+def _traced_backward(q: Tensor, k: Tensor, v: Tensor):
+    """The op a traced backward runs: as `_traced_forward` (the Gluon op's body checks dO and the addresses)."""
+    if q.device.type != "cuda":
+        return _interpreted_backward_op
+    return _gluon_backward_op if flash_gluon.problem(q, k, v) is None else flash_attention_backward_op
 
 
 def _eager(*tensors: Tensor) -> bool:
@@ -1175,8 +1207,7 @@ class _FlashAttention2TritonFunction(torch.autograd.Function):
             with _on_current_device(q):
                 dq, dk, dv = _backward(q, k, v, o, lse, do, ctx.window, ctx.scale)
         else:
-            backward = flash_attention_backward_op if q.device.type == "cuda" else _interpreted_backward_op
-            dq, dk, dv = backward(q, k, v, o, lse, do, *ctx.window, ctx.scale)
+            dq, dk, dv = _traced_backward(q, k, v)(q, k, v, o, lse, do, *ctx.window, ctx.scale)
         return dq, dk, dv, None, None, None
 
 

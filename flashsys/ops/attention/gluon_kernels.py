@@ -27,10 +27,10 @@ from __future__ import annotations
 from triton.experimental import gluon
 
 # The tile ranges are the `tl` forward's own (a @triton.jit helper of scalar arithmetic, which Gluon calls as it is).
-from .flash_triton import _key_tile_range
+from .flash_triton import _key_tile_range, _query_tile_range, _visible
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
-from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_init, warpgroup_mma_wait
 
 # TMA copies: Triton 3.6 names them async_copy_*; later Tritons renamed them async_load / async_store.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -78,12 +78,13 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
-def _load_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, key_row, slot, pred):
-    """TMA copies of the K and V tile at key_row into buffer `slot`; each signals its own barrier."""
-    mbarrier.expect(k_bar.index(slot), k_desc.block_type.nbytes, pred=pred)
-    _tma_load(k_desc, [b, h_kv, key_row, 0], k_bar.index(slot), k_smem.index(slot), pred=pred)
-    mbarrier.expect(v_bar.index(slot), v_desc.block_type.nbytes, pred=pred)
-    _tma_load(v_desc, [b, h_kv, key_row, 0], v_bar.index(slot), v_smem.index(slot), pred=pred)
+def _load_pair(a_desc, b_desc, a_smem, b_smem, a_bar, b_bar, batch, head, row, slot, pred):
+    """TMA copies of the two tiles at `row` of one head (K and V; the backward's Q and dO) into buffer `slot`; each
+    signals its own barrier."""
+    mbarrier.expect(a_bar.index(slot), a_desc.block_type.nbytes, pred=pred)
+    _tma_load(a_desc, [batch, head, row, 0], a_bar.index(slot), a_smem.index(slot), pred=pred)
+    mbarrier.expect(b_bar.index(slot), b_desc.block_type.nbytes, pred=pred)
+    _tma_load(b_desc, [batch, head, row, 0], b_bar.index(slot), b_smem.index(slot), pred=pred)
 
 
 @gluon.jit
@@ -93,9 +94,10 @@ def _tile(box, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
 
 
 @gluon.constexpr_function
-def _mma_layout(cols):
-    """The register layout of a (rows, cols) wgmma accumulator of one warpgroup (S: cols = BLOCK_N; O: HEAD_DIM)."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cols, 16])
+def _mma_layout(cols, warps=4):
+    """The register layout of a (rows, cols) wgmma accumulator (S: cols = BLOCK_N; O: HEAD_DIM) of `warps` warps,
+    stacked over the rows (8: two warpgroups, each with its own rows)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, cols, 16])
 
 
 @gluon.jit
@@ -157,7 +159,7 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
             if PINGPONG:
                 mbarrier.arrive(empty_bar.index(prev))
             else:
-                _load_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, lo + (t - 1 + NBUF) * BLOCK_N, prev,
+                _load_pair(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, lo + (t - 1 + NBUF) * BLOCK_N, prev,
                          t - 1 + NBUF < n_tiles)
             acc = acc * _rows(alpha, acc)
         last = (n_tiles - 1) % NBUF
@@ -220,7 +222,7 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, L, n_heads, kv_group, n_q,
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     _tma_load(q_desc, [b, h, start_m, 0], q_bar, q_box)
     for i in gl.static_range(NBUF):
-        _load_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, lo + i * BLOCK_N, i, i < n_tiles)
+        _load_pair(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, lo + i * BLOCK_N, i, i < n_tiles)
 
     offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _mma_layout(BLOCK_N)))
     mbarrier.wait(q_bar, 0)
@@ -248,7 +250,7 @@ def _pingpong_producer(q_desc, k_desc, v_desc, q_smem, q_bar, k_smem, v_smem, k_
     for t in range(n_tiles):
         slot = t % NBUF
         mbarrier.wait(empty_bar.index(slot), ((t // NBUF) - 1) & 1, pred=t >= NBUF)
-        _load_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, lo + t * BLOCK_N, slot, True)
+        _load_pair(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, lo + t * BLOCK_N, slot, True)
 
 
 @gluon.jit
@@ -317,3 +319,136 @@ def attention_forward_pingpong(q_desc, k_desc, v_desc, o_desc, L, n_heads, kv_gr
                         (_pingpong_producer, (q_desc, k_desc, v_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
                                               empty_bar, b, h, h_kv, start_m, lo, n_tiles, BLOCK_M, BLOCK_N, NBUF))],
                        [4, 1], [CONSUMER_REGS, 24])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Backward: dK and dV
+# ----------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _query_tile(j, n_m_tiles, lo, h_kv, kv_group, BLOCK_M: gl.constexpr):
+    """(query head, first row) of the j-th query tile a dK/dV program visits: the tiles lo, lo + BLOCK_M, ... of
+    each query head of its K/V head's group in turn."""
+    g = j // n_m_tiles
+    return h_kv * kv_group + g, lo + (j - g * n_m_tiles) * BLOCK_M
+
+
+@gluon.jit
+def _lse_delta(LseDelta, b, n_heads, n_q, j, n_iter, n_m_tiles, lo, h_kv, kv_group, BLOCK_M: gl.constexpr, layout):
+    """(-L * log2 e, D) of the j-th query tile's rows (zeros past n_q, and for j >= n_iter, which names a head past
+    the group), one row per thread of `layout`. Loaded where they are used (over the columns of Sᵀ that each
+    thread holds), their pointers alone took ~70 registers."""
+    h, start_m = _query_tile(j, n_m_tiles, lo, h_kv, kv_group, BLOCK_M)
+    rows = start_m + gl.arange(0, BLOCK_M, layout=layout)
+    pairs = LseDelta + (b * n_heads + h).to(gl.int64) * n_q * 2 + rows * 2
+    inside = (rows < n_q) & (j < n_iter)
+    return gl.load(pairs, mask=inside, other=0.0), gl.load(pairs + 1, mask=inside, other=0.0)
+
+@gluon.jit
+def attention_backward_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LseDelta, n_heads, kv_group, n_q,
+                            n_k, window_left, window_right, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr,
+                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr,
+                            BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr):
+    """One program = one key tile (BLOCK_N rows; BLOCK_N // 16 warps, each holding 16 key rows of dK and dV) of one
+    (batch, K/V head): dK and dV over every query tile that sees it, in each query head of the group (no atomics).
+    Q and dO tiles stream through NBUF buffers. LseDelta is what the `tl` dQ kernel wrote first: (B, H, Nq, 2)
+    float32 pairs (-L * log2 e, rowsum(dO * O)).
+
+    Per query tile, on transposed scores (keys x queries): Sᵀ = K Qᵀ and dPᵀ = V dOᵀ issued together; wait for Sᵀ
+    only; Pᵀ = exp2(Sᵀ·scale - L) runs while dPᵀ is on the tensor cores; dV += Pᵀ dO issued; wait for dPᵀ only;
+    dSᵀ = Pᵀ (dPᵀ - D) runs under dV's product; dK += dSᵀ Q issued, the next tile's pairs load under it; all drain;
+    the tile's buffer takes tile j + NBUF.
+    """
+    WARPS: gl.constexpr = BLOCK_N // 16
+    s_layout: gl.constexpr = _mma_layout(BLOCK_M, WARPS)
+    acc_layout: gl.constexpr = _mma_layout(HEAD_DIM, WARPS)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # a vector over Sᵀ's columns (queries)
+    row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])  # one row per thread
+    dtype: gl.constexpr = q_desc.dtype
+
+    pid_n = gl.program_id(0)  # the first key tiles are seen by the most queries: the heaviest run first
+    bh_kv = gl.program_id(1)
+    kv_heads = n_heads // kv_group
+    b = bh_kv // kv_heads
+    h_kv = bh_kv % kv_heads
+    start_n = pid_n * BLOCK_N
+    right_offset = n_k - n_q + window_right  # as in the forward
+    left_offset = n_k - n_q - window_left
+    lo, full_lo, full_hi, hi = _query_tile_range(start_n, n_q, right_offset, left_offset, BLOCK_M, BLOCK_N,
+                                                 BOUND_RIGHT, BOUND_LEFT)
+    n_m_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_M)
+    n_iter = n_m_tiles * kv_group
+
+    k_box = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_box = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    do_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(NBUF):
+        mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(do_bar.index(i), count=1)
+    fence_async_shared()
+
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    _tma_load(k_desc, [b, h_kv, start_n, 0], kv_bar, k_box)
+    _tma_load(v_desc, [b, h_kv, start_n, 0], kv_bar, v_box)
+    for i in gl.static_range(NBUF):
+        h_i, row_i = _query_tile(i, n_m_tiles, lo, h_kv, kv_group, BLOCK_M)
+        _load_pair(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, b, h_i, row_i, i, i < n_iter)
+
+    offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    k_tile = _tile(k_box, BLOCK_N, HEAD_DIM)
+    v_tile = _tile(v_box, BLOCK_N, HEAD_DIM)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
+    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+    neg_lse2, delta = _lse_delta(LseDelta, b, n_heads, n_q, 0, n_iter, n_m_tiles, lo, h_kv, kv_group, BLOCK_M,
+                                 row_layout)
+    mbarrier.wait(kv_bar, 0)
+    for j in range(n_iter):
+        slot = j % NBUF
+        phase = (j // NBUF) & 1
+        h, start_m = _query_tile(j, n_m_tiles, lo, h_kv, kv_group, BLOCK_M)
+        q_tile = _tile(q_smem.index(slot), BLOCK_M, HEAD_DIM)
+        do_tile = _tile(do_smem.index(slot), BLOCK_M, HEAD_DIM)
+        mbarrier.wait(q_bar.index(slot), phase)
+        s_tok = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(do_bar.index(slot), phase)
+        dp_tok = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+
+        s = warpgroup_mma_wait(1, deps=[s_tok])  # dPᵀ may still run
+        p = gl.exp2(s * qk_scale + gl.convert_layout(neg_lse2, col_layout)[None, :])
+        if (start_m < full_lo) | (start_m >= full_hi):  # a tile at a window edge or the end of the queries
+            offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
+            visible = _visible(offs_m[None, :], offs_n[:, None], offs_m[None, :], n_q, right_offset, left_offset,
+                               BOUND_RIGHT, BOUND_LEFT)
+            p = gl.where(visible, p, 0.0)
+        dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do_tile, dv, is_async=True)
+        dp = warpgroup_mma_wait(1, deps=[dp_tok])  # dV's product may still run
+        ds = p * (dp - gl.convert_layout(delta, col_layout)[None, :])
+        dk_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), q_tile, dk, is_async=True)
+        # Under dK's product: the next tile's pairs.
+        neg_lse2, delta = _lse_delta(LseDelta, b, n_heads, n_q, j + 1, n_iter, n_m_tiles, lo, h_kv, kv_group,
+                                     BLOCK_M, row_layout)
+        # Every product drains before the next tile: with products in flight across iterations, ptxas cannot
+        # tell which ones a partial wait retires and serialises every wgmma (a second program per SM fills in).
+        dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
+        h_r, row_r = _query_tile(j + NBUF, n_m_tiles, lo, h_kv, kv_group, BLOCK_M)
+        _load_pair(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, b, h_r, row_r, slot, j + NBUF < n_iter)
+
+    mbarrier.invalidate(kv_bar)
+    for i in gl.static_range(NBUF):
+        mbarrier.invalidate(q_bar.index(i))
+        mbarrier.invalidate(do_bar.index(i))
+    # K and V are no longer read: their boxes stage the stores (TMA clips rows past n_k).
+    k_tile.store((dk * softmax_scale).to(dtype))
+    v_tile.store(dv.to(dtype))
+    fence_async_shared()
+    _tma_store(dk_desc, [b, h_kv, start_n, 0], k_box)
+    _tma_store(dv_desc, [b, h_kv, start_n, 0], v_box)
+    tma.store_wait(0)

@@ -1,0 +1,94 @@
+"""Backward times on a GPU for #16: SDPA's cuDNN backward, flashsys's backward with the `tl` dK/dV kernel and with
+the Gluon one (the `tl` dQ kernel runs first in both), and every Gluon dK/dV variant alone. H 16, 16k tokens per
+cell, bf16; median ms over interleaved rounds of triton.testing.do_bench (the GPUs drift between passes).
+
+    python scripts/probe_gluon_backward.py --head-dims 64 128 --seqs 4096 16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], choices=[64, 128])
+    ap.add_argument("--seqs", type=int, nargs="+", default=[16384])
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("probe_gluon_backward times CUDA kernels")
+        return 0
+    import triton
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flashsys.ops.attention import flash_gluon, flash_triton
+
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; H 16, "
+          f"B = 16384 // N, bf16, backward only, median ms of {args.rounds} interleaved do_bench rounds")
+    for d in args.head_dims:
+        for n in args.seqs:
+            for causal in (True, False):
+                b = 16384 // n
+                q, k, v, do = (torch.randn(b, 16, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+                window = (-1, 0) if causal else (-1, -1)
+                scale = d ** -0.5
+                flops = 10 * b * 16 * n * n * d / (2 if causal else 1)  # five products of 2·N²·D per head
+                qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    o_ref = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+                o, lse = flash_triton.flash_forward_triton(q, k, v, window, scale)
+                g = flash_triton._geometry_of(q.shape, k.shape, q.dtype)
+                dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+                lse_delta = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device="cuda")
+                flash_triton._launch_backward(g, q, k, v, o, lse, do, dq, dk, dv, lse_delta, q, k, window, scale,
+                                              False)
+
+                def backward(gluon):
+                    flash_triton._launch_backward(g, q, k, v, o, lse, do, dq, dk, dv, lse_delta, q, k, window,
+                                                  scale, False, gluon)
+
+                dq_named, _ = flash_triton.backward_arguments(g, q, k, v, o, lse, do, dq, dk, dv, lse_delta, q, k,
+                                                              window, scale)
+                dq_grid = flash_triton._tile_grid(g.grid_q, "BLOCK_M", g.n_bh)
+                runs = {"SDPA cuDNN backward": lambda: torch.autograd.grad(o_ref, (qg, kg, vg), do,
+                                                                            retain_graph=True),
+                        "  tl dQ kernel alone": lambda: flash_triton._launch_eager(
+                            "dq", flash_triton._bwd_dq_kernels, g, window, dq_grid, dq_named),
+                        "flashsys backward, tl dK/dV": lambda: backward(False),
+                        "flashsys backward, Gluon dK/dV (library's choice)": lambda: backward(True)}
+                for var in flash_gluon.DKDV_VARIANTS[d]:
+                    runs[f"  Gluon dK/dV alone: {var.label()}"] = (
+                        lambda var=var: flash_gluon._launch(var, q, k, v, do, dk, dv, lse_delta, window, scale))
+                times: dict[str, list[float]] = {}
+                flash_gluon._chosen.clear()
+                for _ in range(args.rounds):
+                    for label, fn in runs.items():
+                        if label in times and times[label] and times[label][-1] != times[label][-1]:
+                            continue
+                        try:
+                            times.setdefault(label, []).append(triton.testing.do_bench(fn))
+                        except Exception:  # noqa: BLE001
+                            print(f"{label} FAILED: {traceback.format_exc()[-800:]}")
+                            times[label] = [float("nan")]
+                picked = [f"{k.kernel}: {v.label()}" for k, v in flash_gluon.chosen_variants().items()]
+                print(f"\nD={d} N={n} B={b} causal={causal}; the library's choice: {picked}")
+                cudnn = statistics.median(times["SDPA cuDNN backward"])
+                for label, ts in times.items():
+                    ms = statistics.median(ts)
+                    print(f"  {label:<52} {ms:8.3f} ms  {flops / ms / 1e9:7.1f} TFLOP/s  {ms / cudnn:5.2f}x cuDNN",
+                          flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
