@@ -1,15 +1,17 @@
-"""The Gluon forward on Hopper: which calls it takes, its variants, how one is chosen, and its launch.
+"""The Gluon kernels on Hopper: which calls they take, their variants, how one is chosen, and their launch.
 
-The kernels (`gluon_kernels.py`) overlap each tile's softmax with the tensor cores, which the `tl` forward cannot
-express; on an H100 they run 10-20% faster than it (benchmarks/results/kernel_experiments.md). They need an sm_90
-GPU, a Triton with Gluon's Hopper API (3.6 or later) and TMA-friendly tensors, so they take a call only where all
-of that holds and the `tl` forward (flash_triton) runs every other call: CPUs and the interpreter, other GPUs,
-varlen batches, fp32, head dims other than 64 and 128, strides TMA cannot address. Both write the same O and L,
-so the backward (the `tl` kernels) is the same whichever ran.
+The forward kernels (`gluon_kernels.py`) overlap each tile's softmax with the tensor cores, which the `tl` forward
+cannot express; on an H100 they run 10-20% faster than it (benchmarks/results/kernel_experiments.md). They need an
+sm_90 GPU, a Triton with Gluon's Hopper API (3.6 or later) and TMA-friendly tensors, so they take a call only where
+all of that holds and the `tl` forward (flash_triton) runs every other call: CPUs and the interpreter, other GPUs,
+varlen batches, fp32, head dims other than 64 and 128, strides TMA cannot address. Both write the same O and L.
 
-`takes(q, k, v)` says whether a call goes here; `FLASHSYS_GLUON=0` turns the path off (for A/B timings).
-Each (head dim, dtype, window bounds, length bucket) picks its variant by timing the candidates on its first call,
-as Triton's autotuner does for the `tl` kernels; `FLASHSYS_TRITON_AUTOTUNE=0` takes the first candidate.
+The backward's dK/dV kernel has a Gluon version too, at D 128 only (at D 64 the `tl` one was faster): it runs after
+the `tl` dQ kernel, which writes the (L, D) pairs both dK/dV kernels read, where `takes_backward` holds.
+
+`takes(q, k, v)` says whether a forward goes here; `FLASHSYS_GLUON=0` turns the path off (for A/B timings).
+Each (kernel, head dim, dtype, window bounds, length bucket) picks its variant by timing the candidates on its first
+call, as Triton's autotuner does for the `tl` kernels; `FLASHSYS_TRITON_AUTOTUNE=0` takes the first candidate.
 """
 
 from __future__ import annotations

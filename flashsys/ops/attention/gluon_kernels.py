@@ -1,4 +1,5 @@
-"""The FlashAttention forward for Hopper GPUs (sm_90), written in Gluon, Triton's lower-level language.
+"""The FlashAttention forward, and the backward's dK/dV kernel, for Hopper GPUs (sm_90), written in Gluon, Triton's
+lower-level language.
 
 Importing this module needs a Triton with Gluon's Hopper API (3.6 or later); `flash_gluon` imports it only
 where that is so. The host side (which inputs take these kernels, the variants, tuning) is in `flash_gluon.py`.
@@ -20,17 +21,21 @@ Both write what the `tl` forward writes (O, and L in natural log) for every inpu
 not a multiple of the tile (TMA reads zeros past the end and clips the stores), and rows that see no key
 (O = 0, L = -inf). Tensors are rank-4 (B, H, N, D) TMA descriptors with their own strides: the kernels copy
 (1, 1, rows, D) boxes and view them as (rows, D) tiles.
+
+- `attention_backward_dkdv`: dK and dV with the same overlap on transposed scores (see its docstring), for the same
+  inputs, after the `tl` dQ kernel. Unlike the forward it drains its products at the end of every tile: with any
+  left in flight across the loop's back edge, ptxas serialises every wgmma (kernel_experiments.md, stop 29).
 """
 
 from __future__ import annotations
 
 from triton.experimental import gluon
 
-# The tile ranges are the `tl` forward's own (a @triton.jit helper of scalar arithmetic, which Gluon calls as it is).
+# The tile ranges and the mask are the `tl` kernels' own (@triton.jit helpers, which Gluon calls as they are).
 from .flash_triton import _key_tile_range, _query_tile_range, _visible
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
-from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_init, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 
 # TMA copies: Triton 3.6 names them async_copy_*; later Tritons renamed them async_load / async_store.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
