@@ -24,6 +24,20 @@ def test_backward_takes_what_the_forward_takes_and_a_tma_ready_do():
     key = flash_gluon.ChoiceKey.of(q.to(torch.bfloat16), q, (-1, 0), "dkdv")
     assert key.candidates() == flash_gluon.DKDV_VARIANTS[128] and key.bound_right and not key.bound_left
     assert 64 not in flash_gluon.DKDV_VARIANTS  # there the `tl` dK/dV kernel is faster
+    assert "head dim 64" in flash_gluon.backward_problem(*(torch.randn(1, 2, 64, 64),) * 3)
+    assert flash_gluon.backward_problem(q, q, q) == "not a CUDA tensor"
+
+
+@hopper_only
+@pytest.mark.gpu
+def test_compiled_backward_at_d64_stays_with_inductor_gpu(monkeypatch):
+    """At D 64 (no Gluon dK/dV variants) a traced backward keeps the triton_op that Inductor launches itself."""
+    from flashsys.ops.attention import flash_triton
+
+    monkeypatch.setattr(flash_gluon, "MIN_WORK", 0)
+    q = torch.randn(1, 4, 1024, 64, device="cuda", dtype=torch.bfloat16)
+    assert flash_triton._traced_forward(q, q, q) is flash_triton._gluon_forward_op
+    assert flash_triton._traced_backward(q, q, q) is flash_triton.flash_attention_backward_op
 
 
 def _reference_grads(q, k, v, do, window, scale):

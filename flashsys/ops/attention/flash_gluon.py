@@ -140,10 +140,18 @@ def takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
     return problem(q, k, v) is None and all(t.data_ptr() % 16 == 0 for t in (q, k, v))
 
 
+def backward_problem(q: Tensor, k: Tensor, v: Tensor) -> str | None:
+    """As `problem`, for the Gluon dK/dV kernel: the forward's conditions and a head dim it has variants for."""
+    if q.shape[-1] not in DKDV_VARIANTS:
+        return f"head dim {q.shape[-1]} (the dK/dV kernel takes {tuple(DKDV_VARIANTS)}; the `tl` one is faster there)"
+    return problem(q, k, v)
+
+
 def takes_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor) -> bool:
-    """Whether the Gluon dK/dV kernel runs this backward: the forward's conditions, a head dim it has variants for,
-    and a dO that TMA can read (the `tl` dQ kernel runs first either way)."""
-    return (q.shape[-1] in DKDV_VARIANTS and takes(q, k, v) and _tma_strides_ok(do) and do.data_ptr() % 16 == 0)
+    """Whether the Gluon dK/dV kernel runs this backward (the `tl` dQ kernel runs first either way): where
+    `backward_problem` finds nothing, with 16-byte-aligned tensors and a dO that TMA can read."""
+    return (backward_problem(q, k, v) is None and _tma_strides_ok(do)
+            and all(t.data_ptr() % 16 == 0 for t in (q, k, v, do)))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1107,10 +1107,11 @@ def _traced_forward(q: Tensor, k: Tensor, v: Tensor):
 
 
 def _traced_backward(q: Tensor, k: Tensor, v: Tensor):
-    """The op a traced backward runs: as `_traced_forward` (the Gluon op's body checks dO and the addresses)."""
+    """The op a traced backward runs: as `_traced_forward`, for the Gluon dK/dV kernel (the Gluon op's body checks dO
+    and the addresses, and runs the `tl` kernels where they fail)."""
     if q.device.type != "cuda":
         return _interpreted_backward_op
-    return _gluon_backward_op if flash_gluon.problem(q, k, v) is None else flash_attention_backward_op
+    return _gluon_backward_op if flash_gluon.backward_problem(q, k, v) is None else flash_attention_backward_op
 
 
 def _eager(*tensors: Tensor) -> bool:
