@@ -8,6 +8,7 @@ cell, bf16; median ms over interleaved rounds of triton.testing.do_bench (the GP
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -73,7 +74,7 @@ def main() -> int:
                 flash_gluon._chosen.clear()
                 for _ in range(args.rounds):
                     for label, fn in runs.items():
-                        if label in times and times[label] and times[label][-1] != times[label][-1]:
+                        if any(math.isnan(t) for t in times.get(label, [])):  # failed in an earlier round
                             continue
                         try:
                             times.setdefault(label, []).append(triton.testing.do_bench(fn))

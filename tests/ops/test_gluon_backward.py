@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .attention_checks import FLOOR, assert_matches_reference, eager_then_compiled, make_qkv, rel_err
+from .attention_checks import FLOOR, assert_matches_reference, eager_then_compiled, make_qkv, rel_err, run_reference
 
 pytest.importorskip("triton")
 from flashsys.ops.attention import flash_gluon  # noqa: E402
@@ -40,21 +40,6 @@ def test_compiled_backward_at_d64_stays_with_inductor_gpu(monkeypatch):
     assert flash_triton._traced_backward(q, q, q) is flash_triton.flash_attention_backward_op
 
 
-def _reference_grads(q, k, v, do, window, scale):
-    """(dK, dV) in float64 and in q's dtype by plain PyTorch (K/V repeated over the group, then summed back)."""
-    from flashsys.ops.attention import attention_reference
-
-    group = q.shape[1] // k.shape[1] if q.dim() == 4 else 1
-    out = []
-    for dtype in (torch.float64, q.dtype):
-        qq, kk, vv = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-        expand = (lambda t: t.repeat_interleave(group, dim=1)) if group > 1 else (lambda t: t)
-        o, _ = attention_reference(qq, expand(kk), expand(vv), False, scale, window)
-        o.backward(do.to(dtype))
-        out.append((kk.grad, vv.grad))
-    return out
-
-
 @hopper_only
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[3]}x{c[4]}-w{c[5]}-{c[6]}-{str(c[7])[6:]}")
@@ -78,7 +63,8 @@ def test_each_dkdv_variant_matches_reference_gpu(variant, case):
     flash_triton._launch_backward(g, q, k, v, o, lse, do, dq, dk_tl, dv_tl, lse_delta, q, k, window, scale, False)
     dk, dv = (torch.full_like(t, float("nan"), memory_format=torch.contiguous_format) for t in (k, v))
     flash_gluon._launch(var, *(flash_gluon._rank4(t) for t in (q, k, v, do, dk, dv)), lse_delta, window, scale)
-    (dk_ref, dv_ref), (dk_plain, dv_plain) = _reference_grads(q, k, v, do, window, scale)
+    *_, dk_ref, dv_ref = run_reference(q, k, v, do, False, scale, torch.float64, window)
+    *_, dk_plain, dv_plain = run_reference(q, k, v, do, False, scale, dtype, window)
     for name, ours, ref, plain, tl_result in (("dK", dk, dk_ref, dk_plain, dk_tl), ("dV", dv, dv_ref, dv_plain, dv_tl)):
         err, base, tl_err = rel_err(ours, ref), rel_err(plain, ref), rel_err(tl_result, ref)
         assert err <= 2 * max(base, tl_err) + FLOOR[dtype], f"{name}: {err:.3g} vs PyTorch {base:.3g}, tl {tl_err:.3g}"
