@@ -212,7 +212,7 @@ def _dkdv_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, do4
             _descriptor(dv4, n), lse_delta, dq_sum, n_heads,
             n_heads // kv_heads, n_q, n_k, window[0], window[1], scale * LOG2E, scale)
     kwargs = dict(HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n, BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0,
-                  NBUF=variant.nbuf, FUSED_DQ=dq_sum is not None, num_warps=n // 16)
+                  NBUF=variant.nbuf, FUSED_DQ=dq_sum is not None, REDUCER_REGS=24, num_warps=n // 16)
     return _kernels().attention_backward_dkdv, (triton.cdiv(n_k, n), batch * kv_heads), args, kwargs
 
 
