@@ -29,7 +29,9 @@ not a multiple of the tile (TMA reads zeros past the end and clips the stores), 
 
 from __future__ import annotations
 
+from triton._C.libtriton import ir
 from triton.experimental import gluon
+from triton.experimental.gluon.language._core import builtin
 
 # The tile ranges and the mask are the `tl` kernels' own (@triton.jit helpers, which Gluon calls as they are).
 from .flash_triton import _key_tile_range, _query_tile_range, _visible
@@ -40,6 +42,17 @@ from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 # TMA copies: Triton 3.6 names them async_copy_*; later Tritons renamed them async_load / async_store.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+
+@builtin
+def _tma_reduce_add_36(tensor_desc, coord, src, _semantic=None):
+    """TMA's reduce-add (cp.reduce.async.bulk.tensor) of a shared-memory tile into global memory. Triton 3.6's
+    Gluon builds the op but has no Python name for it; later Tritons call it tma.async_atomic_add."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+_tma_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
 
 
 @gluon.jit
@@ -351,24 +364,76 @@ def _lse_delta(LseDelta, b, n_heads, n_q, j, n_iter, n_m_tiles, lo, h_kv, kv_gro
     return gl.load(pairs, mask=inside, other=0.0), gl.load(pairs + 1, mask=inside, other=0.0)
 
 @gluon.jit
-def _dkdv_consumer(q_desc, do_desc, dk_desc, dv_desc, LseDelta, k_box, v_box, q_smem, do_smem, kv_bar, q_bar, do_bar,
-                   ds_smem, dq_smem, dq_full, dq_empty, b, h_kv, n_heads, kv_group, n_q, start_n, lo, full_lo,
-                   full_hi, n_m_tiles, n_iter, right_offset, left_offset, qk_scale, softmax_scale,
-                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr,
-                   BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr, FUSED_DQ: gl.constexpr):
-    """The dK/dV kernel's BLOCK_N // 16 warps: the loop over query tiles (see attention_backward_dkdv) and the dK, dV
-    stores. With FUSED_DQ it also computes each tile's share of dQ and hands it to the reducer warp through dq_smem."""
+def attention_backward_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LseDelta, dq_desc, n_heads, kv_group, n_q,
+                            n_k, window_left, window_right, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr,
+                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr,
+                            BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr, FUSED_DQ: gl.constexpr):
+    """One program = one key tile (BLOCK_N rows; BLOCK_N // 16 warps, each holding 16 key rows of dK and dV) of one
+    (batch, K/V head): dK and dV over every query tile that sees it, in each query head of the group (no atomics).
+    Q and dO tiles stream through NBUF buffers. LseDelta is what the `tl` dQ kernel wrote first: (B, H, Nq, 2)
+    float32 pairs (-L * log2 e, rowsum(dO * O)).
+
+    Per query tile, on transposed scores (keys x queries): Sᵀ = K Qᵀ and dPᵀ = V dOᵀ issued together; wait for Sᵀ
+    only; Pᵀ = exp2(Sᵀ·scale - L) runs while dPᵀ is on the tensor cores; dV += Pᵀ dO issued; wait for dPᵀ only;
+    dSᵀ = Pᵀ (dPᵀ - D) runs under dV's product; dK += dSᵀ Q issued, the next tile's pairs load under it; all drain;
+    the tile's buffer takes tile j + NBUF.
+
+    FUSED_DQ (the single-pass backward): dSᵀ also goes through shared memory (two buffers, so one warpgroup may
+    write the next tile's while the other still reads this one's), and this key tile's share of dQ, dS K (BLOCK_M x
+    D; with two warpgroups each takes half of D), is issued beside dK's product, staged in shared memory and added
+    into dq_desc's tensor ((B, H, Nq, D) float32, zeroed; unscaled) by a TMA reduce-add, which runs on while the
+    next tile computes. Five products per tile instead of the two passes' seven, but the sums' order, hence dQ's
+    last bits, varies from run to run. (Atomics from registers instead: as fast at D 128, 1.3x slower at D 64 with
+    64 x 64 tiles; kernel_experiments.md.)
+    """
     WARPS: gl.constexpr = BLOCK_N // 16
     s_layout: gl.constexpr = _mma_layout(BLOCK_M, WARPS)
     acc_layout: gl.constexpr = _mma_layout(HEAD_DIM, WARPS)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # a vector over Sᵀ's columns (queries)
     row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])  # one row per thread
-    # dQ's share (BLOCK_M x D): with two warpgroups, each computes half of D's columns.
-    DQ_SPLIT: gl.constexpr = WARPS // 4
+    dtype: gl.constexpr = q_desc.dtype
+    DQ_SPLIT: gl.constexpr = WARPS // 4  # warpgroups, each with its own columns of dQ
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, DQ_SPLIT],
                                                         instr_shape=[16, HEAD_DIM // DQ_SPLIT, 16])
-    dtype: gl.constexpr = q_desc.dtype
+
+    pid_n = gl.program_id(0)  # the first key tiles are seen by the most queries: the heaviest run first
+    bh_kv = gl.program_id(1)
+    kv_heads = n_heads // kv_group
+    b = bh_kv // kv_heads
+    h_kv = bh_kv % kv_heads
+    start_n = pid_n * BLOCK_N
+    right_offset = n_k - n_q + window_right  # as in the forward
+    left_offset = n_k - n_q - window_left
+    lo, full_lo, full_hi, hi = _query_tile_range(start_n, n_q, right_offset, left_offset, BLOCK_M, BLOCK_N,
+                                                 BOUND_RIGHT, BOUND_LEFT)
+    n_m_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_M)
+    n_iter = n_m_tiles * kv_group
+
+    k_box = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_box = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    do_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(NBUF):
+        mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(do_bar.index(i), count=1)
+    if FUSED_DQ:
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M],
+                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
+        dq_box = gl.allocate_shared_memory(gl.float32, [1, 1, BLOCK_M, HEAD_DIM], dq_desc.layout)
+        dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
+    fence_async_shared()
+
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    _tma_load(k_desc, [b, h_kv, start_n, 0], kv_bar, k_box)
+    _tma_load(v_desc, [b, h_kv, start_n, 0], kv_bar, v_box)
+    for i in gl.static_range(NBUF):
+        h_i, row_i = _query_tile(i, n_m_tiles, lo, h_kv, kv_group, BLOCK_M)
+        _load_pair(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, b, h_i, row_i, i, i < n_iter)
 
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     k_tile = _tile(k_box, BLOCK_N, HEAD_DIM)
@@ -376,8 +441,6 @@ def _dkdv_consumer(q_desc, do_desc, dk_desc, dv_desc, LseDelta, k_box, v_box, q_
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
-    if FUSED_DQ:
-        dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
     neg_lse2, delta = _lse_delta(LseDelta, b, n_heads, n_q, 0, n_iter, n_m_tiles, lo, h_kv, kv_group, BLOCK_M,
                                  row_layout)
     mbarrier.wait(kv_bar, 0)
@@ -418,15 +481,20 @@ def _dkdv_consumer(q_desc, do_desc, dk_desc, dv_desc, LseDelta, k_box, v_box, q_
         # tell which ones a partial wait retires and serialises every wgmma (a second program per SM fills in).
         if FUSED_DQ:
             dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
-            mbarrier.wait(dq_empty, (j - 1) & 1, pred=j > 0)  # the reducer has taken the last tile's share
-            dq_smem.store(dq)
+            tma.store_wait(0)  # the last tile's reduce has read the staging box
+            _tile(dq_box, BLOCK_M, HEAD_DIM).store(dq)
+            fence_async_shared()
             gl.thread_barrier()
-            mbarrier.arrive(dq_full)
+            _tma_add(dq_desc, [b, h, start_m, 0], dq_box)  # TMA clips rows past n_q
         else:
             dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
         h_r, row_r = _query_tile(j + NBUF, n_m_tiles, lo, h_kv, kv_group, BLOCK_M)
         _load_pair(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, b, h_r, row_r, slot, j + NBUF < n_iter)
 
+    mbarrier.invalidate(kv_bar)
+    for i in gl.static_range(NBUF):
+        mbarrier.invalidate(q_bar.index(i))
+        mbarrier.invalidate(do_bar.index(i))
     # K and V are no longer read: their boxes stage the stores (TMA clips rows past n_k).
     k_tile.store((dk * softmax_scale).to(dtype))
     v_tile.store(dv.to(dtype))
@@ -434,113 +502,3 @@ def _dkdv_consumer(q_desc, do_desc, dk_desc, dv_desc, LseDelta, k_box, v_box, q_
     _tma_store(dk_desc, [b, h_kv, start_n, 0], k_box)
     _tma_store(dv_desc, [b, h_kv, start_n, 0], v_box)
     tma.store_wait(0)
-
-
-@gluon.jit
-def _dq_reducer(DQ, dq_smem, dq_full, dq_empty, b, h_kv, n_heads, kv_group, n_q, lo, n_m_tiles, n_iter,
-                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
-    """One warp of the single-pass kernel: adds each tile's dQ share from dq_smem into DQ (relaxed float32
-    atomics, a few rows at a time), so the consumer warps' products need not wait for the additions."""
-    # One 8 x 32 chunk at a time (8 values a thread): the shared layout's swizzle repeats every 8 rows and 32
-    # columns, and a slice may not split it; the warp has few registers.
-    ROWS: gl.constexpr = 8
-    COLS: gl.constexpr = 32
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, 1], [1, 0])
-    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
-    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    for j in range(n_iter):
-        h, start_m = _query_tile(j, n_m_tiles, lo, h_kv, kv_group, BLOCK_M)
-        base = DQ + (b * n_heads + h).to(gl.int64) * n_q * HEAD_DIM
-        mbarrier.wait(dq_full, j & 1)
-        for r in gl.static_range(0, BLOCK_M, ROWS):
-            row = start_m + r + rows
-            for c in gl.static_range(0, HEAD_DIM, COLS):
-                share = dq_smem.slice(r, ROWS).slice(c, COLS, dim=1).load(layout)
-                gl.atomic_add(base + row[:, None] * HEAD_DIM + (c + cols)[None, :], share, mask=row[:, None] < n_q,
-                              sem="relaxed")
-        mbarrier.arrive(dq_empty)
-
-
-@gluon.jit
-def attention_backward_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LseDelta, DQ, n_heads, kv_group, n_q,
-                            n_k, window_left, window_right, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr,
-                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr,
-                            BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr, FUSED_DQ: gl.constexpr,
-                            REDUCER_REGS: gl.constexpr):
-    """One program = one key tile (BLOCK_N rows; BLOCK_N // 16 warps, each holding 16 key rows of dK and dV) of one
-    (batch, K/V head): dK and dV over every query tile that sees it, in each query head of the group (no atomics).
-    Q and dO tiles stream through NBUF buffers. LseDelta is what the `tl` dQ kernel wrote first: (B, H, Nq, 2)
-    float32 pairs (-L * log2 e, rowsum(dO * O)).
-
-    Per query tile, on transposed scores (keys x queries): Sᵀ = K Qᵀ and dPᵀ = V dOᵀ issued together; wait for Sᵀ
-    only; Pᵀ = exp2(Sᵀ·scale - L) runs while dPᵀ is on the tensor cores; dV += Pᵀ dO issued; wait for dPᵀ only;
-    dSᵀ = Pᵀ (dPᵀ - D) runs under dV's product; dK += dSᵀ Q issued, the next tile's pairs load under it; all drain;
-    the tile's buffer takes tile j + NBUF.
-
-    FUSED_DQ (the single-pass backward): dSᵀ also goes through shared memory (two buffers, so one warpgroup may
-    write the next tile's while the other still reads this one's), and this key tile's share of dQ, dS K (BLOCK_M x
-    D; with two warpgroups each takes half of D), is issued beside dK's product. The share goes through shared
-    memory to a reducer warp (warp-specialised, REDUCER_REGS registers) that adds it into DQ ((B, H, Nq, D) float32,
-    zeroed; unscaled) with relaxed atomics: five products per tile instead of the two passes' seven, but the sums'
-    order, hence dQ's last bits, varies from run to run.
-    """
-    dtype: gl.constexpr = q_desc.dtype
-    pid_n = gl.program_id(0)  # the first key tiles are seen by the most queries: the heaviest run first
-    bh_kv = gl.program_id(1)
-    kv_heads = n_heads // kv_group
-    b = bh_kv // kv_heads
-    h_kv = bh_kv % kv_heads
-    start_n = pid_n * BLOCK_N
-    right_offset = n_k - n_q + window_right  # as in the forward
-    left_offset = n_k - n_q - window_left
-    lo, full_lo, full_hi, hi = _query_tile_range(start_n, n_q, right_offset, left_offset, BLOCK_M, BLOCK_N,
-                                                 BOUND_RIGHT, BOUND_LEFT)
-    n_m_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_M)
-    n_iter = n_m_tiles * kv_group
-
-    k_box = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_box = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    do_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(NBUF):
-        mbarrier.init(q_bar.index(i), count=1)
-        mbarrier.init(do_bar.index(i), count=1)
-    if FUSED_DQ:
-        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M],
-                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
-        dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM],
-                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32))
-        dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        dq_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(dq_full, count=1)
-        mbarrier.init(dq_empty, count=1)
-    else:
-        ds_smem, dq_smem, dq_full, dq_empty = None, None, None, None
-    fence_async_shared()
-
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    _tma_load(k_desc, [b, h_kv, start_n, 0], kv_bar, k_box)
-    _tma_load(v_desc, [b, h_kv, start_n, 0], kv_bar, v_box)
-    for i in gl.static_range(NBUF):
-        h_i, row_i = _query_tile(i, n_m_tiles, lo, h_kv, kv_group, BLOCK_M)
-        _load_pair(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, b, h_i, row_i, i, i < n_iter)
-
-    # The argument tuples are written out in the call (see attention_forward_pingpong).
-    if FUSED_DQ:
-        gl.warp_specialize([(_dkdv_consumer, (q_desc, do_desc, dk_desc, dv_desc, LseDelta, k_box, v_box, q_smem,
-                                              do_smem, kv_bar, q_bar, do_bar, ds_smem, dq_smem, dq_full, dq_empty, b,
-                                              h_kv, n_heads, kv_group, n_q, start_n, lo, full_lo, full_hi, n_m_tiles,
-                                              n_iter, right_offset, left_offset, qk_scale, softmax_scale, HEAD_DIM,
-                                              BLOCK_M, BLOCK_N, BOUND_RIGHT, BOUND_LEFT, NBUF, FUSED_DQ)),
-                            (_dq_reducer, (DQ, dq_smem, dq_full, dq_empty, b, h_kv, n_heads, kv_group, n_q, lo,
-                                           n_m_tiles, n_iter, HEAD_DIM, BLOCK_M))],
-                           [1], [REDUCER_REGS])
-    else:
-        _dkdv_consumer(q_desc, do_desc, dk_desc, dv_desc, LseDelta, k_box, v_box, q_smem, do_smem, kv_bar, q_bar,
-                       do_bar, ds_smem, dq_smem, dq_full, dq_empty, b, h_kv, n_heads, kv_group, n_q, start_n, lo,
-                       full_lo, full_hi, n_m_tiles, n_iter, right_offset, left_offset, qk_scale, softmax_scale,
-                       HEAD_DIM, BLOCK_M, BLOCK_N, BOUND_RIGHT, BOUND_LEFT, NBUF, FUSED_DQ)
