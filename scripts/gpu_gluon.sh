@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls for the Gluon kernels (#16): their GPU tests, the host-cost probe that sets flash_gluon.MIN_WORK, the
 # backward's timings.
-#   bash scripts/gpu_gluon.sh tests host backward fused
+#   bash scripts/gpu_gluon.sh tests host backward
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -18,8 +18,5 @@ for s in "$@"; do
   backward)
     timeout -k 10 ${PROBE_TIMEOUT:-240} python3 scripts/probe_gluon_backward.py --head-dims 64 128 --seqs 4096 16384 2>&1 \
       | tee "$OUT/gluon_backward.txt" ;;
-  fused)
-    timeout -k 10 ${PROBE_TIMEOUT:-300} python3 scripts/probe_gluon_backward.py --fused --head-dims ${HEAD_DIMS:-128 64} \
-      --seqs ${SEQS:-4096 16384} 2>&1 | tee "$OUT/gluon_fused.txt" ;;
   esac
 done

@@ -25,9 +25,6 @@ def main() -> int:
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], choices=[64, 128])
     ap.add_argument("--seqs", type=int, nargs="+", default=[16384])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--fused", action="store_true",
-                    help="also the single-pass kernel (FUSED_DQ), each variant alone and with its (L, D) pairs, "
-                         "dQ zeroing and scaling done in PyTorch, and its gradients' distance from the two passes'")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("probe_gluon_backward times CUDA kernels")
@@ -68,45 +65,12 @@ def main() -> int:
                                                                             retain_graph=True),
                         "  tl dQ kernel alone": lambda: flash_triton._launch_eager(
                             "dq", flash_triton._bwd_dq_kernels, g, window, dq_grid, dq_named),
-                        "flashsys backward, tl dK/dV": lambda: backward(False),
-                        "flashsys backward, Gluon dK/dV (library's choice)": lambda: backward(True)}
+                        "flashsys backward, tl dK/dV": lambda: backward(False)}
+                if flash_gluon.takes_backward(q, k, v, do):  # D 128 (at D 64 the library keeps the `tl` kernel)
+                    runs["flashsys backward, Gluon dK/dV (library's choice)"] = lambda: backward(True)
                 for var in flash_gluon.DKDV_VARIANTS.get(d, ()):
                     runs[f"  Gluon dK/dV alone: {var.label()}"] = (
                         lambda var=var: flash_gluon._launch(var, q, k, v, do, dk, dv, lse_delta, window, scale))
-                if args.fused:
-                    fused_variants = [flash_gluon.Variant("dkdv", 64, bn, nb) for bn in (64, 128) for nb in (2, 3)]
-                    dq_sum = torch.zeros(q.shape, dtype=torch.float32, device="cuda")
-                    fdk, fdv = torch.empty_like(k), torch.empty_like(v)
-                    pairs = torch.stack((-lse * flash_gluon.LOG2E, (do.float() * o.float()).sum(-1)), -1)
-
-                    def single_pass(var):
-                        pairs = torch.stack((-lse * flash_gluon.LOG2E, (do.float() * o.float()).sum(-1)), -1)
-                        dq_sum.zero_()
-                        kernel, grid, a, kw = flash_gluon._dkdv_launch_parts(var, q, k, v, do, fdk, fdv, pairs,
-                                                                             window, scale, dq_sum)
-                        kernel[grid](*a, **kw)
-                        return (dq_sum * scale).to(q.dtype)
-
-                    def fused_alone(var):
-                        kernel, grid, a, kw = flash_gluon._dkdv_launch_parts(var, q, k, v, do, fdk, fdv, pairs,
-                                                                             window, scale, dq_sum)
-                        kernel[grid](*a, **kw)
-
-                    backward(False)
-                    for var in fused_variants:
-                        try:
-                            fdq = single_pass(var)
-                            torch.cuda.synchronize()
-                            err = [((x.float() - y.float()).abs().max() / y.float().abs().max()).item()
-                                   for x, y in ((fdq, dq), (fdk, dk), (fdv, dv))]
-                            print(f"single pass {var.label()} D={d} N={n} causal={causal}: max |diff| / max |two-pass| "
-                                  f"dQ {err[0]:.2e} dK {err[1]:.2e} dV {err[2]:.2e}", flush=True)
-                        except Exception:  # noqa: BLE001
-                            print(f"single pass {var.label()} FAILED: {traceback.format_exc()[-800:]}")
-                            continue
-                        runs[f"single pass (pairs/zero/scale in torch): {var.label()}"] = (
-                            lambda var=var: single_pass(var))
-                        runs[f"  single-pass kernel alone: {var.label()}"] = lambda var=var: fused_alone(var)
                 times: dict[str, list[float]] = {}
                 flash_gluon._chosen.clear()
                 for _ in range(args.rounds):

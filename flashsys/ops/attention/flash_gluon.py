@@ -163,8 +163,7 @@ def takes_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor) -> bool:
 def _smem_layout(rows: int, head_dim: int, dtype: torch.dtype):
     gl = _kernels().gl
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], {torch.bfloat16: gl.bfloat16,
-                                                                        torch.float16: gl.float16,
-                                                                        torch.float32: gl.float32}[dtype])
+                                                                        torch.float16: gl.float16}[dtype])
 
 
 def _rank4(t: Tensor) -> Tensor:
@@ -202,18 +201,16 @@ def _launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, o4: Tens
 
 
 def _dkdv_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, do4: Tensor, dk4: Tensor, dv4: Tensor,
-                       lse_delta: Tensor, window: tuple[int, int], scale: float,
-                       dq_sum: Tensor | None = None) -> tuple:
-    """As `_launch_parts`, for the dK/dV kernel; with dq_sum ((B, H, Nq, D) float32, zeroed) it also adds dQ's
-    shares (unscaled) there: the single-pass backward."""
+                       lse_delta: Tensor, window: tuple[int, int], scale: float) -> tuple:
+    """As `_launch_parts`, for the dK/dV kernel."""
     batch, n_heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     m, n = variant.block_m, variant.block_n
     args = (_descriptor(q4, m), _descriptor(k4, n), _descriptor(v4, n), _descriptor(do4, m), _descriptor(dk4, n),
-            _descriptor(dv4, n), lse_delta, None if dq_sum is None else _descriptor(_rank4(dq_sum), m), n_heads,
-            n_heads // kv_heads, n_q, n_k, window[0], window[1], scale * LOG2E, scale)
+            _descriptor(dv4, n), lse_delta, n_heads, n_heads // kv_heads, n_q, n_k, window[0], window[1],
+            scale * LOG2E, scale)
     kwargs = dict(HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n, BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0,
-                  NBUF=variant.nbuf, FUSED_DQ=dq_sum is not None, num_warps=n // 16)
+                  NBUF=variant.nbuf, num_warps=n // 16)
     return _kernels().attention_backward_dkdv, (triton.cdiv(n_k, n), batch * kv_heads), args, kwargs
 
 

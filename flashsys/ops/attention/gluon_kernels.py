@@ -29,9 +29,7 @@ not a multiple of the tile (TMA reads zeros past the end and clips the stores), 
 
 from __future__ import annotations
 
-from triton._C.libtriton import ir
 from triton.experimental import gluon
-from triton.experimental.gluon.language._core import builtin
 
 # The tile ranges and the mask are the `tl` kernels' own (@triton.jit helpers, which Gluon calls as they are).
 from .flash_triton import _key_tile_range, _query_tile_range, _visible
@@ -42,17 +40,6 @@ from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 # TMA copies: Triton 3.6 names them async_copy_*; later Tritons renamed them async_load / async_store.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-
-
-@builtin
-def _tma_reduce_add_36(tensor_desc, coord, src, _semantic=None):
-    """TMA's reduce-add (cp.reduce.async.bulk.tensor) of a shared-memory tile into global memory. Triton 3.6's
-    Gluon builds the op but has no Python name for it; later Tritons call it tma.async_atomic_add."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
-
-
-_tma_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
 
 
 @gluon.jit
@@ -364,10 +351,10 @@ def _lse_delta(LseDelta, b, n_heads, n_q, j, n_iter, n_m_tiles, lo, h_kv, kv_gro
     return gl.load(pairs, mask=inside, other=0.0), gl.load(pairs + 1, mask=inside, other=0.0)
 
 @gluon.jit
-def attention_backward_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LseDelta, dq_desc, n_heads, kv_group, n_q,
+def attention_backward_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LseDelta, n_heads, kv_group, n_q,
                             n_k, window_left, window_right, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr,
-                            BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr, FUSED_DQ: gl.constexpr):
+                            BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr):
     """One program = one key tile (BLOCK_N rows; BLOCK_N // 16 warps, each holding 16 key rows of dK and dV) of one
     (batch, K/V head): dK and dV over every query tile that sees it, in each query head of the group (no atomics).
     Q and dO tiles stream through NBUF buffers. LseDelta is what the `tl` dQ kernel wrote first: (B, H, Nq, 2)
@@ -377,14 +364,6 @@ def attention_backward_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
     only; Pᵀ = exp2(Sᵀ·scale - L) runs while dPᵀ is on the tensor cores; dV += Pᵀ dO issued; wait for dPᵀ only;
     dSᵀ = Pᵀ (dPᵀ - D) runs under dV's product; dK += dSᵀ Q issued, the next tile's pairs load under it; all drain;
     the tile's buffer takes tile j + NBUF.
-
-    FUSED_DQ (the single-pass backward): dSᵀ also goes through shared memory (two buffers, so one warpgroup may
-    write the next tile's while the other still reads this one's), and this key tile's share of dQ, dS K (BLOCK_M x
-    D; with two warpgroups each takes half of D), is issued beside dK's product, staged in shared memory and added
-    into dq_desc's tensor ((B, H, Nq, D) float32, zeroed; unscaled) by a TMA reduce-add, which runs on while the
-    next tile computes. Five products per tile instead of the two passes' seven, but the sums' order, hence dQ's
-    last bits, varies from run to run. (Atomics from registers instead: as fast at D 128, 1.3x slower at D 64 with
-    64 x 64 tiles; kernel_experiments.md.)
     """
     WARPS: gl.constexpr = BLOCK_N // 16
     s_layout: gl.constexpr = _mma_layout(BLOCK_M, WARPS)
@@ -393,9 +372,6 @@ def attention_backward_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # a vector over Sᵀ's columns (queries)
     row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])  # one row per thread
     dtype: gl.constexpr = q_desc.dtype
-    DQ_SPLIT: gl.constexpr = WARPS // 4  # warpgroups, each with its own columns of dQ
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, DQ_SPLIT],
-                                                        instr_shape=[16, HEAD_DIM // DQ_SPLIT, 16])
 
     pid_n = gl.program_id(0)  # the first key tiles are seen by the most queries: the heaviest run first
     bh_kv = gl.program_id(1)
@@ -421,11 +397,6 @@ def attention_backward_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
     for i in gl.static_range(NBUF):
         mbarrier.init(q_bar.index(i), count=1)
         mbarrier.init(do_bar.index(i), count=1)
-    if FUSED_DQ:
-        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M],
-                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
-        dq_box = gl.allocate_shared_memory(gl.float32, [1, 1, BLOCK_M, HEAD_DIM], dq_desc.layout)
-        dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
     fence_async_shared()
 
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -465,29 +436,13 @@ def attention_backward_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
         dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do_tile, dv, is_async=True)
         dp = warpgroup_mma_wait(1, deps=[dp_tok])  # dV's product may still run
         ds = p * (dp - gl.convert_layout(delta, col_layout)[None, :])
-        if FUSED_DQ:
-            ds_box = ds_smem.index(j % 2)
-            ds_box.store(ds.to(dtype))
-            fence_async_shared()
-            gl.thread_barrier()  # dQ's product reads every warpgroup's rows of dSᵀ
-            dk_tok = warpgroup_mma(ds_box, q_tile, dk, is_async=True)
-            dq_tok = warpgroup_mma(ds_box.permute((1, 0)), k_tile, dq_zero, use_acc=False, is_async=True)
-        else:
-            dk_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), q_tile, dk, is_async=True)
+        dk_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), q_tile, dk, is_async=True)
         # Under dK's product: the next tile's pairs.
         neg_lse2, delta = _lse_delta(LseDelta, b, n_heads, n_q, j + 1, n_iter, n_m_tiles, lo, h_kv, kv_group,
                                      BLOCK_M, row_layout)
         # Every product drains before the next tile: with products in flight across iterations, ptxas cannot
         # tell which ones a partial wait retires and serialises every wgmma (a second program per SM fills in).
-        if FUSED_DQ:
-            dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
-            tma.store_wait(0)  # the last tile's reduce has read the staging box
-            _tile(dq_box, BLOCK_M, HEAD_DIM).store(dq)
-            fence_async_shared()
-            gl.thread_barrier()
-            _tma_add(dq_desc, [b, h, start_m, 0], dq_box)  # TMA clips rows past n_q
-        else:
-            dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
+        dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
         h_r, row_r = _query_tile(j + NBUF, n_m_tiles, lo, h_kv, kv_group, BLOCK_M)
         _load_pair(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, b, h_r, row_r, slot, j + NBUF < n_iter)
 
