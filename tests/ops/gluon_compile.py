@@ -1,6 +1,6 @@
-"""Compile every Gluon variant (the forward's and the dK/dV kernel's) for sm_90 without a GPU, for every mask kind, and print what each compiled
-to as one JSON line ({variant and mask: "ok" or the error}). Run as a subprocess by test_gluon_forward (a stand-in
-driver replaces Triton's for the whole process), or by hand:
+"""Compile every Gluon variant (the forward's and the dK/dV kernel's) for sm_90 without a GPU, for every mask kind,
+and print what each compiled to as one JSON line ({variant and mask: "ok" or the error}). Run as a subprocess by
+test_gluon_forward (a stand-in driver replaces Triton's for the whole process), or by hand:
 
     python -m tests.ops.gluon_compile
 """

@@ -71,7 +71,7 @@ DKDV_VARIANTS: dict[int, tuple[Variant, ...]] = {
 
 
 # Why this path is off in this process, once it found out: the kernels do not import (a Triton without Gluon's
-# Hopper API, or one whose API moved) or no variant compiles and runs on this GPU. The `tl` forward runs instead.
+# Hopper API, or one whose API moved) or no variant compiles and runs on this GPU. The `tl` kernels run instead.
 _broken: str | None = None
 
 
@@ -285,7 +285,7 @@ def _choose(key: ChoiceKey, run) -> Variant | None:
     """The variant for `key`: timed on this call's tensors the first time (each candidate by triton.testing.do_bench,
     in _CHOICE_ROUNDS interleaved rounds), then remembered. `run(variant)` launches one; a candidate that fails to
     compile or launch on this GPU is left out. None, with a RuntimeWarning that turns this path off for the
-    process, where none runs: the `tl` forward then takes the call."""
+    process, where none runs: the `tl` kernel then takes the call (forward or dK/dV)."""
     chosen = _chosen.get(key)
     if chosen is not None:
         return chosen
