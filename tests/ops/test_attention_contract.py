@@ -182,6 +182,14 @@ def test_memory_grows_linearly_in_sequence_length_gpu():
     assert ratio < 5.0, f"peak memory grew x{ratio:.1f} for x4 sequence length: {peaks}"
 
 
+@pytest.mark.gpu
+def test_more_batch_heads_than_a_grid_dimension_holds_gpu():
+    """B * H and B * H_kv past 65535, the most a CUDA grid's y dimension holds: the kernels' 1-D grids run them all
+    (with batch * head on y, the launch failed)."""
+    q, k, v, do = make_qkv(33000, 4, 24, 24, 16, torch.float16, "cuda", seed=21, kv_heads=2)
+    assert_matches_reference(FlashAttention2Triton, q, k, v, do, True, 0.25)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Bad input: a clear ValueError/TypeError naming the argument, never a crash or a compile error.
 # ---------------------------------------------------------------------------------------------------
