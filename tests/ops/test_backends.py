@@ -66,10 +66,10 @@ def test_launcher_arguments_are_checked_against_the_kernel_signature():
 
     kernel = flash_triton._fwd_kernels[64, False, False].fn
     q, k = torch.randn(1, 8, 16), torch.randn(2, 1, 8, 16).transpose(1, 2)[0]  # k: rank 3, non-contiguous
-    named = dict(Q=q, K=k, V=q, O=q, L=q, CU_Q=q, CU_K=k, n_bh=3, group_programs=5, n_heads=1, kv_group=1, n_q=8,
-                 n_k=8, window_left=-1, window_right=0, qk_scale=1.0)
+    named = dict(Q=q, K=k, V=q, O=q, L=q, CU_Q=q, CU_K=k, n_bh=3, n_heads=1, kv_group=1, n_q=8, n_k=8,
+                 window_left=-1, window_right=0, qk_scale=1.0)
     args = flash_triton._positional(kernel, named)
-    assert args[:7] == (q, k, q, q, q, q, k) and args[-9:] == (3, 5, 1, 1, 8, 8, -1, 0, 1.0)
+    assert args[:7] == (q, k, q, q, q, q, k) and args[-8:] == (3, 1, 1, 8, 8, -1, 0, 1.0)
     # Strides are derived from each tensor, in the kernel's (batch, head, seq, dim) order.
     assert args[7:15] == (*q.stride()[:1], 0, *q.stride()[1:], k.stride(0), 0, k.stride(1), k.stride(2))
     del named["K"]

@@ -26,7 +26,6 @@ import torch
 import triton
 from torch import Tensor
 
-from . import grid_order
 from .triton_env import autotune_enabled, env_switch
 
 LOG2E = 1.4426950408889634
@@ -189,8 +188,8 @@ def _launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, o4: Tens
     batch, n_heads, n_q, d = q4.shape
     q_rows = variant.block_m if variant.kind == "plain" else variant.block_m // 2
     args = (_descriptor(q4, q_rows), _descriptor(k4, variant.block_n), _descriptor(v4, variant.block_n),
-            _descriptor(o4, q_rows), lse, batch * n_heads, grid_order.group_programs(q4.device), n_heads,
-            n_heads // k4.shape[1], n_q, k4.shape[2], window[0], window[1], scale * LOG2E)
+            _descriptor(o4, q_rows), lse, batch * n_heads, n_heads, n_heads // k4.shape[1], n_q, k4.shape[2], window[0],
+            window[1], scale * LOG2E)
     kwargs = dict(HEAD_DIM=d, BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, BOUND_RIGHT=window[1] >= 0,
                   BOUND_LEFT=window[0] >= 0, NBUF=variant.nbuf, num_warps=4)
     if variant.kind == "plain":
@@ -208,8 +207,8 @@ def _dkdv_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, do4
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     m, n = variant.block_m, variant.block_n
     args = (_descriptor(q4, m), _descriptor(k4, n), _descriptor(v4, n), _descriptor(do4, m), _descriptor(dk4, n),
-            _descriptor(dv4, n), lse_delta, batch * kv_heads, grid_order.group_programs(q4.device), n_heads,
-            n_heads // kv_heads, n_q, n_k, window[0], window[1], scale * LOG2E, scale)
+            _descriptor(dv4, n), lse_delta, batch * kv_heads, n_heads, n_heads // kv_heads, n_q, n_k, window[0],
+            window[1], scale * LOG2E, scale)
     kwargs = dict(HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n, BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0,
                   NBUF=variant.nbuf, num_warps=n // 16)
     return _kernels().attention_backward_dkdv, (triton.cdiv(n_k, n) * batch * kv_heads,), args, kwargs

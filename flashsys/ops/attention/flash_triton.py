@@ -39,7 +39,7 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 from triton.compiler import CompiledKernel
 
-from . import eager_plans, flash_gluon, grid_order, native_launch
+from . import eager_plans, flash_gluon, native_launch
 from .eager_plans import Recorded
 from .triton_env import autotune_enabled, interpreter_active
 from .validation import (
@@ -76,19 +76,18 @@ _FMA_SCORES: tl.constexpr = tl.constexpr(not _fp_fusion_by_default())
 
 
 @triton.jit
-def _program_start(n_bh, n_heads, group_programs, HEAVIEST_LAST: tl.constexpr):
-    """(tile index, flat batch*head index, batch, head) of this program in the 1-D grid: (batch, head) pairs in
-    groups of about group_programs programs, tile by tile within a group (grid_order.py says why). With
+def _program_start(n_bh, n_heads, HEAVIEST_LAST: tl.constexpr):
+    """(tile index, flat batch*head index, batch, head) of this program.
+
+    The grid is 1-D, one (batch, head) pair after another, its tiles in order: a 2-D grid with the pairs on y
+    would refuse more than 65535 of them. Programs start in index order, so the programs running at once read the
+    K/V of a few heads, which L2 holds; orders that interleave heads were slower (kernel_experiments.md). With
     HEAVIEST_LAST (causal query-tile grids, where the last query tiles see the most keys) the tile order is
-    reversed, so the heaviest run first."""
+    reversed, so the heaviest tiles start first and the short ones fill the tail."""
     pid = tl.program_id(0)
     n_tiles = tl.num_programs(0) // n_bh
-    group = tl.maximum(1, tl.cdiv(group_programs, n_tiles))  # heads per group
-    first = pid // (group * n_tiles) * group  # this group's first (batch, head) pair
-    width = tl.minimum(group, n_bh - first)  # the last group may hold fewer
-    rest = pid - first * n_tiles
-    tile = rest // width
-    bh = first + rest % width
+    tile = pid % n_tiles
+    bh = pid // n_tiles
     if HEAVIEST_LAST:
         tile = n_tiles - 1 - tile
     b = (bh // n_heads).to(tl.int64)
@@ -270,7 +269,7 @@ def _flash_fwd_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_on, stride_od,
-    n_bh, group_programs, n_heads, kv_group, n_q, n_k, window_left, window_right, qk_scale, N_BUCKET,
+    n_bh, n_heads, kv_group, n_q, n_k, window_left, window_right, qk_scale, N_BUCKET,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BOUND_RIGHT: tl.constexpr, BOUND_LEFT: tl.constexpr,
     VARLEN: tl.constexpr, FP32_IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -280,7 +279,7 @@ def _flash_fwd_kernel(
     With VARLEN the batch index is a packed sequence: its rows are CU_Q[b]..CU_Q[b+1] of Q (and CU_K for K, V),
     the batch strides are 0, n_q is the packed total, and L is (heads, total)."""
     qk_scale = _as_fp32(qk_scale)
-    pid_m, bh, b, h = _program_start(n_bh, n_heads, group_programs, HEAVIEST_LAST=BOUND_RIGHT)
+    pid_m, bh, b, h = _program_start(n_bh, n_heads, HEAVIEST_LAST=BOUND_RIGHT)
     q_start, seq_q, k_start, seq_k = 0, n_q, 0, n_k  # a dense batch: all rows
     if VARLEN:  # packed sequence b: rows CU[b] to CU[b + 1]
         q_start, seq_q = _sequence_rows(tl.load(CU_Q + b), tl.load(CU_Q + b + 1))
@@ -377,7 +376,7 @@ def _flash_bwd_dkdv_kernel(
     stride_dob, stride_doh, stride_don, stride_dod,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    n_bh, group_programs, n_heads, kv_group, n_q, n_k, window_left, window_right, qk_scale, softmax_scale, N_BUCKET,
+    n_bh, n_heads, kv_group, n_q, n_k, window_left, window_right, qk_scale, softmax_scale, N_BUCKET,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BOUND_RIGHT: tl.constexpr, BOUND_LEFT: tl.constexpr,
     VARLEN: tl.constexpr, FP32_IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -386,7 +385,7 @@ def _flash_bwd_dkdv_kernel(
     VARLEN as in the forward kernel."""
     # The first key tiles are seen by the most queries: the natural order already runs the heaviest first.
     qk_scale, softmax_scale = _as_fp32(qk_scale), _as_fp32(softmax_scale)
-    pid_n, bh_kv, b, h_kv = _program_start(n_bh, n_heads // kv_group, group_programs, HEAVIEST_LAST=False)
+    pid_n, bh_kv, b, h_kv = _program_start(n_bh, n_heads // kv_group, HEAVIEST_LAST=False)
     q_start, seq_q, k_start, seq_k = 0, n_q, 0, n_k  # a dense batch: all rows
     if VARLEN:  # packed sequence b: rows CU[b] to CU[b + 1]
         q_start, seq_q = _sequence_rows(tl.load(CU_Q + b), tl.load(CU_Q + b + 1))
@@ -475,7 +474,7 @@ def _flash_bwd_dq_kernel(
     stride_dob, stride_doh, stride_don, stride_dod,
     stride_dqb, stride_dqh, stride_dqn, stride_dqd,
     stride_ob, stride_oh, stride_on, stride_od,
-    n_bh, group_programs, n_heads, kv_group, n_q, n_k, window_left, window_right, qk_scale, softmax_scale, N_BUCKET,
+    n_bh, n_heads, kv_group, n_q, n_k, window_left, window_right, qk_scale, softmax_scale, N_BUCKET,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BOUND_RIGHT: tl.constexpr, BOUND_LEFT: tl.constexpr,
     VARLEN: tl.constexpr, FP32_IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -486,7 +485,7 @@ def _flash_bwd_dq_kernel(
     after it: no separate preprocess kernel, and no multiply, negation or second load in the dK/dV inner loop.
     """
     qk_scale, softmax_scale = _as_fp32(qk_scale), _as_fp32(softmax_scale)
-    pid_m, bh, b, h = _program_start(n_bh, n_heads, group_programs, HEAVIEST_LAST=BOUND_RIGHT)
+    pid_m, bh, b, h = _program_start(n_bh, n_heads, HEAVIEST_LAST=BOUND_RIGHT)
     q_start, seq_q, k_start, seq_k = 0, n_q, 0, n_k  # a dense batch: all rows
     if VARLEN:  # packed sequence b: rows CU[b] to CU[b + 1]
         q_start, seq_q = _sequence_rows(tl.load(CU_Q + b), tl.load(CU_Q + b + 1))
@@ -890,8 +889,8 @@ def _planned_forward(q: Tensor, k: Tensor, v: Tensor, window: tuple[int, int], s
 def forward_arguments(g: _Geometry, q, k, v, o, lse, cu_q, cu_k, window, scale) -> dict:
     """The forward kernel's runtime arguments by name (strides excepted): cu_q, cu_k are the varlen offsets,
     or any tensors (q, k) for a dense batch, whose kernels never read them."""
-    return dict(Q=q, K=k, V=v, O=o, L=lse, CU_Q=cu_q, CU_K=cu_k, n_bh=g.n_bh,
-                group_programs=grid_order.group_programs(q.device), **_sizes(g, window), qk_scale=scale * LOG2E)
+    return dict(Q=q, K=k, V=v, O=o, L=lse, CU_Q=cu_q, CU_K=cu_k, n_bh=g.n_bh, **_sizes(g, window),
+                qk_scale=scale * LOG2E)
 
 
 def _launch_forward(g: _Geometry, q, k, v, o, lse, cu_q, cu_k, window, scale, traced) -> list[Recorded | None]:
@@ -942,7 +941,7 @@ def backward_arguments(g: _Geometry, q, k, v, o, lse, do, dq, dk, dv, lse_delta,
     """The dQ kernel's and the dK/dV kernel's runtime arguments by name (strides excepted); cu_q, cu_k as in
     `forward_arguments`."""
     shared = dict(Q=q, K=k, V=v, DO=do, LseDelta=lse_delta, CU_Q=cu_q, CU_K=cu_k, **_sizes(g, window),
-                  group_programs=grid_order.group_programs(q.device), qk_scale=scale * LOG2E, softmax_scale=scale)
+                  qk_scale=scale * LOG2E, softmax_scale=scale)
     return dict(shared, L=lse, DQ=dq, O=o, n_bh=g.n_bh), dict(shared, DK=dk, DV=dv, n_bh=g.n_bh_kv)
 
 

@@ -43,23 +43,19 @@ _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_globa
 
 
 @gluon.jit
-def _grid_position(n_bh, group_programs):
-    """(tile index, flat batch*head index) of this program in the 1-D grid: (batch, head) pairs in groups of about
-    group_programs programs, tile by tile within a group, as the `tl` kernels' (grid_order.py says why)."""
+def _grid_position(n_bh):
+    """(tile index, flat batch*head index) of this program in the 1-D grid, ordered as the `tl` kernels'
+    (`flash_triton._program_start` says why): one (batch, head) pair after another, its tiles in order."""
     pid = gl.program_id(0)
     n_tiles = gl.num_programs(0) // n_bh
-    group = gl.maximum(1, gl.cdiv(group_programs, n_tiles))
-    first = pid // (group * n_tiles) * group
-    width = gl.minimum(group, n_bh - first)
-    rest = pid - first * n_tiles
-    return rest // width, first + rest % width
+    return pid % n_tiles, pid // n_tiles
 
 
 @gluon.jit
-def _program_tile(n_bh, group_programs, n_heads, kv_group, HEAVIEST_FIRST: gl.constexpr):
+def _program_tile(n_bh, n_heads, kv_group, HEAVIEST_FIRST: gl.constexpr):
     """(query-tile index, flat batch*head index, batch, head, K/V head). Causal grids run the last query tiles, which
     see the most keys, first."""
-    pid_m, bh = _grid_position(n_bh, group_programs)
+    pid_m, bh = _grid_position(n_bh)
     if HEAVIEST_FIRST:
         pid_m = gl.num_programs(0) // n_bh - 1 - pid_m
     h = bh % n_heads
@@ -209,14 +205,14 @@ def _store_out(acc, m_i, l_i, offs_m, L, n_q, o_desc, b, h, row, staging, ROWS: 
 
 
 @gluon.jit
-def attention_forward(q_desc, k_desc, v_desc, o_desc, L, n_bh, group_programs, n_heads, kv_group, n_q, n_k,
-                      window_left, window_right, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def attention_forward(q_desc, k_desc, v_desc, o_desc, L, n_bh, n_heads, kv_group, n_q, n_k, window_left,
+                      window_right, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr):
     """One program (one warpgroup) = one query tile of one (batch, head); NBUF K/V buffers in flight.
     L is (B, H, Nq) float32, contiguous; window bounds as the `tl` forward takes them (-1: unbounded)."""
     dtype: gl.constexpr = q_desc.dtype
 
-    pid_m, bh, b, h, h_kv = _program_tile(n_bh, group_programs, n_heads, kv_group, BOUND_RIGHT)
+    pid_m, bh, b, h, h_kv = _program_tile(n_bh, n_heads, kv_group, BOUND_RIGHT)
     start_m = pid_m * BLOCK_M
     right_offset = n_k - n_q + window_right  # query i sees key j iff i + left_offset <= j <= i + right_offset
     left_offset = n_k - n_q - window_left
@@ -290,15 +286,15 @@ def _pingpong_consumer(o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, e
 
 
 @gluon.jit
-def attention_forward_pingpong(q_desc, k_desc, v_desc, o_desc, L, n_bh, group_programs, n_heads, kv_group, n_q,
-                               n_k, window_left, window_right, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+def attention_forward_pingpong(q_desc, k_desc, v_desc, o_desc, L, n_bh, n_heads, kv_group, n_q, n_k,
+                               window_left, window_right, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                                BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr,
                                NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Warp-specialised: a producer warp (TMA) and two consumer warpgroups of BLOCK_M // 2 rows each that share the
     key tiles and ping-pong (see _pingpong_consumer). q_desc and o_desc have BLOCK_M // 2-row boxes."""
     HALF_M: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = q_desc.dtype
-    pid_m, bh, b, h, h_kv = _program_tile(n_bh, group_programs, n_heads, kv_group, BOUND_RIGHT)
+    pid_m, bh, b, h, h_kv = _program_tile(n_bh, n_heads, kv_group, BOUND_RIGHT)
     start_m = pid_m * BLOCK_M
     right_offset = n_k - n_q + window_right
     left_offset = n_k - n_q - window_left
@@ -363,10 +359,10 @@ def _lse_delta(LseDelta, b, n_heads, n_q, j, n_iter, n_m_tiles, lo, h_kv, kv_gro
     return gl.load(pairs, mask=inside, other=0.0), gl.load(pairs + 1, mask=inside, other=0.0)
 
 @gluon.jit
-def attention_backward_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LseDelta, n_bh, group_programs,
-                            n_heads, kv_group, n_q, n_k, window_left, window_right, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr,
-                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr,
-                            BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr):
+def attention_backward_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LseDelta, n_bh, n_heads,
+                            kv_group, n_q, n_k, window_left, window_right, qk_scale, softmax_scale,
+                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr):
     """One program = one key tile (BLOCK_N rows; BLOCK_N // 16 warps, each holding 16 key rows of dK and dV) of one
     (batch, K/V head): dK and dV over every query tile that sees it, in each query head of the group (no atomics).
     Q and dO tiles stream through NBUF buffers. LseDelta is what the `tl` dQ kernel wrote first: (B, H, Nq, 2)
@@ -386,7 +382,7 @@ def attention_backward_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
     dtype: gl.constexpr = q_desc.dtype
 
     # The first key tiles are seen by the most queries: the grid's order already runs the heaviest first.
-    pid_n, bh_kv = _grid_position(n_bh, group_programs)
+    pid_n, bh_kv = _grid_position(n_bh)
     kv_heads = n_heads // kv_group
     b = bh_kv // kv_heads
     h_kv = bh_kv % kv_heads
