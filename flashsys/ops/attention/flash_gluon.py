@@ -50,7 +50,7 @@ class Variant(NamedTuple):
     regs: int = 0
 
     def label(self) -> str:
-        extra = f" {self.regs} regs" if self.kind == "pingpong" else (" paired" if self.regs == 2 else "")
+        extra = f" {self.regs} regs" if self.kind == "pingpong" else ""
         return f"{self.kind} {self.block_m}x{self.block_n} {self.nbuf}buf{extra}"
 
 
@@ -72,10 +72,10 @@ DKDV_VARIANTS: dict[int, tuple[Variant, ...]] = {
 # The dQ kernel's candidates ("dq": block_m query rows held by block_m // 16 warps, block_n key rows streamed through
 # nbuf buffers).
 DQ_VARIANTS: dict[int, tuple[Variant, ...]] = {
-    64: (Variant("dq", 64, 64, 2), Variant("dq", 64, 128, 2), Variant("dq", 64, 64, 4, 2), Variant("dq", 128, 64, 4, 2),
-         Variant("dq", 64, 64, 2, 2)),
-    128: (Variant("dq", 64, 64, 2), Variant("dq", 128, 128, 2), Variant("dq", 64, 64, 4, 2), Variant("dq", 128, 64, 4, 2),
-          Variant("dq", 64, 64, 2, 2)),
+    64: (Variant("dq", 128, 64, 2), Variant("dq", 64, 64, 2), Variant("dq", 64, 128, 2), Variant("dq", 128, 128, 2),
+         Variant("dq", 128, 64, 3)),
+    128: (Variant("dq", 128, 64, 2), Variant("dq", 64, 64, 2), Variant("dq", 64, 128, 2), Variant("dq", 128, 128, 2),
+          Variant("dq", 64, 64, 3)),
 }
 
 
@@ -233,7 +233,7 @@ def _dq_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, do4: 
             _descriptor(dq4, m), lse, lse_delta, batch * n_heads, n_heads, n_heads // kv_heads, n_q, n_k, window[0],
             window[1], scale * LOG2E, scale)
     kwargs = dict(HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n, BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0,
-                  NBUF=variant.nbuf, PAIRED=variant.regs == 2, num_warps=m // 16)
+                  NBUF=variant.nbuf, num_warps=m // 16)
     return _kernels().attention_backward_dq, (triton.cdiv(n_q, m) * batch * n_heads,), args, kwargs
 
 

@@ -473,19 +473,10 @@ def attention_backward_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
 
 
 @gluon.jit
-def _dq_probabilities(s, offs_m, kn, n_k, right_offset, left_offset, full_lo, full_hi, qk_scale, neg_lse2,
-                      BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr):
-    """P = exp2(S·scale - L·log2 e) of the key tile at kn, 0 where a query may not see a key."""
-    s = _masked_scores(s, offs_m, kn, n_k, right_offset, left_offset, full_lo, full_hi, BLOCK_N, BOUND_RIGHT,
-                       BOUND_LEFT)
-    return gl.exp2(s * qk_scale + neg_lse2[:, None])
-
-
-@gluon.jit
 def attention_backward_dq(q_desc, k_desc, v_desc, do_desc, o_desc, dq_desc, L, LseDelta, n_bh, n_heads, kv_group,
                           n_q, n_k, window_left, window_right, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr,
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr,
-                          BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr, PAIRED: gl.constexpr):
+                          BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr):
     """One program = one query tile (BLOCK_M rows; BLOCK_M // 16 warps) of one (batch, head): dQ over the key tiles
     it sees, which stream through NBUF K/V buffers. It also writes LseDelta[row] = (-L * log2 e, rowsum(dO * O)),
     (B, H, Nq, 2) float32, which the dK/dV kernel reads after it: the `tl` dQ kernel's contract.
@@ -547,45 +538,7 @@ def attention_backward_dq(q_desc, k_desc, v_desc, do_desc, o_desc, dq_desc, L, L
 
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=acc_layout)
-    if PAIRED:
-        # Two key tiles an iteration: dQ's product of the first runs while the second's P is computed.
-        for pair in range(n_tiles // 2):
-            t = 2 * pair
-            slot_a = t % NBUF
-            slot_b = (t + 1) % NBUF
-            k_a = _tile(k_smem.index(slot_a), BLOCK_N, HEAD_DIM)
-            k_b = _tile(k_smem.index(slot_b), BLOCK_N, HEAD_DIM)
-            mbarrier.wait(k_bar.index(slot_a), (t // NBUF) & 1)
-            s_a = warpgroup_mma(q_tile, k_a.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(v_bar.index(slot_a), (t // NBUF) & 1)
-            dp_a = warpgroup_mma(do_tile, _tile(v_smem.index(slot_a), BLOCK_N, HEAD_DIM).permute((1, 0)), s_zero,
-                                 use_acc=False, is_async=True)
-            mbarrier.wait(k_bar.index(slot_b), ((t + 1) // NBUF) & 1)
-            s_b = warpgroup_mma(q_tile, k_b.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(v_bar.index(slot_b), ((t + 1) // NBUF) & 1)
-            dp_b = warpgroup_mma(do_tile, _tile(v_smem.index(slot_b), BLOCK_N, HEAD_DIM).permute((1, 0)), s_zero,
-                                 use_acc=False, is_async=True)
-            s_a = warpgroup_mma_wait(3, deps=[s_a])
-            p_a = _dq_probabilities(s_a, offs_m, lo + t * BLOCK_N, n_k, right_offset, left_offset, full_lo,
-                                    full_hi, qk_scale, neg_lse2, BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
-            dp_a = warpgroup_mma_wait(2, deps=[dp_a])
-            dq_tok = warpgroup_mma(gl.convert_layout((p_a * (dp_a - delta[:, None])).to(dtype), op_layout), k_a, dq,
-                                   is_async=True)
-            s_b = warpgroup_mma_wait(2, deps=[s_b])
-            p_b = _dq_probabilities(s_b, offs_m, lo + (t + 1) * BLOCK_N, n_k, right_offset, left_offset, full_lo,
-                                    full_hi, qk_scale, neg_lse2, BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
-            dp_b = warpgroup_mma_wait(1, deps=[dp_b])
-            dq_tok = warpgroup_mma(gl.convert_layout((p_b * (dp_b - delta[:, None])).to(dtype), op_layout), k_b,
-                                   dq_tok, is_async=True)
-            dq = warpgroup_mma_wait(0, deps=[dq_tok])
-            _load_pair(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, lo + (t + NBUF) * BLOCK_N, slot_a,
-                       t + NBUF < n_tiles)
-            _load_pair(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, lo + (t + 1 + NBUF) * BLOCK_N, slot_b,
-                       t + 1 + NBUF < n_tiles)
-        first_single = n_tiles // 2 * 2
-    else:
-        first_single = 0
-    for t in range(first_single, n_tiles):
+    for t in range(n_tiles):
         slot = t % NBUF
         phase = (t // NBUF) & 1
         k_tile = _tile(k_smem.index(slot), BLOCK_N, HEAD_DIM)
@@ -595,8 +548,9 @@ def attention_backward_dq(q_desc, k_desc, v_desc, do_desc, o_desc, dq_desc, L, L
         mbarrier.wait(v_bar.index(slot), phase)
         dp_tok = warpgroup_mma(do_tile, v_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(1, deps=[s_tok])  # dP may still run
-        p = _dq_probabilities(s, offs_m, lo + t * BLOCK_N, n_k, right_offset, left_offset, full_lo, full_hi,
-                              qk_scale, neg_lse2, BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
+        s = _masked_scores(s, offs_m, lo + t * BLOCK_N, n_k, right_offset, left_offset, full_lo, full_hi, BLOCK_N,
+                           BOUND_RIGHT, BOUND_LEFT)
+        p = gl.exp2(s * qk_scale + neg_lse2[:, None])
         dp = warpgroup_mma_wait(0, deps=[dp_tok])
         ds = p * (dp - delta[:, None])
         dq_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), k_tile, dq, is_async=True)
