@@ -71,21 +71,6 @@ def main() -> int:
                 for var in flash_gluon.DKDV_VARIANTS.get(d, ()):
                     runs[f"  Gluon dK/dV alone: {var.label()}"] = (
                         lambda var=var: flash_gluon._launch(var, q, k, v, do, dk, dv, lse_delta, window, scale))
-                # Each Gluon dQ variant against the `tl` dQ kernel's output (dq and the pairs it wrote above).
-                dq_tl, pairs_tl = dq.clone(), lse_delta.clone()
-                dq_g, pairs_g = torch.empty_like(dq), torch.empty_like(lse_delta)
-                for var in flash_gluon.DQ_VARIANTS.get(d, ()):
-                    try:
-                        flash_gluon._launch(var, q, k, v, do, o, dq_g, lse, pairs_g, window, scale)
-                        torch.cuda.synchronize()
-                        err = ((dq_g.float() - dq_tl.float()).abs().max() / dq_tl.float().abs().max()).item()
-                        pair_err = (pairs_g - pairs_tl).abs().max().item()
-                        print(f"  Gluon dQ {var.label()}: max |dQ - tl dQ| / max |tl dQ| {err:.2e}, "
-                              f"max |pairs - tl pairs| {pair_err:.2e}")
-                    except Exception:  # noqa: BLE001
-                        print(f"  Gluon dQ {var.label()} FAILED: {traceback.format_exc()[-800:]}")
-                    runs[f"  Gluon dQ alone: {var.label()}"] = (
-                        lambda var=var: flash_gluon._launch(var, q, k, v, do, o, dq_g, lse, pairs_g, window, scale))
                 times: dict[str, list[float]] = {}
                 flash_gluon._chosen.clear()
                 for _ in range(args.rounds):

@@ -24,7 +24,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     compiled = {}
     for d in flash_gluon.HEAD_DIMS:
-        variants = flash_gluon.VARIANTS[d] + flash_gluon.DKDV_VARIANTS.get(d, ()) + flash_gluon.DQ_VARIANTS.get(d, ())
+        variants = flash_gluon.VARIANTS[d] + flash_gluon.DKDV_VARIANTS.get(d, ())
         # Grouped-query K/V, Nq != Nk and lengths that are no multiple of a tile: the shapes the kernels mask.
         q = torch.randn(2, 4, 300, d, dtype=torch.bfloat16, device=device)
         k = torch.randn(2, 2, 200, d, dtype=torch.bfloat16, device=device)

@@ -69,15 +69,6 @@ DKDV_VARIANTS: dict[int, tuple[Variant, ...]] = {
     128: (Variant("dkdv", 64, 64, 2), Variant("dkdv", 64, 128, 2)),
 }
 
-# The dQ kernel's candidates ("dq": block_m query rows held by block_m // 16 warps, block_n key rows streamed through
-# nbuf buffers).
-DQ_VARIANTS: dict[int, tuple[Variant, ...]] = {
-    64: (Variant("dq", 128, 64, 2), Variant("dq", 64, 64, 2), Variant("dq", 64, 128, 2), Variant("dq", 128, 128, 2),
-         Variant("dq", 128, 64, 3)),
-    128: (Variant("dq", 128, 64, 2), Variant("dq", 64, 64, 2), Variant("dq", 64, 128, 2), Variant("dq", 128, 128, 2),
-          Variant("dq", 64, 64, 3)),
-}
-
 
 # Why this path is off in this process, once it found out: the kernels do not import (a Triton without Gluon's
 # Hopper API, or one whose API moved) or no variant compiles and runs on this GPU. The `tl` kernels run instead.
@@ -223,25 +214,8 @@ def _dkdv_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, do4
     return _kernels().attention_backward_dkdv, (triton.cdiv(n_k, n) * batch * kv_heads,), args, kwargs
 
 
-def _dq_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, do4: Tensor, o4: Tensor, dq4: Tensor,
-                     lse: Tensor, lse_delta: Tensor, window: tuple[int, int], scale: float) -> tuple:
-    """As `_launch_parts`, for the dQ kernel."""
-    batch, n_heads, n_q, d = q4.shape
-    kv_heads, n_k = k4.shape[1], k4.shape[2]
-    m, n = variant.block_m, variant.block_n
-    args = (_descriptor(q4, m), _descriptor(k4, n), _descriptor(v4, n), _descriptor(do4, m), _descriptor(o4, m),
-            _descriptor(dq4, m), lse, lse_delta, batch * n_heads, n_heads, n_heads // kv_heads, n_q, n_k, window[0],
-            window[1], scale * LOG2E, scale)
-    kwargs = dict(HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n, BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0,
-                  NBUF=variant.nbuf, num_warps=m // 16)
-    return _kernels().attention_backward_dq, (triton.cdiv(n_q, m) * batch * n_heads,), args, kwargs
-
-
-_LAUNCH_PARTS = {"dkdv": _dkdv_launch_parts, "dq": _dq_launch_parts}
-
-
 def _launch(variant: Variant, *tensors_and_scalars) -> None:
-    parts = _LAUNCH_PARTS.get(variant.kind, _launch_parts)
+    parts = _dkdv_launch_parts if variant.kind == "dkdv" else _launch_parts
     kernel, grid, args, kwargs = parts(variant, *tensors_and_scalars)
     kernel[grid](*args, **kwargs)
 
@@ -251,15 +225,11 @@ def compile_only(variant: Variant, q: Tensor, k: Tensor, v: Tensor, window: tupl
     stand-in driver that names sm_90, as the CPU tests do). Returns the compiled kernel."""
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    lse_delta = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device=q.device)
     if variant.kind == "dkdv":
+        lse_delta = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device=q.device)
         tensors = (q, k, v, q, torch.empty_like(k), torch.empty_like(v))
         kernel, _, args, kwargs = _dkdv_launch_parts(variant, *(_rank4(t) for t in tensors), lse_delta, window,
                                                      scale)
-    elif variant.kind == "dq":
-        tensors = (q, k, v, q, o, torch.empty_like(q))
-        kernel, _, args, kwargs = _dq_launch_parts(variant, *(_rank4(t) for t in tensors), lse, lse_delta, window,
-                                                   scale)
     else:
         kernel, _, args, kwargs = _launch_parts(variant, *(_rank4(t) for t in (q, k, v, o)), lse, window, scale)
     return kernel.warmup(*args, **kwargs, grid=(1,))
@@ -279,7 +249,7 @@ class ChoiceKey(NamedTuple):
         return cls(q4.shape[3], q4.dtype, window[1] >= 0, window[0] >= 0, bucket, kernel)
 
     def candidates(self) -> tuple[Variant, ...]:
-        return {"forward": VARIANTS, "dkdv": DKDV_VARIANTS, "dq": DQ_VARIANTS}[self.kernel][self.head_dim]
+        return (VARIANTS if self.kernel == "forward" else DKDV_VARIANTS)[self.head_dim]
 
 
 _chosen: dict[ChoiceKey, Variant] = {}
