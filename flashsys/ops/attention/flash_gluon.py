@@ -323,12 +323,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, window: tup
     the `tl` forward takes it ((left, right), -1 unbounded; causal (-1, 0)). False where no variant runs here (the
     caller runs the `tl` forward)."""
     q4, k4, v4, o4 = (_rank4(t) for t in (q, k, v, o))
-    variant = _choose(ChoiceKey.of(q4, k4, window, "forward"),
-                      lambda var: _launch(var, q4, k4, v4, o4, lse, window, scale))
-    if variant is None:
-        return False
-    _launch(variant, q4, k4, v4, o4, lse, window, scale)
-    return True
+    return _run(ChoiceKey.of(q4, k4, window, "forward"), q4, k4, v4, o4, lse, window, scale)
 
 
 def backward_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse_delta: Tensor, dk: Tensor, dv: Tensor,
@@ -337,9 +332,13 @@ def backward_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse_delta: Tensor
     wrote lse_delta ((*q.shape[:-1], 2) float32, dense). False where no variant runs here (the caller runs the
     `tl` dK/dV kernel)."""
     q4, k4, v4, do4, dk4, dv4 = (_rank4(t) for t in (q, k, v, do, dk, dv))
-    variant = _choose(ChoiceKey.of(q4, k4, window, "dkdv"),
-                      lambda var: _launch(var, q4, k4, v4, do4, dk4, dv4, lse_delta, window, scale))
+    return _run(ChoiceKey.of(q4, k4, window, "dkdv"), q4, k4, v4, do4, dk4, dv4, lse_delta, window, scale)
+
+
+def _run(key: ChoiceKey, *tensors_and_scalars) -> bool:
+    """Launch `key`'s variant (chosen on the first call) on these arguments; False where none runs here."""
+    variant = _choose(key, lambda var: _launch(var, *tensors_and_scalars))
     if variant is None:
         return False
-    _launch(variant, q4, k4, v4, do4, dk4, dv4, lse_delta, window, scale)
+    _launch(variant, *tensors_and_scalars)
     return True

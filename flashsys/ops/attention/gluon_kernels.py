@@ -31,8 +31,9 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 
-# The tile ranges and the mask are the `tl` kernels' own (@triton.jit helpers, which Gluon calls as they are).
-from .flash_triton import _key_tile_range, _query_tile_range, _visible
+# The grid order, the tile ranges and the mask are the `tl` kernels' own (@triton.jit helpers, which Gluon calls
+# as they are).
+from .flash_triton import _key_tile_range, _program_start, _query_tile_range, _visible
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
@@ -43,23 +44,12 @@ _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_globa
 
 
 @gluon.jit
-def _grid_position(n_bh):
-    """(tile index, flat batch*head index) of this program in the 1-D grid, ordered as the `tl` kernels'
-    (`flash_triton._program_start` says why): one (batch, head) pair after another, its tiles in order."""
-    pid = gl.program_id(0)
-    n_tiles = gl.num_programs(0) // n_bh
-    return pid % n_tiles, pid // n_tiles
-
-
-@gluon.jit
 def _program_tile(n_bh, n_heads, kv_group, HEAVIEST_FIRST: gl.constexpr):
-    """(query-tile index, flat batch*head index, batch, head, K/V head). Causal grids run the last query tiles, which
-    see the most keys, first."""
-    pid_m, bh = _grid_position(n_bh)
-    if HEAVIEST_FIRST:
-        pid_m = gl.num_programs(0) // n_bh - 1 - pid_m
-    h = bh % n_heads
-    return pid_m, bh, bh // n_heads, h, h // kv_group
+    """(query-tile index, flat batch*head index, batch, head, K/V head): the `tl` kernels' grid order
+    (`flash_triton._program_start`), with batch and head as int32 for TMA coordinates."""
+    pid_m, bh, b, h = _program_start(n_bh, n_heads, HEAVIEST_FIRST)
+    h = h.to(gl.int32)
+    return pid_m, bh, b.to(gl.int32), h, h // kv_group
 
 
 @gluon.jit
@@ -173,7 +163,7 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
                 mbarrier.arrive(empty_bar.index(prev))
             else:
                 _load_pair(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, lo + (t - 1 + NBUF) * BLOCK_N, prev,
-                         t - 1 + NBUF < n_tiles)
+                           t - 1 + NBUF < n_tiles)
             acc = acc * _rows(alpha, acc)
         last = (n_tiles - 1) % NBUF
         if PINGPONG:
@@ -382,10 +372,7 @@ def attention_backward_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
     dtype: gl.constexpr = q_desc.dtype
 
     # The first key tiles are seen by the most queries: the grid's order already runs the heaviest first.
-    pid_n, bh_kv = _grid_position(n_bh)
-    kv_heads = n_heads // kv_group
-    b = bh_kv // kv_heads
-    h_kv = bh_kv % kv_heads
+    pid_n, bh_kv, b, h_kv, _ = _program_tile(n_bh, n_heads // kv_group, 1, False)
     start_n = pid_n * BLOCK_N
     right_offset = n_k - n_q + window_right  # as in the forward
     left_offset = n_k - n_q - window_left
