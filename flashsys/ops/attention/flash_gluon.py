@@ -203,18 +203,42 @@ def _launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, o4: Tens
 
 def _dkdv_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, do4: Tensor, dk4: Tensor, dv4: Tensor,
                        lse_delta: Tensor, window: tuple[int, int], scale: float,
-                       dq_sum: Tensor | None = None) -> tuple:
+                       dq_sum: Tensor | None = None, dq_pair: int = 0) -> tuple:
     """As `_launch_parts`, for the dK/dV kernel; with dq_sum ((B, H, Nq, D) float32, zeroed) it also adds dQ's
     shares (unscaled) there: the single-pass backward."""
     batch, n_heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     m, n = variant.block_m, variant.block_n
     args = (_descriptor(q4, m), _descriptor(k4, n), _descriptor(v4, n), _descriptor(do4, m), _descriptor(dk4, n),
-            _descriptor(dv4, n), lse_delta, None if dq_sum is None else _descriptor(_rank4(dq_sum), m), n_heads,
+            _descriptor(dv4, n), lse_delta,
+            None if dq_sum is None else _descriptor(_rank4(dq_sum), m // 2 if dq_pair else m), n_heads,
             n_heads // kv_heads, n_q, n_k, window[0], window[1], scale * LOG2E, scale)
     kwargs = dict(HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n, BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0,
                   NBUF=variant.nbuf, FUSED_DQ=dq_sum is not None, num_warps=n // 16)
-    return _kernels().attention_backward_dkdv, (triton.cdiv(n_k, n), batch * kv_heads), args, kwargs
+    tiles = triton.cdiv(n_k, n)
+    if dq_pair:
+        kwargs["DQ_PAIR"] = dq_pair
+    if dq_pair == 2:
+        tiles += tiles % 2  # whole pairs: a program past the keys still joins its pair's exchange
+    return _kernels().attention_backward_dkdv, (tiles, batch * kv_heads), args, kwargs
+
+
+PAIR_RECV_BYTES = {d: 2 * 32 * (d + 8) * 4 for d in (64, 128)}
+
+
+def pair_ptx(ptx: str, head_dim: int) -> str:
+    """The DQ_PAIR = 2 kernel's PTX made a 2-CTA cluster kernel with its static fs_recv buffer (Triton 3.6 has no
+    cluster launch for Gluon kernels whose layouts name one CTA; the compiled cluster size needs none)."""
+    marker = "mov.u32 fs_r, global_smem;"
+    assert marker in ptx, "not a DQ_PAIR = 2 kernel"
+    ptx = ptx.replace(marker, "mov.u32 fs_r, fs_recv;")
+    ext = ".extern .shared .align 16 .b8 global_smem[];"
+    assert ext in ptx
+    ptx = ptx.replace(ext, ext + f"\n.shared .align 16 .b8 fs_recv[{PAIR_RECV_BYTES[head_dim]}];", 1)
+    import re
+    ptx, n = re.subn(r"(\.reqntid \d+(, 1, 1)?)\n", r"\1\n.explicitcluster\n.reqnctapercluster 2, 1, 1\n", ptx, count=1)
+    assert n == 1, "no .reqntid line"
+    return ptx
 
 
 def _launch(variant: Variant, *tensors_and_scalars) -> None:

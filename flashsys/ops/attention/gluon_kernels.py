@@ -363,11 +363,86 @@ def _lse_delta(LseDelta, b, n_heads, n_q, j, n_iter, n_m_tiles, lo, h_kv, kv_gro
     inside = (rows < n_q) & (j < n_iter)
     return gl.load(pairs, mask=inside, other=0.0), gl.load(pairs + 1, mask=inside, other=0.0)
 
+# --- Experiment (#16, stop 32): a 2-CTA cluster that adds its two dQ shares in distributed shared memory ----------
+# The pair of programs holding key tiles 2c and 2c + 1 of one head run the same query tiles; per tile, the rows of
+# dQ's share that the peer reduces are stored into the peer's `fs_recv` buffer (a static shared array the PTX edit in
+# flash_gluon.pair_ptx declares), a cluster barrier, then each program adds what it received to its own half and
+# reduces only that half (BLOCK_M / 2 rows) into global memory: half of the float32 traffic.
+# The accumulator's layout (NVMMA v3, BLOCK_M = 64, warps [4, S]), as gl.to_linear_layout gives it.
+PAIR_ROWS = 32
+
+
+@gluon.constexpr_function
+def _pair_asm(head_dim, split, parity, send):
+    """Inline PTX over all of a thread's elements of the (64, head_dim) share. send: the rows the peer reduces
+    (tid bit 6 != cluster rank) go to the peer's fs_recv (mapa + st.shared::cluster); outputs are copies. Otherwise
+    the rows this program reduces get what the peer stored here added in. parity picks one of two buffers."""
+    # Byte offsets in fs_recv, whose rows are PAIR_ROWS rows of head_dim + 8 floats (the pad spreads a warp's
+    # 8-byte stores over every bank): per register index, and per bit of the thread index.
+    cols = head_dim // split
+    stride = head_dim + 8
+    reg = [(0, 1), (8, 0)] + [(0, 8 << k) for k in range(8) if (8 << k) < cols]
+    tid = [(0, 2), (0, 4), (1, 0), (2, 0), (4, 0), (16, 0), (32, 0)] + ([(0, cols)] if split == 2 else [])
+    offs = []
+    for e in range(1 << len(reg)):
+        r = sum(br for i, (br, bc) in enumerate(reg) if (e >> i) & 1)
+        c = sum(bc for i, (br, bc) in enumerate(reg) if (e >> i) & 1)
+        offs.append(((r % PAIR_ROWS) * stride + c) * 4)
+    tid_bits = [(i, ((tr % PAIR_ROWS) * stride + tc) * 4) for i, (tr, tc) in enumerate(tid)]
+    tid_bits = [(i, off) for i, off in tid_bits if off]
+    n = len(offs)
+    buf = parity * PAIR_ROWS * (head_dim + 8) * 4
+    lines = ["{", ".reg .u32 fs_t, fs_b, fs_x, fs_r, fs_a;", ".reg .f32 fs_v0, fs_v1;", ".reg .pred fs_p;",
+             "mov.u32 fs_t, %tid.x;", f"mov.u32 fs_b, {buf};"]
+    for bit, off in tid_bits:
+        lines += [f"bfe.u32 fs_x, fs_t, {bit}, 1;", f"mad.lo.u32 fs_b, fs_x, {off}, fs_b;"]
+    lines += ["mov.u32 fs_r, global_smem;", "add.u32 fs_a, fs_r, fs_b;",
+              "bfe.u32 fs_x, fs_t, 6, 1;", "mov.u32 fs_r, %cluster_ctarank;"]
+    for e in range(n):
+        lines.append(f"mov.b32 ${e}, ${n + e};")
+    if send:
+        lines += ["setp.ne.u32 fs_p, fs_x, fs_r;", "xor.b32 fs_r, fs_r, 1;", "mapa.shared::cluster.u32 fs_a, fs_a, fs_r;"]
+        for e in range(0, n, 2):
+            lines.append(f"@fs_p st.shared::cluster.v2.f32 [fs_a+{offs[e]}], {{${n + e}, ${n + e + 1}}};")
+    else:
+        lines.append("setp.eq.u32 fs_p, fs_x, fs_r;")
+        for e in range(0, n, 2):
+            lines += [f"@fs_p ld.shared.v2.f32 {{fs_v0, fs_v1}}, [fs_a+{offs[e]}];",
+                      f"@fs_p add.f32 ${e}, ${e}, fs_v0;", f"@fs_p add.f32 ${e + 1}, ${e + 1}, fs_v1;"]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+@gluon.constexpr_function
+def _pair_constraints(n):
+    return ",".join(["=r"] * n + ["r"] * n)
+
+
+@gluon.jit
+def _pair_move(x, parity, HEAD_DIM: gl.constexpr, SPLIT: gl.constexpr, SEND: gl.constexpr, n: gl.constexpr):
+    if parity == 0:
+        y = gl.inline_asm_elementwise(_pair_asm(HEAD_DIM, SPLIT, 0, SEND), _pair_constraints(n), [x],
+                                      dtype=gl.float32, is_pure=False, pack=n)
+    else:
+        y = gl.inline_asm_elementwise(_pair_asm(HEAD_DIM, SPLIT, 1, SEND), _pair_constraints(n), [x],
+                                      dtype=gl.float32, is_pure=False, pack=n)
+    return y
+
+
+@gluon.jit
+def _cluster_sync(WARPS: gl.constexpr):
+    """barrier.cluster arrive (release) and wait (acquire), once per thread."""
+    t = gl.arange(0, 32 * WARPS, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+    gl.inline_asm_elementwise("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned; "
+                              "mov.b32 $0, $1;", "=r,r", [t], dtype=gl.int32, is_pure=False, pack=1)
+
+
 @gluon.jit
 def attention_backward_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LseDelta, dq_desc, n_heads, kv_group, n_q,
                             n_k, window_left, window_right, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr,
-                            BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr, FUSED_DQ: gl.constexpr):
+                            BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr, FUSED_DQ: gl.constexpr,
+                            DQ_PAIR: gl.constexpr = 0):
     """One program = one key tile (BLOCK_N rows; BLOCK_N // 16 warps, each holding 16 key rows of dK and dV) of one
     (batch, K/V head): dK and dV over every query tile that sees it, in each query head of the group (no atomics).
     Q and dO tiles stream through NBUF buffers. LseDelta is what the `tl` dQ kernel wrote first: (B, H, Nq, 2)
@@ -407,6 +482,14 @@ def attention_backward_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
     left_offset = n_k - n_q - window_left
     lo, full_lo, full_hi, hi = _query_tile_range(start_n, n_q, right_offset, left_offset, BLOCK_M, BLOCK_N,
                                                  BOUND_RIGHT, BOUND_LEFT)
+    if DQ_PAIR == 2:  # both programs of the pair run the union of their query tiles (masked outside their own)
+        lo_p, _, _, hi_p = _query_tile_range((pid_n ^ 1) * BLOCK_N, n_q, right_offset, left_offset, BLOCK_M,
+                                             BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
+        big: gl.constexpr = 1 << 30
+        lo_u = gl.minimum(gl.where(hi > lo, lo, big), gl.where(hi_p > lo_p, lo_p, big))
+        hi_u = gl.maximum(gl.where(hi > lo, hi, 0), gl.where(hi_p > lo_p, hi_p, 0))
+        lo = gl.minimum(lo_u, hi_u)
+        hi = hi_u
     n_m_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_M)
     n_iter = n_m_tiles * kv_group
 
@@ -427,6 +510,9 @@ def attention_backward_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
         dq_box = gl.allocate_shared_memory(gl.float32, [1, 1, BLOCK_M, HEAD_DIM], dq_desc.layout)
         dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
     fence_async_shared()
+    if DQ_PAIR == 2:
+        _cluster_sync(WARPS)  # the peer has started before its shared memory is written
+    PAIR_N: gl.constexpr = BLOCK_M * HEAD_DIM // (32 * WARPS)
 
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     _tma_load(k_desc, [b, h_kv, start_n, 0], kv_bar, k_box)
@@ -481,11 +567,24 @@ def attention_backward_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
         # tell which ones a partial wait retires and serialises every wgmma (a second program per SM fills in).
         if FUSED_DQ:
             dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
+            if DQ_PAIR == 2:
+                dq = _pair_move(dq, j % 2, HEAD_DIM, DQ_SPLIT, True, PAIR_N)
+                _cluster_sync(WARPS)
+                dq = _pair_move(dq, j % 2, HEAD_DIM, DQ_SPLIT, False, PAIR_N)
             tma.store_wait(0)  # the last tile's reduce has read the staging box
             _tile(dq_box, BLOCK_M, HEAD_DIM).store(dq)
             fence_async_shared()
             gl.thread_barrier()
-            _tma_add(dq_desc, [b, h, start_m, 0], dq_box)  # TMA clips rows past n_q
+            if DQ_PAIR == 0:
+                _tma_add(dq_desc, [b, h, start_m, 0], dq_box)  # TMA clips rows past n_q
+            elif DQ_PAIR == 1:  # timing only: half the rows' traffic, the other half dropped
+                _tma_add(dq_desc, [b, h, start_m, 0], dq_box.slice(0, BLOCK_M // 2, dim=2))
+            else:
+                if pid_n % 2 == 0:
+                    _tma_add(dq_desc, [b, h, start_m, 0], dq_box.slice(0, BLOCK_M // 2, dim=2))
+                else:
+                    _tma_add(dq_desc, [b, h, start_m + BLOCK_M // 2, 0],
+                             dq_box.slice(BLOCK_M // 2, BLOCK_M // 2, dim=2))
         else:
             dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
         h_r, row_r = _query_tile(j + NBUF, n_m_tiles, lo, h_kv, kv_group, BLOCK_M)
