@@ -45,7 +45,7 @@ def main() -> int:
 
         def two_pass():
             flash_triton._launch_backward(g, q, k, v, o, lse, do, dq, dk, dv, lse_delta, q, k, window, scale,
-                                          False, True)
+                                          False, d in flash_gluon.DKDV_VARIANTS)
         two_pass()
         torch.cuda.synchronize()
         runs = {"SDPA cuDNN backward": lambda: torch.autograd.grad(o_ref, (qg, kg, vg), do, retain_graph=True),
@@ -53,7 +53,6 @@ def main() -> int:
         dq_sum = torch.zeros(q.shape, dtype=torch.float32, device="cuda")
         fdk, fdv = torch.empty_like(k), torch.empty_like(v)
         pairs = torch.stack((-lse * flash_gluon.LOG2E, (do.float() * o.float()).sum(-1)), -1)
-        tiles = (64, 128) if d == 128 else (64, 128)
         for bn in ((128,) if d == 128 else (128, 64)):
             var = flash_gluon.Variant("dkdv", 64, bn, 2)
             for mode in (0, 1, 2):
