@@ -67,6 +67,30 @@ def test_replayed_calls_match_the_reference_on_fresh_inputs(case, no_full_path):
         assert_matches_reference(FlashAttention2Triton, q, k, v, do, case["causal"], scale, case["window"])
 
 
+def test_a_forward_without_a_plan_still_replays_its_backward(monkeypatch):
+    """The Gluon forward (Hopper, large calls) makes no forward plan. Its backward, the `tl` kernels', must still
+    make and replay a plan of its own instead of taking the full path every call. The reference math stands in for
+    the Gluon kernel here, writing O and L in place as it does."""
+    from flashsys.ops.attention import attention_reference, flash_gluon
+
+    def forward_in_place(q, k, v, o, lse, window, scale):
+        o_ref, lse_ref = attention_reference(q.double(), k.double(), v.double(), True, scale)
+        o.copy_(o_ref)
+        lse.copy_(lse_ref)
+        return True
+
+    monkeypatch.setattr(flash_gluon, "takes", lambda q, k, v: True)
+    monkeypatch.setattr(flash_gluon, "forward", forward_in_place)
+    for seed in range(20, 22):  # the first backward may autotune; the second makes the plan
+        q, k, v, do = make_qkv(2, 2, 40, 40, 32, DTYPE, DEVICE, seed=seed)
+        assert_matches_reference(FlashAttention2Triton, q, k, v, do, True, None)
+    assert len(eager_plans.forward_plans) == 0 and len(eager_plans.backward_plans) == 1
+    monkeypatch.setattr(ft, "_planned_backward", lambda *a, **kw: pytest.fail("the backward took the full path"))
+    for seed in range(22, 24):
+        q, k, v, do = make_qkv(2, 2, 40, 40, 32, DTYPE, DEVICE, seed=seed)
+        assert_matches_reference(FlashAttention2Triton, q, k, v, do, True, None)
+
+
 def _warm(q, k, v, do, causal=True):
     for _ in range(2):
         FlashAttention2Triton.apply(*(t.detach().requires_grad_() for t in (q, k, v)), causal).backward(do)

@@ -1138,8 +1138,9 @@ def _on_current_device(q: Tensor) -> contextlib.AbstractContextManager:
 
 def _planned_eager_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
                             window: tuple[int, int], scale: float) -> tuple[Tensor, Tensor, Tensor] | None:
-    """The backward of a planned eager forward with a dense dO: replay its plan, or make one (and offer it to the
-    native launcher); None where no plan applies (not eager now)."""
+    """The backward of an eager forward on the planned path (with or without a plan of its own) for a dense dO:
+    replay the backward's plan, or make one (and offer it to the native launcher); None where no plan applies (not
+    eager now)."""
     key = eager_plans.backward_key(window, scale, q, k, v, o, lse, do)
     if key is None:
         return None
@@ -1187,7 +1188,8 @@ class _FlashAttention2TritonFunction(torch.autograd.Function):
         window = normalize_window(window_size, bool(is_causal), op)
         _check_device(q, op)
         eager = _eager(q, k, v)
-        if eager and _plannable(q):
+        planned_path = eager and _plannable(q)
+        if planned_path:
             with _on_current_device(q):
                 o, lse, plan = _planned_forward(q, k, v, window, scale)
             eager_plans.forward_plans.remember(key, plan)
@@ -1199,7 +1201,9 @@ class _FlashAttention2TritonFunction(torch.autograd.Function):
         else:
             o, lse = _traced_forward(q, k, v)(q, k, v, *window, scale)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.window, ctx.scale, ctx.planned = window, scale, plan is not None
+        # The backward has plans of its own: it replays one even where this forward has none (the Gluon forward,
+        # or a first call that autotuned), so an eager Gluon forward's backward does not take the full path.
+        ctx.window, ctx.scale, ctx.planned = window, scale, planned_path
         return o
 
     @staticmethod
@@ -1207,7 +1211,7 @@ class _FlashAttention2TritonFunction(torch.autograd.Function):
         """(dQ, dK, dV, None, None, None) from the dQ kernel, then the dK/dV kernel; dO may have any strides."""
         refuse_double_backward("FlashAttention2Triton")
         q, k, v, o, lse = ctx.saved_tensors
-        if ctx.planned:  # a planned eager forward: replay a backward plan, or make one
+        if ctx.planned:  # an eager forward on the planned path: replay a backward plan, or make one
             grads = _planned_eager_backward(q, k, v, o, lse, _dense_do(do, q.dtype), ctx.window, ctx.scale)
             if grads is not None:
                 return (*grads, None, None, None)
