@@ -32,10 +32,12 @@ LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
 _DTYPES = (torch.float16, torch.bfloat16)
 # The work (B * H * Nq * Nk * D) below which a call keeps the `tl` forward. This path's host time per call is about
-# 200 µs (Triton's launch of a Gluon kernel, four TMA descriptors; the native launcher's `tl` forward costs ~20 µs),
-# and a forward + backward through it about 800 µs (the Python autograd path against the native one's ~170 µs). The
-# bar puts the GPU's forward + backward well past that (~1.2 ms at D 64 causal on an H100): H100, B 1, H 16:
-# benchmarks/results/kernel_configs/probe_gluon_host_h100.txt.
+# 150-260 µs (Triton's launch of a Gluon kernel, four TMA descriptors; the native launcher's `tl` forward costs
+# ~20 µs), and a forward + backward through it 520-800 µs at D 64 and 750-880 µs at D 128, where the Gluon dK/dV
+# launch is not planned either (the Python autograd path against the native one's ~150 µs). The bar puts the GPU's
+# forward + backward well past that (~1.2 ms at D 64 causal on an H100): H100, B 1, H 16:
+# benchmarks/results/kernel_configs/probe_gluon_host_backward_plans_h100.txt. With the small cells' noise, lowering
+# it showed no gain (probe_min_work_small_cells_h100.md); that needs these launches replayed from plans.
 MIN_WORK = 1 << 36
 
 
