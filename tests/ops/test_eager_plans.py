@@ -68,16 +68,17 @@ def test_replayed_calls_match_the_reference_on_fresh_inputs(case, no_full_path):
 
 
 def test_a_forward_without_a_plan_still_replays_its_backward(monkeypatch):
-    """The Gluon forward (Hopper, large calls) makes no forward plan. Its backward, the `tl` kernels', must still
-    make and replay a plan of its own instead of taking the full path every call. The reference math stands in for
-    the Gluon kernel here, writing O and L in place as it does."""
+    """A forward that ran but left nothing to replay (the Gluon forward under a CUDA graph capture, or with a Triton
+    whose descriptors it cannot re-base) makes no forward plan. Its backward, the `tl` kernels', must still make and
+    replay a plan of its own instead of taking the full path every call. The reference math stands in for the Gluon
+    kernel here, writing O and L in place as it does."""
     from flashsys.ops.attention import attention_reference, flash_gluon
 
     def forward_in_place(q, k, v, o, lse, window, scale):
         o_ref, lse_ref = attention_reference(q.double(), k.double(), v.double(), True, scale)
         o.copy_(o_ref)
         lse.copy_(lse_ref)
-        return True
+        return flash_gluon.Launched(True)  # ran, no replay
 
     monkeypatch.setattr(flash_gluon, "takes", lambda q, k, v: True)
     monkeypatch.setattr(flash_gluon, "forward", forward_in_place)

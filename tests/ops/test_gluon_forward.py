@@ -214,3 +214,78 @@ def test_switches_take_only_on_or_off(monkeypatch):
     monkeypatch.setenv("FLASHSYS_TRITON_AUTOTUNE", "2")
     with pytest.raises(ValueError, match="FLASHSYS_TRITON_AUTOTUNE='2'"):
         autotune_enabled()
+
+
+def test_a_gluon_replay_launches_copies_of_its_descriptors_on_the_new_tensors(recwarn):
+    """An eager plan replays a Gluon launch by copying the first call's TMA descriptors onto the new tensors (rank 4,
+    as the kernels take them) and passing every other argument as it was; the templates stay as they were. The
+    native launcher leaves such replays to Python (it cannot pass descriptors), without a warning."""
+    import dataclasses
+
+    from flashsys.ops.attention import eager_plans, native_launch
+
+    @dataclasses.dataclass
+    class Descriptor:  # what the replay needs of Triton's: a dataclass with a base tensor
+        base: torch.Tensor
+        block_shape: list
+
+    launches = []
+
+    class Compiled:
+        def __getitem__(self, grid):
+            return lambda *args, stream=None: launches.append((grid, args, stream))
+
+    first = (torch.randn(2, 4, 8, 16), torch.randn(2, 8, 16))
+    templates = (Descriptor(first[0], [1, 1, 8, 16]), Descriptor(first[1].unsqueeze(1), [1, 1, 8, 16]),
+                 torch.zeros(3))
+    params = (*templates, 7, 0.5, 64)
+    assert flash_gluon.GluonReplay.recordable(params, 3)
+    assert not flash_gluon.GluonReplay.recordable((object(), 1), 1)
+    replay = flash_gluon.GluonReplay(Compiled(), (5,), params, 3)
+    new = (torch.randn(2, 4, 8, 16), torch.randn(2, 8, 16), torch.randn(3))
+    replay(*new, stream=9)
+    (grid, args, stream), = launches
+    assert grid == (5, 1, 1) and stream == 9 and args[3:] == (7, 0.5, 64) and args[2] is new[2]
+    assert args[0].base is new[0] and args[0].block_shape == [1, 1, 8, 16]
+    assert args[1].base.shape == (2, 1, 8, 16) and args[1].base.data_ptr() == new[1].data_ptr()
+    assert templates[0].base is first[0] and templates[1].base.data_ptr() == first[1].data_ptr()
+    spec = eager_plans.Replay(replay, (0, 1, 2), (), None, None)
+    assert native_launch._launch_specs((spec,)) is None and not recwarn.list
+
+
+@hopper_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_repeated_gluon_calls_replay_plans_gpu(d, monkeypatch):
+    """Repeated eager calls of a signature the Gluon kernels take (the forward; at D 128 the dK/dV kernel too)
+    replay a plan: no checks, no variant choice, no descriptor validation, and the float64 reference's results on
+    fresh inputs. Rank 3 and a window at D 64 (the replay makes rank-4 views), GQA and causal at D 128."""
+    from flashsys.ops.attention import FlashAttention2Triton, eager_plans, flash_triton
+
+    from .attention_checks import assert_matches_reference, make_qkv
+
+    monkeypatch.setattr(flash_gluon, "MIN_WORK", 0)
+    flash_gluon._chosen.clear()
+    eager_plans.forward_plans.clear()
+    eager_plans.backward_plans.clear()
+    shape, window, kv_heads = ((2, None, 777, 777), (64, 0), None) if d == 64 else ((1, 8, 1024, 1024), None, 4)
+    try:
+        for seed in range(2):  # the first call chooses variants and autotunes; the second makes the plans
+            q, k, v, do = make_qkv(*shape, d, torch.bfloat16, "cuda", seed=seed, kv_heads=kv_heads)
+            assert_matches_reference(FlashAttention2Triton, q, k, v, do, window is None, None, window)
+        assert len(eager_plans.forward_plans) == 1 and len(eager_plans.backward_plans) == 1
+        kinds = {key.kernel for key in flash_gluon.chosen_variants()}
+        assert kinds == ({"forward"} if d == 64 else {"forward", "dkdv"}), "the Gluon kernels did not run"
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("the full path ran where a plan should have been replayed")
+
+        monkeypatch.setattr(flash_gluon, "_launch", refuse)
+        monkeypatch.setattr(flash_triton, "check_attention_inputs", refuse)
+        monkeypatch.setattr(flash_triton, "_planned_backward", refuse)
+        for seed in range(2, 4):
+            q, k, v, do = make_qkv(*shape, d, torch.bfloat16, "cuda", seed=seed, kv_heads=kv_heads)
+            assert_matches_reference(FlashAttention2Triton, q, k, v, do, window is None, None, window)
+    finally:
+        eager_plans.forward_plans.clear()
+        eager_plans.backward_plans.clear()

@@ -216,10 +216,51 @@ def _dkdv_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, do4
     return _kernels().attention_backward_dkdv, (triton.cdiv(n_k, n) * batch * kv_heads,), args, kwargs
 
 
-def _launch(variant: Variant, *tensors_and_scalars) -> None:
+def _launch(variant: Variant, *tensors_and_scalars):
+    """Launch `variant`; returns (the compiled kernel, its grid, every parameter's value in signature order)."""
     parts = _dkdv_launch_parts if variant.kind == "dkdv" else _launch_parts
     kernel, grid, args, kwargs = parts(variant, *tensors_and_scalars)
-    kernel[grid](*args, **kwargs)
+    compiled = kernel[grid](*args, **kwargs)
+    return compiled, grid, (*args, *(kwargs[name] for name in kernel.arg_names[len(args):]))
+
+
+class GluonReplay:
+    """A Gluon launch replayed on new tensors of the signature it was made for (an eager plan's `run`): the
+    compiled kernel launched directly, each TMA descriptor a copy of the first call's with the new tensor as its
+    base. Shapes, strides, dtype, device and alignment are the plan's key, so nothing else about a descriptor changes.
+
+    Why: the first call's path (checks, descriptors built and validated, Triton's JIT dispatch) costs 150-260 µs a
+    launch on an H100; this costs what Triton's launcher does (it encodes each descriptor for the GPU). The native
+    launcher cannot pass TMA descriptors, so these replays stay on the Python path (`python_only`)."""
+
+    python_only = True
+    __slots__ = ("_launch", "_templates", "_rest")
+
+    def __init__(self, compiled, grid: tuple[int, ...], params: tuple, n_tensors: int):
+        self._launch = compiled[(*grid, 1, 1)[:3]]
+        self._templates = params[:n_tensors]  # TMA descriptors, or tensors passed as they are
+        self._rest = params[n_tensors:]
+
+    @staticmethod
+    def recordable(params: tuple, n_tensors: int) -> bool:
+        """Whether this Triton's descriptors can be re-based as `__call__` does (a dataclass with a `base`)."""
+        import dataclasses
+
+        return all(isinstance(p, Tensor) or (dataclasses.is_dataclass(p) and hasattr(p, "base"))
+                   for p in params[:n_tensors])
+
+    def __call__(self, *tensors: Tensor, stream=None) -> None:
+        import copy
+
+        args = []
+        for t, template in zip(tensors, self._templates):
+            if isinstance(template, Tensor):
+                args.append(t)
+            else:
+                descriptor = copy.copy(template)  # no __post_init__: the template passed its checks
+                object.__setattr__(descriptor, "base", _rank4(t))
+                args.append(descriptor)
+        self._launch(*args, *self._rest, stream=stream)
 
 
 def compile_only(variant: Variant, q: Tensor, k: Tensor, v: Tensor, window: tuple[int, int], scale: float):
@@ -320,27 +361,41 @@ def _choose(key: ChoiceKey, run) -> Variant | None:
     return _chosen[key]
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, window: tuple[int, int], scale: float) -> bool:
+class Launched(NamedTuple):
+    """What `forward` and `backward_dkdv` did: whether a Gluon kernel ran, and if so its replay (None where it
+    cannot be replayed) with the call's tensors in the order the replay takes them."""
+
+    ran: bool
+    replay: GluonReplay | None = None
+    tensors: tuple[Tensor, ...] = ()
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, window: tuple[int, int],
+            scale: float) -> Launched:
     """Write O (dense, shaped like q) and L (float32, q.shape[:-1], dense) for inputs `takes` accepted; window as
-    the `tl` forward takes it ((left, right), -1 unbounded; causal (-1, 0)). False where no variant runs here (the
-    caller runs the `tl` forward)."""
+    the `tl` forward takes it ((left, right), -1 unbounded; causal (-1, 0)). Not `ran` where no variant runs here
+    (the caller runs the `tl` forward)."""
     q4, k4, v4, o4 = (_rank4(t) for t in (q, k, v, o))
-    return _run(ChoiceKey.of(q4, k4, window, "forward"), q4, k4, v4, o4, lse, window, scale)
+    return _run(ChoiceKey.of(q4, k4, window, "forward"), (q, k, v, o, lse), q4, k4, v4, o4, lse, window, scale)
 
 
 def backward_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse_delta: Tensor, dk: Tensor, dv: Tensor,
-                  window: tuple[int, int], scale: float) -> bool:
+                  window: tuple[int, int], scale: float) -> Launched:
     """Write dK and dV (dense, shaped like k and v) for inputs `takes_backward` accepted, after the `tl` dQ kernel
-    wrote lse_delta ((*q.shape[:-1], 2) float32, dense). False where no variant runs here (the caller runs the
+    wrote lse_delta ((*q.shape[:-1], 2) float32, dense). Not `ran` where no variant runs here (the caller runs the
     `tl` dK/dV kernel)."""
     q4, k4, v4, do4, dk4, dv4 = (_rank4(t) for t in (q, k, v, do, dk, dv))
-    return _run(ChoiceKey.of(q4, k4, window, "dkdv"), q4, k4, v4, do4, dk4, dv4, lse_delta, window, scale)
+    return _run(ChoiceKey.of(q4, k4, window, "dkdv"), (q, k, v, do, dk, dv, lse_delta), q4, k4, v4, do4, dk4, dv4,
+                lse_delta, window, scale)
 
 
-def _run(key: ChoiceKey, *tensors_and_scalars) -> bool:
-    """Launch `key`'s variant (chosen on the first call) on these arguments; False where none runs here."""
+def _run(key: ChoiceKey, tensors: tuple[Tensor, ...], *tensors_and_scalars) -> Launched:
+    """Launch `key`'s variant (chosen on the first call) on these arguments, whose first parameters (descriptors
+    or tensors) are made from `tensors`, in order."""
     variant = _choose(key, lambda var: _launch(var, *tensors_and_scalars))
     if variant is None:
-        return False
-    _launch(variant, *tensors_and_scalars)
-    return True
+        return Launched(False)
+    compiled, grid, params = _launch(variant, *tensors_and_scalars)
+    if torch.cuda.is_current_stream_capturing() or not GluonReplay.recordable(params, len(tensors)):
+        return Launched(True)  # a capture's variant is not the timed choice; an unknown descriptor type
+    return Launched(True, GluonReplay(compiled, grid, params, len(tensors)), tensors)

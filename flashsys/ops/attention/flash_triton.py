@@ -874,13 +874,16 @@ def flash_forward_triton(
 def _planned_forward(q: Tensor, k: Tensor, v: Tensor, window: tuple[int, int], scale: float, traced: bool = False
                      ) -> tuple[Tensor, Tensor, eager_plans.ForwardPlan | None]:
     """flash_forward_triton, and the plan that replays it (None until compiled kernels ran it, and when traced).
-    Where the Gluon forward takes the call (Hopper, flash_gluon.takes) it runs instead, unplanned."""
+    Where the Gluon forward takes the call (Hopper, flash_gluon.takes) it runs instead; its plan replays it."""
     o = torch.empty_like(q, memory_format=torch.contiguous_format)  # empty_like: the cheapest allocation call
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    if not traced and flash_gluon.takes(q, k, v) and flash_gluon.forward(q, k, v, o, lse, window, scale):
-        return o, lse, None
-    g = _geometry_of(q.shape, k.shape, q.dtype) if traced else _cached_geometry(q.shape, k.shape, q.dtype)
-    recorded = _launch_forward(g, q, k, v, o, lse, q, k, window, scale, traced)
+    gluon = not traced and flash_gluon.takes(q, k, v)
+    launched = flash_gluon.forward(q, k, v, o, lse, window, scale) if gluon else None
+    if launched is not None and launched.ran:
+        recorded = [_gluon_recorded(launched)]
+    else:
+        g = _geometry_of(q.shape, k.shape, q.dtype) if traced else _cached_geometry(q.shape, k.shape, q.dtype)
+        recorded = _launch_forward(g, q, k, v, o, lse, q, k, window, scale, traced)
     replays = None if traced else eager_plans.replays(recorded, (q, k, v, o, lse))
     plan = None if replays is None else eager_plans.ForwardPlan(window, scale, tuple(lse.shape), replays)
     return o, lse, plan
@@ -915,7 +918,7 @@ def _planned_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, d
                       scale: float, traced: bool = False
                       ) -> tuple[Tensor, Tensor, Tensor, eager_plans.BackwardPlan | None]:
     """flash_backward_triton for a dense dO, and the plan that replays it (as `_planned_forward`). Where the Gluon
-    dK/dV kernel takes the call (Hopper, flash_gluon.takes_backward) it runs after the `tl` dQ kernel, unplanned."""
+    dK/dV kernel takes the call (Hopper, flash_gluon.takes_backward) it runs after the `tl` dQ kernel."""
     g = _geometry_of(q.shape, k.shape, q.dtype) if traced else _cached_geometry(q.shape, k.shape, q.dtype)
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     lse_delta = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device=q.device)
@@ -952,12 +955,20 @@ def _launch_backward(g: _Geometry, q, k, v, o, lse, do, dq, dk, dv, lse_delta, c
     launch = _launch_traced if traced else _launch_eager
     # dQ first: it writes the (-L*log2e, D) pairs that the dK/dV kernel reads.
     dq_launch = launch("dq", _bwd_dq_kernels, g, window, _tile_grid(g.grid_q, "BLOCK_M", g.n_bh), dq_named)
-    if gluon and flash_gluon.backward_dkdv(q, k, v, do, lse_delta, dk, dv, window, scale):
-        return [dq_launch, None]  # not replayable: the call stays on the Python path
+    if gluon:
+        launched = flash_gluon.backward_dkdv(q, k, v, do, lse_delta, dk, dv, window, scale)
+        if launched.ran:
+            return [dq_launch, _gluon_recorded(launched)]
     # One dK/dV program per key tile and K/V head: it sums the query heads of its group itself.
     dkdv_launch = launch("dkdv", _bwd_dkdv_kernels, g, window, _tile_grid(g.grid_k, "BLOCK_N", g.n_bh_kv),
                          dkdv_named)
     return [dq_launch, dkdv_launch]
+
+
+def _gluon_recorded(launched: flash_gluon.Launched) -> Recorded | None:
+    """A Gluon launch as eager_plans records it (None where it cannot be replayed). Its replay launches on the
+    Python path: the native launcher does not take it (GluonReplay.python_only)."""
+    return None if launched.replay is None else Recorded(launched.replay, launched.tensors, ())
 
 
 def _packed_view(t: Tensor, n_seqs: int) -> Tensor:

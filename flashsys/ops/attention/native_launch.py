@@ -198,6 +198,8 @@ _refused_kernels: set[str] = set()
 def _launch_specs(replays: tuple[eager_plans.Replay, ...]) -> list[tuple] | None:
     specs = []
     for r in replays:
+        if getattr(r.run, "python_only", False):  # a Gluon launch (TMA descriptors): its plan replays in Python
+            return None
         spec = (r.run, list(r.slots), tuple(r.tail)) if r.kernel is None else cuda_launch_spec(r)
         if spec is None:
             name = getattr(getattr(r.kernel, "src", None), "name", None) or repr(r.kernel)
