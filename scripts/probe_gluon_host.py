@@ -1,5 +1,6 @@
-"""Host time per eager attention call: the Gluon forward's Python path against the `tl` forward (native launcher)
-and SDPA, at shapes too small for the GPU to hide it (GPU probe for #16; prints). Sets flash_gluon.MIN_WORK.
+"""Host time per eager attention call: the Gluon kernels (replayed from plans after the first calls) against the `tl`
+kernels alone (native launcher) and SDPA, at shapes too small for the GPU to hide it (GPU probe for #16; prints). Sets
+flash_gluon.MIN_WORK.
 
 Each call is timed on the host over many calls with one sync at the end; at these sizes the GPU waits for the host,
 so the time per call is the host's. MIN_WORK = 0 makes the Gluon forward take every call.
@@ -62,7 +63,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("probe_gluon_host times CUDA calls")
         return 0
-    from flashsys.ops.attention import flash_attention, flash_gluon, native_launch
+    from flashsys.ops.attention import eager_plans, flash_attention, flash_gluon, native_launch
 
     native_launch.wait()
     if "--profile" in sys.argv:
@@ -74,9 +75,12 @@ def main() -> int:
         q, k, v = (torch.randn(1, 16, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         do = torch.randn_like(q)
         rows = []
-        # Gluon first: once the `tl` forward has run a signature, the native launcher replays it before any dispatch.
+        # Plans (Python and native) are made per signature by whichever kernel ran it first: cleared for each row.
         for label, min_work in (("gluon forward", 0), ("tl + native launcher", 1 << 62)):
             flash_gluon.MIN_WORK = min_work
+            eager_plans.forward_plans.clear()
+            eager_plans.backward_plans.clear()
+            native_launch.clear()
             with torch.no_grad():
                 fwd = per_call_us(lambda: flash_attention(q, k, v, causal=True))
             train = per_call_us(lambda: flash_attention(q, k, v, causal=True).backward(do))

@@ -231,9 +231,8 @@ class GluonReplay:
 
     Why: the first call's path (checks, descriptors built and validated, Triton's JIT dispatch) costs 150-260 µs a
     launch on an H100; this costs what Triton's launcher does (it encodes each descriptor for the GPU). The native
-    launcher cannot pass TMA descriptors, so these replays stay on the Python path (`python_only`)."""
+    launcher calls it as it is, under the GIL: it cannot pass TMA descriptors itself."""
 
-    python_only = True
     __slots__ = ("_launch", "_templates", "_rest")
 
     def __init__(self, compiled, grid: tuple[int, ...], params: tuple, n_tensors: int):

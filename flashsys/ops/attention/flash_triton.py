@@ -966,8 +966,8 @@ def _launch_backward(g: _Geometry, q, k, v, o, lse, do, dq, dk, dv, lse_delta, c
 
 
 def _gluon_recorded(launched: flash_gluon.Launched) -> Recorded | None:
-    """A Gluon launch as eager_plans records it (None where it cannot be replayed). Its replay launches on the
-    Python path: the native launcher does not take it (GluonReplay.python_only)."""
+    """A Gluon launch as eager_plans records it (None where it cannot be replayed): a Python launch, which the
+    native launcher calls as it is."""
     return None if launched.replay is None else Recorded(launched.replay, launched.tensors, ())
 
 

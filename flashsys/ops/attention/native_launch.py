@@ -198,8 +198,8 @@ _refused_kernels: set[str] = set()
 def _launch_specs(replays: tuple[eager_plans.Replay, ...]) -> list[tuple] | None:
     specs = []
     for r in replays:
-        if getattr(r.run, "python_only", False):  # a Gluon launch (TMA descriptors): its plan replays in Python
-            return None
+        # A Python launch: the interpreter's, or a Gluon kernel's (flash_gluon.GluonReplay encodes its TMA
+        # descriptors); the extension calls it under the GIL.
         spec = (r.run, list(r.slots), tuple(r.tail)) if r.kernel is None else cuda_launch_spec(r)
         if spec is None:
             name = getattr(getattr(r.kernel, "src", None), "name", None) or repr(r.kernel)

@@ -8,8 +8,8 @@
 // Python (forward: `forward` returns None; backward: the registered fallback).
 //
 // A launch is either a CUDA kernel (cuLaunchKernel with the argument words the Python side packed from the
-// kernel's PTX parameter list) or, on the CPU under Triton's interpreter, a Python callable: that is how CPU CI
-// runs this same node.
+// kernel's PTX parameter list) or a Python callable: on the CPU under Triton's interpreter (that is how CPU CI runs
+// this same node), and on a GPU for the Gluon kernels, whose TMA descriptors Python encodes (flash_gluon.GluonReplay).
 #include <ATen/TensorSubclassLikeUtils.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -68,7 +68,7 @@ struct Launch {
   std::vector<uint64_t> words;
   std::vector<std::pair<int, int>> pointers;  // (parameter index, call-tensor slot)
   PyObject* keep_alive = nullptr;  // the CompiledKernel that owns `function`; owned, never released
-  // Interpreter: run(*call_tensors[slots], *tail).
+  // Interpreter, or a Gluon launch: run(*call_tensors[slots], *tail) under the GIL.
   PyObject* run = nullptr;  // owned reference, never released (plans live as long as the process)
   std::vector<int> slots;
   PyObject* tail = nullptr;
@@ -177,22 +177,28 @@ CUstream current_stream(const c10::Device& device) {
   return static_cast<CUstream>(stream.native_handle());
 }
 
+void run_in_python(const Launch& l, const at::Tensor* tensors) {
+  py::gil_scoped_acquire gil;
+  py::tuple args(l.slots.size());
+  for (size_t i = 0; i < l.slots.size(); ++i) args[i] = py::cast(tensors[l.slots[i]]);
+  py::tuple tail = py::reinterpret_borrow<py::tuple>(l.tail);
+  py::reinterpret_borrow<py::object>(l.run)(*(args + tail));
+}
+
 void launch_all(const std::vector<Launch>& launches, const at::Tensor* tensors) {
   const c10::Device device = tensors[0].device();
   if (device.is_cpu()) {  // Triton's interpreter
-    py::gil_scoped_acquire gil;
-    for (const Launch& l : launches) {
-      py::tuple args(l.slots.size());
-      for (size_t i = 0; i < l.slots.size(); ++i) args[i] = py::cast(tensors[l.slots[i]]);
-      py::tuple tail = py::reinterpret_borrow<py::tuple>(l.tail);
-      py::reinterpret_borrow<py::object>(l.run)(*(args + tail));
-    }
+    for (const Launch& l : launches) run_in_python(l, tensors);
     return;
   }
   CUstream stream = current_stream(device);
   uint64_t words[kMaxParams];
   void* params[kMaxParams];
   for (const Launch& l : launches) {
+    if (l.run != nullptr) {  // a launch Python makes itself (a Gluon kernel's TMA descriptors), on the current stream
+      run_in_python(l, tensors);
+      continue;
+    }
     if (l.grid[0] == 0 || l.grid[1] == 0 || l.grid[2] == 0) continue;  // as Triton: an empty grid launches nothing
     const size_t n = l.words.size();
     std::memcpy(words, l.words.data(), n * sizeof(uint64_t));
@@ -320,7 +326,7 @@ py::object forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 
 Launch make_launch(py::handle spec, int n_tensors) {
   // CUDA: (function, (gx, gy, gz), threads, shared_bytes, words, [(param, slot), ...], compiled kernel);
-  // interpreter: (run, [slot, ...], tail).
+  // interpreter or Gluon: (run, [slot, ...], tail).
   py::tuple t = py::reinterpret_borrow<py::tuple>(spec);
   Launch l;
   if (t.size() == 7) {
@@ -348,7 +354,7 @@ Launch make_launch(py::handle spec, int n_tensors) {
     l.tail = tail.ptr();
     Py_INCREF(l.tail);
   } else {
-    throw std::invalid_argument("flashsys native launch: a launch is a 7-tuple (CUDA) or a 3-tuple (interpreter)");
+    throw std::invalid_argument("flashsys native launch: a launch is a 7-tuple (CUDA) or a 3-tuple (Python)");
   }
   return l;
 }
