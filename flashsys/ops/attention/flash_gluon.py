@@ -31,14 +31,13 @@ from .triton_env import autotune_enabled, env_switch
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
 _DTYPES = (torch.float16, torch.bfloat16)
-# The work (B * H * Nq * Nk * D) below which a call keeps the `tl` forward. This path's host time per call is about
-# 150-260 µs (Triton's launch of a Gluon kernel, four TMA descriptors; the native launcher's `tl` forward costs
-# ~20 µs), and a forward + backward through it 520-800 µs at D 64 and 750-880 µs at D 128, where the Gluon dK/dV
-# launch is not planned either (the Python autograd path against the native one's ~150 µs). The bar puts the GPU's
-# forward + backward well past that (~1.2 ms at D 64 causal on an H100): H100, B 1, H 16:
-# benchmarks/results/kernel_configs/probe_gluon_host_backward_plans_h100.txt. With the small cells' noise, lowering
-# it showed no gain (probe_min_work_small_cells_h100.md); that needs these launches replayed from plans.
-MIN_WORK = 1 << 36
+# The work (B * H * Nq * Nk * D) below which a call keeps the `tl` kernels. Repeated eager calls replay the Gluon
+# launches from plans (GluonReplay): 61-86 µs of host time a forward against the `tl` forward's 14-60, and a forward
+# + backward 220-330 µs at D 64, 483 µs at D 128 (its dK/dV replay takes the GIL on the autograd thread), against
+# 155-277 (H100, B 1, H 16: benchmarks/results/kernel_configs/probe_gluon_host_replays_h100.txt). At the bar the
+# GPU's forward + backward is ~0.8 ms or more, so the GPU, not the host, sets the pace; lowering it from 2^36 made
+# the D 128 N 1024 cells 5-14% faster and left the D 64 N 2048 ones as they were (probe_min_work_replays_h100.md).
+MIN_WORK = 1 << 35
 
 
 class Variant(NamedTuple):
