@@ -218,8 +218,8 @@ def test_switches_take_only_on_or_off(monkeypatch):
 
 def test_a_gluon_replay_launches_copies_of_its_descriptors_on_the_new_tensors(recwarn):
     """An eager plan replays a Gluon launch by copying the first call's TMA descriptors onto the new tensors (rank 4,
-    as the kernels take them) and passing every other argument as it was; the templates stay as they were. The
-    native launcher takes it as a Python launch (it cannot pass descriptors itself), without a warning."""
+    as the kernels take them) and passing every other argument as it was; it keeps none of the first call's tensors.
+    The native launcher takes it as a Python launch (it cannot pass descriptors itself), without a warning."""
     import dataclasses
 
     from flashsys.ops.attention import eager_plans, native_launch
@@ -249,6 +249,9 @@ def test_a_gluon_replay_launches_copies_of_its_descriptors_on_the_new_tensors(re
     assert args[0].base is new[0] and args[0].block_shape == [1, 1, 8, 16]
     assert args[1].base.shape == (2, 1, 8, 16) and args[1].base.data_ptr() == new[1].data_ptr()
     assert templates[0].base is first[0] and templates[1].base.data_ptr() == first[1].data_ptr()
+    # the replay (kept with its plan for the process's life) holds none of the first call's tensors
+    assert not any(isinstance(x, torch.Tensor) or getattr(x, "base", None) is not None
+                   for x in (*replay._templates, *replay._rest))
     spec = eager_plans.Replay(replay, (0, 1, 2), (), None, None)
     assert native_launch._launch_specs((spec,)) == [(replay, [0, 1, 2], ())] and not recwarn.list
 

@@ -235,8 +235,20 @@ class GluonReplay:
     __slots__ = ("_launch", "_templates", "_rest")
 
     def __init__(self, compiled, grid: tuple[int, ...], params: tuple, n_tensors: int):
+        import copy
+
         self._launch = compiled[(*grid, 1, 1)[:3]]
-        self._templates = params[:n_tensors]  # TMA descriptors, or tensors passed as they are
+        # The first call's tensors are not kept (a plan lives as long as the process): a descriptor's template has
+        # no base, and a tensor parameter is None.
+        templates = []
+        for p in params[:n_tensors]:
+            if isinstance(p, Tensor):
+                templates.append(None)
+            else:
+                p = copy.copy(p)
+                object.__setattr__(p, "base", None)
+                templates.append(p)
+        self._templates = tuple(templates)
         self._rest = params[n_tensors:]
 
     @staticmethod
@@ -252,7 +264,7 @@ class GluonReplay:
 
         args = []
         for t, template in zip(tensors, self._templates):
-            if isinstance(template, Tensor):
+            if template is None:
                 args.append(t)
             else:
                 descriptor = copy.copy(template)  # no __post_init__: the template passed its checks
