@@ -16,6 +16,8 @@ call, as Triton's autotuner does for the `tl` kernels; `FLASHSYS_TRITON_AUTOTUNE
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import os
 import statistics
@@ -32,9 +34,9 @@ LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
 _DTYPES = (torch.float16, torch.bfloat16)
 # The work (B * H * Nq * Nk * D) below which a call keeps the `tl` kernels. Repeated eager calls replay the Gluon
-# launches from plans (GluonReplay): 61-86 µs of host time a forward against the `tl` forward's 14-60, and a forward
-# + backward 220-330 µs at D 64, 483 µs at D 128 (its dK/dV replay takes the GIL on the autograd thread), against
-# 155-277 (H100, B 1, H 16: benchmarks/results/kernel_configs/probe_gluon_host_replays_h100.txt). At the bar the
+# launches from plans (GluonReplay): 46-86 µs of host time a forward against the `tl` forward's 14-60, and a forward
+# + backward 214-330 µs at D 64, 401-503 µs at D 128 (its dK/dV replay takes the GIL on the autograd thread), against
+# 133-277 (H100, B 1, H 16: benchmarks/results/kernel_configs/probe_gluon_host_final_h100.txt). At the bar the
 # GPU's forward + backward is ~0.8 ms or more, so the GPU, not the host, sets the pace; lowering it from 2^36 made
 # the D 128 N 1024 cells 5-14% faster and left the D 64 N 2048 ones as they were (probe_min_work_replays_h100.md).
 MIN_WORK = 1 << 35
@@ -228,15 +230,13 @@ class GluonReplay:
     compiled kernel launched directly, each TMA descriptor a copy of the first call's with the new tensor as its
     base. Shapes, strides, dtype, device and alignment are the plan's key, so nothing else about a descriptor changes.
 
-    Why: the first call's path (checks, descriptors built and validated, Triton's JIT dispatch) costs 150-260 µs a
+    Why: the first call's path (checks, descriptors built and validated, Triton's JIT dispatch) costs 150-290 µs a
     launch on an H100; this costs what Triton's launcher does (it encodes each descriptor for the GPU). The native
     launcher calls it as it is, under the GIL: it cannot pass TMA descriptors itself."""
 
     __slots__ = ("_launch", "_templates", "_rest")
 
     def __init__(self, compiled, grid: tuple[int, ...], params: tuple, n_tensors: int):
-        import copy
-
         self._launch = compiled[(*grid, 1, 1)[:3]]
         # The first call's tensors are not kept (a plan lives as long as the process): a descriptor's template has
         # no base, and a tensor parameter is None.
@@ -254,14 +254,10 @@ class GluonReplay:
     @staticmethod
     def recordable(params: tuple, n_tensors: int) -> bool:
         """Whether this Triton's descriptors can be re-based as `__call__` does (a dataclass with a `base`)."""
-        import dataclasses
-
         return all(isinstance(p, Tensor) or (dataclasses.is_dataclass(p) and hasattr(p, "base"))
                    for p in params[:n_tensors])
 
     def __call__(self, *tensors: Tensor, stream=None) -> None:
-        import copy
-
         args = []
         for t, template in zip(tensors, self._templates):
             if template is None:
