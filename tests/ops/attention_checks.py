@@ -144,3 +144,13 @@ def select_launcher(name: str, request, monkeypatch) -> None:
         native_launch.allow_interpreted(True)
         request.addfinalizer(lambda: native_launch.allow_interpreted(False))
     request.addfinalizer(native_launch.clear)
+
+
+def refuse_calls(monkeypatch, target, *names: str) -> None:
+    """Make each `target.<name>` fail the test when called: how a test says "from here on this call replays a plan,
+    it does not take the full path" (the full path's validation, backward or Gluon launch)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the full path ran where a plan should have been replayed")
+
+    for name in names:
+        monkeypatch.setattr(target, name, refuse)

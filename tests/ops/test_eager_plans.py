@@ -14,7 +14,7 @@ import torch
 from flashsys.ops.attention import FlashAttention2Triton, eager_plans
 from flashsys.ops.attention import flash_triton as ft
 
-from .attention_checks import assert_matches_reference, make_qkv, select_launcher
+from .attention_checks import assert_matches_reference, make_qkv, refuse_calls, select_launcher
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -39,11 +39,7 @@ def _fresh_plans(launcher):
 @pytest.fixture
 def no_full_path(monkeypatch):
     """After this, a call that does not replay a plan fails: the full path's validation raises."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("the full path ran where a plan should have been replayed")
-
-    return lambda: (monkeypatch.setattr(ft, "check_attention_inputs", refuse),
-                    monkeypatch.setattr(ft, "_planned_backward", refuse))
+    return lambda: refuse_calls(monkeypatch, ft, "check_attention_inputs", "_planned_backward")
 
 
 CASES = {
@@ -86,7 +82,7 @@ def test_a_forward_without_a_plan_still_replays_its_backward(monkeypatch):
         q, k, v, do = make_qkv(2, 2, 40, 40, 32, DTYPE, DEVICE, seed=seed)
         assert_matches_reference(FlashAttention2Triton, q, k, v, do, True, None)
     assert len(eager_plans.forward_plans) == 0 and len(eager_plans.backward_plans) == 1
-    monkeypatch.setattr(ft, "_planned_backward", lambda *a, **kw: pytest.fail("the backward took the full path"))
+    refuse_calls(monkeypatch, ft, "_planned_backward")
     for seed in range(22, 24):
         q, k, v, do = make_qkv(2, 2, 40, 40, 32, DTYPE, DEVICE, seed=seed)
         assert_matches_reference(FlashAttention2Triton, q, k, v, do, True, None)

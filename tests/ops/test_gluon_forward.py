@@ -265,7 +265,7 @@ def test_repeated_gluon_calls_replay_plans_gpu(d, monkeypatch):
     fresh inputs. Rank 3 and a window at D 64 (the replay makes rank-4 views), GQA and causal at D 128."""
     from flashsys.ops.attention import FlashAttention2Triton, eager_plans, flash_triton
 
-    from .attention_checks import assert_matches_reference, make_qkv
+    from .attention_checks import assert_matches_reference, make_qkv, refuse_calls
 
     monkeypatch.setattr(flash_gluon, "MIN_WORK", 0)
     flash_gluon._chosen.clear()
@@ -279,13 +279,8 @@ def test_repeated_gluon_calls_replay_plans_gpu(d, monkeypatch):
         assert len(eager_plans.forward_plans) == 1 and len(eager_plans.backward_plans) == 1
         kinds = {key.kernel for key in flash_gluon.chosen_variants()}
         assert kinds == ({"forward"} if d == 64 else {"forward", "dkdv"}), "the Gluon kernels did not run"
-
-        def refuse(*args, **kwargs):
-            raise AssertionError("the full path ran where a plan should have been replayed")
-
-        monkeypatch.setattr(flash_gluon, "_launch", refuse)
-        monkeypatch.setattr(flash_triton, "check_attention_inputs", refuse)
-        monkeypatch.setattr(flash_triton, "_planned_backward", refuse)
+        refuse_calls(monkeypatch, flash_gluon, "_launch")
+        refuse_calls(monkeypatch, flash_triton, "check_attention_inputs", "_planned_backward")
         for seed in range(2, 4):
             q, k, v, do = make_qkv(*shape, d, torch.bfloat16, "cuda", seed=seed, kv_heads=kv_heads)
             assert_matches_reference(FlashAttention2Triton, q, k, v, do, window is None, None, window)

@@ -28,6 +28,7 @@ import torch
 import triton
 from torch import Tensor
 
+from .eager_plans import Recorded
 from .triton_env import autotune_enabled, env_switch
 
 LOG2E = 1.4426950408889634
@@ -368,12 +369,11 @@ def _choose(key: ChoiceKey, run) -> Variant | None:
 
 
 class Launched(NamedTuple):
-    """What `forward` and `backward_dkdv` did: whether a Gluon kernel ran, and if so its replay (None where it
-    cannot be replayed) with the call's tensors in the order the replay takes them."""
+    """What `forward` and `backward_dkdv` did: whether a Gluon kernel ran, and if so the launch as eager_plans
+    records it (a GluonReplay and the call's tensors it takes; None where it cannot be replayed)."""
 
     ran: bool
-    replay: GluonReplay | None = None
-    tensors: tuple[Tensor, ...] = ()
+    recorded: Recorded | None = None
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, window: tuple[int, int],
@@ -404,4 +404,4 @@ def _run(key: ChoiceKey, tensors: tuple[Tensor, ...], *tensors_and_scalars) -> L
     compiled, grid, params = _launch(variant, *tensors_and_scalars)
     if torch.cuda.is_current_stream_capturing() or not GluonReplay.recordable(params, len(tensors)):
         return Launched(True)  # a capture's variant is not the timed choice; an unknown descriptor type
-    return Launched(True, GluonReplay(compiled, grid, params, len(tensors)), tensors)
+    return Launched(True, Recorded(GluonReplay(compiled, grid, params, len(tensors)), tensors, ()))

@@ -877,10 +877,9 @@ def _planned_forward(q: Tensor, k: Tensor, v: Tensor, window: tuple[int, int], s
     Where the Gluon forward takes the call (Hopper, flash_gluon.takes) it runs instead; its plan replays it."""
     o = torch.empty_like(q, memory_format=torch.contiguous_format)  # empty_like: the cheapest allocation call
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    gluon = not traced and flash_gluon.takes(q, k, v)
-    launched = flash_gluon.forward(q, k, v, o, lse, window, scale) if gluon else None
-    if launched is not None and launched.ran:
-        recorded = [_gluon_recorded(launched)]
+    if not traced and flash_gluon.takes(q, k, v) and (
+            launched := flash_gluon.forward(q, k, v, o, lse, window, scale)).ran:
+        recorded = [launched.recorded]
     else:
         g = _geometry_of(q.shape, k.shape, q.dtype) if traced else _cached_geometry(q.shape, k.shape, q.dtype)
         recorded = _launch_forward(g, q, k, v, o, lse, q, k, window, scale, traced)
@@ -955,20 +954,12 @@ def _launch_backward(g: _Geometry, q, k, v, o, lse, do, dq, dk, dv, lse_delta, c
     launch = _launch_traced if traced else _launch_eager
     # dQ first: it writes the (-L*log2e, D) pairs that the dK/dV kernel reads.
     dq_launch = launch("dq", _bwd_dq_kernels, g, window, _tile_grid(g.grid_q, "BLOCK_M", g.n_bh), dq_named)
-    if gluon:
-        launched = flash_gluon.backward_dkdv(q, k, v, do, lse_delta, dk, dv, window, scale)
-        if launched.ran:
-            return [dq_launch, _gluon_recorded(launched)]
+    if gluon and (launched := flash_gluon.backward_dkdv(q, k, v, do, lse_delta, dk, dv, window, scale)).ran:
+        return [dq_launch, launched.recorded]
     # One dK/dV program per key tile and K/V head: it sums the query heads of its group itself.
     dkdv_launch = launch("dkdv", _bwd_dkdv_kernels, g, window, _tile_grid(g.grid_k, "BLOCK_N", g.n_bh_kv),
                          dkdv_named)
     return [dq_launch, dkdv_launch]
-
-
-def _gluon_recorded(launched: flash_gluon.Launched) -> Recorded | None:
-    """A Gluon launch as eager_plans records it (None where it cannot be replayed): a Python launch, which the
-    native launcher calls as it is."""
-    return None if launched.replay is None else Recorded(launched.replay, launched.tensors, ())
 
 
 def _packed_view(t: Tensor, n_seqs: int) -> Tensor:
