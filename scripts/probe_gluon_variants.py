@@ -1,14 +1,19 @@
 """Forward times of every Gluon variant as the library launches it (flash_gluon._launch), beside the `tl` forward and
 SDPA's cuDNN forward, and the variant the library's own choice picks (GPU probe for #16; prints). H 16, 16k tokens
-per cell, bf16; a variant that fails prints its error.
+per cell, bf16; a variant that fails prints its error. With --rounds the candidates are timed in interleaved rounds
+(the pool's clocks drift), and --choice-settings makes the library's choice afresh under other timing settings, to
+compare its picks with the long timings here.
 
     python scripts/probe_gluon_variants.py --head-dims 64 128 --seqs 4096 16384
+    python scripts/probe_gluon_variants.py --head-dims 128 --seqs 4096 --rounds 2 --rep 500 --choice-settings 10:5 100:3
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import statistics
 import sys
 import traceback
 
@@ -22,6 +27,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], choices=[64, 128])
     ap.add_argument("--seqs", type=int, nargs="+", default=[16384])
+    ap.add_argument("--causal", choices=["yes", "no", "both"], default="both")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds; each row prints its median (min-max)")
+    ap.add_argument("--choices", type=int, default=1, help="how many times the library's choice is made afresh")
+    ap.add_argument("--choice-settings", nargs="+", default=["100:3"],
+                    help="the choice's settings to try, each rep_ms:rounds (flash_gluon._CHOICE_REP_MS, _ROUNDS)")
+    ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms) per timing")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("probe_gluon_variants times CUDA kernels")
@@ -34,39 +45,59 @@ def main() -> int:
 
     native_launch.wait()
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; H 16, "
-          "B = 16384 // N, bf16, forward only, median ms of triton.testing.do_bench")
+          f"B = 16384 // N, bf16, forward only, median ms of triton.testing.do_bench(rep={args.rep}), "
+          f"{args.rounds} interleaved round(s)")
     for d in args.head_dims:
         for n in args.seqs:
-            for causal in (True, False):
+            for causal in {"yes": (True,), "no": (False,), "both": (True, False)}[args.causal]:
                 b = 16384 // n
                 q, k, v = (torch.randn(b, 16, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
                 window = (-1, 0) if causal else (-1, -1)
                 scale = d ** -0.5
                 flops = 4 * b * 16 * n * n * d / (2 if causal else 1)
-                rows = []
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    rows.append(("SDPA cuDNN", triton.testing.do_bench(
-                        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))))
-                saved = flash_gluon.MIN_WORK
-                flash_gluon.MIN_WORK = 1 << 62
-                flash_forward_triton(q, k, v, window, scale)
-                rows.append(("flashsys tl forward", triton.testing.do_bench(
-                    lambda: flash_forward_triton(q, k, v, window, scale))))
-                flash_gluon.MIN_WORK = saved
                 o = torch.empty_like(q)
                 lse = torch.empty(q.shape[:-1], device="cuda", dtype=torch.float32)
-                for var in flash_gluon.VARIANTS[d]:
+
+                def cudnn():
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+                def tl_forward():
+                    saved = flash_gluon.MIN_WORK
+                    flash_gluon.MIN_WORK = 1 << 62
                     try:
-                        rows.append((f"gluon {var.label()}", triton.testing.do_bench(
-                            lambda: flash_gluon._launch(var, q, k, v, o, lse, window, scale))))
-                    except Exception:  # noqa: BLE001
-                        rows.append((f"gluon {var.label()} FAILED: {traceback.format_exc()[-600:]}", float("nan")))
-                flash_gluon._chosen.clear()
-                flash_gluon.forward(q, k, v, o, lse, window, scale)
-                picked = next(iter(flash_gluon.chosen_variants().values())).label()
-                print(f"\nD={d} N={n} B={b} causal={causal}; the library's choice: {picked}")
-                for label, ms in rows:
-                    print(f"  {label:<45} {ms:8.3f} ms  {flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
+                        flash_forward_triton(q, k, v, window, scale)
+                    finally:
+                        flash_gluon.MIN_WORK = saved
+
+                candidates = [("SDPA cuDNN", cudnn), ("flashsys tl forward", tl_forward)]
+                candidates += [(f"gluon {var.label()}", functools.partial(flash_gluon._launch, var, q, k, v, o, lse,
+                                                                           window, scale))
+                               for var in flash_gluon.VARIANTS[d]]
+                times: dict[str, list[float]] = {}
+                for _ in range(args.rounds):
+                    for label, fn in candidates:
+                        if label in times and not times[label]:
+                            continue  # failed before
+                        try:
+                            times.setdefault(label, []).append(triton.testing.do_bench(fn, rep=args.rep))
+                        except Exception:  # noqa: BLE001
+                            print(f"  {label} FAILED: {traceback.format_exc()[-600:]}")
+                            times[label] = []
+                rows = [(label, statistics.median(ts), min(ts), max(ts)) for label, ts in times.items() if ts]
+                print(f"\nD={d} N={n} B={b} causal={causal}")
+                for rep_ms, rounds in (tuple(int(x) for x in c.split(":")) for c in args.choice_settings):
+                    flash_gluon._CHOICE_REP_MS, flash_gluon._CHOICE_ROUNDS = rep_ms, rounds
+                    picks = []
+                    for _ in range(args.choices):
+                        flash_gluon._chosen.clear()
+                        flash_gluon.forward(q, k, v, o, lse, window, scale)
+                        picks.append(next(iter(flash_gluon.chosen_variants().values())).label())
+                    print(f"  the library's choice (rep {rep_ms} ms, {rounds} rounds): "
+                          + ", ".join(picks))
+                for label, ms, lo, hi in rows:
+                    print(f"  {label:<45} {ms:8.3f} ms ({lo:.3f}-{hi:.3f})  {flops / ms / 1e9:7.1f} TFLOP/s",
+                          flush=True)
     return 0
 
 

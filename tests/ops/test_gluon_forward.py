@@ -163,19 +163,22 @@ def test_small_switched_off_and_unaligned_calls_take_the_tl_forward_gpu(monkeypa
 
 
 def test_choice_takes_the_fastest_median_and_leaves_out_variants_that_fail(monkeypatch):
-    """The first call of a key times every candidate in interleaved rounds; the lowest median wins (one slow round
-    does not decide), a candidate that raises is left out, and where all raise the path turns itself off for the
-    process with a warning naming each error (the `tl` forward then runs)."""
+    """The first call of a key times every candidate in interleaved rounds of 100 ms each (10-ms timings picked
+    variants that ran slower over longer runs); the lowest median wins (one slow round does not decide), a candidate
+    that raises is left out, and where all raise the path turns itself off for the process with a warning naming
+    each error (the `tl` forward then runs)."""
     import triton.testing
 
     d64 = flash_gluon.VARIANTS[64]
     draws = {d64[0]: iter([1.0, 9.0, 1.0, 1.0, 1.0]), d64[1]: iter([2.0, 0.5, 2.0, 2.0, 2.0])}
     current = {}
+    reps = []
 
     def run(variant):
         current["v"] = variant
 
     def fake_bench(fn, warmup, rep):
+        reps.append(rep)
         fn()
         variant = current["v"]
         if variant not in draws:
@@ -189,6 +192,8 @@ def test_choice_takes_the_fastest_median_and_leaves_out_variants_that_fail(monke
     key = flash_gluon.ChoiceKey(64, torch.bfloat16, True, False, 16384)
     assert flash_gluon._choose(key, run) == d64[0]
     assert flash_gluon.chosen_variants() == {key: d64[0]}
+    # two candidates timed every round, the failing third once (not again)
+    assert len(reps) == 2 * flash_gluon._CHOICE_ROUNDS + 1 and set(reps) == {100}
     draws.clear()
     monkeypatch.setattr(flash_gluon, "_broken", None)
     with pytest.warns(RuntimeWarning, match="Gluon kernels are off.*out of resources"):
