@@ -154,3 +154,14 @@ def refuse_calls(monkeypatch, target, *names: str) -> None:
 
     for name in names:
         monkeypatch.setattr(target, name, refuse)
+
+
+def compile_without_cache_warnings(fn, x: torch.Tensor, recwarn) -> torch.Tensor:
+    """fn(x) compiled whole (Dynamo, eager backend), run twice with the same result, having warned nothing about a
+    functools cache: Dynamo warns about every one it traces through, so a user's compiled model would show it."""
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="eager", fullgraph=True)
+    out = compiled(x)
+    assert torch.equal(out, compiled(x))
+    assert not [w for w in recwarn.list if "lru_cache" in str(w.message)]
+    return out

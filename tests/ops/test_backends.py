@@ -7,7 +7,7 @@ import torch
 
 from flashsys.ops.attention import ATTENTION_BACKENDS, CORE_BACKENDS, attention_reference, backend_report, get_backend
 
-from .attention_checks import rel_err
+from .attention_checks import compile_without_cache_warnings, rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -20,6 +20,22 @@ def test_short_flash_names_resolve_to_registry_entries():
     for bad in ("cudnn", "", None, 3):
         with pytest.raises(ValueError, match="unknown attention backend"):
             get_backend(bad)
+
+
+def test_a_compiled_model_traces_the_triton_op_lookup_without_warnings(monkeypatch, recwarn):
+    """A compiled model's flash call traces `triton_op` (the Triton Function, imported on first use) every time; a
+    functools cache there made Dynamo warn on every compile. The first look-up may happen while tracing."""
+    pytest.importorskip("triton")
+    from flashsys.ops import attention
+    from flashsys.ops.attention.flash_triton import FlashAttention2Triton
+
+    def looks_up(x):
+        attention.triton_op()
+        return x + 1
+
+    monkeypatch.setattr(attention, "_triton_ops", {})
+    assert compile_without_cache_warnings(looks_up, torch.zeros(2), recwarn).tolist() == [1.0, 1.0]
+    assert attention._triton_ops == {"FlashAttention2Triton": FlashAttention2Triton}
 
 
 @pytest.mark.parametrize("name", [n for n in ATTENTION_BACKENDS if n != "naive-compiled"])

@@ -14,7 +14,9 @@ import torch
 
 from flashsys.ops.attention import attention_reference
 
-from .attention_checks import FLOOR, assert_matches_reference, eager_then_compiled, make_qkv, rel_err
+from .attention_checks import (
+    FLOOR, assert_matches_reference, compile_without_cache_warnings, eager_then_compiled, make_qkv, rel_err,
+)
 
 pytest.importorskip("triton")
 from flashsys.ops.attention import flash_gluon  # noqa: E402
@@ -200,6 +202,23 @@ def test_choice_takes_the_fastest_median_and_leaves_out_variants_that_fail(monke
         assert flash_gluon._choose(key._replace(bucket=1024), run) is None
     assert "no variant ran" in flash_gluon._broken
     assert "no variant ran" in flash_gluon.status() or "not an sm_90" in flash_gluon.status()
+
+
+def test_torch_compile_traces_the_path_checks_without_warnings(monkeypatch, recwarn):
+    """Under torch.compile Dynamo traces the checks that pick the Gluon or `tl` op (`problem`). A functools cache on
+    any of them made every compile on a Hopper GPU warn twice ("Dynamo detected a call to a functools.lru_cache-
+    wrapped function ... Silent incorrectness is only a potential risk"). The checks trace without a warning and
+    give what they give eagerly."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    expected = 1 + 2 * (flash_gluon._kernels() is None)
+    monkeypatch.setattr(flash_gluon, "_is_hopper", {})  # the first calls happen while tracing
+    monkeypatch.setattr(flash_gluon, "_imported", [])
+
+    def checks(x):
+        return x + flash_gluon._hopper(0) + 2 * (flash_gluon._kernels() is None)
+
+    assert compile_without_cache_warnings(checks, torch.zeros(2), recwarn).tolist() == [expected] * 2
+    assert flash_gluon._is_hopper == {0: True} and len(flash_gluon._imported) == 1  # cached as eagerly
 
 
 def test_switches_take_only_on_or_off(monkeypatch):

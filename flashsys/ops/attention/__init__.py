@@ -3,7 +3,6 @@ functional entry point."""
 
 from __future__ import annotations
 
-import functools
 from typing import Literal
 
 import torch
@@ -26,7 +25,11 @@ from .triton_env import interpreter_active
 from .validation import MAX_HEAD_DIM
 
 
-@functools.cache
+# Plain module state, not functools.cache: a compiled model traces `triton_op` on every flash call, and Dynamo
+# warns about each functools cache it traces through.
+_triton_ops: dict[str, type] = {}
+
+
 def triton_op(name: str = "FlashAttention2Triton"):
     """A Triton autograd Function (`FlashAttention2Triton` or `FlashAttentionVarlenTriton`), importing Triton on
     first use (cached: `flash` calls it on every CUDA call).
@@ -34,13 +37,15 @@ def triton_op(name: str = "FlashAttention2Triton"):
     Raises:
         ImportError: naming what to install, where Triton is missing.
     """
-    try:
-        from . import flash_triton
-    except ImportError as e:
-        raise ImportError(f"{name} needs Triton, which is not importable here ({e}). Install it "
-                          "(pip install triton, on Linux), or use the tiled PyTorch op: "
-                          "flash_attention(..., backend='torch') or FlashAttention2Torch") from e
-    return getattr(flash_triton, name)
+    if name not in _triton_ops:
+        try:
+            from . import flash_triton
+        except ImportError as e:
+            raise ImportError(f"{name} needs Triton, which is not importable here ({e}). Install it "
+                              "(pip install triton, on Linux), or use the tiled PyTorch op: "
+                              "flash_attention(..., backend='torch') or FlashAttention2Torch") from e
+        _triton_ops[name] = getattr(flash_triton, name)
+    return _triton_ops[name]
 
 
 def __getattr__(name: str):

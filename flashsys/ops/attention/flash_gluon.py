@@ -79,16 +79,23 @@ DKDV_VARIANTS: dict[int, tuple[Variant, ...]] = {
 _broken: str | None = None
 
 
-@functools.cache
+# The checks below run under torch.compile too (Dynamo traces `problem` to pick the op), so they cache in plain
+# module state: Dynamo warns about every functools cache it traces through ("silent incorrectness is a potential
+# risk"), and a user compiling a model would see that twice per process.
+_imported: list = []  # [the kernel module or None], once tried
+
+
 def _kernels():
     """The kernel module, or None where it does not import here (imported once, on first use; `_broken` says why)."""
     global _broken
-    try:
-        from . import gluon_kernels
-    except (ImportError, AttributeError, TypeError) as exc:  # no Gluon, or an API that moved since Triton 3.9
-        _broken = f"the Gluon kernels do not import with this Triton ({type(exc).__name__}: {exc})"
-        return None
-    return gluon_kernels
+    if not _imported:
+        try:
+            from . import gluon_kernels
+        except (ImportError, AttributeError, TypeError) as exc:  # no Gluon, or an API that moved since Triton 3.9
+            _broken = f"the Gluon kernels do not import with this Triton ({type(exc).__name__}: {exc})"
+            gluon_kernels = None
+        _imported.append(gluon_kernels)
+    return _imported[0]
 
 
 ENV = "FLASHSYS_GLUON"
@@ -99,9 +106,13 @@ def enabled() -> bool:
     return env_switch(ENV)
 
 
-@functools.cache
+_is_hopper: dict[int, bool] = {}  # device index -> sm_90 (see `_imported` on why not functools.cache)
+
+
 def _hopper(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
+    if device_index not in _is_hopper:
+        _is_hopper[device_index] = torch.cuda.get_device_capability(device_index) == (9, 0)
+    return _is_hopper[device_index]
 
 
 def _tma_strides_ok(t: Tensor) -> bool:
