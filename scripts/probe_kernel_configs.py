@@ -21,8 +21,11 @@ from flashsys.ops.attention import FlashAttention2Triton
 from flashsys.ops.attention import flash_triton as ft
 
 
+REP_MS = 150  # --rep
+
+
 def _ms(fn) -> float:
-    return do_bench(fn, warmup=25, rep=150)
+    return do_bench(fn, warmup=25, rep=REP_MS)
 
 
 def _time_config(kernel, handles, g, window, named, grid, config):
@@ -49,9 +52,15 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--causal", choices=["yes", "no", "both"], default="both")
+    p.add_argument("--rep", type=int, default=150, help="do_bench rep per timing, ms (500: the sustained regime)")
+    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds; a row prints its median")
+    p.add_argument("--kernels", nargs="+", default=["fwd", "dq", "dkdv"], choices=["fwd", "dq", "dkdv"])
     args = p.parse_args()
+    global REP_MS
+    REP_MS = args.rep
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    print(f"shape: batch {args.batch} x heads {args.heads} x N {args.seq_len}, bf16; times in ms (do_bench)\n")
+    print(f"shape: batch {args.batch} x heads {args.heads} x N {args.seq_len}, bf16; times in ms (do_bench, rep "
+          f"{args.rep} ms; median of {args.rounds} interleaved round(s), range in brackets)\n")
     causals = {"yes": [True], "no": [False], "both": [True, False]}[args.causal]
     for d in args.head_dims:
         for causal in causals:
@@ -85,19 +94,31 @@ def main() -> None:
             runs = (("fwd", ft._fwd_kernels, fwd_named, query_tiles, ft._FWD_TILES, ft._FWD_TILES_LONG),
                     ("dq", ft._bwd_dq_kernels, dq_named, query_tiles, ft._BWD_DQ_TILES, ft._BWD_DQ_TILES_LONG),
                     ("dkdv", ft._bwd_dkdv_kernels, dkdv_named, key_tiles, ft._BWD_DKDV_TILES, ft._BWD_DKDV_TILES_LONG))
-            rows = [(kernel, cfg, _time_config(kernel, handles, g, window, named, grid, cfg))
-                    for kernel, handles, named, grid, table, long_table in runs
-                    for cfg in table[cls] + long_table.get(cls, [])]
+            cells = [(kernel, handles, named, grid, cfg) for kernel, handles, named, grid, table, long_table in runs
+                     if kernel in args.kernels for cfg in dict.fromkeys(table[cls] + long_table.get(cls, []))]
+            times = {}
+            for _ in range(args.rounds):
+                for kernel, handles, named, grid, cfg in cells:
+                    times.setdefault((kernel, cfg), []).append(_time_config(kernel, handles, g, window, named, grid,
+                                                                            cfg))
+            rows = []
+            for (kernel, cfg), ts in times.items():
+                ok = sorted(t for t in ts if not isinstance(t, str))
+                rows.append((kernel, cfg, ok[len(ok) // 2] if ok else ts[0], f" [{ok[0]:.3f}-{ok[-1]:.3f}]"
+                             if len(ok) > 1 else ""))
             print("| kernel | (BLOCK_M, BLOCK_N, warps, stages) | ms |")
             print("|---|---|---:|")
             best = {}
-            for kernel, cfg, t in rows:
-                print(f"| {kernel} | {cfg} | {t if isinstance(t, str) else f'{t:.3f}'} |")
+            for kernel, cfg, t, spread in rows:
+                print(f"| {kernel} | {cfg} | {t if isinstance(t, str) else f'{t:.3f}'}{spread} |")
                 if not isinstance(t, str) and (kernel not in best or t < best[kernel][1]):
                     best[kernel] = (cfg, t)
             print("best:", {k: (c, round(t, 3)) for k, (c, t) in best.items()})
-            print(f"backward: two-pass {best['dq'][1] + best['dkdv'][1]:.3f}, cuDNN {cudnn_bwd:.3f}")
-            print(f"forward: best {best['fwd'][1]:.3f}, cuDNN {cudnn_fwd:.3f}\n", flush=True)
+            if "dq" in best and "dkdv" in best:
+                print(f"backward: two-pass {best['dq'][1] + best['dkdv'][1]:.3f}, cuDNN {cudnn_bwd:.3f}")
+            if "fwd" in best:
+                print(f"forward: best {best['fwd'][1]:.3f}, cuDNN {cudnn_fwd:.3f}")
+            print(flush=True)
 
 
 if __name__ == "__main__":
