@@ -339,10 +339,10 @@ def status() -> str:
 # The choice times every candidate in interleaved rounds and takes each one's median: on an H100 one process's
 # timings of the same kernel drift by 5-15% (clocks, heat), and a single pass per candidate picked a variant 4-8%
 # slower than the best (kernel_configs/probe_gluon_variants_h100.txt). Each timing spans 100 ms, as Triton's
-# autotuner's do: timings of 10 ms picked the one-warpgroup kernel in 7 of 10 H100 cells where it ran 3-7% slower
-# than a ping-pong one over 500 ms (D 128 N 4096-16384, D 64 N 16384), and warming the GPU first did not change
-# that; at 100 ms the choice matched the 500-ms best in every cell (kernel_configs/probe_gluon_choice_settings_h100.txt).
-# The cost: about one second on a key's first call.
+# autotuner's do: timings of 10 ms picked the one-warpgroup kernel in 7 of 10 H100 cells where it ran 2-8% slower
+# than a ping-pong one over 500 ms (D 128 N 2048-16384, D 64 N 16384), and warming the GPU first did not change
+# that; at 100 ms both picks matched the 500-ms best in 9 cells, and one of two in the tenth (4% apart there;
+# kernel_configs/probe_gluon_choice_settings_h100.txt). The cost: about one second on a key's first call.
 _CHOICE_ROUNDS = 3
 _CHOICE_REP_MS = 100
 
