@@ -6,9 +6,16 @@ under fwd + bwd, as it does for SDPA-cuDNN. flashsys's came in 2-8% over it at D
 16k-32k. This probe times the three modes as the benchmark does, then profiles each (torch.profiler, CUDA
 kernels only) and prints per mode: span per iteration, GPU busy time, idle time, and every kernel's mean time.
 It also runs one forward+backward under torch.cuda.set_sync_debug_mode("warn"), so a host-device sync in the
-op's eager path shows as a warning.
+op's eager path shows as a warning. Each profile is taken twice: back to back, and with do_bench's L2 flush
+before each step.
 
-    python scripts/probe_fwd_bwd_gap.py [--cells 64:0:16384 128:1:16384 ...] [--out DIR]
+--leaderboard first runs the leaderboard's exact step (benchmarks/leaderboard.py) for flashsys and SDPA-cuDNN:
+profiles, the CUDA runtime calls per step and one step's GPU timeline; with --sustain instead, 100-ms against 3-s
+timings with the SM clock and power; with --events instead, forward and backward split by CUDA events over 300
+steps. Results of 2026-11-24: kernel_experiments.md, "Why the leaderboard step lost 5% ... (stop 33)".
+
+    python scripts/probe_fwd_bwd_gap.py [--cells 64:0:16384 128:1:16384 ...]
+    python scripts/probe_fwd_bwd_gap.py --leaderboard [--sustain | --events] --cells
 """
 
 from __future__ import annotations
@@ -28,20 +35,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from flashsys.ops.attention import ATTENTION_BACKENDS  # noqa: E402
 
 
-def modes(fn, q, k, v, do, causal):
+def modes(fn, q, k, v, do, causal) -> dict:
+    """The sweep's three timed steps (benchmarks/attention.py `measure`): forward; backward alone, into existing
+    grads, through one graph kept with retain_graph; forward + backward into fresh grads."""
+    out = fn(q, k, v, causal)
+
     def fwd():
         fn(q, k, v, causal)
 
-    state = {}
-
     def bwd():
-        state["out"].backward(do, retain_graph=True)
+        out.backward(do, retain_graph=True)
 
     def fwd_bwd():
         q.grad = k.grad = v.grad = None
         fn(q, k, v, causal).backward(do)
 
-    return {"fwd": (fwd, None), "bwd": (bwd, state), "fwd_bwd": (fwd_bwd, None)}
+    return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fwd_bwd}
 
 
 def kernel_profile(step, iters: int, flush: bool = False) -> dict:
@@ -274,20 +283,19 @@ def main() -> int:
                         fn(q, k, v, bool(causal)).backward(do)
                     finally:
                         torch.cuda.set_sync_debug_mode("default")
-                syncs = [str(w.message)[:160] for w in caught]
+                syncs = [str(w.message)[:160] for w in caught if "prototype" not in str(w.message)]
                 print(f"  sync warnings in one eager fwd+bwd: {len(syncs)} {syncs[:3]}")
             table = modes(fn, q, k, v, do, bool(causal))
-            table["bwd"][1]["out"] = fn(q, k, v, bool(causal))
             times = {}
-            for name, (step, _) in table.items():
+            for name, step in table.items():
                 times[name] = triton.testing.do_bench(step, rep=args.rep, warmup=25, return_mode="median")
             # a second interleaved round, since the pool's clocks drift
-            for name, (step, _) in table.items():
+            for name, step in table.items():
                 times[name + "_2"] = triton.testing.do_bench(step, rep=args.rep, warmup=25, return_mode="median")
             print(f"\n## D {d} {'causal' if causal else 'full'} N {n} B {b}: {impl}")
             print("  do_bench ms: " + ", ".join(f"{k_}={t:.3f}" for k_, t in times.items())
                   + f"; fwd+bwd-sum={times['fwd'] + times['bwd']:.3f}")
-            for name, (step, _) in table.items():
+            for name, step in table.items():
                 print_profiles(name, step, args.iters)
             del q, k, v, do, table
             torch.cuda.empty_cache()
