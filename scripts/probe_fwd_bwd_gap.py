@@ -53,16 +53,15 @@ def modes(fn, q, k, v, do, causal) -> dict:
     return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fwd_bwd}
 
 
-def kernel_profile(step, iters: int, flush: bool = False) -> dict:
-    """Span per iteration, busy and idle GPU time, and each kernel's mean duration (microseconds). With `flush`,
-    each iteration starts, as in triton.testing.do_bench, with a 256 MB zero_() that clears L2; span is do_bench's
-    window (a flush's end to the step's last kernel) and `lead_us` the gap from a flush's end to the step's first
-    kernel (the GPU waiting for the host)."""
+def trace_events(step, iters: int, host: bool = False, flush: bool = False) -> list[dict]:
+    """The chrome-trace events of `iters` steps under torch.profiler: CUDA activity, and the host's too with `host`;
+    with `flush`, each step after a 256 MB zero_() that clears L2, as triton.testing.do_bench does."""
     from torch.profiler import ProfilerActivity, profile
 
     cache = torch.empty(int(256e6 // 4), dtype=torch.int, device="cuda") if flush else None
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if host else [ProfilerActivity.CUDA]
+    with profile(activities=activities) as prof:
         for _ in range(iters):
             if cache is not None:
                 cache.zero_()
@@ -74,8 +73,21 @@ def kernel_profile(step, iters: int, flush: bool = False) -> dict:
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     os.unlink(path)
-    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and "dur" in e),
-                     key=lambda e: e["ts"])
+    return events
+
+
+def gpu_work(events: list[dict]) -> list[dict]:
+    """The kernels, memsets and copies among trace events, in start order."""
+    return sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and "dur" in e),
+                  key=lambda e: e["ts"])
+
+
+def kernel_profile(step, iters: int, flush: bool = False) -> dict:
+    """Span per iteration, busy and idle GPU time, and each kernel's mean duration (microseconds). With `flush`,
+    each iteration starts, as in triton.testing.do_bench, with a 256 MB zero_() that clears L2; span is do_bench's
+    window (a flush's end to the step's last kernel) and `lead_us` the gap from a flush's end to the step's first
+    kernel (the GPU waiting for the host)."""
+    kernels = gpu_work(trace_events(step, iters, flush=flush))
     if not kernels:
         return {}
     if flush:  # do_bench's window: from a flush's end to the last kernel before the next flush
@@ -215,19 +227,7 @@ def sustained(name: str, step) -> None:
 def host_calls(name: str, step, iters: int) -> None:
     """The CUDA runtime and driver calls of `iters` steps (count, total us: a synchronising call shows here), and
     one step's GPU timeline with every gap over 5 us."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            step()
-        torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        path = f.name
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
-    os.unlink(path)
+    events = trace_events(step, iters, host=True)
     calls = collections.defaultdict(lambda: [0, 0.0])
     for e in events:
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in e:
@@ -236,8 +236,7 @@ def host_calls(name: str, step, iters: int) -> None:
     print(f"  [{name}] runtime/driver calls per step (count, us):")
     for call, (count, dur) in sorted(calls.items(), key=lambda x: -x[1][1])[:14]:
         print(f"      {count / iters:6.1f} x {dur / count:8.1f} us  {call}")
-    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and "dur" in e),
-                     key=lambda e: e["ts"])
+    kernels = gpu_work(events)
     per_step = len(kernels) // iters
     one = kernels[per_step * (iters // 2): per_step * (iters // 2 + 1) + 1]
     print(f"  [{name}] one step's GPU timeline (start offset us, duration us, gap before it if > 5 us):")
