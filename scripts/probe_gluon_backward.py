@@ -1,6 +1,7 @@
-"""Backward times on a GPU for #16: SDPA's cuDNN backward, flashsys's backward with the `tl` dK/dV kernel and with
-the Gluon one (the `tl` dQ kernel runs first in both), and every Gluon dK/dV variant alone. H 16, 16k tokens per
-cell, bf16; median ms over interleaved rounds of triton.testing.do_bench (the GPUs drift between passes).
+"""Backward times on a GPU for #16: SDPA's cuDNN backward, flashsys's backward with the `tl` kernels only and with
+the library's choices (Gluon dQ and dK/dV where they timed faster), the `tl` dQ kernel alone, and every Gluon dK/dV
+and dQ variant alone (each dQ variant's output checked against the `tl` kernel's first). H 16, 16k tokens per cell,
+bf16; median ms over interleaved rounds of triton.testing.do_bench (the GPUs drift between passes).
 
     python scripts/probe_gluon_backward.py --head-dims 64 128 --seqs 4096 16384
 """
@@ -65,12 +66,27 @@ def main() -> int:
                                                                             retain_graph=True),
                         "  tl dQ kernel alone": lambda: flash_triton._launch_eager(
                             "dq", flash_triton._bwd_dq_kernels, g, window, dq_grid, dq_named),
-                        "flashsys backward, tl dK/dV": lambda: backward(False)}
-                if flash_gluon.takes_backward(q, k, v, do):  # D 128 (at D 64 the library keeps the `tl` kernel)
-                    runs["flashsys backward, Gluon dK/dV (library's choice)"] = lambda: backward(True)
+                        "flashsys backward, tl kernels": lambda: backward(False)}
+                if flash_gluon.takes_backward(q, k, v, o, do):
+                    runs["flashsys backward, the library's choices"] = lambda: backward(True)
                 for var in flash_gluon.DKDV_VARIANTS.get(d, ()):
                     runs[f"  Gluon dK/dV alone: {var.label()}"] = (
                         lambda var=var: flash_gluon._launch(var, q, k, v, do, dk, dv, lse_delta, window, scale))
+                # Each Gluon dQ variant against the `tl` dQ kernel's output (dq and the pairs it wrote above).
+                dq_tl, pairs_tl = dq.clone(), lse_delta.clone()
+                dq_g, pairs_g = torch.empty_like(dq), torch.empty_like(lse_delta)
+                for var in [var for var in flash_gluon.gluon_variants(d) if var.kind == "dq"]:
+                    try:
+                        flash_gluon._launch(var, q, k, v, do, o, dq_g, lse, pairs_g, window, scale)
+                        torch.cuda.synchronize()
+                        err = ((dq_g.float() - dq_tl.float()).abs().max() / dq_tl.float().abs().max()).item()
+                        pair_err = (pairs_g - pairs_tl).abs().max().item()
+                        print(f"  Gluon dQ {var.label()}: max |dQ - tl dQ| / max |tl dQ| {err:.2e}, "
+                              f"max |pairs - tl pairs| {pair_err:.2e}")
+                    except Exception:  # noqa: BLE001
+                        print(f"  Gluon dQ {var.label()} FAILED: {traceback.format_exc()[-800:]}")
+                    runs[f"  Gluon dQ alone: {var.label()}"] = (
+                        lambda var=var: flash_gluon._launch(var, q, k, v, do, o, dq_g, lse, pairs_g, window, scale))
                 times: dict[str, list[float]] = {}
                 flash_gluon._chosen.clear()
                 for _ in range(args.rounds):

@@ -1,4 +1,4 @@
-"""Compile every Gluon variant (the forward's and the dK/dV kernel's) for sm_90 without a GPU, for every mask kind,
+"""Compile every Gluon variant (the forward's, the dK/dV kernel's and the dQ kernel's) for sm_90 without a GPU, for every mask kind,
 and print what each compiled to as one JSON line ({variant and mask: "ok" or the error}). Run as a subprocess by
 test_gluon_forward (a stand-in driver replaces Triton's for the whole process), or by hand:
 
@@ -24,7 +24,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     compiled = {}
     for d in flash_gluon.HEAD_DIMS:
-        variants = flash_gluon.VARIANTS[d] + flash_gluon.DKDV_VARIANTS.get(d, ())
+        variants = flash_gluon.gluon_variants(d)
         # Grouped-query K/V, Nq != Nk and lengths that are no multiple of a tile: the shapes the kernels mask.
         q = torch.randn(2, 4, 300, d, dtype=torch.bfloat16, device=device)
         k = torch.randn(2, 2, 200, d, dtype=torch.bfloat16, device=device)

@@ -1,7 +1,8 @@
-"""The Gluon dK/dV kernel (Hopper): which backward calls it takes, and on an H100 that every variant's dK and dV
-match float64 reference math for every feature the `tl` dK/dV kernel has (after the `tl` dQ kernel, which writes
-the pairs it reads), alone and through the op, eager and compiled. Its compile check for sm_90 on CPU is in
-test_gluon_forward (one subprocess compiles every Gluon variant)."""
+"""The Gluon dQ and dK/dV kernels (Hopper): which backward calls they take, and on an H100 that every variant's
+gradients match float64 reference math for every feature the `tl` kernels have (the dK/dV kernel after the `tl` dQ
+kernel, which writes the pairs it reads; the dQ kernel's pairs against the `tl` kernel's), alone and through the op,
+eager and compiled. Their compile check for sm_90 on CPU is in test_gluon_forward (one subprocess compiles every
+Gluon variant)."""
 
 from __future__ import annotations
 
@@ -17,26 +18,63 @@ from .test_gluon_forward import CASES, _inputs, hopper_only  # noqa: E402
 
 
 def test_backward_takes_what_the_forward_takes_and_a_tma_ready_do():
-    """The backward's dO must be TMA-addressable too, and its head dim one the kernel has variants for; every other
-    condition is the forward's."""
+    """The backward's O and dO must be TMA-addressable too, and its head dim one a kernel has variants for; every
+    other condition is the forward's. The dQ choice times the `tl` kernel beside the Gluon ones, and takes it where
+    nothing is timed."""
     q = torch.randn(1, 2, 64, 128)
-    assert not flash_gluon.takes_backward(q, q, q, q)  # a CPU tensor: the forward's reasons apply
+    assert not flash_gluon.takes_backward(q, q, q, q, q)  # a CPU tensor: the forward's reasons apply
     key = flash_gluon.ChoiceKey.of(q.to(torch.bfloat16), q, (-1, 0), "dkdv")
     assert key.candidates() == flash_gluon.DKDV_VARIANTS[128] and key.bound_right and not key.bound_left
     assert 64 not in flash_gluon.DKDV_VARIANTS  # there the `tl` dK/dV kernel is faster
-    assert "head dim 64" in flash_gluon.backward_problem(*(torch.randn(1, 2, 64, 64),) * 3)
+    for d in (64, 128):
+        dq_key = flash_gluon.ChoiceKey.of(torch.randn(1, 2, 64, d), q, (-1, -1), "dq")
+        assert dq_key.candidates()[0] == flash_gluon.TL_DQ and len(dq_key.candidates()) > 1
+    assert flash_gluon.TL_DQ not in flash_gluon.gluon_variants(64)
+    assert "head dim 96" in flash_gluon.backward_problem(*(torch.randn(1, 2, 64, 96),) * 3)
     assert flash_gluon.backward_problem(q, q, q) == "not a CUDA tensor"
+
+
+def test_dq_choice_of_the_tl_kernel_leaves_the_launch_to_the_caller(monkeypatch):
+    """Where the `tl` dQ kernel is the choice, `backward_dq` launches nothing and says so; the choice's timings ran
+    the caller's `tl` launch, not a Gluon one; and a head dim without Gluon dQ variants asks nothing."""
+    launched = []
+    monkeypatch.setattr(flash_gluon, "_launch", lambda var, *args: launched.append(var))
+    monkeypatch.setattr(flash_gluon, "_chosen", {})
+    q = torch.randn(1, 2, 64, 64)
+    key = flash_gluon.ChoiceKey.of(q, q, (-1, 0), "dq")
+    flash_gluon._chosen[key] = flash_gluon.TL_DQ
+    assert not flash_gluon.backward_dq(q, q, q, q, q, q, q, q, (-1, 0), 0.125, lambda: launched.append("tl")).ran
+    assert launched == []  # the caller runs the `tl` kernel itself, once
+    ran = []
+
+    def fake_choose(key, run):
+        for var in key.candidates():
+            run(var)
+        ran.append(key)
+        return key.candidates()[0]
+
+    monkeypatch.setattr(flash_gluon, "_choose", fake_choose)
+    flash_gluon._chosen.clear()
+    assert not flash_gluon.backward_dq(q, q, q, q, q, q, q, q, (-1, 0), 0.125, lambda: launched.append("tl")).ran
+    assert launched == ["tl", *flash_gluon.DQ_VARIANTS[64][1:]]
+    q96 = torch.randn(1, 2, 64, 96)
+    assert not flash_gluon.backward_dq(q96, q96, q96, q96, q96, q96, q, q, (-1, 0), 0.125, lambda: None).ran
+    assert len(ran) == 1
 
 
 @hopper_only
 @pytest.mark.gpu
-def test_compiled_backward_at_d64_stays_with_inductor_gpu(monkeypatch):
-    """At D 64 (no Gluon dK/dV variants) a traced backward keeps the triton_op that Inductor launches itself."""
+def test_compiled_backward_takes_the_gluon_op_at_both_head_dims_gpu(monkeypatch):
+    """At D 64 (a Gluon dQ kernel, no Gluon dK/dV one) and D 128 a traced backward runs the Gluon op, whose body
+    makes the choices; at a head dim without Gluon kernels it keeps the triton_op Inductor launches itself."""
     from flashsys.ops.attention import flash_triton
 
     monkeypatch.setattr(flash_gluon, "MIN_WORK", 0)
-    q = torch.randn(1, 4, 1024, 64, device="cuda", dtype=torch.bfloat16)
-    assert flash_triton._traced_forward(q, q, q) is flash_triton._gluon_forward_op
+    for d in (64, 128):
+        q = torch.randn(1, 4, 1024, d, device="cuda", dtype=torch.bfloat16)
+        assert flash_triton._traced_forward(q, q, q) is flash_triton._gluon_forward_op
+        assert flash_triton._traced_backward(q, q, q) is flash_triton._gluon_backward_op
+    q = torch.randn(1, 4, 1024, 32, device="cuda", dtype=torch.bfloat16)
     assert flash_triton._traced_backward(q, q, q) is flash_triton.flash_attention_backward_op
 
 
@@ -72,6 +110,61 @@ def test_each_dkdv_variant_matches_reference_gpu(variant, case):
 
 @hopper_only
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[3]}x{c[4]}-w{c[5]}-{c[6]}-{str(c[7])[6:]}")
+@pytest.mark.parametrize("variant", [(d, v) for d in flash_gluon.DQ_VARIANTS for v in flash_gluon.gluon_variants(d)
+                                     if v.kind == "dq"], ids=lambda dv: f"d{dv[0]}-{dv[1].label().replace(' ', '-')}")
+def test_each_dq_variant_matches_reference_and_writes_the_pairs_gpu(variant, case):
+    """dQ of the variant, launched alone, against float64 (within twice plain PyTorch's own error) on the forward's
+    masked cases, and its (-L·log2 e, D) pairs against the `tl` dQ kernel's: the dK/dV kernels read them."""
+    from flashsys.ops.attention import flash_triton
+
+    d, var = variant
+    batch, heads, kv_heads, n_q, n_k, window, layout, dtype = case
+    q, k, v = _inputs(batch, heads, kv_heads, n_q, n_k, d, layout, dtype, seed=n_q + 3 * d)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(d + 1)).to("cuda", dtype)
+    scale = d ** -0.5
+    o, lse = flash_triton.flash_forward_triton(q, k, v, window, scale)
+    g = flash_triton._geometry_of(q.shape, k.shape, q.dtype)
+    dq_tl, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    pairs_tl = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device="cuda")
+    flash_triton._launch_backward(g, q, k, v, o, lse, do, dq_tl, dk, dv, pairs_tl, q, k, window, scale, False)
+    dq = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
+    pairs = torch.full_like(pairs_tl, float("nan"))
+    flash_gluon._launch(var, *(flash_gluon._rank4(t) for t in (q, k, v, do, o, dq)), lse, pairs, window, scale)
+    dq_ref, *_ = run_reference(q, k, v, do, False, scale, torch.float64, window)
+    dq_plain, *_ = run_reference(q, k, v, do, False, scale, dtype, window)
+    err, base, tl_err = rel_err(dq, dq_ref), rel_err(dq_plain, dq_ref), rel_err(dq_tl, dq_ref)
+    assert err <= 2 * max(base, tl_err) + FLOOR[dtype], f"dQ: {err:.3g} vs PyTorch {base:.3g}, tl {tl_err:.3g}"
+    # -L·log2 e is the same product in both kernels; D sums dO·O over the head dim in another order.
+    torch.testing.assert_close(pairs[..., 0], pairs_tl[..., 0], rtol=0, atol=0)
+    torch.testing.assert_close(pairs[..., 1], pairs_tl[..., 1], rtol=1e-5, atol=1e-5)
+
+
+@hopper_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_op_runs_each_gluon_dq_variant_and_matches_reference_gpu(d, monkeypatch):
+    """Through FlashAttention2Triton, with each Gluon dQ variant made the choice in turn (and the `tl` one), every
+    output and gradient matches float64: the pairs it writes feed the dK/dV kernel that runs after it."""
+    from flashsys.ops.attention import FlashAttention2Triton, eager_plans
+
+    monkeypatch.setattr(flash_gluon, "MIN_WORK", 0)
+    q, k, v, do = make_qkv(1, 8, 1536, 1536, d, torch.bfloat16, "cuda", seed=d, kv_heads=2)
+    key = flash_gluon.ChoiceKey.of(q, k, (-1, 0), "dq")
+    try:
+        for variant in flash_gluon.DQ_VARIANTS[d]:
+            eager_plans.backward_plans.clear()  # a plan would replay the previous variant's launch
+            flash_gluon._chosen.clear()
+            flash_gluon._chosen[key] = variant
+            assert_matches_reference(FlashAttention2Triton, q, k, v, do, True, None)
+            assert flash_gluon.chosen_variants()[key] == variant
+    finally:
+        eager_plans.backward_plans.clear()
+        flash_gluon._chosen.clear()
+
+
+@hopper_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("causal", [True, False])
 def test_op_takes_gluon_backward_and_trains_gpu(causal, monkeypatch):
     """Through FlashAttention2Triton a large enough call runs the Gluon dK/dV kernel (its choice is recorded), and
@@ -103,13 +196,13 @@ def test_compiled_op_runs_the_gluon_backward_bit_for_bit_gpu(monkeypatch):
 @pytest.mark.gpu
 def test_stride_zero_do_and_unaligned_do_gpu(monkeypatch):
     """`o.sum().backward()` hands over a stride-0 dO (made dense before the kernels); a dO TMA cannot read keeps the
-    `tl` dK/dV kernel. Both give the reference gradients."""
+    `tl` backward kernels. Both give the reference gradients."""
     from flashsys.ops.attention import FlashAttention2Triton
 
     monkeypatch.setattr(flash_gluon, "MIN_WORK", 0)
     q, k, v, _ = make_qkv(1, 8, 1024, 1024, 128, torch.bfloat16, "cuda", seed=8)
     unaligned = torch.randn(q.numel() + 1, device="cuda", dtype=q.dtype)[1:].view(q.shape)
-    assert flash_gluon.takes(q, k, v) and not flash_gluon.takes_backward(q, k, v, unaligned)
+    assert flash_gluon.takes(q, k, v) and not flash_gluon.takes_backward(q, k, v, q, unaligned)
     stride_zero = torch.ones((), device="cuda", dtype=q.dtype).expand(q.shape)
     assert_matches_reference(FlashAttention2Triton, q, k, v, stride_zero, True, None)
     assert_matches_reference(FlashAttention2Triton, q, k, v, unaligned, True, None)

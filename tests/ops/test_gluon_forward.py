@@ -48,7 +48,7 @@ def test_calls_it_does_not_take_say_why():
 
 
 def test_every_variant_compiles_for_hopper():
-    """Every variant (the forward's and the dK/dV kernel's), causal, full and windowed, with grouped-query K/V and
+    """Every Gluon variant (the forward's, the dK/dV and dQ kernels'), causal, full and windowed, with grouped-query K/V and
     ragged lengths, compiles for sm_90 on this machine's Triton (CI's newest one; a CPU needs no GPU to compile)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     if flash_gluon._kernels() is None:
@@ -59,8 +59,8 @@ def test_every_variant_compiles_for_hopper():
                        env=env, cwd=root)
     assert r.returncode == 0, r.stderr[-3000:]
     compiled = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(compiled) == 3 * sum(len(v) for table in (flash_gluon.VARIANTS, flash_gluon.DKDV_VARIANTS)
-                                    for v in table.values())
+    assert len(compiled) == 3 * sum(len(flash_gluon.gluon_variants(d)) for d in flash_gluon.HEAD_DIMS)
+    assert {label.split()[3] for label in compiled} == {"plain", "pingpong", "dkdv", "dq"}  # every kernel's
     failed = {label: why for label, why in compiled.items() if why != "ok"}
     assert not failed, failed
 
@@ -284,14 +284,16 @@ def test_a_gluon_replay_launches_copies_of_its_descriptors_on_the_new_tensors(re
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
 def test_repeated_gluon_calls_replay_plans_gpu(d, monkeypatch):
-    """Repeated eager calls of a signature the Gluon kernels take (the forward; at D 128 the dK/dV kernel too)
-    replay a plan: no checks, no variant choice, no descriptor validation, and the float64 reference's results on
-    fresh inputs. Rank 3 and a window at D 64 (the replay makes rank-4 views), GQA and causal at D 128."""
+    """Repeated eager calls of a signature the Gluon kernels take (the forward and dQ; at D 128 the dK/dV kernel
+    too) replay a plan: no checks, no variant choice, no descriptor validation, and the float64 reference's results
+    on fresh inputs. Rank 3 and a window at D 64 (the replay makes rank-4 views), GQA and causal at D 128. A Gluon dQ
+    variant is the only dQ candidate here (the `tl` one may win the timing)."""
     from flashsys.ops.attention import FlashAttention2Triton, eager_plans, flash_triton
 
     from .attention_checks import assert_matches_reference, make_qkv, refuse_calls
 
     monkeypatch.setattr(flash_gluon, "MIN_WORK", 0)
+    monkeypatch.setitem(flash_gluon.DQ_VARIANTS, d, flash_gluon.DQ_VARIANTS[d][1:2])
     flash_gluon._chosen.clear()
     eager_plans.forward_plans.clear()
     eager_plans.backward_plans.clear()
@@ -302,7 +304,8 @@ def test_repeated_gluon_calls_replay_plans_gpu(d, monkeypatch):
             assert_matches_reference(FlashAttention2Triton, q, k, v, do, window is None, None, window)
         assert len(eager_plans.forward_plans) == 1 and len(eager_plans.backward_plans) == 1
         kinds = {key.kernel for key in flash_gluon.chosen_variants()}
-        assert kinds == ({"forward"} if d == 64 else {"forward", "dkdv"}), "the Gluon kernels did not run"
+        assert kinds == ({"forward", "dq"} if d == 64 else {"forward", "dq", "dkdv"}), "the Gluon kernels did not run"
+        assert all(var.kind != "tl" for var in flash_gluon.chosen_variants().values())
         refuse_calls(monkeypatch, flash_gluon, "_launch")
         refuse_calls(monkeypatch, flash_triton, "check_attention_inputs", "_planned_backward")
         for seed in range(2, 4):
@@ -311,3 +314,4 @@ def test_repeated_gluon_calls_replay_plans_gpu(d, monkeypatch):
     finally:
         eager_plans.forward_plans.clear()
         eager_plans.backward_plans.clear()
+        flash_gluon._chosen.clear()

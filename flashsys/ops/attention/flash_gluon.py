@@ -6,8 +6,9 @@ sm_90 GPU, a Triton with Gluon's Hopper API (3.6 or later) and TMA-friendly tens
 all of that holds and the `tl` forward (flash_triton) runs every other call: CPUs and the interpreter, other GPUs,
 varlen batches, fp32, head dims other than 64 and 128, strides TMA cannot address. Both write the same O and L.
 
-The backward's dK/dV kernel has a Gluon version too, at D 128 only (at D 64 the `tl` one was faster): it runs after
-the `tl` dQ kernel, which writes the (L, D) pairs both dK/dV kernels read, where `takes_backward` holds.
+Both backward kernels have Gluon versions too, taken where `takes_backward` holds: dQ (D 64 and 128), timed against
+the `tl` dQ kernel since neither wins every cell, and dK/dV (D 128 only; at D 64 the `tl` one was faster). Either
+dQ kernel writes the (L, D) pairs that both dK/dV kernels read after it.
 
 `takes(q, k, v)` says whether a forward goes here; `FLASHSYS_GLUON=0` turns the path off (for A/B timings).
 Each (kernel, head dim, dtype, window bounds, length bucket) picks its variant by timing the candidates on its first
@@ -22,7 +23,7 @@ import functools
 import os
 import statistics
 import warnings
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import triton
@@ -44,8 +45,9 @@ MIN_WORK = 1 << 35
 
 
 class Variant(NamedTuple):
-    """One kernel configuration: "plain" (one warpgroup) or "pingpong" (producer warp + two consumer warpgroups
-    with `regs` registers per thread)."""
+    """One kernel configuration: a forward's "plain" (one warpgroup) or "pingpong" (producer warp + two consumer
+    warpgroups with `regs` registers per thread), a backward's "dkdv" or "dq", or "tl" (the `tl` dQ kernel, timed
+    against the Gluon ones)."""
 
     kind: str
     block_m: int
@@ -54,6 +56,8 @@ class Variant(NamedTuple):
     regs: int = 0
 
     def label(self) -> str:
+        if self.kind == "tl":
+            return "tl dQ kernel"
         extra = f" {self.regs} regs" if self.kind == "pingpong" else ""
         return f"{self.kind} {self.block_m}x{self.block_n} {self.nbuf}buf{extra}"
 
@@ -72,6 +76,23 @@ VARIANTS: dict[int, tuple[Variant, ...]] = {
 DKDV_VARIANTS: dict[int, tuple[Variant, ...]] = {
     128: (Variant("dkdv", 64, 64, 2), Variant("dkdv", 64, 128, 2)),
 }
+
+# The dQ kernel's candidates ("dq": block_m query rows held by block_m // 16 warps, block_n key rows streamed through
+# nbuf buffers), and the `tl` dQ kernel itself: neither wins every cell. On an H100 the best Gluon variant ran
+# 0.90-0.97x the `tl` kernel's time in causal cells (D 128 N 4096, D 64 N 4096-16384) and 0.98-1.07x in full ones
+# (kernel_configs/probe_gluon_dq_h100.txt, two runs), so the `tl` kernel is timed beside them and is the choice
+# without timings. Each listed variant won some cell; 128x128 at D 64 and a third buffer won none.
+TL_DQ = Variant("tl", 0, 0, 0)
+DQ_VARIANTS: dict[int, tuple[Variant, ...]] = {
+    64: (TL_DQ, Variant("dq", 64, 128, 2), Variant("dq", 64, 64, 2), Variant("dq", 128, 64, 2)),
+    128: (TL_DQ, Variant("dq", 64, 64, 2), Variant("dq", 128, 128, 2)),
+}
+
+
+def gluon_variants(head_dim: int) -> tuple[Variant, ...]:
+    """Every Gluon kernel variant at this head dim, forward's, dK/dV's and dQ's (the `tl` candidate left out)."""
+    tables = (VARIANTS, DKDV_VARIANTS, DQ_VARIANTS)
+    return tuple(v for table in tables for v in table.get(head_dim, ()) if v.kind != "tl")
 
 
 # Why this path is off in this process, once it found out: the kernels do not import (a Triton without Gluon's
@@ -156,17 +177,19 @@ def takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
 
 
 def backward_problem(q: Tensor, k: Tensor, v: Tensor) -> str | None:
-    """As `problem`, for the Gluon dK/dV kernel: the forward's conditions and a head dim it has variants for."""
-    if q.shape[-1] not in DKDV_VARIANTS:
-        return f"head dim {q.shape[-1]} (the dK/dV kernel takes {tuple(DKDV_VARIANTS)}; the `tl` one is faster there)"
+    """As `problem`, for the Gluon backward kernels: the forward's conditions and a head dim one of them has variants
+    for (dQ at D 64 and 128, dK/dV at D 128)."""
+    if q.shape[-1] not in DKDV_VARIANTS and q.shape[-1] not in DQ_VARIANTS:
+        return f"head dim {q.shape[-1]} (the Gluon backward kernels take {tuple(DQ_VARIANTS)})"
     return problem(q, k, v)
 
 
-def takes_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor) -> bool:
-    """Whether the Gluon dK/dV kernel runs this backward (the `tl` dQ kernel runs first either way): where
-    `backward_problem` finds nothing, with 16-byte-aligned tensors and a dO that TMA can read."""
-    return (backward_problem(q, k, v) is None and _tma_strides_ok(do)
-            and all(t.data_ptr() % 16 == 0 for t in (q, k, v, do)))
+def takes_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor) -> bool:
+    """Whether the Gluon backward kernels may run this backward (`backward_dq` and `backward_dkdv` then say whether
+    each did): where `backward_problem` finds nothing, with 16-byte-aligned tensors and an O and a dO that TMA can
+    read."""
+    return (backward_problem(q, k, v) is None and _tma_strides_ok(do) and _tma_strides_ok(o)
+            and all(t.data_ptr() % 16 == 0 for t in (q, k, v, o, do)))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -229,9 +252,26 @@ def _dkdv_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, do4
     return _kernels().attention_backward_dkdv, (triton.cdiv(n_k, n) * batch * kv_heads,), args, kwargs
 
 
+def _dq_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, do4: Tensor, o4: Tensor, dq4: Tensor,
+                     lse: Tensor, lse_delta: Tensor, window: tuple[int, int], scale: float) -> tuple:
+    """As `_launch_parts`, for the dQ kernel."""
+    batch, n_heads, n_q, d = q4.shape
+    kv_heads, n_k = k4.shape[1], k4.shape[2]
+    m, n = variant.block_m, variant.block_n
+    args = (_descriptor(q4, m), _descriptor(k4, n), _descriptor(v4, n), _descriptor(do4, m), _descriptor(o4, m),
+            _descriptor(dq4, m), lse, lse_delta, batch * n_heads, n_heads, n_heads // kv_heads, n_q, n_k, window[0],
+            window[1], scale * LOG2E, scale)
+    kwargs = dict(HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n, BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0,
+                  NBUF=variant.nbuf, num_warps=m // 16)
+    return _kernels().attention_backward_dq, (triton.cdiv(n_q, m) * batch * n_heads,), args, kwargs
+
+
+_LAUNCH_PARTS = {"dkdv": _dkdv_launch_parts, "dq": _dq_launch_parts}
+
+
 def _launch(variant: Variant, *tensors_and_scalars):
     """Launch `variant`; returns (the compiled kernel, its grid, every parameter's value in signature order)."""
-    parts = _dkdv_launch_parts if variant.kind == "dkdv" else _launch_parts
+    parts = _LAUNCH_PARTS.get(variant.kind, _launch_parts)
     kernel, grid, args, kwargs = parts(variant, *tensors_and_scalars)
     compiled = kernel[grid](*args, **kwargs)
     return compiled, grid, (*args, *(kwargs[name] for name in kernel.arg_names[len(args):]))
@@ -286,11 +326,15 @@ def compile_only(variant: Variant, q: Tensor, k: Tensor, v: Tensor, window: tupl
     stand-in driver that names sm_90, as the CPU tests do). Returns the compiled kernel."""
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    lse_delta = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device=q.device)
     if variant.kind == "dkdv":
-        lse_delta = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device=q.device)
         tensors = (q, k, v, q, torch.empty_like(k), torch.empty_like(v))
         kernel, _, args, kwargs = _dkdv_launch_parts(variant, *(_rank4(t) for t in tensors), lse_delta, window,
                                                      scale)
+    elif variant.kind == "dq":
+        tensors = (q, k, v, q, o, torch.empty_like(q))
+        kernel, _, args, kwargs = _dq_launch_parts(variant, *(_rank4(t) for t in tensors), lse, lse_delta, window,
+                                                   scale)
     else:
         kernel, _, args, kwargs = _launch_parts(variant, *(_rank4(t) for t in (q, k, v, o)), lse, window, scale)
     return kernel.warmup(*args, **kwargs, grid=(1,))
@@ -310,7 +354,7 @@ class ChoiceKey(NamedTuple):
         return cls(q4.shape[3], q4.dtype, window[1] >= 0, window[0] >= 0, bucket, kernel)
 
     def candidates(self) -> tuple[Variant, ...]:
-        return (VARIANTS if self.kernel == "forward" else DKDV_VARIANTS)[self.head_dim]
+        return {"forward": VARIANTS, "dkdv": DKDV_VARIANTS, "dq": DQ_VARIANTS}[self.kernel][self.head_dim]
 
 
 _chosen: dict[ChoiceKey, Variant] = {}
@@ -385,8 +429,8 @@ def _choose(key: ChoiceKey, run) -> Variant | None:
 
 
 class Launched(NamedTuple):
-    """What `forward` and `backward_dkdv` did: whether a Gluon kernel ran, and if so the launch as eager_plans
-    records it (a GluonReplay and the call's tensors it takes; None where it cannot be replayed)."""
+    """What `forward`, `backward_dq` and `backward_dkdv` did: whether a Gluon kernel ran, and if so the launch as
+    eager_plans records it (a GluonReplay and the call's tensors it takes; None where it cannot be replayed)."""
 
     ran: bool
     recorded: Recorded | None = None
@@ -398,24 +442,40 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, window: tup
     the `tl` forward takes it ((left, right), -1 unbounded; causal (-1, 0)). Not `ran` where no variant runs here
     (the caller runs the `tl` forward)."""
     q4, k4, v4, o4 = (_rank4(t) for t in (q, k, v, o))
-    return _run(ChoiceKey.of(q4, k4, window, "forward"), (q, k, v, o, lse), q4, k4, v4, o4, lse, window, scale)
+    return _run(ChoiceKey.of(q4, k4, window, "forward"), (q, k, v, o, lse), None, q4, k4, v4, o4, lse, window, scale)
+
+
+def backward_dq(q: Tensor, k: Tensor, v: Tensor, do: Tensor, o: Tensor, dq: Tensor, lse: Tensor, lse_delta: Tensor,
+                window: tuple[int, int], scale: float, run_tl: Callable[[], object]) -> Launched:
+    """Write dQ (dense, shaped like q) and the (-L * log2 e, D) pairs ((*q.shape[:-1], 2) float32, dense) that the
+    dK/dV kernels read, for inputs `takes_backward` accepted. Not `ran` where the `tl` dQ kernel is the choice or
+    the head dim has no Gluon dQ kernel: the caller runs it. `run_tl()` launches the `tl` kernel on these tensors,
+    for the choice's timings."""
+    if q.shape[-1] not in DQ_VARIANTS:
+        return Launched(False)
+    q4, k4, v4, do4, o4, dq4 = (_rank4(t) for t in (q, k, v, do, o, dq))
+    return _run(ChoiceKey.of(q4, k4, window, "dq"), (q, k, v, do, o, dq, lse, lse_delta), run_tl, q4, k4, v4, do4,
+                o4, dq4, lse, lse_delta, window, scale)
 
 
 def backward_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse_delta: Tensor, dk: Tensor, dv: Tensor,
                   window: tuple[int, int], scale: float) -> Launched:
-    """Write dK and dV (dense, shaped like k and v) for inputs `takes_backward` accepted, after the `tl` dQ kernel
-    wrote lse_delta ((*q.shape[:-1], 2) float32, dense). Not `ran` where no variant runs here (the caller runs the
-    `tl` dK/dV kernel)."""
+    """Write dK and dV (dense, shaped like k and v) for inputs `takes_backward` accepted, after a dQ kernel wrote
+    lse_delta ((*q.shape[:-1], 2) float32, dense). Not `ran` where no variant runs here or the head dim has no
+    Gluon dK/dV kernel (the caller runs the `tl` dK/dV kernel)."""
+    if q.shape[-1] not in DKDV_VARIANTS:
+        return Launched(False)
     q4, k4, v4, do4, dk4, dv4 = (_rank4(t) for t in (q, k, v, do, dk, dv))
-    return _run(ChoiceKey.of(q4, k4, window, "dkdv"), (q, k, v, do, dk, dv, lse_delta), q4, k4, v4, do4, dk4, dv4,
-                lse_delta, window, scale)
+    return _run(ChoiceKey.of(q4, k4, window, "dkdv"), (q, k, v, do, dk, dv, lse_delta), None, q4, k4, v4, do4, dk4,
+                dv4, lse_delta, window, scale)
 
 
-def _run(key: ChoiceKey, tensors: tuple[Tensor, ...], *tensors_and_scalars) -> Launched:
+def _run(key: ChoiceKey, tensors: tuple[Tensor, ...], run_tl: Callable[[], object] | None,
+         *tensors_and_scalars) -> Launched:
     """Launch `key`'s variant (chosen on the first call) on these arguments, whose first parameters (descriptors
-    or tensors) are made from `tensors`, in order."""
-    variant = _choose(key, lambda var: _launch(var, *tensors_and_scalars))
-    if variant is None:
+    or tensors) are made from `tensors`, in order. `run_tl` launches the `tl` kernel where that is a candidate."""
+    variant = _choose(key, lambda var: run_tl() if var.kind == "tl" else _launch(var, *tensors_and_scalars))
+    if variant is None or variant.kind == "tl":
         return Launched(False)
     compiled, grid, params = _launch(variant, *tensors_and_scalars)
     if torch.cuda.is_current_stream_capturing() or not GluonReplay.recordable(params, len(tensors)):

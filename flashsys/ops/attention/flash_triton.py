@@ -1,8 +1,9 @@
 """FlashAttention-2 in Triton: forward kernel, atomic-free backward kernels, autotune configs, autograd.Function.
 
 Layout of this file (after Liger-Kernel): kernels, then autotune configs, then host launchers, then the
-`torch.autograd.Function`. The pure-PyTorch twin of every kernel is in `flash_torch.py`. On Hopper the forward of a
-large call runs the Gluon kernels instead (`flash_gluon.py` says which calls); the backward is always these kernels.
+`torch.autograd.Function`. The pure-PyTorch twin of every kernel is in `flash_torch.py`. On Hopper a large call may
+run Gluon kernels instead (`flash_gluon.py` says which calls and how each is chosen): the forward, and either
+backward kernel where its Gluon version timed faster.
 
 Choices that pay (each measured in benchmarks/results/kernel_experiments.md, with the ones that did not):
 - Scores are computed in the log2 domain: log2(e) is folded into the softmax scale so the kernels call
@@ -917,11 +918,11 @@ def _planned_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, d
                       scale: float, traced: bool = False
                       ) -> tuple[Tensor, Tensor, Tensor, eager_plans.BackwardPlan | None]:
     """flash_backward_triton for a dense dO, and the plan that replays it (as `_planned_forward`). Where the Gluon
-    dK/dV kernel takes the call (Hopper, flash_gluon.takes_backward) it runs after the `tl` dQ kernel."""
+    backward kernels take the call (Hopper, flash_gluon.takes_backward), each runs where it is the choice."""
     g = _geometry_of(q.shape, k.shape, q.dtype) if traced else _cached_geometry(q.shape, k.shape, q.dtype)
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     lse_delta = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device=q.device)
-    gluon = not traced and flash_gluon.takes_backward(q, k, v, do)
+    gluon = not traced and flash_gluon.takes_backward(q, k, v, o, do)
     recorded = _launch_backward(g, q, k, v, o, lse, do, dq, dk, dv, lse_delta, q, k, window, scale, traced, gluon)
     replays = None if traced else eager_plans.replays(recorded, (q, k, v, o, lse, do, dq, dk, dv, lse_delta))
     plan = None if replays is None else eager_plans.BackwardPlan(tuple(lse_delta.shape), replays)
@@ -952,8 +953,16 @@ def _launch_backward(g: _Geometry, q, k, v, o, lse, do, dq, dk, dv, lse_delta, c
     dq_named, dkdv_named = backward_arguments(g, q, k, v, o, lse, do, dq, dk, dv, lse_delta, cu_q, cu_k, window,
                                               scale)
     launch = _launch_traced if traced else _launch_eager
+
+    def launch_dq():
+        return launch("dq", _bwd_dq_kernels, g, window, _tile_grid(g.grid_q, "BLOCK_M", g.n_bh), dq_named)
+
     # dQ first: it writes the (-L*log2e, D) pairs that the dK/dV kernel reads.
-    dq_launch = launch("dq", _bwd_dq_kernels, g, window, _tile_grid(g.grid_q, "BLOCK_M", g.n_bh), dq_named)
+    if gluon and (launched := flash_gluon.backward_dq(q, k, v, do, o, dq, lse, lse_delta, window, scale,
+                                                      launch_dq)).ran:
+        dq_launch = launched.recorded
+    else:
+        dq_launch = launch_dq()
     if gluon and (launched := flash_gluon.backward_dkdv(q, k, v, do, lse_delta, dk, dv, window, scale)).ran:
         return [dq_launch, launched.recorded]
     # One dK/dV program per key tile and K/V head: it sums the query heads of its group itself.
@@ -1116,8 +1125,8 @@ def _traced_forward(q: Tensor, k: Tensor, v: Tensor):
 
 
 def _traced_backward(q: Tensor, k: Tensor, v: Tensor):
-    """The op a traced backward runs: as `_traced_forward`, for the Gluon dK/dV kernel (the Gluon op's body checks dO
-    and the addresses, and runs the `tl` kernels where they fail)."""
+    """The op a traced backward runs: as `_traced_forward`, for the Gluon backward kernels (the Gluon op's body checks
+    O, dO and the addresses, and runs the `tl` kernels where they fail)."""
     if q.device.type != "cuda":
         return _interpreted_backward_op
     return _gluon_backward_op if flash_gluon.backward_problem(q, k, v) is None else flash_attention_backward_op

@@ -1,5 +1,5 @@
-"""The FlashAttention forward, and the backward's dK/dV kernel, for Hopper GPUs (sm_90), written in Gluon, Triton's
-lower-level language.
+"""The FlashAttention forward, and the backward's dQ and dK/dV kernels, for Hopper GPUs (sm_90), written in Gluon,
+Triton's lower-level language.
 
 Importing this module needs a Triton with Gluon's Hopper API (3.6 or later); `flash_gluon` imports it only
 where that is so. The host side (which inputs take these kernels, the variants, tuning) is in `flash_gluon.py`.
@@ -25,6 +25,8 @@ not a multiple of the tile (TMA reads zeros past the end and clips the stores), 
 - `attention_backward_dkdv`: dK and dV with the same overlap on transposed scores (see its docstring), for the same
   inputs, after the `tl` dQ kernel. Unlike the forward it drains its products at the end of every tile: with any
   left in flight across the loop's back edge, ptxas serialises every wgmma (kernel_experiments.md, stop 29).
+- `attention_backward_dq`: dQ with the same overlap (S and dP issued together, P under dP, drained per tile); it
+  writes the (-L·log2 e, D) pairs the dK/dV kernels read, as the `tl` dQ kernel does (kernel_experiments.md, stop 31).
 """
 
 from __future__ import annotations
@@ -451,4 +453,106 @@ def attention_backward_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
     fence_async_shared()
     _tma_store(dk_desc, [b, h_kv, start_n, 0], k_box)
     _tma_store(dv_desc, [b, h_kv, start_n, 0], v_box)
+    tma.store_wait(0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Backward: dQ
+# ----------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def attention_backward_dq(q_desc, k_desc, v_desc, do_desc, o_desc, dq_desc, L, LseDelta, n_bh, n_heads, kv_group,
+                          n_q, n_k, window_left, window_right, qk_scale, softmax_scale, HEAD_DIM: gl.constexpr,
+                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr,
+                          BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr):
+    """One program = one query tile (BLOCK_M rows; BLOCK_M // 16 warps) of one (batch, head): dQ over the key tiles
+    it sees, which stream through NBUF K/V buffers. It also writes LseDelta[row] = (-L * log2 e, rowsum(dO * O)),
+    (B, H, Nq, 2) float32, which the dK/dV kernel reads after it: the `tl` dQ kernel's contract.
+
+    Per key tile: S = Q Kᵀ and dP = dO Vᵀ issued together; wait for S only; P = exp2(S·scale - L) runs while dP is
+    on the tensor cores; wait for dP; dS = P (dP - D); dQ += dS K issued and drained (nothing may stay in flight
+    across the loop's back edge, see the dK/dV kernel); the tile's buffers take tile t + NBUF.
+    """
+    WARPS: gl.constexpr = BLOCK_M // 16
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N, WARPS)
+    acc_layout: gl.constexpr = _mma_layout(HEAD_DIM, WARPS)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    dtype: gl.constexpr = q_desc.dtype
+
+    pid_m, bh, b, h, h_kv = _program_tile(n_bh, n_heads, kv_group, BOUND_RIGHT)
+    start_m = pid_m * BLOCK_M
+    right_offset = n_k - n_q + window_right
+    left_offset = n_k - n_q - window_left
+    lo, full_lo, full_hi, hi = _key_tile_range(start_m, n_k, right_offset, left_offset, BLOCK_M, BLOCK_N, BOUND_RIGHT,
+                                               BOUND_LEFT)
+    n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+
+    q_box = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_box = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
+    o_box = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], o_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    qo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(qo_bar, count=1)
+    for i in gl.static_range(NBUF):
+        mbarrier.init(k_bar.index(i), count=1)
+        mbarrier.init(v_bar.index(i), count=1)
+    fence_async_shared()
+
+    mbarrier.expect(qo_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes + o_desc.block_type.nbytes)
+    _tma_load(q_desc, [b, h, start_m, 0], qo_bar, q_box)
+    _tma_load(do_desc, [b, h, start_m, 0], qo_bar, do_box)
+    _tma_load(o_desc, [b, h, start_m, 0], qo_bar, o_box)
+    for i in gl.static_range(NBUF):
+        _load_pair(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, lo + i * BLOCK_N, i, i < n_tiles)
+
+    # L and D of this tile's rows, and the pairs for the dK/dV kernel (rows past n_q: L = 0, D = 0, not stored).
+    offs_m = start_m + gl.arange(0, BLOCK_M, layout=rows_layout)
+    row_ok = offs_m < n_q
+    lse = gl.load(L + bh.to(gl.int64) * n_q + offs_m, mask=row_ok, other=0.0)
+    neg_lse2 = gl.where(lse == float("-inf"), 0.0, lse * -1.4426950408889634)  # a row that sees no key: all masked
+    q_tile = _tile(q_box, BLOCK_M, HEAD_DIM)
+    do_tile = _tile(do_box, BLOCK_M, HEAD_DIM)
+    mbarrier.wait(qo_bar, 0)
+    o = _tile(o_box, BLOCK_M, HEAD_DIM).load(io_layout).to(gl.float32)
+    delta = gl.convert_layout(gl.sum(o * do_tile.load(io_layout).to(gl.float32), axis=1), rows_layout)
+    pairs = LseDelta + (bh.to(gl.int64) * n_q + offs_m) * 2
+    gl.store(pairs, neg_lse2, mask=row_ok)
+    gl.store(pairs + 1, delta, mask=row_ok)
+
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=acc_layout)
+    for t in range(n_tiles):
+        slot = t % NBUF
+        phase = (t // NBUF) & 1
+        k_tile = _tile(k_smem.index(slot), BLOCK_N, HEAD_DIM)
+        v_tile = _tile(v_smem.index(slot), BLOCK_N, HEAD_DIM)
+        mbarrier.wait(k_bar.index(slot), phase)
+        s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_bar.index(slot), phase)
+        dp_tok = warpgroup_mma(do_tile, v_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=[s_tok])  # dP may still run
+        s = _masked_scores(s, offs_m, lo + t * BLOCK_N, n_k, right_offset, left_offset, full_lo, full_hi, BLOCK_N,
+                           BOUND_RIGHT, BOUND_LEFT)
+        p = gl.exp2(s * qk_scale + neg_lse2[:, None])
+        dp = warpgroup_mma_wait(0, deps=[dp_tok])
+        ds = p * (dp - delta[:, None])
+        dq_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), k_tile, dq, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=[dq_tok])
+        _load_pair(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, lo + (t + NBUF) * BLOCK_N, slot,
+                   t + NBUF < n_tiles)
+
+    mbarrier.invalidate(qo_bar)
+    for i in gl.static_range(NBUF):
+        mbarrier.invalidate(k_bar.index(i))
+        mbarrier.invalidate(v_bar.index(i))
+    # Q is no longer read: its box stages the store (TMA clips rows past n_q).
+    q_tile.store((dq * softmax_scale).to(dtype))
+    fence_async_shared()
+    _tma_store(dq_desc, [b, h, start_m, 0], q_box)
     tma.store_wait(0)
