@@ -79,9 +79,10 @@ DKDV_VARIANTS: dict[int, tuple[Variant, ...]] = {
 
 # The dQ kernel's candidates ("dq": block_m query rows held by block_m // 16 warps, block_n key rows streamed through
 # nbuf buffers), and the `tl` dQ kernel itself: neither wins every cell. On an H100 the best Gluon variant ran
-# 0.90-0.97x the `tl` kernel's time in causal cells (D 128 N 4096, D 64 N 4096-16384) and 0.98-1.07x in full ones
-# (kernel_configs/probe_gluon_dq_h100.txt, two runs), so the `tl` kernel is timed beside them and is the choice
-# without timings. Each listed variant won some cell; 128x128 at D 64 and a third buffer won none.
+# 0.90-1.02x the `tl` kernel's time in causal cells and 0.98-1.07x in full ones, over three runs
+# (kernel_configs/probe_gluon_dq_h100.txt, probe_gluon_dq_choice_h100.txt), so the `tl` kernel is timed beside
+# them and is the choice without timings. Each listed variant won some cell; 128x128 at D 64 and a third buffer
+# won none.
 TL_DQ = Variant("tl", 0, 0, 0)
 DQ_VARIANTS: dict[int, tuple[Variant, ...]] = {
     64: (TL_DQ, Variant("dq", 64, 128, 2), Variant("dq", 64, 64, 2), Variant("dq", 128, 64, 2)),
