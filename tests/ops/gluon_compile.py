@@ -3,17 +3,23 @@ and print what each compiled to as one JSON line ({variant and mask: "ok" or the
 test_gluon_forward (a stand-in driver replaces Triton's for the whole process), or by hand:
 
     python -m tests.ops.gluon_compile
+
+`scripts/gluon_ptx.py` compiles the same set to compare two versions' PTX.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 
 import torch
 
 
-def main() -> None:
+def compiled_variants() -> Iterator[tuple[str, object]]:
+    """(label, compiled kernel or the exception its compile raised) of every Gluon variant at each head dim and mask
+    kind, on grouped-query K/V, Nq != Nk and lengths that are no multiple of a tile: the shapes the kernels mask.
+    Installs the stand-in sm_90 driver where there is no GPU."""
     assert not os.environ.get("TRITON_INTERPRET"), "compiling needs Triton's compiler, not the interpreter"
     from flashsys.ops.attention import flash_gluon
 
@@ -22,20 +28,21 @@ def main() -> None:
 
         _fake_cuda_driver()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    compiled = {}
     for d in flash_gluon.HEAD_DIMS:
-        variants = flash_gluon.gluon_variants(d)
-        # Grouped-query K/V, Nq != Nk and lengths that are no multiple of a tile: the shapes the kernels mask.
         q = torch.randn(2, 4, 300, d, dtype=torch.bfloat16, device=device)
         k = torch.randn(2, 2, 200, d, dtype=torch.bfloat16, device=device)
         for mask, window in (("causal", (-1, 0)), ("full", (-1, -1)), ("window", (64, 16))):
-            for variant in variants:
+            for variant in flash_gluon.gluon_variants(d):
                 label = f"D {d} {mask} {variant.label()}"
                 try:
-                    flash_gluon.compile_only(variant, q, k, k, window, 0.125)
-                    compiled[label] = "ok"
-                except Exception as exc:  # noqa: BLE001  the test shows which one failed and why
-                    compiled[label] = f"{type(exc).__name__}: {str(exc)[-1500:]}"
+                    yield label, flash_gluon.compile_only(variant, q, k, k, window, 0.125)
+                except Exception as exc:  # noqa: BLE001  the caller shows which one failed and why
+                    yield label, exc
+
+
+def main() -> None:
+    compiled = {label: "ok" if not isinstance(kernel, Exception) else f"{type(kernel).__name__}: {str(kernel)[-1500:]}"
+                for label, kernel in compiled_variants()}
     print(json.dumps(compiled))
 
 

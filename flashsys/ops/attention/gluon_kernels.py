@@ -55,6 +55,21 @@ def _program_tile(n_bh, n_heads, kv_group, HEAVIEST_FIRST: gl.constexpr):
 
 
 @gluon.jit
+def _query_program(n_bh, n_heads, kv_group, n_q, n_k, window_left, window_right, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr):
+    """Where a program over one query tile (the forwards, dQ) starts: (flat batch*head, batch, head, K/V head, first
+    query row, right offset, left offset, lo, full_lo, full_hi, hi). Query i sees key j iff
+    i + left_offset <= j <= i + right_offset; the key range is `_key_tile_range`'s."""
+    pid_m, bh, b, h, h_kv = _program_tile(n_bh, n_heads, kv_group, BOUND_RIGHT)
+    start_m = pid_m * BLOCK_M
+    right_offset = n_k - n_q + window_right
+    left_offset = n_k - n_q - window_left
+    lo, full_lo, full_hi, hi = _key_tile_range(start_m, n_k, right_offset, left_offset, BLOCK_M, BLOCK_N, BOUND_RIGHT,
+                                               BOUND_LEFT)
+    return bh, b, h, h_kv, start_m, right_offset, left_offset, lo, full_lo, full_hi, hi
+
+
+@gluon.jit
 def _masked_scores(s, offs_m, kn, n_k, right_offset, left_offset, lo_full, hi_full, BLOCK_N: gl.constexpr,
                    BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr):
     """S of the key tile starting at kn, with the keys a query may not see at -inf; a tile inside
@@ -90,6 +105,31 @@ def _load_pair(a_desc, b_desc, a_smem, b_smem, a_bar, b_bar, batch, head, row, s
     _tma_load(a_desc, [batch, head, row, 0], a_bar.index(slot), a_smem.index(slot), pred=pred)
     mbarrier.expect(b_bar.index(slot), b_desc.block_type.nbytes, pred=pred)
     _tma_load(b_desc, [batch, head, row, 0], b_bar.index(slot), b_smem.index(slot), pred=pred)
+
+
+@gluon.jit
+def _stream_buffers(a_desc, b_desc, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, NBUF: gl.constexpr):
+    """(a buffers, b buffers, a barriers, b barriers): NBUF shared-memory buffers for each of two tiles that stream
+    through a kernel together (K and V; the dK/dV kernel's Q and dO), one barrier each, initialised (`_load_pair`
+    fills a slot)."""
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [NBUF, 1, 1, ROWS, HEAD_DIM], a_desc.layout)
+    b_smem = gl.allocate_shared_memory(b_desc.dtype, [NBUF, 1, 1, ROWS, HEAD_DIM], b_desc.layout)
+    a_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    b_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NBUF):
+        mbarrier.init(a_bar.index(i), count=1)
+        mbarrier.init(b_bar.index(i), count=1)
+    return a_smem, b_smem, a_bar, b_bar
+
+
+@gluon.jit
+def _invalidate_barriers(one_bar, a_bar, b_bar, NBUF: gl.constexpr):
+    """Invalidate a kernel's barriers before their shared memory is reused: the single one of its resident tiles,
+    and the two rings of `_stream_buffers`."""
+    mbarrier.invalidate(one_bar)
+    for i in gl.static_range(NBUF):
+        mbarrier.invalidate(a_bar.index(i))
+        mbarrier.invalidate(b_bar.index(i))
 
 
 @gluon.jit
@@ -204,24 +244,14 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, L, n_bh, n_heads, kv_group
     L is (B, H, Nq) float32, contiguous; window bounds as the `tl` forward takes them (-1: unbounded)."""
     dtype: gl.constexpr = q_desc.dtype
 
-    pid_m, bh, b, h, h_kv = _program_tile(n_bh, n_heads, kv_group, BOUND_RIGHT)
-    start_m = pid_m * BLOCK_M
-    right_offset = n_k - n_q + window_right  # query i sees key j iff i + left_offset <= j <= i + right_offset
-    left_offset = n_k - n_q - window_left
-    lo, full_lo, full_hi, hi = _key_tile_range(start_m, n_k, right_offset, left_offset, BLOCK_M, BLOCK_N, BOUND_RIGHT,
-                                               BOUND_LEFT)
+    bh, b, h, h_kv, start_m, right_offset, left_offset, lo, full_lo, full_hi, hi = _query_program(
+        n_bh, n_heads, kv_group, n_q, n_k, window_left, window_right, BLOCK_M, BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
 
     q_box = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    v_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(NBUF):
-        mbarrier.init(k_bar.index(i), count=1)
-        mbarrier.init(v_bar.index(i), count=1)
+    k_smem, v_smem, k_bar, v_bar = _stream_buffers(k_desc, v_desc, BLOCK_N, HEAD_DIM, NBUF)
     fence_async_shared()
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
@@ -235,10 +265,7 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, L, n_bh, n_heads, kv_group
                             full_lo, full_hi, n_k, right_offset, left_offset, qk_scale, k_desc, v_desc, b, h_kv, None,
                             None, 0, BLOCK_M, HEAD_DIM, BLOCK_N, NBUF, BOUND_RIGHT, BOUND_LEFT, False)
 
-    mbarrier.invalidate(q_bar)
-    for i in gl.static_range(NBUF):
-        mbarrier.invalidate(k_bar.index(i))
-        mbarrier.invalidate(v_bar.index(i))
+    _invalidate_barriers(q_bar, k_bar, v_bar, NBUF)
     _store_out(acc, m_i, l_i, offs_m, L + bh.to(gl.int64) * n_q, n_q, o_desc, b, h, start_m, q_box, BLOCK_M,
                HEAD_DIM)
 
@@ -286,12 +313,8 @@ def attention_forward_pingpong(q_desc, k_desc, v_desc, o_desc, L, n_bh, n_heads,
     key tiles and ping-pong (see _pingpong_consumer). q_desc and o_desc have BLOCK_M // 2-row boxes."""
     HALF_M: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = q_desc.dtype
-    pid_m, bh, b, h, h_kv = _program_tile(n_bh, n_heads, kv_group, BOUND_RIGHT)
-    start_m = pid_m * BLOCK_M
-    right_offset = n_k - n_q + window_right
-    left_offset = n_k - n_q - window_left
-    lo, full_lo, full_hi, hi = _key_tile_range(start_m, n_k, right_offset, left_offset, BLOCK_M, BLOCK_N, BOUND_RIGHT,
-                                               BOUND_LEFT)
+    bh, b, h, h_kv, start_m, right_offset, left_offset, lo, full_lo, full_hi, hi = _query_program(
+        n_bh, n_heads, kv_group, n_q, n_k, window_left, window_right, BLOCK_M, BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
     L = L + bh.to(gl.int64) * n_q
     q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, HALF_M, HEAD_DIM], q_desc.layout)
@@ -385,15 +408,9 @@ def attention_backward_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
 
     k_box = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_box = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    do_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(NBUF):
-        mbarrier.init(q_bar.index(i), count=1)
-        mbarrier.init(do_bar.index(i), count=1)
+    q_smem, do_smem, q_bar, do_bar = _stream_buffers(q_desc, do_desc, BLOCK_M, HEAD_DIM, NBUF)
     fence_async_shared()
 
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -443,10 +460,7 @@ def attention_backward_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
         h_r, row_r = _query_tile(j + NBUF, n_m_tiles, lo, h_kv, kv_group, BLOCK_M)
         _load_pair(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, b, h_r, row_r, slot, j + NBUF < n_iter)
 
-    mbarrier.invalidate(kv_bar)
-    for i in gl.static_range(NBUF):
-        mbarrier.invalidate(q_bar.index(i))
-        mbarrier.invalidate(do_bar.index(i))
+    _invalidate_barriers(kv_bar, q_bar, do_bar, NBUF)
     # K and V are no longer read: their boxes stage the stores (TMA clips rows past n_k).
     k_tile.store((dk * softmax_scale).to(dtype))
     v_tile.store(dv.to(dtype))
@@ -482,26 +496,16 @@ def attention_backward_dq(q_desc, k_desc, v_desc, do_desc, o_desc, dq_desc, L, L
     io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     dtype: gl.constexpr = q_desc.dtype
 
-    pid_m, bh, b, h, h_kv = _program_tile(n_bh, n_heads, kv_group, BOUND_RIGHT)
-    start_m = pid_m * BLOCK_M
-    right_offset = n_k - n_q + window_right
-    left_offset = n_k - n_q - window_left
-    lo, full_lo, full_hi, hi = _key_tile_range(start_m, n_k, right_offset, left_offset, BLOCK_M, BLOCK_N, BOUND_RIGHT,
-                                               BOUND_LEFT)
+    bh, b, h, h_kv, start_m, right_offset, left_offset, lo, full_lo, full_hi, hi = _query_program(
+        n_bh, n_heads, kv_group, n_q, n_k, window_left, window_right, BLOCK_M, BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
     n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
 
     q_box = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_box = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
     o_box = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], o_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
     qo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    v_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     mbarrier.init(qo_bar, count=1)
-    for i in gl.static_range(NBUF):
-        mbarrier.init(k_bar.index(i), count=1)
-        mbarrier.init(v_bar.index(i), count=1)
+    k_smem, v_smem, k_bar, v_bar = _stream_buffers(k_desc, v_desc, BLOCK_N, HEAD_DIM, NBUF)
     fence_async_shared()
 
     mbarrier.expect(qo_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes + o_desc.block_type.nbytes)
@@ -547,10 +551,7 @@ def attention_backward_dq(q_desc, k_desc, v_desc, do_desc, o_desc, dq_desc, L, L
         _load_pair(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, lo + (t + NBUF) * BLOCK_N, slot,
                    t + NBUF < n_tiles)
 
-    mbarrier.invalidate(qo_bar)
-    for i in gl.static_range(NBUF):
-        mbarrier.invalidate(k_bar.index(i))
-        mbarrier.invalidate(v_bar.index(i))
+    _invalidate_barriers(qo_bar, k_bar, v_bar, NBUF)
     # Q is no longer read: its box stages the store (TMA clips rows past n_q).
     q_tile.store((dq * softmax_scale).to(dtype))
     fence_async_shared()

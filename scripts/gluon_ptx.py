@@ -1,0 +1,93 @@
+"""Whether a source change altered the Gluon kernels' machine code, answered without a GPU.
+
+Compiles every Gluon variant at each head dim and mask kind for sm_90 (as the CPU compile test does, under a stand-in
+driver), writes each kernel's PTX without its debug information (line numbers move with any edit), and compares two
+such dumps:
+
+    python scripts/gluon_ptx.py dump /tmp/before        # at the old code
+    python scripts/gluon_ptx.py dump /tmp/after         # at the new code
+    python scripts/gluon_ptx.py compare /tmp/before /tmp/after
+
+Each kernel is `identical`, `reordered` (the same instructions, registers renamed, in another order: read the diff
+to see that the order does not matter, e.g. barrier initialisations before a fence) or `differs` (lines changed).
+Run it under each Triton the kernels must work on (PYTHONPATH pointing at another Triton's install works).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _code_lines(ptx: str) -> list[str]:
+    """PTX without comments, `.loc`/`.file` lines, debug labels and the debug sections that follow the code."""
+    lines = []
+    for line in ptx.splitlines():
+        stripped = line.strip()
+        if stripped.startswith(".section") and "debug" in stripped:
+            break
+        if stripped.startswith(("//", ".loc", ".file")) or re.match(r"\$L__(tmp|func|info)", stripped):
+            continue
+        lines.append(re.sub(r"\$L__tmp\d+", "$L__tmp", line))
+    return lines
+
+
+def dump(out: Path) -> int:
+    import triton
+
+    from tests.ops.gluon_compile import compiled_variants
+
+    out.mkdir(parents=True, exist_ok=True)
+    failed = 0
+    for label, kernel in compiled_variants():
+        name = label.replace(" ", "_")
+        if isinstance(kernel, Exception):
+            failed += 1
+            print(f"{name}: {type(kernel).__name__}: {str(kernel)[-500:]}")
+            continue
+        (out / f"{name}.ptx").write_text("\n".join(_code_lines(kernel.asm["ptx"])) + "\n")
+        print(f"{name}: {kernel.metadata.shared} bytes of shared memory")
+    print(f"triton {triton.__version__}: {failed} failed to compile")
+    return 1 if failed else 0
+
+
+def compare(before: Path, after: Path) -> int:
+    names = sorted({p.name for p in before.glob("*.ptx")} | {p.name for p in after.glob("*.ptx")})
+    verdicts = collections.Counter()
+    for name in names:
+        if not (before / name).exists() or not (after / name).exists():
+            verdict = "only in " + (str(before) if (before / name).exists() else str(after))
+        else:
+            a, b = ((d / name).read_text().splitlines() for d in (before, after))
+            if a == b:
+                verdict = "identical"
+            else:
+                unnamed = [collections.Counter(re.sub(r"%[a-z]+\d+", "%reg", line) for line in lines)
+                           for lines in (a, b)]
+                changed = sum(((unnamed[0] - unnamed[1]) + (unnamed[1] - unnamed[0])).values())
+                verdict = "reordered" if changed == 0 else f"differs ({changed} lines)"
+        verdicts[verdict.split(" (")[0]] += 1
+        print(f"{name}: {verdict}")
+    print(", ".join(f"{n} {v}" for v, n in sorted(verdicts.items())))
+    return 0 if set(verdicts) <= {"identical", "reordered"} else 1
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("dump", help="compile every variant and write <label>.ptx files").add_argument("out", type=Path)
+    cmp = sub.add_parser("compare", help="compare two dumps kernel by kernel")
+    cmp.add_argument("before", type=Path)
+    cmp.add_argument("after", type=Path)
+    args = p.parse_args()
+    return dump(args.out) if args.command == "dump" else compare(args.before, args.after)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
