@@ -17,6 +17,23 @@ from flashsys.ops.attention import flash_gluon  # noqa: E402
 from .test_gluon_forward import CASES, _inputs, hopper_only  # noqa: E402
 
 
+def _tl_backward_case(case, d, input_seed, do_seed):
+    """One masked case at head dim d, run through the `tl` kernels: ((q, k, v, dO, O, L), (dQ, dK, dV), the
+    (-L·log2 e, D) pairs), what a Gluon backward kernel launched alone reads and is checked against."""
+    from flashsys.ops.attention import flash_triton
+
+    batch, heads, kv_heads, n_q, n_k, window, layout, dtype = case
+    q, k, v = _inputs(batch, heads, kv_heads, n_q, n_k, d, layout, dtype, seed=input_seed)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(do_seed)).to(q.device, dtype)
+    scale = d ** -0.5
+    o, lse = flash_triton.flash_forward_triton(q, k, v, window, scale)
+    g = flash_triton._geometry_of(q.shape, k.shape, q.dtype)
+    grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    pairs = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device=q.device)
+    flash_triton._launch_backward(g, q, k, v, o, lse, do, *grads, pairs, q, k, window, scale, False)
+    return (q, k, v, do, o, lse), grads, pairs
+
+
 def test_backward_takes_what_the_forward_takes_and_a_tma_ready_do():
     """The backward's O and dO must be TMA-addressable too, and its head dim one a kernel has variants for; every
     other condition is the forward's. The dQ choice times the `tl` kernel beside the Gluon ones, and takes it where
@@ -87,18 +104,9 @@ def test_each_dkdv_variant_matches_reference_gpu(variant, case):
     """dK and dV of the variant, launched alone after the `tl` backward wrote the pairs, against float64 (within
     twice plain PyTorch's own error), on the forward's masked cases: ragged tiles, GQA, Nq != Nk with rows that see
     no key, windows, (B, N, H, D) strides, rank 3."""
-    from flashsys.ops.attention import flash_triton
-
     d, var = variant
-    batch, heads, kv_heads, n_q, n_k, window, layout, dtype = case
-    q, k, v = _inputs(batch, heads, kv_heads, n_q, n_k, d, layout, dtype, seed=n_q + d)
-    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(d)).to("cuda", dtype)
-    scale = d ** -0.5
-    o, lse = flash_triton.flash_forward_triton(q, k, v, window, scale)
-    g = flash_triton._geometry_of(q.shape, k.shape, q.dtype)
-    dq, dk_tl, dv_tl = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-    lse_delta = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device="cuda")
-    flash_triton._launch_backward(g, q, k, v, o, lse, do, dq, dk_tl, dv_tl, lse_delta, q, k, window, scale, False)
+    window, dtype, scale = case[5], case[7], d ** -0.5
+    (q, k, v, do, _, _), (_, dk_tl, dv_tl), lse_delta = _tl_backward_case(case, d, case[3] + d, d)
     dk, dv = (torch.full_like(t, float("nan"), memory_format=torch.contiguous_format) for t in (k, v))
     flash_gluon._launch(var, *(flash_gluon._rank4(t) for t in (q, k, v, do, dk, dv)), lse_delta, window, scale)
     *_, dk_ref, dv_ref = run_reference(q, k, v, do, False, scale, torch.float64, window)
@@ -116,18 +124,9 @@ def test_each_dkdv_variant_matches_reference_gpu(variant, case):
 def test_each_dq_variant_matches_reference_and_writes_the_pairs_gpu(variant, case):
     """dQ of the variant, launched alone, against float64 (within twice plain PyTorch's own error) on the forward's
     masked cases, and its (-L·log2 e, D) pairs against the `tl` dQ kernel's: the dK/dV kernels read them."""
-    from flashsys.ops.attention import flash_triton
-
     d, var = variant
-    batch, heads, kv_heads, n_q, n_k, window, layout, dtype = case
-    q, k, v = _inputs(batch, heads, kv_heads, n_q, n_k, d, layout, dtype, seed=n_q + 3 * d)
-    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(d + 1)).to("cuda", dtype)
-    scale = d ** -0.5
-    o, lse = flash_triton.flash_forward_triton(q, k, v, window, scale)
-    g = flash_triton._geometry_of(q.shape, k.shape, q.dtype)
-    dq_tl, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-    pairs_tl = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device="cuda")
-    flash_triton._launch_backward(g, q, k, v, o, lse, do, dq_tl, dk, dv, pairs_tl, q, k, window, scale, False)
+    window, dtype, scale = case[5], case[7], d ** -0.5
+    (q, k, v, do, o, lse), (dq_tl, _, _), pairs_tl = _tl_backward_case(case, d, case[3] + 3 * d, d + 1)
     dq = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
     pairs = torch.full_like(pairs_tl, float("nan"))
     flash_gluon._launch(var, *(flash_gluon._rank4(t) for t in (q, k, v, do, o, dq)), lse, pairs, window, scale)
