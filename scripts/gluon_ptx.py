@@ -8,6 +8,8 @@ such dumps:
     python scripts/gluon_ptx.py dump /tmp/after         # at the new code
     python scripts/gluon_ptx.py compare /tmp/before /tmp/after
 
+`dump` also prints each kernel's shared memory, and its registers and spills from Triton's bundled ptxas (for the
+ping-pong kernels the launch's count; `setmaxnreg` then moves registers from the producer to the consumers).
 Each kernel is `identical`, `reordered` (the same instructions, registers renamed, in another order: read the diff
 to see that the order does not matter, e.g. barrier initialisations before a fence) or `differs` (lines changed).
 Run it under each Triton the kernels must work on (PYTHONPATH pointing at another Triton's install works).
@@ -19,6 +21,7 @@ import argparse
 import collections
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -38,6 +41,20 @@ def _code_lines(ptx: str) -> list[str]:
     return lines
 
 
+def _ptxas_usage(ptx: Path) -> str:
+    """Registers and spills of one kernel, as `ptxas -v` for sm_90a reports them."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    r = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", "-o", os.devnull, str(ptx)], capture_output=True,
+                       text=True)
+    found = re.search(r"Used (\d+) registers", r.stderr)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
+    if r.returncode or not found:
+        return f"ptxas failed: {r.stderr.strip()[-300:]}"
+    return f"{found.group(1)} registers" + (f", spills {spills.group(1)}/{spills.group(2)} bytes stored/loaded"
+                                            if spills and spills.group(1) != "0" else "")
+
+
 def dump(out: Path) -> int:
     import triton
 
@@ -52,7 +69,7 @@ def dump(out: Path) -> int:
             print(f"{name}: {type(kernel).__name__}: {str(kernel)[-500:]}")
             continue
         (out / f"{name}.ptx").write_text("\n".join(_code_lines(kernel.asm["ptx"])) + "\n")
-        print(f"{name}: {kernel.metadata.shared} bytes of shared memory")
+        print(f"{name}: {kernel.metadata.shared} bytes of shared memory, {_ptxas_usage(out / f'{name}.ptx')}")
     print(f"triton {triton.__version__}: {failed} failed to compile")
     return 1 if failed else 0
 
