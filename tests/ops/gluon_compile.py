@@ -35,9 +35,10 @@ def compiled_variants() -> Iterator[tuple[str, object]]:
             for variant in flash_gluon.gluon_variants(d):
                 label = f"D {d} {mask} {variant.label()}"
                 try:
-                    yield label, flash_gluon.compile_only(variant, q, k, k, window, 0.125)
+                    compiled = flash_gluon.compile_only(variant, q, k, k, window, 0.125)
                 except Exception as exc:  # noqa: BLE001  the caller shows which one failed and why
-                    yield label, exc
+                    compiled = exc
+                yield label, compiled
 
 
 def main() -> None:

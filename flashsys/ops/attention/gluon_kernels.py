@@ -317,6 +317,8 @@ def attention_forward_pingpong(q_desc, k_desc, v_desc, o_desc, L, n_bh, n_heads,
         n_bh, n_heads, kv_group, n_q, n_k, window_left, window_right, BLOCK_M, BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
     L = L + bh.to(gl.int64) * n_q
+    # Its own K/V ring, not `_stream_buffers`: the slots' empty barriers are initialised in the same loop, and moving
+    # them after the ring's reorders the prologue (Triton 3.6 then adds a bar.sync; kernel_experiments.md, stop 35).
     q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, HALF_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
@@ -399,7 +401,7 @@ def attention_backward_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
     # The first key tiles are seen by the most queries: the grid's order already runs the heaviest first.
     pid_n, bh_kv, b, h_kv, _ = _program_tile(n_bh, n_heads // kv_group, 1, False)
     start_n = pid_n * BLOCK_N
-    right_offset = n_k - n_q + window_right  # as in the forward
+    right_offset = n_k - n_q + window_right  # as in `_query_program`
     left_offset = n_k - n_q - window_left
     lo, full_lo, full_hi, hi = _query_tile_range(start_n, n_q, right_offset, left_offset, BLOCK_M, BLOCK_N,
                                                  BOUND_RIGHT, BOUND_LEFT)
