@@ -11,7 +11,9 @@ such dumps:
 `dump` also prints each kernel's shared memory, and its registers and spills from Triton's bundled ptxas (for the
 ping-pong kernels the launch's count; `setmaxnreg` then moves registers from the producer to the consumers).
 Each kernel is `identical`, `reordered` (the same instructions, registers renamed, in another order: read the diff
-to see that the order does not matter, e.g. barrier initialisations before a fence) or `differs` (lines changed).
+to see that the order does not matter, e.g. barrier initialisations before a fence; register names are erased, so
+swapped operands read as reordered too) or `differs` (lines changed). The exit status is 0 where every kernel is
+identical or reordered.
 Run it under each Triton the kernels must work on (PYTHONPATH pointing at another Triton's install works).
 """
 
@@ -60,6 +62,9 @@ def dump(out: Path) -> int:
 
     from tests.ops.gluon_compile import compiled_variants
 
+    if out.is_dir() and any(out.glob("*.ptx")):
+        raise SystemExit(f"gluon_ptx dump: {out} already holds .ptx files (an earlier dump's would be compared as "
+                         "this one's): give an empty or new folder")
     out.mkdir(parents=True, exist_ok=True)
     failed = 0
     for label, kernel in compiled_variants():
@@ -75,6 +80,10 @@ def dump(out: Path) -> int:
 
 
 def compare(before: Path, after: Path) -> int:
+    for name, folder in (("before", before), ("after", after)):
+        if not folder.is_dir() or not any(folder.glob("*.ptx")):
+            raise SystemExit(f"gluon_ptx compare: {name} folder {folder} holds no .ptx files (run `dump` into it "
+                             "first)")
     names = sorted({p.name for p in before.glob("*.ptx")} | {p.name for p in after.glob("*.ptx")})
     verdicts = collections.Counter()
     for name in names:

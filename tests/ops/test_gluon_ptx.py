@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gluon_ptx.py"
 _spec = importlib.util.spec_from_file_location("gluon_ptx", SCRIPT)
 gluon_ptx = importlib.util.module_from_spec(_spec)
@@ -58,3 +60,16 @@ def test_compare_tells_identical_reordered_and_changed_kernels(tmp_path, capsys)
     assert gluon_ptx.compare(before, changed) == 1 and "k.ptx: differs (2 lines)" in capsys.readouterr().out
     _write(changed, KERNEL, "other.ptx")
     assert gluon_ptx.compare(before, changed) == 1 and "other.ptx: only in" in capsys.readouterr().out
+
+
+def test_folders_without_a_dump_or_with_an_old_one_are_refused(tmp_path):
+    """A mistyped or empty folder would otherwise compare as "nothing differs", and a dump over an older one would
+    mix two versions' kernels."""
+    _write(tmp_path / "before", KERNEL)
+    with pytest.raises(SystemExit, match="after folder .*missing holds no .ptx files"):
+        gluon_ptx.compare(tmp_path / "before", tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="before folder .*empty holds no .ptx files"):
+        gluon_ptx.compare(tmp_path / "empty", tmp_path / "before")
+    with pytest.raises(SystemExit, match="already holds .ptx files"):
+        gluon_ptx.dump(tmp_path / "before")
