@@ -7,7 +7,8 @@ loop, after a sync) is beside it, so a cell where `gpu_us` is larger than `host_
 The backends run in turns, one round each, for `--rounds` rounds: a shared host's speed drifts by 2x within a
 minute (SDPA's forward + backward read 157 to 285 µs in one process on an H100 machine), so each round's ratio
 to SDPA is taken against the SDPA round beside it, and the table reports the median of those ratios.
-`--breakdown` adds where flashsys's microseconds go, part by part. On a GPU, flashsys runs twice: with its native
+`--compiled` adds each backend compiled by torch.compile (a compiled graph launches Inductor's kernels itself,
+but calls the Gluon kernels through opaque ops). `--breakdown` adds where flashsys's microseconds go, part by part. On a GPU, flashsys runs twice: with its native
 launcher (the default: a C++ autograd node launching the compiled kernels) and with it suspended (the Python path,
 eager_plans' replays through Triton's launcher), column `launcher`.
 
@@ -72,8 +73,10 @@ def headline(args) -> list[dict]:
             for name in args.backends:
                 fn = ATTENTION_BACKENDS[name].fn
                 launchers = ["native", "python"] if name == "flash" and native_launch.status() == "ready" else [None]
+                if args.compiled:
+                    launchers.append("compiled")
                 for launcher in launchers:
-                    def call(fn=fn):
+                    def call(fn=torch.compile(fn, dynamic=False) if launcher == "compiled" else fn):
                         if grad:
                             fn(q, k, v, True, None).backward(do)
                         else:
@@ -132,7 +135,7 @@ def breakdown(args) -> list[dict]:
     forward_plan = eager_plans.forward_plans.get(eager_plans.forward_key(q, k, v, True, None, None))
     o = op.apply(q, k, v, True)  # held: a saved output is only readable while the output lives
     saved = o.grad_fn.saved_tensors
-    backward_key = eager_plans.backward_key(CAUSAL, forward_plan.scale, *saved, do) if forward_plan else None
+    backward_key = eager_plans.signature_key(CAUSAL, forward_plan.scale, *saved, do) if forward_plan else None
     backward_plan = eager_plans.backward_plans.get(backward_key)
     replay = {}
     if forward_plan is not None and backward_plan is not None:  # bf16 under the interpreter is not planned
@@ -141,7 +144,7 @@ def breakdown(args) -> list[dict]:
                 eager_plans.forward_key(q, k, v, True, None, None)),
             "forward plan: allocations + launch (ForwardPlan.launch)": lambda: forward_plan.launch(qd, kd, vd),
             "backward plan: signature (key) + look-up": lambda: eager_plans.backward_plans.get(
-                eager_plans.backward_key(CAUSAL, forward_plan.scale, *saved, do)),
+                eager_plans.signature_key(CAUSAL, forward_plan.scale, *saved, do)),
             "backward plan: allocations + 2 launches (BackwardPlan.launch)": lambda: backward_plan.launch(*saved, do),
         }
     parts = {
@@ -213,6 +216,8 @@ def main(argv=None) -> int:
     p.add_argument("--backends", nargs="+", default=["flash", "sdpa"], choices=list(ATTENTION_BACKENDS))
     p.add_argument("--breakdown", action="store_true",
                    help="also time the parts of a flashsys call (CUDA, or TRITON_INTERPRET=1 on a CPU)")
+    p.add_argument("--compiled", action="store_true",
+                   help="also each backend under torch.compile (launcher `compiled`; its first calls compile)")
     p.add_argument("--name", default=None, help="file name of the table (default host_cost_<device>)")
     args = p.parse_args(argv)
     env = environment()

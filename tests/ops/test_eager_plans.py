@@ -189,6 +189,41 @@ def test_keys_refuse_what_plans_do_not_cover():
     assert len(table) <= eager_plans._MAX_PLANS
 
 
+def test_a_compiled_graphs_opaque_ops_replay_plans(launcher, monkeypatch):
+    """A compiled graph calls its opaque attention ops (the Gluon kernels' on Hopper, the interpreter's on a CPU)
+    with one signature every step. From the second call on they replay a plan instead of taking the full path (its
+    checks, TMA descriptors and Triton's dispatch: 150-290 µs a Gluon launch), and give the reference's results on
+    fresh inputs."""
+    from flashsys.ops.attention import flash_gluon
+
+    if launcher == "native":
+        pytest.skip("a compiled graph's ops replay the Python plans; the native launcher takes eager calls only")
+    if CUDA:
+        if not (flash_gluon.enabled() and flash_gluon._hopper(torch.cuda.current_device())
+                and flash_gluon._kernels() is not None):
+            pytest.skip("on a GPU only the Gluon ops are opaque (Hopper, a Triton with Gluon's Hopper API)")
+        monkeypatch.setattr(flash_gluon, "MIN_WORK", 0)
+    shape = (1, 4, 256, 256, 64) if CUDA else (1, 2, 40, 40, 16)
+
+    class Compiled:
+        apply = staticmethod(torch.compile(FlashAttention2Triton.apply, backend="aot_eager", dynamic=False))
+
+    torch._dynamo.reset()
+    eager_plans.op_forward_plans.clear()
+    try:
+        for seed in range(2):
+            q, k, v, do = make_qkv(*shape, DTYPE, DEVICE, seed=seed)
+            assert_matches_reference(Compiled, q, k, v, do, True, None)
+        assert len(eager_plans.op_forward_plans) == 1 and len(eager_plans.backward_plans) == 1
+        refuse_calls(monkeypatch, ft, "_planned_forward", "_planned_backward", "_forward", "_backward")
+        for seed in range(2, 4):
+            q, k, v, do = make_qkv(*shape, DTYPE, DEVICE, seed=seed)
+            assert_matches_reference(Compiled, q, k, v, do, True, None)
+    finally:
+        eager_plans.op_forward_plans.clear()
+        torch._dynamo.reset()
+
+
 @pytest.mark.gpu
 def test_a_plan_is_not_replayed_on_another_device_gpu():
     if torch.cuda.device_count() < 2:

@@ -139,8 +139,10 @@ def forward_key(q, k, v, is_causal, softmax_scale, window_size) -> tuple | None:
     return (_tensor_signature(q), _tensor_signature(k), _tensor_signature(v), is_causal, softmax_scale, window_size)
 
 
-def backward_key(window: tuple[int, int], scale: float, *tensors: Tensor) -> tuple | None:
-    """The backward's signature: q, k, v, O, L as unpacked (saved-tensor hooks may hand back other strides) and dO."""
+def signature_key(window: tuple[int, int], scale: float, *tensors: Tensor) -> tuple | None:
+    """The signature of a call whose window and scale the checks already derived, or None where no plan applies
+    (inside torch.compile's tracing, or a tensor subclass). A backward's tensors: q, k, v, O, L as unpacked
+    (saved-tensor hooks may hand back other strides) and dO; an opaque forward op's: q, k, v."""
     if torch.compiler.is_compiling() or not all(type(t) in _PLAIN for t in tensors):
         return None
     return (window, scale, *[_tensor_signature(t) for t in tensors])
@@ -169,5 +171,9 @@ class PlanTable:
         return len(self._plans)
 
 
-forward_plans = PlanTable()
-backward_plans = PlanTable()
+forward_plans = PlanTable()  # eager forwards, keyed by `forward_key` (the user's arguments, before any check)
+backward_plans = PlanTable()  # backwards, eager or in a compiled graph's opaque op, keyed by `signature_key`
+# The opaque forward ops a compiled graph calls (the Gluon forward on Hopper, the interpreter on a CPU), keyed by
+# `signature_key`: Inductor launches the `tl` kernels itself, but cannot see into these, so without a plan each
+# call took the full path (150-290 µs a Gluon forward on an H100).
+op_forward_plans = PlanTable()

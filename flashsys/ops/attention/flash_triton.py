@@ -1073,19 +1073,45 @@ def flash_attention_backward_op(
 # On Hopper the compiled graph's forward is the Gluon kernel where it takes the inputs. Inductor cannot re-emit a
 # Gluon kernel as it does a `tl` one, so it runs through an opaque custom op; its body checks what a traced call
 # cannot (the tensors' addresses) and runs the `tl` forward where the Gluon one does not take the call.
+# The graph calls an opaque op with one signature every step, so its body replays a plan as a repeated eager call
+# does (eager_plans): the full path's checks, TMA descriptors and Triton's dispatch cost 150-290 µs a Gluon launch.
+
+
+def _opaque_forward(q: Tensor, k: Tensor, v: Tensor, window: tuple[int, int], scale: float
+                    ) -> tuple[Tensor, Tensor]:
+    """An opaque forward op's body: replay this signature's plan, or take the full path and make one."""
+    key = eager_plans.signature_key(window, scale, q, k, v) if _plannable(q) else None
+    plan = eager_plans.op_forward_plans.get(key)
+    if plan is not None and eager_plans.on_current_device(q):
+        return plan.launch(q, k, v)
+    with _on_current_device(q):
+        if key is None:
+            return _forward(q, k, v, window, scale)
+        o, lse, plan = _planned_forward(q, k, v, window, scale)
+    eager_plans.op_forward_plans.remember(key, plan)
+    return o, lse
+
+
+def _opaque_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, window: tuple[int, int],
+                     scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """An opaque backward op's body: replay this signature's plan (the eager backward's table), or make one."""
+    grads = _planned_eager_backward(q, k, v, o, lse, _dense_do(do, q.dtype), window, scale) if _plannable(q) else None
+    if grads is not None:
+        return grads
+    with _on_current_device(q):
+        return _backward(q, k, v, o, lse, do, window, scale)
 
 
 @torch.library.custom_op("flashsys::flash_attention_forward_gluon", mutates_args=())
 def _gluon_forward_op(q: Tensor, k: Tensor, v: Tensor, window_left: int, window_right: int,
                       softmax_scale: float) -> tuple[Tensor, Tensor]:
-    with _on_current_device(q):
-        return _forward(q, k, v, (window_left, window_right), softmax_scale)
+    return _opaque_forward(q, k, v, (window_left, window_right), softmax_scale)
 
 
 @torch.library.custom_op("flashsys::flash_attention_forward_interpreted", mutates_args=())
 def _interpreted_forward_op(q: Tensor, k: Tensor, v: Tensor, window_left: int, window_right: int,
                             softmax_scale: float) -> tuple[Tensor, Tensor]:
-    return _forward(q, k, v, (window_left, window_right), softmax_scale)
+    return _opaque_forward(q, k, v, (window_left, window_right), softmax_scale)
 
 
 @torch.library.custom_op("flashsys::flash_attention_backward_gluon", mutates_args=())
@@ -1093,8 +1119,7 @@ def _gluon_backward_op(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, window_left: int, window_right: int,
     softmax_scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    with _on_current_device(q):
-        return _backward(q, k, v, o, lse, do, (window_left, window_right), softmax_scale)
+    return _opaque_backward(q, k, v, o, lse, do, (window_left, window_right), softmax_scale)
 
 
 @_interpreted_forward_op.register_fake
@@ -1108,7 +1133,7 @@ def _interpreted_backward_op(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, window_left: int, window_right: int,
     softmax_scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return _backward(q, k, v, o, lse, do, (window_left, window_right), softmax_scale)
+    return _opaque_backward(q, k, v, o, lse, do, (window_left, window_right), softmax_scale)
 
 
 @_interpreted_backward_op.register_fake
@@ -1149,10 +1174,10 @@ def _on_current_device(q: Tensor) -> contextlib.AbstractContextManager:
 
 def _planned_eager_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
                             window: tuple[int, int], scale: float) -> tuple[Tensor, Tensor, Tensor] | None:
-    """The backward of an eager forward on the planned path (with or without a plan of its own) for a dense dO:
-    replay the backward's plan, or make one (and offer it to the native launcher); None where no plan applies (not
-    eager now)."""
-    key = eager_plans.backward_key(window, scale, q, k, v, o, lse, do)
+    """The backward of an eager forward on the planned path (with or without a plan of its own), or an opaque
+    backward op's, for a dense dO: replay the backward's plan, or make one (and offer it to the native launcher);
+    None where no plan applies (not eager now)."""
+    key = eager_plans.signature_key(window, scale, q, k, v, o, lse, do)
     if key is None:
         return None
     plan = eager_plans.backward_plans.get(key)
