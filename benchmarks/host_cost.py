@@ -8,9 +8,10 @@ The backends run in turns, one round each, for `--rounds` rounds: a shared host'
 minute (SDPA's forward + backward read 157 to 285 µs in one process on an H100 machine), so each round's ratio
 to SDPA is taken against the SDPA round beside it, and the table reports the median of those ratios.
 `--compiled` adds each backend compiled by torch.compile (a compiled graph launches Inductor's kernels itself,
-but calls the Gluon kernels through opaque ops). `--breakdown` adds where flashsys's microseconds go, part by part. On a GPU, flashsys runs twice: with its native
-launcher (the default: a C++ autograd node launching the compiled kernels) and with it suspended (the Python path,
-eager_plans' replays through Triton's launcher), column `launcher`.
+but calls the Gluon kernels through opaque ops). `--breakdown` adds where flashsys's microseconds go, part by
+part. On a GPU, flashsys runs twice: with its native launcher (the default: a C++ autograd node launching the
+compiled kernels) and with it suspended (the Python path, eager_plans' replays through Triton's launcher), column
+`launcher`.
 
     python -m benchmarks.host_cost --seqs 128 1024 --breakdown
 """
