@@ -130,7 +130,7 @@ def breakdown(args) -> list[dict]:
     named = ft.forward_arguments(g, qd, kd, vd, o_plain, lse, qd, kd, CAUSAL, 0.125)
     prepared = ft._prepare("fwd", ft._fwd_kernels, g, CAUSAL, named)
     meta = ft._chosen_configs[prepared.key]
-    grid = (-(-g.n_q // meta["BLOCK_M"]), g.n_bh)
+    grid = (-(-g.n_q // meta["BLOCK_M"]) * g.n_bh,)  # the kernels' 1-D grid (flash_triton._tile_grid)
     handle = prepared.handle
 
     forward_plan = eager_plans.forward_plans.get(eager_plans.forward_key(q, k, v, True, None, None))
@@ -155,7 +155,7 @@ def breakdown(args) -> list[dict]:
         "geometry, computed": lambda: ft._geometry_of(q.shape, k.shape, q.dtype),
         "two output allocations": lambda: (torch.empty_like(q), torch.empty(q.shape[:-1], device=q.device)),
         "launch arguments by name": lambda: ft._prepare("fwd", ft._fwd_kernels, g, CAUSAL, named),
-        "launch signature (cache key)": lambda: ft._launch_signature(prepared, q.device.index, (*grid, 1)),
+        "launch signature (cache key)": lambda: ft._launch_signature(prepared, q.device.index, (*grid, 1, 1)),
         "forward launch: Triton autotuner (Autotuner.run)": lambda: handle[lambda m: grid](*prepared.args,
                                                                                            **prepared.constexprs),
         "forward launch: JITFunction.run, config given": lambda: handle.fn[grid](*prepared.args, **prepared.constexprs,
@@ -169,6 +169,7 @@ def breakdown(args) -> list[dict]:
             qd, kd, vd, o_plain, lse, do, CAUSAL, 0.125),
         "flashsys forward + backward, Python path": lambda: _python_path(lambda: op.apply(q, k, v, True).backward(do)),
     }
+    parts.update(_opaque_op_parts(ft, qd, kd, vd, do, args.head_dim ** -0.5))
     if native_launch.status() == "ready":
         parts.update({
             "native launcher: signature (C++ key) + look-up, a miss": lambda: native_launch.forward(
@@ -183,6 +184,27 @@ def breakdown(args) -> list[dict]:
         host, _ = per_call_us(fn, args.calls)
         rows.append({"part": name, "host_us": host})
     return rows
+
+
+def _opaque_op_parts(ft, q, k, v, do, scale) -> dict:
+    """The parts of a compiled graph's call where it goes through opaque ops (the Gluon kernels on Hopper, the
+    interpreter on a CPU): each op as the graph calls it (the dispatcher, then its body replaying a plan) and its
+    body alone, so their difference is the custom op's own cost. Empty where the graph would launch the `tl` kernels
+    itself (Inductor re-emits them: no flashsys Python runs per call)."""
+    forward_op, backward_op = ft._traced_forward(q, k, v), ft._traced_backward(q, k, v)
+    if forward_op not in (ft._gluon_forward_op, ft._interpreted_forward_op):
+        return {}
+    o, lse = forward_op(q, k, v, *CAUSAL, scale)  # the first calls make the plans
+    backward_op(q, k, v, o, lse, do, *CAUSAL, scale)
+    return {
+        "compiled graph's forward op: dispatch + body (a plan replay)": lambda: forward_op(q, k, v, *CAUSAL, scale),
+        "compiled graph's forward op: its body alone (_opaque_forward)": lambda: ft._opaque_forward(
+            q, k, v, CAUSAL, scale),
+        "compiled graph's backward op: dispatch + body (a plan replay)": lambda: backward_op(
+            q, k, v, o, lse, do, *CAUSAL, scale),
+        "compiled graph's backward op: its body alone (_opaque_backward)": lambda: ft._opaque_backward(
+            q, k, v, o, lse, do, CAUSAL, scale),
+    }
 
 
 def _python_path(fn, *args):

@@ -17,7 +17,7 @@ CASES = {
                    ["end_to_end_cpu_fp32_flash_w1.md", "end_to_end_cpu_fp32_flash_w1.csv", "end_to_end_cpu_fp32_flash_w1.png"]),
     "attention_features": (["--seq-lens", "32", "--window-seq-lens", "48", "--total", "90"],
                            ["attention_features_cpu.md", "attention_features_cpu.csv"]),
-    "host_cost": (["--seqs", "16", "--calls", "2", "--heads", "1", "--head-dim", "16", "--breakdown"],
+    "host_cost": (["--seqs", "16", "--calls", "2", "--heads", "2", "--head-dim", "16", "--breakdown", "--compiled"],
                   ["host_cost_cpu.md", "host_cost_cpu.csv", "host_cost_cpu_breakdown.md"]),
     "allreduce": (["--sizes-mb", "0.1", "1", "--world-sizes", "2", "--iters", "2", "--warmup", "1", "--backend", "gloo"],
                   ["allreduce_gloo.md", "allreduce_gloo.csv", "allreduce_gloo.png"]),
