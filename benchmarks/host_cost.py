@@ -112,7 +112,8 @@ CAUSAL = (-1, 0)  # the (left, right) window of causal attention
 
 def breakdown(args) -> list[dict]:
     """Where one eager flashsys forward + backward spends host time, part by part (flashsys internals). The
-    forward + backward is about: forward + the engine's cost for any Function + the backward alone + the rest."""
+    forward + backward is about: forward + the engine's cost for any Function + the backward alone + the rest.
+    Where a compiled graph would call opaque ops for these inputs, their parts too (`_opaque_op_parts`)."""
     from flashsys.ops.attention import eager_plans
     from flashsys.ops.attention import flash_triton as ft
     from flashsys.ops.attention.validation import check_attention_inputs
