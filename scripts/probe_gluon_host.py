@@ -78,8 +78,7 @@ def main() -> int:
         # Plans (Python and native) are made per signature by whichever kernel ran it first: cleared for each row.
         for label, min_work in (("gluon forward", 0), ("tl + native launcher", 1 << 62)):
             flash_gluon.MIN_WORK = min_work
-            eager_plans.forward_plans.clear()
-            eager_plans.backward_plans.clear()
+            eager_plans.clear()
             native_launch.clear()
             with torch.no_grad():
                 fwd = per_call_us(lambda: flash_attention(q, k, v, causal=True))

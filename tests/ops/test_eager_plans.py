@@ -29,11 +29,9 @@ def launcher(request, monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _fresh_plans(launcher):
-    eager_plans.forward_plans.clear()
-    eager_plans.backward_plans.clear()
+    eager_plans.clear()
     yield
-    eager_plans.forward_plans.clear()
-    eager_plans.backward_plans.clear()
+    eager_plans.clear()
 
 
 @pytest.fixture
@@ -208,8 +206,7 @@ def test_a_compiled_graphs_opaque_ops_replay_plans(launcher, monkeypatch):
     class Compiled:
         apply = staticmethod(torch.compile(FlashAttention2Triton.apply, backend="aot_eager", dynamic=False))
 
-    torch._dynamo.reset()
-    eager_plans.op_forward_plans.clear()
+    torch._dynamo.reset()  # the plans start empty (`_fresh_plans`)
     try:
         for seed in range(2):
             q, k, v, do = make_qkv(*shape, DTYPE, DEVICE, seed=seed)
@@ -220,7 +217,6 @@ def test_a_compiled_graphs_opaque_ops_replay_plans(launcher, monkeypatch):
             q, k, v, do = make_qkv(*shape, DTYPE, DEVICE, seed=seed)
             assert_matches_reference(Compiled, q, k, v, do, True, None)
     finally:
-        eager_plans.op_forward_plans.clear()
         torch._dynamo.reset()
 
 

@@ -295,8 +295,7 @@ def test_repeated_gluon_calls_replay_plans_gpu(d, monkeypatch):
     monkeypatch.setattr(flash_gluon, "MIN_WORK", 0)
     monkeypatch.setitem(flash_gluon.DQ_VARIANTS, d, flash_gluon.DQ_VARIANTS[d][1:2])
     flash_gluon._chosen.clear()
-    eager_plans.forward_plans.clear()
-    eager_plans.backward_plans.clear()
+    eager_plans.clear()
     shape, window, kv_heads = ((2, None, 777, 777), (64, 0), None) if d == 64 else ((1, 8, 1024, 1024), None, 4)
     try:
         for seed in range(2):  # the first call chooses variants and autotunes; the second makes the plans
@@ -312,6 +311,5 @@ def test_repeated_gluon_calls_replay_plans_gpu(d, monkeypatch):
             q, k, v, do = make_qkv(*shape, d, torch.bfloat16, "cuda", seed=seed, kv_heads=kv_heads)
             assert_matches_reference(FlashAttention2Triton, q, k, v, do, window is None, None, window)
     finally:
-        eager_plans.forward_plans.clear()
-        eager_plans.backward_plans.clear()
+        eager_plans.clear()
         flash_gluon._chosen.clear()

@@ -29,11 +29,9 @@ NATIVE = "FlashAttention2TritonNativeBackward"
 @pytest.fixture(autouse=True)
 def native(request, monkeypatch):
     select_launcher("native", request, monkeypatch)
-    eager_plans.forward_plans.clear()
-    eager_plans.backward_plans.clear()
+    eager_plans.clear()
     yield
-    eager_plans.forward_plans.clear()
-    eager_plans.backward_plans.clear()
+    eager_plans.clear()
 
 
 def _call(q, k, v, do, causal=True, scale=None, window=None):

@@ -177,3 +177,10 @@ backward_plans = PlanTable()  # backwards, eager or in a compiled graph's opaque
 # `signature_key`: Inductor launches the `tl` kernels itself, but cannot see into these, so without a plan each
 # call took the full path (150-290 µs a Gluon forward on an H100).
 op_forward_plans = PlanTable()
+
+
+def clear() -> None:
+    """Forget every plan (eager forwards, backwards, compiled graphs' ops): after a change that plans do not key on,
+    e.g. a test forcing another kernel variant."""
+    for table in (forward_plans, backward_plans, op_forward_plans):
+        table.clear()
