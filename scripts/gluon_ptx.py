@@ -43,6 +43,11 @@ def _code_lines(ptx: str) -> list[str]:
     return lines
 
 
+def write_ptx(path: Path, ptx: str) -> None:
+    """One kernel's PTX as `dump` keeps it: its code lines (`_code_lines`)."""
+    path.write_text("\n".join(_code_lines(ptx)) + "\n")
+
+
 def _ptxas_usage(ptx: Path) -> str:
     """Registers and spills of one kernel, as `ptxas -v` for sm_90a reports them."""
     from triton.backends.nvidia.compiler import get_ptxas
@@ -73,7 +78,7 @@ def dump(out: Path) -> int:
             failed += 1
             print(f"{name}: {type(kernel).__name__}: {str(kernel)[-500:]}")
             continue
-        (out / f"{name}.ptx").write_text("\n".join(_code_lines(kernel.asm["ptx"])) + "\n")
+        write_ptx(out / f"{name}.ptx", kernel.asm["ptx"])
         print(f"{name}: {kernel.metadata.shared} bytes of shared memory, {_ptxas_usage(out / f'{name}.ptx')}")
     print(f"triton {triton.__version__}: {failed} failed to compile")
     return 1 if failed else 0

@@ -33,7 +33,7 @@ $L__tmp0:
 
 def _write(folder: Path, text: str, name: str = "k.ptx") -> None:
     folder.mkdir(exist_ok=True)
-    (folder / name).write_text("\n".join(gluon_ptx._code_lines(text)) + "\n")
+    gluon_ptx.write_ptx(folder / name, text)
 
 
 def test_code_lines_drop_what_moves_with_an_edit():
