@@ -1,7 +1,9 @@
 """Backward times on a GPU for #16: SDPA's cuDNN backward, flashsys's backward with the `tl` kernels only and with
-the library's choices (Gluon dQ and dK/dV where they timed faster), the `tl` dQ kernel alone, and every Gluon dK/dV
-and dQ variant alone (each dQ variant's output checked against the `tl` kernel's first). H 16, 16k tokens per cell,
-bf16; median ms over interleaved rounds of triton.testing.do_bench (the GPUs drift between passes).
+the library's choices (Gluon dQ and dK/dV where they timed faster), and the whole backward with each candidate of
+one kernel forced and the `tl` kernel for the other (each Gluon dQ variant's output checked against the `tl` kernel's
+first). Whole backwards, not kernels alone: a kernel timed alone read up to 8% slower than in sequence, and not by the
+same amount for every kernel. H 16, 16k tokens per cell, bf16; median ms over interleaved rounds of
+triton.testing.do_bench (the GPUs drift between passes).
 
     python scripts/probe_gluon_backward.py --head-dims 64 128 --seqs 4096 16384
 """
@@ -59,19 +61,35 @@ def main() -> int:
                     flash_triton._launch_backward(g, q, k, v, o, lse, do, dq, dk, dv, lse_delta, q, k, window,
                                                   scale, False, gluon)
 
-                dq_named, _ = flash_triton.backward_arguments(g, q, k, v, o, lse, do, dq, dk, dv, lse_delta, q, k,
-                                                              window, scale)
-                dq_grid = flash_triton._tile_grid(g.grid_q, "BLOCK_M", g.n_bh)
+                flash_gluon._chosen.clear()
+                backward(True)  # the library's choice, timed on this first call and restored before each of its runs
+                choice = flash_gluon.chosen_variants()
+                key_of = {kernel: flash_gluon.ChoiceKey.of(q, k, window, kernel) for kernel in ("dq", "dkdv")}
+
+                def forced(dq_variant, dkdv_variant):
+                    # The whole backward with these candidates, as the choice would run them: in sequence, so each
+                    # kernel sees the other's cache and clock state (a kernel timed alone read up to 8% slower).
+                    def run():
+                        flash_gluon._chosen.clear()
+                        flash_gluon._chosen.update({key_of["dq"]: dq_variant, key_of["dkdv"]: dkdv_variant})
+                        backward(True)
+                    return run
+
+                def library_choice():
+                    flash_gluon._chosen.clear()
+                    flash_gluon._chosen.update(choice)
+                    backward(True)
+
+                tl = flash_gluon.TL_KERNEL
                 runs = {"SDPA cuDNN backward": lambda: torch.autograd.grad(o_ref, (qg, kg, vg), do,
                                                                             retain_graph=True),
-                        "  tl dQ kernel alone": lambda: flash_triton._launch_eager(
-                            "dq", flash_triton._bwd_dq_kernels, g, window, dq_grid, dq_named),
                         "flashsys backward, tl kernels": lambda: backward(False)}
                 if flash_gluon.takes_backward(q, k, v, o, do):
-                    runs["flashsys backward, the library's choices"] = lambda: backward(True)
-                for var in flash_gluon.DKDV_VARIANTS.get(d, ()):
-                    runs[f"  Gluon dK/dV alone: {var.label()}"] = (
-                        lambda var=var: flash_gluon._launch(var, q, k, v, do, dk, dv, lse_delta, window, scale))
+                    runs["flashsys backward, the library's choices"] = library_choice
+                    for var in [tl, *(var for var in flash_gluon.DKDV_VARIANTS.get(d, ()) if var.kind != "tl")]:
+                        runs[f"  dQ tl + dK/dV {var.label()}"] = forced(tl, var)
+                    for var in [var for var in flash_gluon.DQ_VARIANTS.get(d, ()) if var.kind != "tl"]:
+                        runs[f"  dQ {var.label()} + dK/dV tl"] = forced(var, tl)
                 # Each Gluon dQ variant against the `tl` dQ kernel's output (dq and the pairs it wrote above).
                 dq_tl, pairs_tl = dq.clone(), lse_delta.clone()
                 dq_g, pairs_g = torch.empty_like(dq), torch.empty_like(lse_delta)
@@ -85,10 +103,7 @@ def main() -> int:
                               f"max |pairs - tl pairs| {pair_err:.2e}")
                     except Exception:  # noqa: BLE001
                         print(f"  Gluon dQ {var.label()} FAILED: {traceback.format_exc()[-800:]}")
-                    runs[f"  Gluon dQ alone: {var.label()}"] = (
-                        lambda var=var: flash_gluon._launch(var, q, k, v, do, o, dq_g, lse, pairs_g, window, scale))
                 times: dict[str, list[float]] = {}
-                flash_gluon._chosen.clear()
                 for _ in range(args.rounds):
                     for label, fn in runs.items():
                         if any(math.isnan(t) for t in times.get(label, [])):  # failed in an earlier round
@@ -98,7 +113,7 @@ def main() -> int:
                         except Exception:  # noqa: BLE001
                             print(f"{label} FAILED: {traceback.format_exc()[-800:]}")
                             times[label] = [float("nan")]
-                picked = [f"{k.kernel}: {v.label()}" for k, v in flash_gluon.chosen_variants().items()]
+                picked = [f"{k.kernel}: {v.label()}" for k, v in choice.items()]
                 print(f"\nD={d} N={n} B={b} causal={causal}; the library's choice: {picked}")
                 cudnn = statistics.median(times["SDPA cuDNN backward"])
                 for label, ts in times.items():

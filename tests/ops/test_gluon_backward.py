@@ -45,8 +45,8 @@ def test_backward_takes_what_the_forward_takes_and_a_tma_ready_do():
     assert 64 not in flash_gluon.DKDV_VARIANTS  # there the `tl` dK/dV kernel is faster
     for d in (64, 128):
         dq_key = flash_gluon.ChoiceKey.of(torch.randn(1, 2, 64, d), q, (-1, -1), "dq")
-        assert dq_key.candidates()[0] == flash_gluon.TL_DQ and len(dq_key.candidates()) > 1
-    assert flash_gluon.TL_DQ not in flash_gluon.gluon_variants(64)
+        assert dq_key.candidates()[0] == flash_gluon.TL_KERNEL and len(dq_key.candidates()) > 1
+    assert flash_gluon.TL_KERNEL not in flash_gluon.gluon_variants(64)
     assert "head dim 96" in flash_gluon.backward_problem(*(torch.randn(1, 2, 64, 96),) * 3)
     assert flash_gluon.backward_problem(q, q, q) == "not a CUDA tensor"
 
@@ -59,7 +59,7 @@ def test_dq_choice_of_the_tl_kernel_leaves_the_launch_to_the_caller(monkeypatch)
     monkeypatch.setattr(flash_gluon, "_chosen", {})
     q = torch.randn(1, 2, 64, 64)
     key = flash_gluon.ChoiceKey.of(q, q, (-1, 0), "dq")
-    flash_gluon._chosen[key] = flash_gluon.TL_DQ
+    flash_gluon._chosen[key] = flash_gluon.TL_KERNEL
     assert not flash_gluon.backward_dq(q, q, q, q, q, q, q, q, (-1, 0), 0.125, lambda: launched.append("tl")).ran
     assert launched == []  # the caller runs the `tl` kernel itself, once
     ran = []
