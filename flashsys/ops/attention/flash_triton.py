@@ -1103,8 +1103,9 @@ def _opaque_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do
 
 
 # The four opaque ops are defined on a torch.library.Library rather than by torch.library.custom_op: a custom_op's
-# call passes through Python autograd and ADInplaceOrView wrappers before its body, which cost a compiled graph
-# 10-45 µs a call (the ops are called inside the autograd.Function's forward and backward, never differentiated).
+# call passes through a Python autograd kernel and wrappers before its body, which cost a compiled graph 28-61 µs a
+# call on an H100's host (benchmarks/results/host_cost/opaque_ops_library_h100.md). The ops are called inside the
+# autograd.Function's forward and backward and never differentiated, so they need no autograd kernel.
 # CompositeExplicitAutograd serves CPU and CUDA alike; the fake kernels give torch.compile the output shapes.
 _OPAQUE_OPS = torch.library.Library("flashsys", "FRAGMENT")
 _FORWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, int window_left, int window_right, float softmax_scale) "
