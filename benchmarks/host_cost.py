@@ -193,7 +193,7 @@ def breakdown(args) -> list[dict]:
 def _opaque_op_parts(ft, q, k, v, do, scale) -> dict:
     """The parts of a compiled graph's call where it goes through opaque ops (the Gluon kernels on Hopper, the
     interpreter on a CPU): each op as the graph calls it (the dispatcher, then its body replaying a plan) and its
-    body alone, so their difference is the custom op's own cost. Empty where the graph would launch the `tl` kernels
+    body alone, so their difference is the op's own dispatch cost. Empty where the graph would launch the `tl` kernels
     itself (Inductor re-emits them: no flashsys Python runs per call)."""
     forward_op, backward_op = ft._traced_forward(q, k, v), ft._traced_backward(q, k, v)
     if forward_op not in (ft._gluon_forward_op, ft._interpreted_forward_op):
@@ -203,11 +203,11 @@ def _opaque_op_parts(ft, q, k, v, do, scale) -> dict:
     return {
         "compiled graph's forward op: dispatch + body (a plan replay)": lambda: forward_op(q, k, v, *CAUSAL, scale),
         "compiled graph's forward op: its body alone (_opaque_forward)": lambda: ft._opaque_forward(
-            q, k, v, CAUSAL, scale),
+            q, k, v, *CAUSAL, scale),
         "compiled graph's backward op: dispatch + body (a plan replay)": lambda: backward_op(
             q, k, v, o, lse, do, *CAUSAL, scale),
         "compiled graph's backward op: its body alone (_opaque_backward)": lambda: ft._opaque_backward(
-            q, k, v, o, lse, do, CAUSAL, scale),
+            q, k, v, o, lse, do, *CAUSAL, scale),
     }
 
 

@@ -1052,7 +1052,7 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tenso
 # Under torch.compile the kernels run through these ops. A `triton_op` body is traced, not hidden: each
 # `wrap_triton` launch becomes a node that Inductor compiles and launches from its generated code, with the
 # kernel's source (and the @triton.jit helpers it calls) re-emitted. Triton's CPU interpreter has no compiled
-# kernel to hand over, so interpreted (CPU) calls go through opaque custom ops instead. Eager calls skip the op
+# kernel to hand over, so interpreted (CPU) calls go through opaque ops instead. Eager calls skip the op
 # dispatch (it costs host time per call, kernel_experiments.md "Host-side choices") and launch directly.
 
 
@@ -1071,15 +1071,17 @@ def flash_attention_backward_op(
 
 
 # On Hopper the compiled graph's forward is the Gluon kernel where it takes the inputs. Inductor cannot re-emit a
-# Gluon kernel as it does a `tl` one, so it runs through an opaque custom op; its body checks what a traced call
+# Gluon kernel as it does a `tl` one, so it runs through an opaque op; its body checks what a traced call
 # cannot (the tensors' addresses) and runs the `tl` forward where the Gluon one does not take the call.
 # The graph calls an opaque op with one signature every step, so its body replays a plan as a repeated eager call
 # does (eager_plans): the full path's checks, TMA descriptors and Triton's dispatch cost 150-290 µs a Gluon launch.
 
 
-def _opaque_forward(q: Tensor, k: Tensor, v: Tensor, window: tuple[int, int], scale: float
+def _opaque_forward(q: Tensor, k: Tensor, v: Tensor, window_left: int, window_right: int, softmax_scale: float
                     ) -> tuple[Tensor, Tensor]:
-    """An opaque forward op's body: replay this signature's plan, or take the full path and make one."""
+    """An opaque forward op's body (its schema's arguments): replay this signature's plan, or take the full path and
+    make one."""
+    window, scale = (window_left, window_right), softmax_scale
     key = eager_plans.signature_key(window, scale, q, k, v) if _plannable(q) else None
     plan = eager_plans.op_forward_plans.get(key)
     if plan is not None and eager_plans.on_current_device(q):
@@ -1092,9 +1094,11 @@ def _opaque_forward(q: Tensor, k: Tensor, v: Tensor, window: tuple[int, int], sc
     return o, lse
 
 
-def _opaque_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, window: tuple[int, int],
-                     scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """An opaque backward op's body: replay this signature's plan (the eager backward's table), or make one."""
+def _opaque_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, window_left: int,
+                     window_right: int, softmax_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """An opaque backward op's body (its schema's arguments): replay this signature's plan (the eager backward's
+    table), or make one."""
+    window, scale = (window_left, window_right), softmax_scale
     grads = _planned_eager_backward(q, k, v, o, lse, _dense_do(do, q.dtype), window, scale) if _plannable(q) else None
     if grads is not None:
         return grads
@@ -1114,14 +1118,6 @@ _BACKWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor
                     "int window_right, float softmax_scale) -> (Tensor, Tensor, Tensor)")
 
 
-def _opaque_forward_op_body(q, k, v, window_left, window_right, softmax_scale):
-    return _opaque_forward(q, k, v, (window_left, window_right), softmax_scale)
-
-
-def _opaque_backward_op_body(q, k, v, o, lse, do, window_left, window_right, softmax_scale):
-    return _opaque_backward(q, k, v, o, lse, do, (window_left, window_right), softmax_scale)
-
-
 def _forward_fake(q, k, v, window_left, window_right, softmax_scale):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
@@ -1138,14 +1134,14 @@ def _define_opaque_op(name: str, schema: str, body, fake):
     return getattr(torch.ops.flashsys, name).default
 
 
-_gluon_forward_op = _define_opaque_op("flash_attention_forward_gluon", _FORWARD_SCHEMA, _opaque_forward_op_body,
+_gluon_forward_op = _define_opaque_op("flash_attention_forward_gluon", _FORWARD_SCHEMA, _opaque_forward,
                                       _forward_fake)
-_interpreted_forward_op = _define_opaque_op("flash_attention_forward_interpreted", _FORWARD_SCHEMA,
-                                            _opaque_forward_op_body, _forward_fake)
-_gluon_backward_op = _define_opaque_op("flash_attention_backward_gluon", _BACKWARD_SCHEMA, _opaque_backward_op_body,
+_interpreted_forward_op = _define_opaque_op("flash_attention_forward_interpreted", _FORWARD_SCHEMA, _opaque_forward,
+                                            _forward_fake)
+_gluon_backward_op = _define_opaque_op("flash_attention_backward_gluon", _BACKWARD_SCHEMA, _opaque_backward,
                                        _backward_fake)
 _interpreted_backward_op = _define_opaque_op("flash_attention_backward_interpreted", _BACKWARD_SCHEMA,
-                                             _opaque_backward_op_body, _backward_fake)
+                                             _opaque_backward, _backward_fake)
 
 
 def _traced_forward(q: Tensor, k: Tensor, v: Tensor):
