@@ -66,26 +66,24 @@ def main() -> int:
                 choice = flash_gluon.chosen_variants()
                 key_of = {kernel: flash_gluon.ChoiceKey.of(q, k, window, kernel) for kernel in ("dq", "dkdv")}
 
-                def forced(dq_variant, dkdv_variant):
-                    # The whole backward with these candidates, as the choice would run them: in sequence, so each
-                    # kernel sees the other's cache and clock state (a kernel timed alone read up to 8% slower).
+                def with_choice(chosen):
+                    # The whole backward with these variants chosen, as the library would run them: in sequence, so
+                    # each kernel sees the other's cache and clock state (a kernel timed alone read up to 8% slower).
                     def run():
                         flash_gluon._chosen.clear()
-                        flash_gluon._chosen.update({key_of["dq"]: dq_variant, key_of["dkdv"]: dkdv_variant})
+                        flash_gluon._chosen.update(chosen)
                         backward(True)
                     return run
 
-                def library_choice():
-                    flash_gluon._chosen.clear()
-                    flash_gluon._chosen.update(choice)
-                    backward(True)
+                def forced(dq_variant, dkdv_variant):
+                    return with_choice({key_of["dq"]: dq_variant, key_of["dkdv"]: dkdv_variant})
 
                 tl = flash_gluon.TL_KERNEL
                 runs = {"SDPA cuDNN backward": lambda: torch.autograd.grad(o_ref, (qg, kg, vg), do,
                                                                             retain_graph=True),
                         "flashsys backward, tl kernels": lambda: backward(False)}
                 if flash_gluon.takes_backward(q, k, v, o, do):
-                    runs["flashsys backward, the library's choices"] = library_choice
+                    runs["flashsys backward, the library's choices"] = with_choice(choice)
                     for var in [tl, *(var for var in flash_gluon.DKDV_VARIANTS.get(d, ()) if var.kind != "tl")]:
                         runs[f"  dQ tl + dK/dV {var.label()}"] = forced(tl, var)
                     for var in [var for var in flash_gluon.DQ_VARIANTS.get(d, ()) if var.kind != "tl"]:
