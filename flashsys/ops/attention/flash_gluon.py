@@ -58,7 +58,7 @@ class Variant(NamedTuple):
     def label(self) -> str:
         if self.kind == "tl":
             return "tl kernel"
-        extra = f" {self.regs} regs" if self.kind == "pingpong" else ""
+        extra = f" {self.regs} regs" if self.regs else ""
         return f"{self.kind} {self.block_m}x{self.block_n} {self.nbuf}buf{extra}"
 
 
@@ -268,7 +268,34 @@ def _dq_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, do4: 
     return _kernels().attention_backward_dq, (triton.cdiv(n_q, m) * batch * n_heads,), args, kwargs
 
 
-_LAUNCH_PARTS = {"dkdv": _dkdv_launch_parts, "dq": _dq_launch_parts}
+def _fused_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, do4: Tensor, dk4: Tensor, dv4: Tensor,
+                        dq_acc: Tensor, lse_delta: Tensor, window: tuple[int, int], scale: float) -> tuple:
+    """As `_launch_parts`, for the one-pass backward (EXPERIMENT): dq_acc is (B, H, Nq, D) float32, zeroed."""
+    batch, n_heads, n_q, d = q4.shape
+    kv_heads, n_k = k4.shape[1], k4.shape[2]
+    m, n = variant.block_m, variant.block_n
+    split_d = d == 128
+    gl = _kernels().gl
+    dq_cols = d // 2 if split_d else d
+    dq_layout = gl.NVMMASharedLayout.get_default_for([1, 1, m, dq_cols], gl.float32)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, 1, m, dq_cols], dq_layout)
+    args = (_descriptor(q4, m), _descriptor(k4, n), _descriptor(v4, n), _descriptor(do4, m), _descriptor(dk4, n // 2),
+            _descriptor(dv4, n // 2), dq_desc, lse_delta, batch * kv_heads, n_heads, n_heads // kv_heads, n_q, n_k,
+            window[0], window[1], scale * LOG2E, scale)
+    kwargs = dict(HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n, BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0,
+                  NBUF=variant.nbuf, CONSUMER_REGS=variant.regs, SPLIT_D=split_d, num_warps=4)
+    return _kernels().attention_backward_fused, (triton.cdiv(n_k, n) * batch * kv_heads,), args, kwargs
+
+
+# EXPERIMENT (branch exp/fused-backward): the one-pass backward's candidates, not yet part of any choice.
+FUSED_VARIANTS: dict[int, tuple[Variant, ...]] = {
+    64: (Variant("fused", 64, 128, 2, 240), Variant("fused", 64, 128, 3, 240)),
+    128: (Variant("fused", 64, 128, 2, 240), Variant("fused", 64, 128, 3, 240)),
+}
+
+
+_LAUNCH_PARTS = {"dkdv": _dkdv_launch_parts, "dq": _dq_launch_parts, "fused": _fused_launch_parts}
 
 
 def _launch(variant: Variant, *tensors_and_scalars):
@@ -333,6 +360,11 @@ def compile_only(variant: Variant, q: Tensor, k: Tensor, v: Tensor, window: tupl
         tensors = (q, k, v, q, torch.empty_like(k), torch.empty_like(v))
         kernel, _, args, kwargs = _dkdv_launch_parts(variant, *(_rank4(t) for t in tensors), lse_delta, window,
                                                      scale)
+    elif variant.kind == "fused":
+        tensors = (q, k, v, q, torch.empty_like(k), torch.empty_like(v))
+        dq_acc = torch.empty(_rank4(q).shape, dtype=torch.float32, device=q.device)
+        kernel, _, args, kwargs = _fused_launch_parts(variant, *(_rank4(t) for t in tensors), dq_acc, lse_delta,
+                                                      window, scale)
     elif variant.kind == "dq":
         tensors = (q, k, v, q, o, torch.empty_like(q))
         kernel, _, args, kwargs = _dq_launch_parts(variant, *(_rank4(t) for t in tensors), lse, lse_delta, window,

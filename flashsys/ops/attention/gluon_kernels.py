@@ -31,7 +31,9 @@ not a multiple of the tile (TMA reads zeros past the end and clips the stores), 
 
 from __future__ import annotations
 
+from triton._C.libtriton import ir
 from triton.experimental import gluon
+from triton.experimental.gluon.language._core import builtin
 
 # The grid order, the tile ranges and the mask are the `tl` kernels' own (@triton.jit helpers, which Gluon calls
 # as they are).
@@ -43,6 +45,27 @@ from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 # TMA copies: Triton 3.6 names them async_copy_*; later Tritons renamed them async_load / async_store.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+
+@builtin
+def _tma_reduce_add_36(tensor_desc, coord, src, _semantic=None):
+    """TMA's reduce-add (cp.reduce.async.bulk.tensor) of a shared-memory tile into global memory. Triton 3.6's
+    Gluon builds the op but has no Python name for it; later Tritons call it tma.async_atomic_add."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+_tma_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
+# A barrier over the calling partition's threads: Triton 3.6 calls it thread_barrier, later Tritons barrier.
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+
+@builtin
+def _reinterpret(smem, dtype, shape, layout, _semantic=None):
+    """`smem` viewed as another dtype, shape and layout (Triton 3.6 names the method _reinterpret, later Tritons
+    reinterpret)."""
+    method = getattr(smem, "reinterpret", None) or smem._reinterpret
+    return method(dtype, shape, layout, _semantic=_semantic)
 
 
 @gluon.jit
@@ -559,3 +582,187 @@ def attention_backward_dq(q_desc, k_desc, v_desc, do_desc, o_desc, dq_desc, L, L
     fence_async_shared()
     _tma_store(dq_desc, [b, h, start_m, 0], q_box)
     tma.store_wait(0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Backward in one pass (EXPERIMENT, branch exp/fused-backward): FlashAttention-3's warp-specialised layout
+# ----------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _fused_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, q_bar, do_bar, k_box, v_box, kv_bar,
+                    empty_bar, b, h_kv, kv_group, start_n, lo, n_m_tiles, n_iter, BLOCK_M: gl.constexpr,
+                    NBUF: gl.constexpr):
+    """One warp: the program's K and V tile, then query tile j's Q and dO into buffer j % NBUF once both consumers
+    released tile j - NBUF."""
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    _tma_load(k_desc, [b, h_kv, start_n, 0], kv_bar, k_box)
+    _tma_load(v_desc, [b, h_kv, start_n, 0], kv_bar, v_box)
+    for j in range(n_iter):
+        slot = j % NBUF
+        mbarrier.wait(empty_bar.index(slot), ((j // NBUF) - 1) & 1, pred=j >= NBUF)
+        h, start_m = _query_tile(j, n_m_tiles, lo, h_kv, kv_group, BLOCK_M)
+        _load_pair(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, b, h, start_m, slot, True)
+
+
+@gluon.jit
+def _fused_consumer(dk_desc, dv_desc, dq_desc, LseDelta, q_smem, do_smem, q_bar, do_bar, k_box, v_box, kv_bar,
+                    empty_bar, ds_smem, ds_bar, dq_stage, b, h_kv, n_heads, kv_group, n_q, start_n, lo, full_lo,
+                    full_hi, n_m_tiles, n_iter, right_offset, left_offset, qk_scale, softmax_scale,
+                    HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
+                    BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr,
+                    SPLIT_D: gl.constexpr):
+    """One warpgroup: dK and dV of key rows start_n + HALF * HALF_N on, and its share of dQ, over the query tiles
+    the producer streams. Per tile as `_dkdv_consumer` on the experiment branch, plus dSᵀ into shared memory and
+    a dQ product added into dq_desc's float32 tensor by a TMA reduce-add.
+
+    SPLIT_D (D 128): the two warpgroups' dSᵀ halves meet in shared memory (ds_bar), and this one computes dQ's
+    columns HALF * D/2 on over all BLOCK_N keys (dS K[:, cols]; 32 registers a thread). Without it (D 64) each
+    computes dQ over its own keys only (dS_half K_half), and both add theirs: twice the reduce traffic, no wait on
+    the other warpgroup."""
+    s_layout: gl.constexpr = _mma_layout(BLOCK_M)
+    acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT_D else HEAD_DIM
+    dq_layout: gl.constexpr = _mma_layout(DQ_COLS)
+    dtype: gl.constexpr = q_smem.dtype
+    my_n = start_n + HALF * HALF_N
+    k_all = _tile(k_box, 2 * HALF_N, HEAD_DIM)
+    v_all = _tile(v_box, 2 * HALF_N, HEAD_DIM)
+    k_tile = k_all.slice(HALF * HALF_N, HALF_N)
+    v_tile = v_all.slice(HALF * HALF_N, HALF_N)
+    if SPLIT_D:
+        k_dq = k_all.slice(HALF * DQ_COLS, DQ_COLS, dim=1)  # (BLOCK_N keys, D/2): this warpgroup's dQ columns
+    else:
+        k_dq = k_tile
+    offs_n = my_n + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
+    dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=acc_layout)
+    dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=acc_layout)
+    s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
+    dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
+    stage = _tile(dq_stage.index(HALF), BLOCK_M, DQ_COLS)
+    neg_lse2, delta = _lse_delta(LseDelta, b, n_heads, n_q, 0, n_iter, n_m_tiles, lo, h_kv, kv_group, BLOCK_M,
+                                 row_layout)
+    mbarrier.wait(kv_bar, 0)
+    for j in range(n_iter):
+        slot = j % NBUF
+        phase = (j // NBUF) & 1
+        h, start_m = _query_tile(j, n_m_tiles, lo, h_kv, kv_group, BLOCK_M)
+        q_tile = _tile(q_smem.index(slot), BLOCK_M, HEAD_DIM)
+        do_tile = _tile(do_smem.index(slot), BLOCK_M, HEAD_DIM)
+        mbarrier.wait(q_bar.index(slot), phase)
+        s_tok = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(do_bar.index(slot), phase)
+        dp_tok = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=[s_tok])
+        p = gl.exp2(s * qk_scale + gl.convert_layout(neg_lse2, col_layout)[None, :])
+        if (start_m < full_lo) | (start_m >= full_hi):
+            offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
+            visible = _visible(offs_m[None, :], offs_n[:, None], offs_m[None, :], n_q, right_offset, left_offset,
+                               BOUND_RIGHT, BOUND_LEFT)
+            p = gl.where(visible, p, 0.0)
+        dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do_tile, dv, is_async=True)
+        dp = warpgroup_mma_wait(1, deps=[dp_tok])
+        ds = (p * (dp - gl.convert_layout(delta, col_layout)[None, :])).to(dtype)
+        # dSᵀ of this warpgroup's keys into buffer j % 2. Both warpgroups drained their dQ products of tile j - 2
+        # (which read it) before arriving at tile j - 1's barrier, which this one passed.
+        ds_box = ds_smem.index(j % 2)
+        ds_box.slice(HALF * HALF_N, HALF_N).store(ds)
+        fence_async_shared()
+        _barrier()
+        if SPLIT_D:
+            mbarrier.arrive(ds_bar.index(j % 2))
+        dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q_tile, dk, is_async=True)
+        neg_lse2, delta = _lse_delta(LseDelta, b, n_heads, n_q, j + 1, n_iter, n_m_tiles, lo, h_kv, kv_group,
+                                     BLOCK_M, row_layout)
+        if SPLIT_D:
+            mbarrier.wait(ds_bar.index(j % 2), (j // 2) & 1)
+            dq_tok = warpgroup_mma(ds_box.permute((1, 0)), k_dq, dq_zero, use_acc=False, is_async=True)
+        else:
+            dq_tok = warpgroup_mma(ds_box.slice(HALF * HALF_N, HALF_N).permute((1, 0)), k_dq, dq_zero,
+                                   use_acc=False, is_async=True)
+        dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
+        mbarrier.arrive(empty_bar.index(slot))
+        tma.store_wait(0)  # the last tile's reduce has read the staging box
+        _barrier()
+        stage.store(dq)
+        fence_async_shared()
+        _barrier()
+        if SPLIT_D:
+            _tma_add(dq_desc, [b, h, start_m, HALF * DQ_COLS], dq_stage.index(HALF))
+        else:
+            _tma_add(dq_desc, [b, h, start_m, 0], dq_stage.index(HALF))
+    tma.store_wait(0)
+    # K and V are no longer read by this warpgroup, but may be by the other one's dQ products (SPLIT_D): dK and
+    # dV go out through the dQ staging box instead, which is this warpgroup's alone.
+    _barrier()
+    out = _reinterpret(dq_stage.index(HALF), dtype, [1, 1, HALF_N, HEAD_DIM], dk_desc.layout)
+    _tile(out, HALF_N, HEAD_DIM).store((dk * softmax_scale).to(dtype))
+    fence_async_shared()
+    _barrier()
+    _tma_store(dk_desc, [b, h_kv, my_n, 0], out)
+    tma.store_wait(0)
+    _barrier()
+    _tile(out, HALF_N, HEAD_DIM).store(dv.to(dtype))
+    fence_async_shared()
+    _barrier()
+    _tma_store(dv_desc, [b, h_kv, my_n, 0], out)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def attention_backward_fused(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LseDelta, n_bh, n_heads,
+                             kv_group, n_q, n_k, window_left, window_right, qk_scale, softmax_scale,
+                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                             BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr,
+                             CONSUMER_REGS: gl.constexpr, SPLIT_D: gl.constexpr):
+    """The whole backward in one pass (an experiment for #16): one program = a key tile of BLOCK_N rows of one
+    (batch, K/V head), held by two consumer warpgroups of BLOCK_N // 2 rows each, and a producer warp that streams
+    Q and dO through NBUF buffers. Per query tile five products: Sᵀ, dPᵀ, dV += Pᵀ dO, dK += dSᵀ Q, and dQ's share
+    dS K, added by a TMA reduce-add into dq_desc's tensor ((B, H, Nq, D) float32, zeroed first; unscaled). LseDelta
+    holds the (-L * log2 e, rowsum(dO * O)) pairs, written before. k_desc and v_desc copy BLOCK_N-row boxes; dk_desc
+    and dv_desc BLOCK_N // 2-row boxes; dq_desc (BLOCK_M, D / 2) boxes with SPLIT_D, else (BLOCK_M, D). dQ's sums
+    run in no fixed order, so its last bits vary from run to run."""
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT_D else HEAD_DIM
+    dtype: gl.constexpr = q_desc.dtype
+    pid_n, bh_kv, b, h_kv, _ = _program_tile(n_bh, n_heads // kv_group, 1, False)
+    start_n = pid_n * BLOCK_N
+    right_offset = n_k - n_q + window_right
+    left_offset = n_k - n_q - window_left
+    lo, full_lo, full_hi, hi = _query_tile_range(start_n, n_q, right_offset, left_offset, BLOCK_M, BLOCK_N,
+                                                 BOUND_RIGHT, BOUND_LEFT)
+    n_m_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_M)
+    n_iter = n_m_tiles * kv_group
+
+    k_box = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_box = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_smem, do_smem, q_bar, do_bar = _stream_buffers(q_desc, do_desc, BLOCK_M, HEAD_DIM, NBUF)
+    empty_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
+    ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_stage = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, DQ_COLS], dq_desc.layout)
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_bar.index(i), count=2)
+    for i in gl.static_range(NBUF):
+        mbarrier.init(empty_bar.index(i), count=2)
+    fence_async_shared()
+    gl.warp_specialize([(_fused_consumer, (dk_desc, dv_desc, dq_desc, LseDelta, q_smem, do_smem, q_bar, do_bar, k_box,
+                                           v_box, kv_bar, empty_bar, ds_smem, ds_bar, dq_stage, b, h_kv, n_heads,
+                                           kv_group, n_q, start_n, lo, full_lo, full_hi, n_m_tiles, n_iter,
+                                           right_offset, left_offset, qk_scale, softmax_scale, 0, HEAD_DIM, BLOCK_M,
+                                           HALF_N, BOUND_RIGHT, BOUND_LEFT, NBUF, SPLIT_D)),
+                        (_fused_consumer, (dk_desc, dv_desc, dq_desc, LseDelta, q_smem, do_smem, q_bar, do_bar, k_box,
+                                           v_box, kv_bar, empty_bar, ds_smem, ds_bar, dq_stage, b, h_kv, n_heads,
+                                           kv_group, n_q, start_n, lo, full_lo, full_hi, n_m_tiles, n_iter,
+                                           right_offset, left_offset, qk_scale, softmax_scale, 1, HEAD_DIM, BLOCK_M,
+                                           HALF_N, BOUND_RIGHT, BOUND_LEFT, NBUF, SPLIT_D)),
+                        (_fused_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, q_bar, do_bar, k_box,
+                                           v_box, kv_bar, empty_bar, b, h_kv, kv_group, start_n, lo, n_m_tiles,
+                                           n_iter, BLOCK_M, NBUF))],
+                       [4, 1], [CONSUMER_REGS, 24])

@@ -1,0 +1,250 @@
+"""The one-pass backward (EXPERIMENT for #16, branch exp/fused-backward) on a GPU: FlashAttention-3's layout in Gluon
+(a producer warp, two consumer warpgroups of 64 key rows at 240 registers, dQ's share added by a TMA reduce-add).
+
+1. Correct: on the masked cases of the Gluon tests (GQA, Nq != Nk with rows that see no key, windows, ragged tiles,
+   (B, N, H, D) strides, rank 3, fp16 and bf16), dQ, dK and dV against float64 reference math, beside the two-pass
+   backward's error on the same inputs.
+2. Fast? Whole backwards in interleaved do_bench rounds (median ms): SDPA's cuDNN backward, the library's two-pass
+   backward (its choices), and the one pass with its prologue (the (-L·log2 e, D) pairs, dQ's float32 sum zeroed) and
+   epilogue (dQ scaled and cast), each a small `tl` kernel here; the one-pass kernel alone too.
+
+    python scripts/probe_fused_backward.py --head-dims 64 128 --seqs 4096 16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prologue(O, DO, L, Pairs, DqAcc, n_rows, so_r, so_d, sdo_r, sdo_d, HEAD_DIM: tl.constexpr,
+              ROWS: tl.constexpr):
+    """Pairs[row] = (-L·log2 e (0 where L = -inf), rowsum(dO * O)); dQ's float32 rows zeroed. Rows are the flat
+    (B·H·Nq) rows of O and dO, addressed through their row and column strides (a view of rank-4 tensors whose
+    batch·head·row index is affine, as the callers' dense or transposed inputs are)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, HEAD_DIM)
+    ok = rows < n_rows
+    o = tl.load(O + rows[:, None] * so_r + cols[None, :] * so_d, mask=ok[:, None], other=0.0).to(tl.float32)
+    do = tl.load(DO + rows[:, None] * sdo_r + cols[None, :] * sdo_d, mask=ok[:, None], other=0.0).to(tl.float32)
+    lse = tl.load(L + rows, mask=ok, other=0.0)
+    neg = tl.where(lse == float("-inf"), 0.0, lse * -1.4426950408889634)
+    tl.store(Pairs + rows * 2, neg, mask=ok)
+    tl.store(Pairs + rows * 2 + 1, tl.sum(o * do, axis=1), mask=ok)
+    tl.store(DqAcc + rows[:, None] * HEAD_DIM + cols[None, :], tl.zeros([ROWS, HEAD_DIM], tl.float32),
+             mask=ok[:, None])
+
+
+@triton.jit
+def _epilogue(DqAcc, DQ, n_rows, scale, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, HEAD_DIM)
+    ok = rows[:, None] < n_rows
+    acc = tl.load(DqAcc + rows[:, None] * HEAD_DIM + cols[None, :], mask=ok, other=0.0)
+    tl.store(DQ + rows[:, None] * HEAD_DIM + cols[None, :], (acc * scale).to(DQ.dtype.element_ty), mask=ok)
+
+
+def _flat_rows(t):
+    """(row stride, column stride) of rank-4 t's (B·H·N, D) rows where that view is affine, else None."""
+    b, h, n, d = t.shape
+    sb, sh, sn, sd = t.stride()
+    if (h == 1 or sh == n * sn) and (b == 1 or sb == h * n * sn):
+        return sn, sd
+    return None
+
+
+class FusedBackward:
+    """The one pass with its prologue and epilogue, on rank-4 (B, H, N, D) tensors."""
+
+    def __init__(self, variant, q, k, v, o, lse, do, window, scale):
+        from flashsys.ops.attention import flash_gluon
+
+        self.gluon = flash_gluon
+        self.variant, self.window, self.scale = variant, window, scale
+        self.q, self.k, self.v, self.o, self.lse = q, k, v, o, lse
+        self.do = do if _flat_rows(do) and _flat_rows(o) else do.contiguous()
+        if not _flat_rows(o):
+            self.o = o.contiguous()
+        self.rows = q.shape[0] * q.shape[1] * q.shape[2]
+        self.dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        self.pairs = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device=q.device)
+        self.dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self.dk, self.dv = torch.empty_like(k), torch.empty_like(v)
+        self.lse_flat = lse.contiguous()
+
+    def prologue(self):
+        d = self.q.shape[3]
+        _prologue[(triton.cdiv(self.rows, 64),)](self.o, self.do, self.lse_flat, self.pairs, self.dq_acc, self.rows,
+                                                 *_flat_rows(self.o), *_flat_rows(self.do), HEAD_DIM=d, ROWS=64)
+
+    def kernel(self):
+        self.gluon._launch(self.variant, self.q, self.k, self.v, self.do, self.dk, self.dv, self.dq_acc, self.pairs,
+                           self.window, self.scale)
+
+    def epilogue(self):
+        d = self.q.shape[3]
+        _epilogue[(triton.cdiv(self.rows, 64),)](self.dq_acc, self.dq, self.rows, self.scale, HEAD_DIM=d, ROWS=64)
+
+    def __call__(self):
+        self.prologue()
+        self.kernel()
+        self.epilogue()
+        return self.dq, self.dk, self.dv
+
+
+def _rank4(t):
+    return t if t.dim() == 4 else t.unsqueeze(1)
+
+
+def check(variants_by_d, head_dims, case_indices) -> int:
+    """Each variant against float64 on the Gluon tests' masked cases; the two-pass error beside it."""
+    from flashsys.ops.attention import flash_triton
+    from flashsys.ops.attention.reference import attention_reference
+    from tests.ops.attention_checks import rel_err
+    from tests.ops.test_gluon_forward import CASES, _inputs
+
+    failures = 0
+    for d in head_dims:
+        for case in [CASES[i] for i in case_indices]:
+            batch, heads, kv_heads, n_q, n_k, window, layout, dtype = case
+            q, k, v = _inputs(batch, heads, kv_heads, n_q, n_k, d, layout, dtype, seed=1)
+            do = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(q.device, dtype)
+            scale = d ** -0.5
+            o, lse = flash_triton.flash_forward_triton(q, k, v, window, scale)
+            g = flash_triton._geometry_of(q.shape, k.shape, q.dtype)
+            grads2 = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+            pairs = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device=q.device)
+            flash_triton._launch_backward(g, q, k, v, o, lse, do, *grads2, pairs, q, k, window, scale, False)
+            q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+            o64, _ = attention_reference(q64, k64, v64, False, scale, window)
+            o64.backward(do.double())
+            ref = (q64.grad, k64.grad, v64.grad)
+            err2 = [rel_err(gr, r) for gr, r in zip(grads2, ref)]
+            for var in variants_by_d[d]:
+                label = f"D {d} {n_q}x{n_k} heads {heads}/{kv_heads} window {window} {layout} {str(dtype)[6:]} " \
+                        f"{var.label()}"
+                try:
+                    fb = FusedBackward(var, *(_rank4(t) for t in (q, k, v, o)), _rank4(lse), _rank4(do), window,
+                                       scale)
+                    dq, dk, dv = fb()
+                    torch.cuda.synchronize()
+                    got = (dq.reshape(q.shape) if q.dim() == 4 else dq[:, 0], dk.reshape(k.shape) if k.dim() == 4
+                           else dk[:, 0], dv.reshape(v.shape) if v.dim() == 4 else dv[:, 0])
+                    err = [rel_err(gr, r) for gr, r in zip(got, ref)]
+                    bad = any(e > max(2 * e2, 1e-3) for e, e2 in zip(err, err2))
+                    failures += bad
+                    pairs_err = (fb.pairs.reshape(pairs.shape) - pairs).abs().max().item()
+                    print(f"{'FAIL' if bad else 'ok  '} {label}: rel err dQ/dK/dV {err[0]:.2e} {err[1]:.2e} "
+                          f"{err[2]:.2e} (two passes {err2[0]:.2e} {err2[1]:.2e} {err2[2]:.2e}); prologue's pairs "
+                          f"vs the dQ kernel's {pairs_err:.1e}", flush=True)
+                except Exception:  # noqa: BLE001
+                    failures += 1
+                    print(f"FAIL {label}: {traceback.format_exc()[-1500:]}", flush=True)
+    return failures
+
+
+def bench(variants_by_d, head_dims, seqs, rounds) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flashsys.ops.attention import flash_gluon, flash_triton
+
+    for d in head_dims:
+        for n in seqs:
+            for causal in (True, False):
+                b = 16384 // n
+                q, k, v, do = (torch.randn(b, 16, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+                window = (-1, 0) if causal else (-1, -1)
+                scale = d ** -0.5
+                flops = 10 * b * 16 * n * n * d / (2 if causal else 1)
+                qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    o_ref = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+                o, lse = flash_triton.flash_forward_triton(q, k, v, window, scale)
+                g = flash_triton._geometry_of(q.shape, k.shape, q.dtype)
+                dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+                pairs = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device="cuda")
+
+                def two_pass():
+                    flash_triton._launch_backward(g, q, k, v, o, lse, do, dq, dk, dv, pairs, q, k, window, scale,
+                                                  False, True)
+
+                flash_gluon._chosen.clear()
+                two_pass()  # the library's choice, timed here
+                torch.cuda.synchronize()
+                runs = {"SDPA cuDNN backward": lambda: torch.autograd.grad(o_ref, (qg, kg, vg), do,
+                                                                            retain_graph=True),
+                        "flashsys two passes (library's choice)": two_pass}
+                for var in variants_by_d[d]:
+                    fb = FusedBackward(var, q, k, v, o, lse, do, window, scale)
+                    try:
+                        fb()
+                        torch.cuda.synchronize()
+                        rel = ((fb.dq.float() - dq.float()).norm() / dq.float().norm()).item()
+                        relk = ((fb.dk.float() - dk.float()).norm() / dk.float().norm()).item()
+                        dq_first = fb.dq.clone()
+                        fb()
+                        torch.cuda.synchronize()
+                        same = torch.equal(dq_first, fb.dq)
+                        print(f"  D={d} N={n} causal={causal} {var.label()}: vs two passes dQ {rel:.1e} dK {relk:.1e};"
+                              f" dQ bitwise equal on a rerun: {same}", flush=True)
+                    except Exception:  # noqa: BLE001
+                        print(f"  {var.label()} FAILED: {traceback.format_exc()[-1500:]}", flush=True)
+                        continue
+                    runs[f"one pass {var.label()} (+ prologue, epilogue)"] = fb
+                    runs["  its kernel alone"] = fb.kernel
+                    runs["  its prologue + epilogue alone"] = lambda fb=fb: (fb.prologue(), fb.epilogue())
+                times: dict[str, list[float]] = {}
+                for _ in range(rounds):
+                    for label, fn in runs.items():
+                        times.setdefault(label, []).append(triton.testing.do_bench(fn))
+                print(f"\nD={d} N={n} B={b} causal={causal}; choices {[v.label() for v in flash_gluon.chosen_variants().values()]}")
+                cudnn = statistics.median(times["SDPA cuDNN backward"])
+                for label, ts in times.items():
+                    ms = statistics.median(ts)
+                    print(f"  {label:<60} {ms:8.3f} ms  {flops / ms / 1e9:7.1f} TFLOP/s  {ms / cudnn:5.2f}x cuDNN"
+                          f"  (rounds {', '.join(f'{t:.3f}' for t in ts)})", flush=True)
+                runs.clear()
+                torch.cuda.empty_cache()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], choices=[64, 128])
+    ap.add_argument("--seqs", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--cases", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5], help="which of the Gluon tests' "
+                    "masked cases to check")
+    ap.add_argument("--nbuf", type=int, nargs="+", default=None, help="only these buffer counts")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("probe_fused_backward runs CUDA kernels")
+        return 0
+    from flashsys.ops.attention import flash_gluon
+
+    variants = {d: [v for v in flash_gluon.FUSED_VARIANTS[d] if args.nbuf is None or v.nbuf in args.nbuf]
+                for d in args.head_dims}
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    t0 = time.time()
+    failures = 0 if args.skip_check else check(variants, args.head_dims, args.cases)
+    print(f"check: {failures} failures ({time.time() - t0:.0f} s)", flush=True)
+    bench(variants, args.head_dims, args.seqs, args.rounds)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
