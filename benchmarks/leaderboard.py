@@ -4,8 +4,9 @@
     flash = torch.compile(FlashAttention2Triton.apply)
     step: flash(q, k, v, True).sum().backward()   timed by triton.testing.do_bench(rep=10000, warmup=1000)
 
-The same step runs through SDPA's flash and cuDNN backends on 4-D views of the same data, and the
-gradients of all three are compared before anything is timed. Writes a Markdown table and a CSV with
+The same step runs through SDPA's flash and cuDNN backends on 4-D views of the same data, and once more through
+flashsys with determinism off (`set_deterministic_backward(False)`: the one-pass backward where it is faster, dQ's
+sums in no fixed order, as in SDPA's backends); the gradients of all four are compared before anything is timed. Writes a Markdown table and a CSV with
 device, versions, command and date (default: benchmarks/results/leaderboard.md and .csv).
 
     python -m benchmarks.leaderboard
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import triton
 
-    from flashsys.ops.attention import ATTENTION_BACKENDS, FlashAttention2Triton
+    from flashsys.ops.attention import ATTENTION_BACKENDS, FlashAttention2Triton, set_deterministic_backward
     from flashsys.ops.attention import flash_gluon, flash_triton
 
     torch.manual_seed(0)
@@ -46,8 +47,11 @@ def main(argv: list[str] | None = None) -> int:
                           requires_grad=True).unbind(0)
     flash = torch.compile(FlashAttention2Triton.apply)
 
-    def flash_step():
-        flash(q, k, v, True).sum().backward()
+    def flash_step(deterministic=True):
+        def step():
+            set_deterministic_backward(deterministic)  # a no-op unless it changes
+            flash(q, k, v, True).sum().backward()
+        return step
 
     def sdpa_step(name):
         sdpa = ATTENTION_BACKENDS[name]
@@ -57,9 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         return step
 
     variants = [
-        ("flashsys FlashAttention2Triton (torch.compile)", flash_step),
+        ("flashsys FlashAttention2Triton (torch.compile)", flash_step()),
         ("PyTorch SDPA, flash backend", sdpa_step("sdpa-flash")),
         ("PyTorch SDPA, cuDNN backend", sdpa_step("sdpa-cudnn")),
+        ("flashsys, set_deterministic_backward(False) (torch.compile)", flash_step(False)),
     ]
     base = q._base  # the (3, H, N, D) leaf that q, k, v are views of
 
@@ -101,12 +106,14 @@ def main(argv: list[str] | None = None) -> int:
                  if key.kernel == kernel and key.head_dim == args.head_dim and key.dtype == torch.bfloat16]
         notes.append(f"- {label}: " + (", ".join(f"{k}={v}" for k, v in found[-1].items()) if found else
                                        "no eager launch (the compiled call autotuned over the same configs in Inductor)"))
-    for kernel, label in (("forward", "fwd"), ("dkdv", "bwd dK/dV"), ("dq", "bwd dQ")):
+    for kernel, label in (("forward", "fwd"), ("dkdv", "bwd dK/dV"), ("dq", "bwd dQ"),
+                          ("one_pass", "bwd, determinism off")):
         gluon = [f"{v.label()} (N <= {key.bucket})" for key, v in flash_gluon.chosen_variants().items()
                  if key.kernel == kernel and key.head_dim == args.head_dim and key.dtype == torch.bfloat16
                  and key.bound_right]
         if gluon:  # the compiled graph ran the Gluon op, whose choice this is (a Gluon kernel or the `tl` one)
             notes.append(f"- {label} (Gluon op's choice, what ran): {', '.join(gluon)}")
+    set_deterministic_backward(True)
     path = write_table(rows, args.out, args.name, "FlashAttention leaderboard timing", notes, environment())
     print(path.read_text())
     return 0

@@ -1,9 +1,16 @@
 """Autograd ops. Each op family has its reference math, a pure-PyTorch version and a Triton version."""
 
-from .attention import FlashAttention2Torch, attention_reference, flash_attention, flash_attention_varlen
+from .attention import (
+    FlashAttention2Torch,
+    attention_reference,
+    deterministic_backward,
+    flash_attention,
+    flash_attention_varlen,
+    set_deterministic_backward,
+)
 
-__all__ = ["FlashAttention2Torch", "FlashAttention2Triton", "attention_reference", "flash_attention",
-           "flash_attention_varlen"]
+__all__ = ["FlashAttention2Torch", "FlashAttention2Triton", "attention_reference", "deterministic_backward",
+           "flash_attention", "flash_attention_varlen", "set_deterministic_backward"]
 
 
 def __getattr__(name: str):

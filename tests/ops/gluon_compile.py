@@ -1,5 +1,6 @@
-"""Compile every Gluon variant (the forward's, the dK/dV kernel's and the dQ kernel's) for sm_90 without a GPU, for every mask kind,
-and print what each compiled to as one JSON line ({variant and mask: "ok" or the error}). Run as a subprocess by
+"""Compile every Gluon variant (the forward's, the dK/dV, dQ and one-pass backward kernels') for sm_90 without a GPU,
+for every mask kind, and print what each compiled to as one JSON line ({variant and mask: "ok" or the error}). Run as
+a subprocess by
 test_gluon_forward (a stand-in driver replaces Triton's for the whole process), or by hand:
 
     python -m tests.ops.gluon_compile

@@ -205,3 +205,76 @@ def test_stride_zero_do_and_unaligned_do_gpu(monkeypatch):
     stride_zero = torch.ones((), device="cuda", dtype=q.dtype).expand(q.shape)
     assert_matches_reference(FlashAttention2Triton, q, k, v, stride_zero, True, None)
     assert_matches_reference(FlashAttention2Triton, q, k, v, unaligned, True, None)
+
+
+@hopper_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[3]}x{c[4]}-w{c[5]}-{c[6]}-{str(c[7])[6:]}")
+@pytest.mark.parametrize("variant", [(d, v) for d, vs in flash_gluon.ONE_PASS_VARIANTS.items() for v in vs
+                                     if v.kind == "one_pass"],
+                         ids=lambda dv: f"d{dv[0]}-{dv[1].label().replace(' ', '-')}")
+def test_each_one_pass_variant_matches_reference_gpu(variant, case):
+    """dQ, dK and dV of the one-pass backward (prologue, Gluon kernel, epilogue) against float64, within twice plain
+    PyTorch's or the two passes' error, on the forward's masked cases; its prologue's pairs against the `tl` dQ
+    kernel's."""
+    from flashsys.ops.attention import flash_triton
+
+    d, var = variant
+    window, dtype, scale = case[5], case[7], d ** -0.5
+    (q, k, v, do, o, lse), grads_tl, pairs_tl = _tl_backward_case(case, d, case[3] + 5 * d, d + 2)
+    grads = tuple(torch.full_like(t, float("nan"), memory_format=torch.contiguous_format) for t in (q, k, v))
+    pairs = torch.full_like(pairs_tl, float("nan"))
+    flash_triton._one_pass_backward(var, q, k, v, o, lse, do, *grads, pairs, window, scale)
+    _, _, *refs = run_reference(q, k, v, do, False, scale, torch.float64, window)
+    _, _, *plains = run_reference(q, k, v, do, False, scale, dtype, window)
+    for name, ours, ref, plain, tl_result in zip(("dQ", "dK", "dV"), grads, refs, plains, grads_tl):
+        err, base, tl_err = rel_err(ours, ref), rel_err(plain, ref), rel_err(tl_result, ref)
+        assert err <= 2 * max(base, tl_err) + FLOOR[dtype], f"{name}: {err:.3g} vs PyTorch {base:.3g}, tl {tl_err:.3g}"
+    torch.testing.assert_close(pairs[..., 0], pairs_tl[..., 0], rtol=0, atol=0)
+    torch.testing.assert_close(pairs[..., 1], pairs_tl[..., 1], rtol=1e-5, atol=1e-5)
+
+
+@hopper_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_op_runs_the_one_pass_only_when_determinism_is_off_gpu(d, monkeypatch):
+    """Through FlashAttention2Triton: by default the backward is the two passes, bit-deterministic; with
+    set_deterministic_backward(False) and a one-pass variant the choice, the one pass runs and every gradient
+    matches float64, eager and compiled; torch.use_deterministic_algorithms(True) brings back the two passes."""
+    from flashsys.ops.attention import FlashAttention2Triton, eager_plans, flash_triton, set_deterministic_backward
+
+    from .attention_checks import run_op
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(flash_gluon, "MIN_WORK", 0)
+    one_pass_calls = []
+    real = flash_triton._one_pass_backward
+    monkeypatch.setattr(flash_triton, "_one_pass_backward", lambda *a: (one_pass_calls.append(a[0]), real(*a)))
+    q, k, v, do = make_qkv(1, 8, 2048, 2048, d, torch.bfloat16, "cuda", seed=d + 7, kv_heads=2)
+    key = flash_gluon.ChoiceKey.of(q, k, (-1, 0), "one_pass")
+
+    def grads():
+        return run_op(FlashAttention2Triton, q, k, v, do, True, None)[2:]
+
+    flash_gluon._chosen.clear()
+    try:
+        first = grads()
+        assert all(torch.equal(a, b) for a, b in zip(first, grads()))
+        assert key not in flash_gluon.chosen_variants() and not one_pass_calls
+        set_deterministic_backward(False)
+        flash_gluon._chosen[key] = flash_gluon.ONE_PASS_VARIANTS[d][1]
+        assert_matches_reference(FlashAttention2Triton, q, k, v, do, True, None)
+        assert one_pass_calls, "the one pass did not run"
+        (o_e, dq_e, dk_e, dv_e), (o_c, dq_c, dk_c, dv_c) = eager_then_compiled(FlashAttention2Triton, q, k, v, True)
+        assert torch.equal(o_e, o_c) and torch.equal(dk_e, dk_c) and torch.equal(dv_e, dv_c)
+        # dQ's float32 sums run in another order: equal up to the last bf16 bits.
+        torch.testing.assert_close(dq_c.float(), dq_e.float(), rtol=1e-2, atol=1e-3 * dq_e.float().abs().max().item())
+        one_pass_calls.clear()
+        torch.use_deterministic_algorithms(True)
+        assert all(torch.equal(a, b) for a, b in zip(first, grads())) and not one_pass_calls
+    finally:
+        torch.use_deterministic_algorithms(False)
+        set_deterministic_backward(True)
+        eager_plans.backward_plans.clear()
+        flash_gluon._chosen.clear()
+

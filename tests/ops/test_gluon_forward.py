@@ -48,8 +48,9 @@ def test_calls_it_does_not_take_say_why():
 
 
 def test_every_variant_compiles_for_hopper():
-    """Every Gluon variant (the forward's, the dK/dV and dQ kernels'), causal, full and windowed, with grouped-query K/V and
-    ragged lengths, compiles for sm_90 on this machine's Triton (CI's newest one; a CPU needs no GPU to compile)."""
+    """Every Gluon variant (the forward's, the dK/dV and dQ kernels', the one-pass backward's), causal, full and
+    windowed, with grouped-query K/V and ragged lengths, compiles for sm_90 on this machine's Triton (CI's newest one;
+    a CPU needs no GPU to compile)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     if flash_gluon._kernels() is None:
         pytest.skip("this Triton has no Gluon Hopper API")
@@ -60,7 +61,7 @@ def test_every_variant_compiles_for_hopper():
     assert r.returncode == 0, r.stderr[-3000:]
     compiled = json.loads(r.stdout.strip().splitlines()[-1])
     assert len(compiled) == 3 * sum(len(flash_gluon.gluon_variants(d)) for d in flash_gluon.HEAD_DIMS)
-    assert {label.split()[3] for label in compiled} == {"plain", "pingpong", "dkdv", "dq"}  # every kernel's
+    assert {label.split()[3] for label in compiled} == {"plain", "pingpong", "dkdv", "dq", "one_pass"}
     failed = {label: why for label, why in compiled.items() if why != "ok"}
     assert not failed, failed
 

@@ -19,6 +19,7 @@ from .backends import (
     flash_runs_triton,
     get_backend,
 )
+from .determinism import deterministic_backward, set_deterministic_backward
 from .flash_torch import FlashAttention2Torch, FlashAttentionVarlenTorch
 from .reference import attention_reference, causal_mask, window_mask
 from .triton_env import interpreter_active
@@ -168,9 +169,11 @@ __all__ = [
     "attention_reference",
     "backend_report",
     "causal_mask",
+    "deterministic_backward",
     "flash_attention",
     "flash_attention_varlen",
     "get_backend",
     "interpreter_active",
+    "set_deterministic_backward",
     "window_mask",
 ]

@@ -46,8 +46,8 @@ MIN_WORK = 1 << 35
 
 class Variant(NamedTuple):
     """One kernel configuration: a forward's "plain" (one warpgroup) or "pingpong" (producer warp + two consumer
-    warpgroups with `regs` registers per thread), a backward's "dkdv" or "dq", or "tl" (the `tl` dQ kernel, timed
-    against the Gluon ones)."""
+    warpgroups with `regs` registers per thread), a backward's "dkdv", "dq" or "one_pass" (the whole backward,
+    warp-specialised as the ping-pong), or "tl" (the `tl` kernels a Gluon choice times its variants against)."""
 
     kind: str
     block_m: int
@@ -91,9 +91,22 @@ DQ_VARIANTS: dict[int, tuple[Variant, ...]] = {
 }
 
 
+# The one-pass backward's candidates (`deterministic_backward()` off only: dQ's float32 sums are added in no fixed
+# order). "one_pass": a producer warp streams block_m query rows through nbuf buffers to two consumer warpgroups of
+# block_n // 2 key rows at `regs` registers, each adding its share of dQ by a TMA reduce-add. TL_KERNEL stands for
+# the two passes. On an H100 the one pass took 0.90-0.92x the two passes' time at D 128 (16k tokens, N 4096-16384),
+# but at D 64, where each warpgroup adds a share over its own keys (twice the reduce traffic), 0.96-1.04x
+# (kernel_configs/probe_one_pass_backward_d{128,64}_h100.txt), so the two passes stay a candidate.
+ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {
+    64: (TL_KERNEL, Variant("one_pass", 64, 128, 2, 240), Variant("one_pass", 64, 128, 3, 240)),
+    128: (TL_KERNEL, Variant("one_pass", 64, 128, 2, 240), Variant("one_pass", 64, 128, 3, 240)),
+}
+
+
 def gluon_variants(head_dim: int) -> tuple[Variant, ...]:
-    """Every Gluon kernel variant at this head dim, forward's, dK/dV's and dQ's (the `tl` candidate left out)."""
-    tables = (VARIANTS, DKDV_VARIANTS, DQ_VARIANTS)
+    """Every Gluon kernel variant at this head dim: the forward's, dK/dV's, dQ's and the one pass's (the `tl`
+    candidates left out)."""
+    tables = (VARIANTS, DKDV_VARIANTS, DQ_VARIANTS, ONE_PASS_VARIANTS)
     return tuple(v for table in tables for v in table.get(head_dim, ()) if v.kind != "tl")
 
 
@@ -268,34 +281,28 @@ def _dq_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, do4: 
     return _kernels().attention_backward_dq, (triton.cdiv(n_q, m) * batch * n_heads,), args, kwargs
 
 
-def _fused_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, do4: Tensor, dk4: Tensor, dv4: Tensor,
-                        dq_acc: Tensor, lse_delta: Tensor, window: tuple[int, int], scale: float) -> tuple:
-    """As `_launch_parts`, for the one-pass backward (EXPERIMENT): dq_acc is (B, H, Nq, D) float32, zeroed."""
+def _one_pass_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, do4: Tensor, dk4: Tensor,
+                           dv4: Tensor, dq_acc: Tensor, lse_delta: Tensor, window: tuple[int, int], scale: float
+                           ) -> tuple:
+    """As `_launch_parts`, for the one-pass backward kernel: dq_acc is dQ's (B, H, Nq, D) float32 sum, zeroed."""
     batch, n_heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     m, n = variant.block_m, variant.block_n
-    split_d = d == 128
-    gl = _kernels().gl
+    split_d = d == 128  # the kernel's SPLIT_D: each warpgroup adds half of dQ's columns
     dq_cols = d // 2 if split_d else d
-    dq_layout = gl.NVMMASharedLayout.get_default_for([1, 1, m, dq_cols], gl.float32)
+    gl = _kernels().gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, 1, m, dq_cols], dq_layout)
+    dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, 1, m, dq_cols],
+                               gl.NVMMASharedLayout.get_default_for([1, 1, m, dq_cols], gl.float32))
     args = (_descriptor(q4, m), _descriptor(k4, n), _descriptor(v4, n), _descriptor(do4, m), _descriptor(dk4, n // 2),
             _descriptor(dv4, n // 2), dq_desc, lse_delta, batch * kv_heads, n_heads, n_heads // kv_heads, n_q, n_k,
             window[0], window[1], scale * LOG2E, scale)
     kwargs = dict(HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n, BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0,
                   NBUF=variant.nbuf, CONSUMER_REGS=variant.regs, SPLIT_D=split_d, num_warps=4)
-    return _kernels().attention_backward_fused, (triton.cdiv(n_k, n) * batch * kv_heads,), args, kwargs
+    return _kernels().attention_backward_one_pass, (triton.cdiv(n_k, n) * batch * kv_heads,), args, kwargs
 
 
-# EXPERIMENT (branch exp/fused-backward): the one-pass backward's candidates, not yet part of any choice.
-FUSED_VARIANTS: dict[int, tuple[Variant, ...]] = {
-    64: (Variant("fused", 64, 128, 2, 240), Variant("fused", 64, 128, 3, 240)),
-    128: (Variant("fused", 64, 128, 2, 240), Variant("fused", 64, 128, 3, 240)),
-}
-
-
-_LAUNCH_PARTS = {"dkdv": _dkdv_launch_parts, "dq": _dq_launch_parts, "fused": _fused_launch_parts}
+_LAUNCH_PARTS = {"dkdv": _dkdv_launch_parts, "dq": _dq_launch_parts, "one_pass": _one_pass_launch_parts}
 
 
 def _launch(variant: Variant, *tensors_and_scalars):
@@ -360,11 +367,11 @@ def compile_only(variant: Variant, q: Tensor, k: Tensor, v: Tensor, window: tupl
         tensors = (q, k, v, q, torch.empty_like(k), torch.empty_like(v))
         kernel, _, args, kwargs = _dkdv_launch_parts(variant, *(_rank4(t) for t in tensors), lse_delta, window,
                                                      scale)
-    elif variant.kind == "fused":
+    elif variant.kind == "one_pass":
         tensors = (q, k, v, q, torch.empty_like(k), torch.empty_like(v))
         dq_acc = torch.empty(_rank4(q).shape, dtype=torch.float32, device=q.device)
-        kernel, _, args, kwargs = _fused_launch_parts(variant, *(_rank4(t) for t in tensors), dq_acc, lse_delta,
-                                                      window, scale)
+        kernel, _, args, kwargs = _one_pass_launch_parts(variant, *(_rank4(t) for t in tensors), dq_acc, lse_delta,
+                                                         window, scale)
     elif variant.kind == "dq":
         tensors = (q, k, v, q, o, torch.empty_like(q))
         kernel, _, args, kwargs = _dq_launch_parts(variant, *(_rank4(t) for t in tensors), lse, lse_delta, window,
@@ -380,7 +387,7 @@ class ChoiceKey(NamedTuple):
     bound_right: bool
     bound_left: bool
     bucket: int  # max(Nq, Nk) rounded up to a power of two
-    kernel: str = "forward"  # or "dkdv"
+    kernel: str = "forward"  # or "dkdv", "dq", "one_pass"
 
     @classmethod
     def of(cls, q4: Tensor, k4: Tensor, window: tuple[int, int], kernel: str) -> ChoiceKey:
@@ -388,7 +395,8 @@ class ChoiceKey(NamedTuple):
         return cls(q4.shape[3], q4.dtype, window[1] >= 0, window[0] >= 0, bucket, kernel)
 
     def candidates(self) -> tuple[Variant, ...]:
-        return {"forward": VARIANTS, "dkdv": DKDV_VARIANTS, "dq": DQ_VARIANTS}[self.kernel][self.head_dim]
+        return {"forward": VARIANTS, "dkdv": DKDV_VARIANTS, "dq": DQ_VARIANTS,
+                "one_pass": ONE_PASS_VARIANTS}[self.kernel][self.head_dim]
 
 
 _chosen: dict[ChoiceKey, Variant] = {}
@@ -502,6 +510,22 @@ def backward_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse_delta: Tensor
     q4, k4, v4, do4, dk4, dv4 = (_rank4(t) for t in (q, k, v, do, dk, dv))
     return _run(ChoiceKey.of(q4, k4, window, "dkdv"), (q, k, v, do, dk, dv, lse_delta), None, q4, k4, v4, do4, dk4,
                 dv4, lse_delta, window, scale)
+
+
+def backward_one_pass(q: Tensor, k: Tensor, window: tuple[int, int], run_one_pass: Callable[[Variant], object],
+                      run_two_passes: Callable[[], object]) -> bool:
+    """Run the backward in one pass where a one-pass variant is this key's choice (timed on its first call against
+    the two passes, `run_two_passes()`); False where the two passes are the choice or the head dim has no one-pass
+    kernel (the caller runs them). `run_one_pass(variant)` launches the prologue, the kernel and the epilogue. For
+    inputs `takes_backward` accepted, with `deterministic_backward()` off."""
+    if q.shape[-1] not in ONE_PASS_VARIANTS:
+        return False
+    key = ChoiceKey.of(_rank4(q), _rank4(k), window, "one_pass")
+    variant = _choose(key, lambda var: run_two_passes() if var.kind == "tl" else run_one_pass(var))
+    if variant is None or variant.kind == "tl":
+        return False
+    run_one_pass(variant)
+    return True
 
 
 def _run(key: ChoiceKey, tensors: tuple[Tensor, ...], run_tl: Callable[[], object] | None,

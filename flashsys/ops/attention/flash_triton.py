@@ -41,6 +41,7 @@ from torch.library import triton_op, wrap_triton
 from triton.compiler import CompiledKernel
 
 from . import eager_plans, flash_gluon, native_launch
+from .determinism import deterministic_backward
 from .eager_plans import Recorded
 from .triton_env import autotune_enabled, interpreter_active
 from .validation import (
@@ -440,6 +441,43 @@ def _flash_bwd_dkdv_kernel(
                                  BOUND_LEFT=BOUND_LEFT, FP32_IEEE=FP32_IEEE)
     _store_tile(DK, offs_n, offs_d, stride_dkn, stride_dkd, n_k, dk * softmax_scale, HEAD_DIM)
     _store_tile(DV, offs_n, offs_d, stride_dvn, stride_dvd, n_k, dv, HEAD_DIM)
+
+
+@triton.jit
+def _one_pass_prologue_kernel(O, DO, L, LseDelta, DqAcc, n_heads, n_q, stride_ob, stride_oh, stride_on, stride_od,
+                              stride_dob, stride_doh, stride_don, stride_dod, HEAD_DIM: tl.constexpr,
+                              BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    """Before the one-pass backward, for ROWS rows of one (batch, head): the (-L·log2 e, rowsum(dO * O)) pairs the
+    dQ kernels write in the two passes (-L·log2 e = 0 for a row that sees no key, L = -inf), and those rows of dQ's
+    float32 sum zeroed. L, LseDelta and DqAcc are dense over (B, H, Nq); O and dO have any strides."""
+    bh = tl.program_id(1)
+    b = bh // n_heads
+    h = bh % n_heads
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    ok = rows < n_q
+    tile_ok = ok[:, None] & (cols[None, :] < HEAD_DIM)
+    o = tl.load(O + b.to(tl.int64) * stride_ob + h * stride_oh + rows[:, None] * stride_on + cols[None, :] * stride_od,
+                mask=tile_ok, other=0.0).to(tl.float32)
+    do = tl.load(DO + b.to(tl.int64) * stride_dob + h * stride_doh + rows[:, None] * stride_don
+                 + cols[None, :] * stride_dod, mask=tile_ok, other=0.0).to(tl.float32)
+    flat = bh.to(tl.int64) * n_q + rows
+    lse = tl.load(L + flat, mask=ok, other=0.0)
+    tl.store(LseDelta + flat * 2, tl.where(lse == float("-inf"), 0.0, lse * -_LOG2E), mask=ok)
+    tl.store(LseDelta + flat * 2 + 1, tl.sum(o * do, axis=1), mask=ok)
+    tl.store(DqAcc + flat[:, None] * HEAD_DIM + cols[None, :], tl.zeros([ROWS, BLOCK_D], tl.float32), mask=tile_ok)
+
+
+@triton.jit
+def _one_pass_epilogue_kernel(DqAcc, DQ, n_rows, softmax_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                              ROWS: tl.constexpr):
+    """After the one-pass backward: dQ = its float32 sum * softmax_scale, in dQ's dtype (both dense, n_rows rows)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    ok = (rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM)
+    offs = rows[:, None] * HEAD_DIM + cols[None, :]
+    acc = tl.load(DqAcc + offs, mask=ok, other=0.0)
+    tl.store(DQ + offs, (acc * softmax_scale).to(DQ.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -957,18 +995,44 @@ def _launch_backward(g: _Geometry, q, k, v, o, lse, do, dq, dk, dv, lse_delta, c
     def launch_dq():
         return launch("dq", _bwd_dq_kernels, g, window, _tile_grid(g.grid_q, "BLOCK_M", g.n_bh), dq_named)
 
-    # dQ first: it writes the (-L*log2e, D) pairs that the dK/dV kernel reads.
-    if gluon and (launched := flash_gluon.backward_dq(q, k, v, do, o, dq, lse, lse_delta, window, scale,
-                                                      launch_dq)).ran:
-        dq_launch = launched.recorded
-    else:
-        dq_launch = launch_dq()
-    if gluon and (launched := flash_gluon.backward_dkdv(q, k, v, do, lse_delta, dk, dv, window, scale)).ran:
-        return [dq_launch, launched.recorded]
-    # One dK/dV program per key tile and K/V head: it sums the query heads of its group itself.
-    dkdv_launch = launch("dkdv", _bwd_dkdv_kernels, g, window, _tile_grid(g.grid_k, "BLOCK_N", g.n_bh_kv),
-                         dkdv_named)
-    return [dq_launch, dkdv_launch]
+    def two_passes() -> list[Recorded | None]:
+        # dQ first: it writes the (-L*log2e, D) pairs that the dK/dV kernel reads.
+        if gluon and (launched := flash_gluon.backward_dq(q, k, v, do, o, dq, lse, lse_delta, window, scale,
+                                                          launch_dq)).ran:
+            dq_launch = launched.recorded
+        else:
+            dq_launch = launch_dq()
+        if gluon and (launched := flash_gluon.backward_dkdv(q, k, v, do, lse_delta, dk, dv, window, scale)).ran:
+            return [dq_launch, launched.recorded]
+        # One dK/dV program per key tile and K/V head: it sums the query heads of its group itself.
+        dkdv_launch = launch("dkdv", _bwd_dkdv_kernels, g, window, _tile_grid(g.grid_k, "BLOCK_N", g.n_bh_kv),
+                             dkdv_named)
+        return [dq_launch, dkdv_launch]
+
+    if gluon and not deterministic_backward() and flash_gluon.backward_one_pass(
+            q, k, window, lambda variant: _one_pass_backward(variant, q, k, v, o, lse, do, dq, dk, dv, lse_delta,
+                                                             window, scale), two_passes):
+        # Not recorded: a plan would replay the one pass after determinism is asked for again
+        # (torch.use_deterministic_algorithms), so each call takes this path and reads the setting.
+        return [None]
+    return two_passes()
+
+
+def _one_pass_backward(variant: flash_gluon.Variant, q, k, v, o, lse, do, dq, dk, dv, lse_delta, window, scale):
+    """The one-pass backward on rank-3/4 tensors (Hopper, `flash_gluon.backward_one_pass`): the prologue kernel
+    writes the (L, D) pairs and zeroes dQ's float32 sum, the Gluon kernel adds into it, the epilogue scales and casts
+    it into dq."""
+    q4, k4, v4, o4, do4, dq4, dk4, dv4 = (t if t.dim() == 4 else t.unsqueeze(1) for t in (q, k, v, o, do, dq, dk, dv))
+    batch, n_heads, n_q, d = q4.shape
+    dq_acc = torch.empty(q4.shape, dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(d)
+    _one_pass_prologue_kernel[(triton.cdiv(n_q, 64), batch * n_heads)](
+        o4, do4, lse, lse_delta, dq_acc, n_heads, n_q, *o4.stride(), *do4.stride(), HEAD_DIM=d, BLOCK_D=block_d,
+        ROWS=64)
+    flash_gluon._launch(variant, q4, k4, v4, do4, dk4, dv4, dq_acc, lse_delta, window, scale)
+    n_rows = batch * n_heads * n_q
+    _one_pass_epilogue_kernel[(triton.cdiv(n_rows, 64),)](dq_acc, dq4, n_rows, scale, HEAD_DIM=d, BLOCK_D=block_d,
+                                                           ROWS=64)
 
 
 def _packed_view(t: Tensor, n_seqs: int) -> Tensor:

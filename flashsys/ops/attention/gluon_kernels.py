@@ -27,6 +27,9 @@ not a multiple of the tile (TMA reads zeros past the end and clips the stores), 
   left in flight across the loop's back edge, ptxas serialises every wgmma (kernel_experiments.md, stop 29).
 - `attention_backward_dq`: dQ with the same overlap (S and dP issued together, P under dP, drained per tile); it
   writes the (-L·log2 e, D) pairs the dK/dV kernels read, as the `tl` dQ kernel does (kernel_experiments.md, stop 31).
+- `attention_backward_one_pass`: the whole backward in one pass, five products a tile where the two passes do seven,
+  warp-specialised as FlashAttention-3's: dQ's shares are added into a float32 sum by TMA reduce-adds, in no fixed
+  order, so it runs only where the caller turned determinism off (`set_deterministic_backward(False)`).
 """
 
 from __future__ import annotations
@@ -585,12 +588,12 @@ def attention_backward_dq(q_desc, k_desc, v_desc, do_desc, o_desc, dq_desc, L, L
 
 
 # ----------------------------------------------------------------------------------------------------
-# Backward in one pass (EXPERIMENT, branch exp/fused-backward): FlashAttention-3's warp-specialised layout
+# Backward in one pass (opt-in, not deterministic): FlashAttention-3's warp-specialised layout
 # ----------------------------------------------------------------------------------------------------
 
 
 @gluon.jit
-def _fused_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, q_bar, do_bar, k_box, v_box, kv_bar,
+def _one_pass_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, q_bar, do_bar, k_box, v_box, kv_bar,
                     empty_bar, b, h_kv, kv_group, start_n, lo, n_m_tiles, n_iter, BLOCK_M: gl.constexpr,
                     NBUF: gl.constexpr):
     """One warp: the program's K and V tile, then query tile j's Q and dO into buffer j % NBUF once both consumers
@@ -606,15 +609,16 @@ def _fused_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, q_bar, do_
 
 
 @gluon.jit
-def _fused_consumer(dk_desc, dv_desc, dq_desc, LseDelta, q_smem, do_smem, q_bar, do_bar, k_box, v_box, kv_bar,
+def _one_pass_consumer(dk_desc, dv_desc, dq_desc, LseDelta, q_smem, do_smem, q_bar, do_bar, k_box, v_box, kv_bar,
                     empty_bar, ds_smem, ds_bar, dq_stage, b, h_kv, n_heads, kv_group, n_q, start_n, lo, full_lo,
                     full_hi, n_m_tiles, n_iter, right_offset, left_offset, qk_scale, softmax_scale,
                     HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
                     BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr,
                     SPLIT_D: gl.constexpr):
     """One warpgroup: dK and dV of key rows start_n + HALF * HALF_N on, and its share of dQ, over the query tiles
-    the producer streams. Per tile as `_dkdv_consumer` on the experiment branch, plus dSᵀ into shared memory and
-    a dQ product added into dq_desc's float32 tensor by a TMA reduce-add.
+    the producer streams. Per tile as `attention_backward_dkdv` (Sᵀ and dPᵀ issued together, Pᵀ under dPᵀ, dSᵀ under
+    dV's product), then dSᵀ into shared memory and a dQ product added into dq_desc's float32 tensor by a TMA
+    reduce-add, which runs on while the next tile computes.
 
     SPLIT_D (D 128): the two warpgroups' dSᵀ halves meet in shared memory (ds_bar), and this one computes dQ's
     columns HALF * D/2 on over all BLOCK_N keys (dS K[:, cols]; 32 registers a thread). Without it (D 64) each
@@ -713,12 +717,12 @@ def _fused_consumer(dk_desc, dv_desc, dq_desc, LseDelta, q_smem, do_smem, q_bar,
 
 
 @gluon.jit
-def attention_backward_fused(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LseDelta, n_bh, n_heads,
+def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LseDelta, n_bh, n_heads,
                              kv_group, n_q, n_k, window_left, window_right, qk_scale, softmax_scale,
                              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                              BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr,
                              CONSUMER_REGS: gl.constexpr, SPLIT_D: gl.constexpr):
-    """The whole backward in one pass (an experiment for #16): one program = a key tile of BLOCK_N rows of one
+    """The whole backward in one pass: one program = a key tile of BLOCK_N rows of one
     (batch, K/V head), held by two consumer warpgroups of BLOCK_N // 2 rows each, and a producer warp that streams
     Q and dO through NBUF buffers. Per query tile five products: Sᵀ, dPᵀ, dV += Pᵀ dO, dK += dSᵀ Q, and dQ's share
     dS K, added by a TMA reduce-add into dq_desc's tensor ((B, H, Nq, D) float32, zeroed first; unscaled). LseDelta
@@ -752,17 +756,17 @@ def attention_backward_fused(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, 
     for i in gl.static_range(NBUF):
         mbarrier.init(empty_bar.index(i), count=2)
     fence_async_shared()
-    gl.warp_specialize([(_fused_consumer, (dk_desc, dv_desc, dq_desc, LseDelta, q_smem, do_smem, q_bar, do_bar, k_box,
+    gl.warp_specialize([(_one_pass_consumer, (dk_desc, dv_desc, dq_desc, LseDelta, q_smem, do_smem, q_bar, do_bar, k_box,
                                            v_box, kv_bar, empty_bar, ds_smem, ds_bar, dq_stage, b, h_kv, n_heads,
                                            kv_group, n_q, start_n, lo, full_lo, full_hi, n_m_tiles, n_iter,
                                            right_offset, left_offset, qk_scale, softmax_scale, 0, HEAD_DIM, BLOCK_M,
                                            HALF_N, BOUND_RIGHT, BOUND_LEFT, NBUF, SPLIT_D)),
-                        (_fused_consumer, (dk_desc, dv_desc, dq_desc, LseDelta, q_smem, do_smem, q_bar, do_bar, k_box,
+                        (_one_pass_consumer, (dk_desc, dv_desc, dq_desc, LseDelta, q_smem, do_smem, q_bar, do_bar, k_box,
                                            v_box, kv_bar, empty_bar, ds_smem, ds_bar, dq_stage, b, h_kv, n_heads,
                                            kv_group, n_q, start_n, lo, full_lo, full_hi, n_m_tiles, n_iter,
                                            right_offset, left_offset, qk_scale, softmax_scale, 1, HEAD_DIM, BLOCK_M,
                                            HALF_N, BOUND_RIGHT, BOUND_LEFT, NBUF, SPLIT_D)),
-                        (_fused_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, q_bar, do_bar, k_box,
+                        (_one_pass_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, q_bar, do_bar, k_box,
                                            v_box, kv_bar, empty_bar, b, h_kv, kv_group, start_n, lo, n_m_tiles,
                                            n_iter, BLOCK_M, NBUF))],
                        [4, 1], [CONSUMER_REGS, 24])

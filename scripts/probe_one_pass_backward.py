@@ -1,14 +1,14 @@
-"""The one-pass backward (EXPERIMENT for #16, branch exp/fused-backward) on a GPU: FlashAttention-3's layout in Gluon
-(a producer warp, two consumer warpgroups of 64 key rows at 240 registers, dQ's share added by a TMA reduce-add).
+"""The one-pass backward on a GPU (#16): FlashAttention-3's layout in Gluon (a producer warp, two consumer warpgroups of
+64 key rows at 240 registers, dQ's share added by a TMA reduce-add), `flash_gluon.ONE_PASS_VARIANTS`.
 
 1. Correct: on the masked cases of the Gluon tests (GQA, Nq != Nk with rows that see no key, windows, ragged tiles,
    (B, N, H, D) strides, rank 3, fp16 and bf16), dQ, dK and dV against float64 reference math, beside the two-pass
    backward's error on the same inputs.
 2. Fast? Whole backwards in interleaved do_bench rounds (median ms): SDPA's cuDNN backward, the library's two-pass
-   backward (its choices), and the one pass with its prologue (the (-L·log2 e, D) pairs, dQ's float32 sum zeroed) and
-   epilogue (dQ scaled and cast), each a small `tl` kernel here; the one-pass kernel alone too.
+   backward (its choices), and each one-pass variant with its prologue (the (-L·log2 e, D) pairs, dQ's float32 sum
+   zeroed) and epilogue (dQ scaled and cast), both small `tl` kernels.
 
-    python scripts/probe_fused_backward.py --head-dims 64 128 --seqs 4096 16384
+    python scripts/probe_one_pass_backward.py --head-dims 64 128 --seqs 4096 16384
 """
 
 from __future__ import annotations
@@ -23,91 +23,24 @@ import traceback
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-LOG2E = 1.4426950408889634
 
-
-@triton.jit
-def _prologue(O, DO, L, Pairs, DqAcc, n_rows, so_r, so_d, sdo_r, sdo_d, HEAD_DIM: tl.constexpr,
-              ROWS: tl.constexpr):
-    """Pairs[row] = (-L·log2 e (0 where L = -inf), rowsum(dO * O)); dQ's float32 rows zeroed. Rows are the flat
-    (B·H·Nq) rows of O and dO, addressed through their row and column strides (a view of rank-4 tensors whose
-    batch·head·row index is affine, as the callers' dense or transposed inputs are)."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, HEAD_DIM)
-    ok = rows < n_rows
-    o = tl.load(O + rows[:, None] * so_r + cols[None, :] * so_d, mask=ok[:, None], other=0.0).to(tl.float32)
-    do = tl.load(DO + rows[:, None] * sdo_r + cols[None, :] * sdo_d, mask=ok[:, None], other=0.0).to(tl.float32)
-    lse = tl.load(L + rows, mask=ok, other=0.0)
-    neg = tl.where(lse == float("-inf"), 0.0, lse * -1.4426950408889634)
-    tl.store(Pairs + rows * 2, neg, mask=ok)
-    tl.store(Pairs + rows * 2 + 1, tl.sum(o * do, axis=1), mask=ok)
-    tl.store(DqAcc + rows[:, None] * HEAD_DIM + cols[None, :], tl.zeros([ROWS, HEAD_DIM], tl.float32),
-             mask=ok[:, None])
-
-
-@triton.jit
-def _epilogue(DqAcc, DQ, n_rows, scale, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, HEAD_DIM)
-    ok = rows[:, None] < n_rows
-    acc = tl.load(DqAcc + rows[:, None] * HEAD_DIM + cols[None, :], mask=ok, other=0.0)
-    tl.store(DQ + rows[:, None] * HEAD_DIM + cols[None, :], (acc * scale).to(DQ.dtype.element_ty), mask=ok)
-
-
-def _flat_rows(t):
-    """(row stride, column stride) of rank-4 t's (B·H·N, D) rows where that view is affine, else None."""
-    b, h, n, d = t.shape
-    sb, sh, sn, sd = t.stride()
-    if (h == 1 or sh == n * sn) and (b == 1 or sb == h * n * sn):
-        return sn, sd
-    return None
-
-
-class FusedBackward:
-    """The one pass with its prologue and epilogue, on rank-4 (B, H, N, D) tensors."""
+class OnePass:
+    """The library's one-pass backward (prologue, Gluon kernel, epilogue) with one variant, on rank-4 tensors."""
 
     def __init__(self, variant, q, k, v, o, lse, do, window, scale):
-        from flashsys.ops.attention import flash_gluon
+        from flashsys.ops.attention import flash_triton
 
-        self.gluon = flash_gluon
-        self.variant, self.window, self.scale = variant, window, scale
-        self.q, self.k, self.v, self.o, self.lse = q, k, v, o, lse
-        self.do = do if _flat_rows(do) and _flat_rows(o) else do.contiguous()
-        if not _flat_rows(o):
-            self.o = o.contiguous()
-        self.rows = q.shape[0] * q.shape[1] * q.shape[2]
-        self.dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        self.run_one = lambda: flash_triton._one_pass_backward(variant, q, k, v, o, lse, do, self.dq, self.dk,
+                                                               self.dv, self.pairs, window, scale)
+        self.dq, self.dk, self.dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
         self.pairs = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device=q.device)
-        self.dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        self.dk, self.dv = torch.empty_like(k), torch.empty_like(v)
-        self.lse_flat = lse.contiguous()
-
-    def prologue(self):
-        d = self.q.shape[3]
-        _prologue[(triton.cdiv(self.rows, 64),)](self.o, self.do, self.lse_flat, self.pairs, self.dq_acc, self.rows,
-                                                 *_flat_rows(self.o), *_flat_rows(self.do), HEAD_DIM=d, ROWS=64)
-
-    def kernel(self):
-        self.gluon._launch(self.variant, self.q, self.k, self.v, self.do, self.dk, self.dv, self.dq_acc, self.pairs,
-                           self.window, self.scale)
-
-    def epilogue(self):
-        d = self.q.shape[3]
-        _epilogue[(triton.cdiv(self.rows, 64),)](self.dq_acc, self.dq, self.rows, self.scale, HEAD_DIM=d, ROWS=64)
 
     def __call__(self):
-        self.prologue()
-        self.kernel()
-        self.epilogue()
+        self.run_one()
         return self.dq, self.dk, self.dv
-
-
-def _rank4(t):
-    return t if t.dim() == 4 else t.unsqueeze(1)
 
 
 def check(variants_by_d, head_dims, case_indices) -> int:
@@ -138,16 +71,13 @@ def check(variants_by_d, head_dims, case_indices) -> int:
                 label = f"D {d} {n_q}x{n_k} heads {heads}/{kv_heads} window {window} {layout} {str(dtype)[6:]} " \
                         f"{var.label()}"
                 try:
-                    fb = FusedBackward(var, *(_rank4(t) for t in (q, k, v, o)), _rank4(lse), _rank4(do), window,
-                                       scale)
+                    fb = OnePass(var, q, k, v, o, lse, do, window, scale)
                     dq, dk, dv = fb()
                     torch.cuda.synchronize()
-                    got = (dq.reshape(q.shape) if q.dim() == 4 else dq[:, 0], dk.reshape(k.shape) if k.dim() == 4
-                           else dk[:, 0], dv.reshape(v.shape) if v.dim() == 4 else dv[:, 0])
-                    err = [rel_err(gr, r) for gr, r in zip(got, ref)]
+                    err = [rel_err(gr, r) for gr, r in zip((dq, dk, dv), ref)]
                     bad = any(e > max(2 * e2, 1e-3) for e, e2 in zip(err, err2))
                     failures += bad
-                    pairs_err = (fb.pairs.reshape(pairs.shape) - pairs).abs().max().item()
+                    pairs_err = (fb.pairs - pairs).abs().max().item()
                     print(f"{'FAIL' if bad else 'ok  '} {label}: rel err dQ/dK/dV {err[0]:.2e} {err[1]:.2e} "
                           f"{err[2]:.2e} (two passes {err2[0]:.2e} {err2[1]:.2e} {err2[2]:.2e}); prologue's pairs "
                           f"vs the dQ kernel's {pairs_err:.1e}", flush=True)
@@ -160,7 +90,7 @@ def check(variants_by_d, head_dims, case_indices) -> int:
 def bench(variants_by_d, head_dims, seqs, rounds) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from flashsys.ops.attention import flash_gluon, flash_triton
+    from flashsys.ops.attention import flash_gluon, flash_triton, set_deterministic_backward
 
     for d in head_dims:
         for n in seqs:
@@ -184,17 +114,31 @@ def bench(variants_by_d, head_dims, seqs, rounds) -> None:
 
                 flash_gluon._chosen.clear()
                 two_pass()  # the library's choice, timed here
+                dq_two, dk_two = dq.clone(), dk.clone()
+                set_deterministic_backward(False)
+                two_pass()  # now the one-pass choice too
+                choice = flash_gluon.chosen_variants()
+
+                def library(deterministic):
+                    def run():
+                        set_deterministic_backward(deterministic)
+                        flash_gluon._chosen.clear()
+                        flash_gluon._chosen.update(choice)
+                        two_pass()
+                    return run
+
                 torch.cuda.synchronize()
                 runs = {"SDPA cuDNN backward": lambda: torch.autograd.grad(o_ref, (qg, kg, vg), do,
                                                                             retain_graph=True),
-                        "flashsys two passes (library's choice)": two_pass}
+                        "flashsys, deterministic (two passes)": library(True),
+                        "flashsys, set_deterministic_backward(False)": library(False)}
                 for var in variants_by_d[d]:
-                    fb = FusedBackward(var, q, k, v, o, lse, do, window, scale)
+                    fb = OnePass(var, q, k, v, o, lse, do, window, scale)
                     try:
                         fb()
                         torch.cuda.synchronize()
-                        rel = ((fb.dq.float() - dq.float()).norm() / dq.float().norm()).item()
-                        relk = ((fb.dk.float() - dk.float()).norm() / dk.float().norm()).item()
+                        rel = ((fb.dq.float() - dq_two.float()).norm() / dq_two.float().norm()).item()
+                        relk = ((fb.dk.float() - dk_two.float()).norm() / dk_two.float().norm()).item()
                         dq_first = fb.dq.clone()
                         fb()
                         torch.cuda.synchronize()
@@ -205,18 +149,18 @@ def bench(variants_by_d, head_dims, seqs, rounds) -> None:
                         print(f"  {var.label()} FAILED: {traceback.format_exc()[-1500:]}", flush=True)
                         continue
                     runs[f"one pass {var.label()} (+ prologue, epilogue)"] = fb
-                    runs["  its kernel alone"] = fb.kernel
-                    runs["  its prologue + epilogue alone"] = lambda fb=fb: (fb.prologue(), fb.epilogue())
                 times: dict[str, list[float]] = {}
                 for _ in range(rounds):
                     for label, fn in runs.items():
                         times.setdefault(label, []).append(triton.testing.do_bench(fn))
-                print(f"\nD={d} N={n} B={b} causal={causal}; choices {[v.label() for v in flash_gluon.chosen_variants().values()]}")
+                picked = [f"{key.kernel}: {var.label()}" for key, var in choice.items()]
+                print(f"\nD={d} N={n} B={b} causal={causal}; the library's choices {picked}")
                 cudnn = statistics.median(times["SDPA cuDNN backward"])
                 for label, ts in times.items():
                     ms = statistics.median(ts)
                     print(f"  {label:<60} {ms:8.3f} ms  {flops / ms / 1e9:7.1f} TFLOP/s  {ms / cudnn:5.2f}x cuDNN"
                           f"  (rounds {', '.join(f'{t:.3f}' for t in ts)})", flush=True)
+                set_deterministic_backward(True)
                 runs.clear()
                 torch.cuda.empty_cache()
 
@@ -232,11 +176,12 @@ def main() -> int:
     ap.add_argument("--nbuf", type=int, nargs="+", default=None, help="only these buffer counts")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        print("probe_fused_backward runs CUDA kernels")
+        print("probe_one_pass_backward runs CUDA kernels")
         return 0
     from flashsys.ops.attention import flash_gluon
 
-    variants = {d: [v for v in flash_gluon.FUSED_VARIANTS[d] if args.nbuf is None or v.nbuf in args.nbuf]
+    variants = {d: [v for v in flash_gluon.ONE_PASS_VARIANTS[d] if v.kind == "one_pass" and (args.nbuf is None or
+                                                                                         v.nbuf in args.nbuf)]
                 for d in args.head_dims}
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     t0 = time.time()

@@ -1,0 +1,43 @@
+"""Whether the attention backward must be bit-deterministic: the process-wide switch behind the one-pass backward.
+
+The default backward is deterministic: dQ and dK/dV run in two passes, each sum in a fixed order. On Hopper GPUs a
+one-pass backward does five tensor-core products a tile where the two passes do seven, and was 8-16% faster at
+head dim 128 on an H100 (benchmarks/results/kernel_experiments.md, "one-pass backward"). Its dQ is a float32 sum
+that the key tiles' programs add into as they finish, in no fixed order, so dQ's last bits vary from run to run
+(as with SDPA's flash and cuDNN backends and flash-attn). It runs only where asked for:
+
+    import flashsys.ops.attention as fa
+    fa.set_deterministic_backward(False)
+
+A switch, not a per-call argument, as `torch.backends.cudnn.deterministic` is one: it reaches backwards that run
+inside compiled graphs and the native launcher without changing any signature. `torch.use_deterministic_algorithms
+(True)` overrides it: the backward is then deterministic whatever this switch says.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_state = {"deterministic": True}
+
+
+def set_deterministic_backward(deterministic: bool) -> None:
+    """Allow (False) or forbid (True, the default) the non-deterministic one-pass backward, from the next backward
+    on. A change drops the process's launch plans, so that no plan made under the other setting replays."""
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"set_deterministic_backward: deterministic must be a bool, got {type(deterministic).__name__}")
+    if deterministic == _state["deterministic"]:
+        return
+    _state["deterministic"] = deterministic
+    try:
+        from . import eager_plans, native_launch
+    except ImportError:  # no Triton: no plans to drop
+        return
+    eager_plans.clear()
+    native_launch.clear()
+
+
+def deterministic_backward() -> bool:
+    """Whether backwards must be bit-deterministic now: the switch's value, or True where
+    `torch.use_deterministic_algorithms(True)` is on."""
+    return _state["deterministic"] or torch.are_deterministic_algorithms_enabled()
