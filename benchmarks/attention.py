@@ -26,18 +26,38 @@ from benchmarks.harness import (
 from flashsys.ops.attention import ATTENTION_BACKENDS
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Not a registry backend: flash-triton measured with determinism off (`set_deterministic_backward(False)`), so that a
+# Hopper backward may take the one-pass kernel, whose dQ sums run in no fixed order (as SDPA's backends' do).
+NONDETERMINISTIC = "flash-triton-nondet"
+
+
+def _backend(name: str):
+    return ATTENTION_BACKENDS["flash-triton" if name == NONDETERMINISTIC else name]
 
 
 def implementation(name: str):
-    """The registry's backend `name` as fn(q, k, v, causal)."""
+    """The registry's backend `name` (or flash-triton for NONDETERMINISTIC) as fn(q, k, v, causal)."""
     if name == "naive-compiled":
         # The backward-only timing replays one graph (retain_graph=True); a compiled backward that donates
         # its saved buffers refuses that, so donation is switched off for this benchmark.
         import torch._functorch.config as functorch_config
 
         functorch_config.donated_buffer = False
-    backend = ATTENTION_BACKENDS[name]
+    backend = _backend(name)
     return lambda q, k, v, causal: backend(q, k, v, causal)
+
+
+def measure_impl(name: str, fn, *cell) -> dict:
+    """`measure(fn, *cell)`, with determinism off for NONDETERMINISTIC's cells only."""
+    if name != NONDETERMINISTIC:
+        return measure(fn, *cell)
+    from flashsys.ops.attention import set_deterministic_backward
+
+    set_deterministic_backward(False)
+    try:
+        return measure(fn, *cell)
+    finally:
+        set_deterministic_backward(True)
 
 
 def plot_rows(rows: list[dict], out, tag: str) -> None:
@@ -98,7 +118,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, "attention")
     gpu_default = ["naive", "naive-compiled", "flash-torch", "flash-triton", "sdpa-flash", "sdpa-cudnn"]
-    p.add_argument("--impls", nargs="+", choices=list(ATTENTION_BACKENDS),
+    p.add_argument("--impls", nargs="+", choices=[*ATTENTION_BACKENDS, NONDETERMINISTIC],
                    default=gpu_default if ON_GPU else ["naive", "flash-torch", "sdpa-math"])
     p.add_argument("--head-dims", nargs="+", type=int, default=[16, 32, 64, 128] if ON_GPU else [32, 64])
     p.add_argument("--seq-lens", nargs="+", type=int,
@@ -126,10 +146,11 @@ def main(argv=None) -> int:
             row["error"] = f"skipped (N > {args.max_naive_len})"
         elif name == "flash-torch" and n > args.max_flash_torch_len:
             row["error"] = f"skipped (N > {args.max_flash_torch_len})"
-        elif (why := ATTENTION_BACKENDS[name].unavailable_reason("cuda" if ON_GPU else "cpu")) is not None:
+        elif (why := _backend(name).unavailable_reason("cuda" if ON_GPU else "cpu")) is not None:
             row["error"] = f"unsupported ({why.split(',')[0]})"
         else:
-            row.update(run_cell(lambda: measure(impls[name], batch, args.heads, n, d, DTYPES[dt], c, args.rep)))
+            row.update(run_cell(lambda: measure_impl(name, impls[name], batch, args.heads, n, d, DTYPES[dt], c,
+                                                     args.rep)))
         rows.append(row)
     # Ratio to the strongest SDPA baseline of the same cell.
     by_cell = {}

@@ -174,6 +174,8 @@ def main() -> int:
     ap.add_argument("--cases", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5], help="which of the Gluon tests' "
                     "masked cases to check")
     ap.add_argument("--nbuf", type=int, nargs="+", default=None, help="only these buffer counts")
+    ap.add_argument("--own-keys", action="store_true", help="also time the form where each warpgroup adds all of dQ's "
+                    "columns over its own keys (kind one_pass_own_keys, 3 buffers)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("probe_one_pass_backward runs CUDA kernels")
@@ -182,6 +184,7 @@ def main() -> int:
 
     variants = {d: [v for v in flash_gluon.ONE_PASS_VARIANTS[d] if v.kind == "one_pass" and (args.nbuf is None or
                                                                                          v.nbuf in args.nbuf)]
+                + ([flash_gluon.Variant("one_pass_own_keys", 64, 128, 3, 240)] if args.own_keys else [])
                 for d in args.head_dims}
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     t0 = time.time()

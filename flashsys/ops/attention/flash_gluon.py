@@ -93,10 +93,10 @@ DQ_VARIANTS: dict[int, tuple[Variant, ...]] = {
 
 # The one-pass backward's candidates (`deterministic_backward()` off only: dQ's float32 sums are added in no fixed
 # order). "one_pass": a producer warp streams block_m query rows through nbuf buffers to two consumer warpgroups of
-# block_n // 2 key rows at `regs` registers, each adding its share of dQ by a TMA reduce-add. TL_KERNEL stands for
-# the two passes. On an H100 the one pass took 0.90-0.92x the two passes' time at D 128 (16k tokens, N 4096-16384),
-# but at D 64, where each warpgroup adds a share over its own keys (twice the reduce traffic), 0.96-1.04x
-# (kernel_configs/probe_one_pass_backward_d{128,64}_h100.txt), so the two passes stay a candidate.
+# block_n // 2 key rows at `regs` registers, each adding half of dQ's columns by a TMA reduce-add. TL_KERNEL stands
+# for the two passes, which stay a candidate: on an H100 (16k tokens, bf16, whole backwards) the one pass ran
+# 0.84-0.98x the two passes' time at D 128 and 0.94-0.96x at D 64 N 16384, but 1.0-1.03x at D 64 N 4096
+# (kernel_configs/probe_one_pass_backward_*_h100.txt).
 ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {
     64: (TL_KERNEL, Variant("one_pass", 64, 128, 2, 240), Variant("one_pass", 64, 128, 3, 240)),
     128: (TL_KERNEL, Variant("one_pass", 64, 128, 2, 240), Variant("one_pass", 64, 128, 3, 240)),
@@ -284,17 +284,25 @@ def _dq_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, do4: 
 def _one_pass_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, do4: Tensor, dk4: Tensor,
                            dv4: Tensor, dq_acc: Tensor, lse_delta: Tensor, window: tuple[int, int], scale: float
                            ) -> tuple:
-    """As `_launch_parts`, for the one-pass backward kernel: dq_acc is dQ's (B, H, Nq, D) float32 sum, zeroed."""
+    """As `_launch_parts`, for the one-pass backward kernel: dq_acc is dQ's (B, H, Nq, D) float32 sum, zeroed.
+    Each consumer warpgroup adds half of dQ's columns (SPLIT_D), reading them from a column half of K's tile in
+    shared memory; at D 64 that half is 64 bytes wide, so K's tile takes a 64-byte swizzle (the default's 128 bytes
+    would cut a swizzle row in two). Kind "one_pass_own_keys" (the probe's) instead has each warpgroup add all of
+    dQ's columns over its own keys: twice the reduce traffic."""
     batch, n_heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     m, n = variant.block_m, variant.block_n
-    split_d = d == 128  # the kernel's SPLIT_D: each warpgroup adds half of dQ's columns
+    split_d = variant.kind == "one_pass"
     dq_cols = d // 2 if split_d else d
     gl = _kernels().gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, 1, m, dq_cols],
                                gl.NVMMASharedLayout.get_default_for([1, 1, m, dq_cols], gl.float32))
-    args = (_descriptor(q4, m), _descriptor(k4, n), _descriptor(v4, n), _descriptor(do4, m), _descriptor(dk4, n // 2),
+    k_desc = _descriptor(k4, n)
+    if split_d and d * k4.element_size() // 2 < 128:
+        k_desc = dataclasses.replace(k_desc, layout=gl.NVMMASharedLayout(
+            swizzle_byte_width=d * k4.element_size() // 2, element_bitwidth=8 * k4.element_size(), rank=4))
+    args = (_descriptor(q4, m), k_desc, _descriptor(v4, n), _descriptor(do4, m), _descriptor(dk4, n // 2),
             _descriptor(dv4, n // 2), dq_desc, lse_delta, batch * kv_heads, n_heads, n_heads // kv_heads, n_q, n_k,
             window[0], window[1], scale * LOG2E, scale)
     kwargs = dict(HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n, BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0,
@@ -302,7 +310,8 @@ def _one_pass_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor,
     return _kernels().attention_backward_one_pass, (triton.cdiv(n_k, n) * batch * kv_heads,), args, kwargs
 
 
-_LAUNCH_PARTS = {"dkdv": _dkdv_launch_parts, "dq": _dq_launch_parts, "one_pass": _one_pass_launch_parts}
+_LAUNCH_PARTS = {"dkdv": _dkdv_launch_parts, "dq": _dq_launch_parts, "one_pass": _one_pass_launch_parts,
+                 "one_pass_own_keys": _one_pass_launch_parts}
 
 
 def _launch(variant: Variant, *tensors_and_scalars):
@@ -367,7 +376,7 @@ def compile_only(variant: Variant, q: Tensor, k: Tensor, v: Tensor, window: tupl
         tensors = (q, k, v, q, torch.empty_like(k), torch.empty_like(v))
         kernel, _, args, kwargs = _dkdv_launch_parts(variant, *(_rank4(t) for t in tensors), lse_delta, window,
                                                      scale)
-    elif variant.kind == "one_pass":
+    elif variant.kind.startswith("one_pass"):
         tensors = (q, k, v, q, torch.empty_like(k), torch.empty_like(v))
         dq_acc = torch.empty(_rank4(q).shape, dtype=torch.float32, device=q.device)
         kernel, _, args, kwargs = _one_pass_launch_parts(variant, *(_rank4(t) for t in tensors), dq_acc, lse_delta,
