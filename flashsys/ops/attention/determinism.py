@@ -1,10 +1,11 @@
 """Whether the attention backward must be bit-deterministic: the process-wide switch behind the one-pass backward.
 
 The default backward is deterministic: dQ and dK/dV run in two passes, each sum in a fixed order. On Hopper GPUs a
-one-pass backward does five tensor-core products a tile where the two passes do seven, and was 8-16% faster at
-head dim 128 on an H100 (benchmarks/results/kernel_experiments.md, "one-pass backward"). Its dQ is a float32 sum
+one-pass backward does five tensor-core products a tile where the two passes do seven; on an H100 it took 2-16% less
+time than the two passes at head dim 128, and 4-6% less at head dim 64 with 16k-token sequences, where a timed choice
+takes it (benchmarks/results/kernel_experiments.md, "The one-pass backward"). Its dQ is a float32 sum
 that the key tiles' programs add into as they finish, in no fixed order, so dQ's last bits vary from run to run
-(as with SDPA's flash and cuDNN backends and flash-attn). It runs only where asked for:
+(PyTorch's SDPA documents the same of its fused CUDA kernels' backwards). It runs only where asked for:
 
     import flashsys.ops.attention as fa
     fa.set_deterministic_backward(False)
@@ -25,7 +26,8 @@ def set_deterministic_backward(deterministic: bool) -> None:
     """Allow (False) or forbid (True, the default) the non-deterministic one-pass backward, from the next backward
     on. A change drops the process's launch plans, so that no plan made under the other setting replays."""
     if not isinstance(deterministic, bool):
-        raise TypeError(f"set_deterministic_backward: deterministic must be a bool, got {type(deterministic).__name__}")
+        raise TypeError("set_deterministic_backward: deterministic must be a bool, got "
+                        f"{type(deterministic).__name__}")
     if deterministic == _state["deterministic"]:
         return
     _state["deterministic"] = deterministic

@@ -95,7 +95,7 @@ DQ_VARIANTS: dict[int, tuple[Variant, ...]] = {
 # order). "one_pass": a producer warp streams block_m query rows through nbuf buffers to two consumer warpgroups of
 # block_n // 2 key rows at `regs` registers, each adding half of dQ's columns by a TMA reduce-add. TL_KERNEL stands
 # for the two passes, which stay a candidate: on an H100 (16k tokens, bf16, whole backwards) the one pass ran
-# 0.84-0.98x the two passes' time at D 128 and 0.94-0.96x at D 64 N 16384, but 1.0-1.03x at D 64 N 4096
+# 0.84-0.98x the two passes' time at D 128 and 0.94-0.96x at D 64 N 16384, but 0.99-1.03x at D 64 N 4096
 # (kernel_configs/probe_one_pass_backward_*_h100.txt).
 ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {
     64: (TL_KERNEL, Variant("one_pass", 64, 128, 2, 240), Variant("one_pass", 64, 128, 3, 240)),
