@@ -18,6 +18,10 @@ from flashsys.ops.attention import eager_plans, flash_gluon, flash_triton  # noq
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 @pytest.fixture(autouse=True)
 def _deterministic_after():
     yield
@@ -73,10 +77,6 @@ def test_prologue_writes_the_pairs_and_zeroes_dq_and_epilogue_scales_it(rank):
     flash_triton._one_pass_epilogue_kernel[(triton_cdiv(rows, 64),)](acc, dq, rows, 0.3, HEAD_DIM=d, BLOCK_D=64,
                                                                      ROWS=64)
     assert torch.equal(dq, (acc * 0.3).to(torch.float16))
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def test_one_pass_choice_hands_back_to_the_two_passes(monkeypatch):

@@ -450,18 +450,18 @@ def _one_pass_prologue_kernel(O, DO, L, LseDelta, DqAcc, n_heads, n_q, stride_ob
     """Before the one-pass backward, for ROWS rows of one (batch, head): the (-L·log2 e, rowsum(dO * O)) pairs the
     dQ kernels write in the two passes (-L·log2 e = 0 for a row that sees no key, L = -inf), and those rows of dQ's
     float32 sum zeroed. L, LseDelta and DqAcc are dense over (B, H, Nq); O and dO have any strides."""
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: (B, N, H, D) strides times long sequences pass 2^31
     b = bh // n_heads
     h = bh % n_heads
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     ok = rows < n_q
     tile_ok = ok[:, None] & (cols[None, :] < HEAD_DIM)
-    o = tl.load(O + b.to(tl.int64) * stride_ob + h * stride_oh + rows[:, None] * stride_on + cols[None, :] * stride_od,
+    o = tl.load(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + cols[None, :] * stride_od,
                 mask=tile_ok, other=0.0).to(tl.float32)
-    do = tl.load(DO + b.to(tl.int64) * stride_dob + h * stride_doh + rows[:, None] * stride_don
-                 + cols[None, :] * stride_dod, mask=tile_ok, other=0.0).to(tl.float32)
-    flat = bh.to(tl.int64) * n_q + rows
+    do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_don + cols[None, :] * stride_dod,
+                 mask=tile_ok, other=0.0).to(tl.float32)
+    flat = bh * n_q + rows
     lse = tl.load(L + flat, mask=ok, other=0.0)
     tl.store(LseDelta + flat * 2, tl.where(lse == float("-inf"), 0.0, lse * -_LOG2E), mask=ok)
     tl.store(LseDelta + flat * 2 + 1, tl.sum(o * do, axis=1), mask=ok)
