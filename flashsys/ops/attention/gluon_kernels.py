@@ -402,6 +402,28 @@ def _lse_delta(LseDelta, b, n_heads, n_q, j, n_iter, n_m_tiles, lo, h_kv, kv_gro
     return gl.load(pairs, mask=inside, other=0.0), gl.load(pairs + 1, mask=inside, other=0.0)
 
 @gluon.jit
+def _transposed_probabilities(k_tile, v_tile, q_tile, do_tile, q_ready, do_ready, phase, s_zero, neg_lse2, qk_scale,
+                              offs_n, start_m, full_lo, full_hi, n_q, right_offset, left_offset, BLOCK_M: gl.constexpr,
+                              BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr):
+    """A dK/dV tile's first steps on transposed scores (keys x queries): Sᵀ = K Qᵀ and dPᵀ = V dOᵀ issued together,
+    each once its tile is in; wait for Sᵀ only; Pᵀ = exp2(Sᵀ·scale - L), masked where the query tile straddles a
+    window edge or the end of the queries. Returns (Pᵀ, dPᵀ's token): dPᵀ may still be on the tensor cores."""
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_zero.type.layout)  # a vector over Sᵀ's columns (queries)
+    mbarrier.wait(q_ready, phase)
+    s_tok = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    mbarrier.wait(do_ready, phase)
+    dp_tok = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(1, deps=[s_tok])  # dPᵀ may still run
+    p = gl.exp2(s * qk_scale + gl.convert_layout(neg_lse2, col_layout)[None, :])
+    if (start_m < full_lo) | (start_m >= full_hi):  # a tile at a window edge or the end of the queries
+        offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
+        visible = _visible(offs_m[None, :], offs_n[:, None], offs_m[None, :], n_q, right_offset, left_offset,
+                           BOUND_RIGHT, BOUND_LEFT)
+        p = gl.where(visible, p, 0.0)
+    return p, dp_tok
+
+
+@gluon.jit
 def attention_backward_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LseDelta, n_bh, n_heads,
                             kv_group, n_q, n_k, window_left, window_right, qk_scale, softmax_scale,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -463,18 +485,9 @@ def attention_backward_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
         h, start_m = _query_tile(j, n_m_tiles, lo, h_kv, kv_group, BLOCK_M)
         q_tile = _tile(q_smem.index(slot), BLOCK_M, HEAD_DIM)
         do_tile = _tile(do_smem.index(slot), BLOCK_M, HEAD_DIM)
-        mbarrier.wait(q_bar.index(slot), phase)
-        s_tok = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(do_bar.index(slot), phase)
-        dp_tok = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-
-        s = warpgroup_mma_wait(1, deps=[s_tok])  # dPᵀ may still run
-        p = gl.exp2(s * qk_scale + gl.convert_layout(neg_lse2, col_layout)[None, :])
-        if (start_m < full_lo) | (start_m >= full_hi):  # a tile at a window edge or the end of the queries
-            offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
-            visible = _visible(offs_m[None, :], offs_n[:, None], offs_m[None, :], n_q, right_offset, left_offset,
-                               BOUND_RIGHT, BOUND_LEFT)
-            p = gl.where(visible, p, 0.0)
+        p, dp_tok = _transposed_probabilities(k_tile, v_tile, q_tile, do_tile, q_bar.index(slot), do_bar.index(slot),
+                                              phase, s_zero, neg_lse2, qk_scale, offs_n, start_m, full_lo, full_hi,
+                                              n_q, right_offset, left_offset, BLOCK_M, BOUND_RIGHT, BOUND_LEFT)
         dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do_tile, dv, is_async=True)
         dp = warpgroup_mma_wait(1, deps=[dp_tok])  # dV's product may still run
         ds = p * (dp - gl.convert_layout(delta, col_layout)[None, :])
@@ -656,17 +669,9 @@ def _one_pass_consumer(dk_desc, dv_desc, dq_desc, LseDelta, q_smem, do_smem, q_b
         h, start_m = _query_tile(j, n_m_tiles, lo, h_kv, kv_group, BLOCK_M)
         q_tile = _tile(q_smem.index(slot), BLOCK_M, HEAD_DIM)
         do_tile = _tile(do_smem.index(slot), BLOCK_M, HEAD_DIM)
-        mbarrier.wait(q_bar.index(slot), phase)
-        s_tok = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(do_bar.index(slot), phase)
-        dp_tok = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(1, deps=[s_tok])
-        p = gl.exp2(s * qk_scale + gl.convert_layout(neg_lse2, col_layout)[None, :])
-        if (start_m < full_lo) | (start_m >= full_hi):
-            offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
-            visible = _visible(offs_m[None, :], offs_n[:, None], offs_m[None, :], n_q, right_offset, left_offset,
-                               BOUND_RIGHT, BOUND_LEFT)
-            p = gl.where(visible, p, 0.0)
+        p, dp_tok = _transposed_probabilities(k_tile, v_tile, q_tile, do_tile, q_bar.index(slot), do_bar.index(slot),
+                                              phase, s_zero, neg_lse2, qk_scale, offs_n, start_m, full_lo, full_hi,
+                                              n_q, right_offset, left_offset, BLOCK_M, BOUND_RIGHT, BOUND_LEFT)
         dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do_tile, dv, is_async=True)
         dp = warpgroup_mma_wait(1, deps=[dp_tok])
         ds = (p * (dp - gl.convert_layout(delta, col_layout)[None, :])).to(dtype)
