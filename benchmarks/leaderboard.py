@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                                        "no eager launch (the compiled call autotuned over the same configs in Inductor)"))
     for kernel, label in (("forward", "fwd"), ("dkdv", "bwd dK/dV"), ("dq", "bwd dQ"),
                           ("one_pass", "bwd, determinism off")):
-        gluon = [f"{v.label()} (N <= {key.bucket})" for key, v in flash_gluon.chosen_variants().items()
+        gluon = [f"{key.label(v)} (N <= {key.bucket})" for key, v in flash_gluon.chosen_variants().items()
                  if key.kernel == kernel and key.head_dim == args.head_dim and key.dtype == torch.bfloat16
                  and key.bound_right]
         if gluon:  # the compiled graph ran the Gluon op, whose choice this is (a Gluon kernel or the `tl` one)

@@ -153,7 +153,7 @@ def bench(variants_by_d, head_dims, seqs, rounds) -> None:
                 for _ in range(rounds):
                     for label, fn in runs.items():
                         times.setdefault(label, []).append(triton.testing.do_bench(fn))
-                picked = [f"{key.kernel}: {var.label()}" for key, var in choice.items()]
+                picked = [f"{key.kernel}: {key.label(var)}" for key, var in choice.items()]
                 print(f"\nD={d} N={n} B={b} causal={causal}; the library's choices {picked}")
                 cudnn = statistics.median(times["SDPA cuDNN backward"])
                 for label, ts in times.items():

@@ -100,6 +100,9 @@ def test_one_pass_choice_hands_back_to_the_two_passes(monkeypatch):
         assert timed[3:] == ([pick[0]] if ran else [])  # the winner runs once more, for this call
     q96 = torch.randn(1, 2, 64, 96)
     assert not flash_gluon.backward_one_pass(q96, q96, (-1, 0), timed.append, lambda: None)
+    key = flash_gluon.ChoiceKey.of(q, q, (-1, 0), "one_pass")  # what status lines call the two passes
+    assert key.label(flash_gluon.TL_KERNEL) == "two passes"
+    assert key._replace(kernel="dq").label(flash_gluon.TL_KERNEL) == "tl kernel"
 
 
 @pytest.mark.parametrize("deterministic", [True, False])

@@ -407,6 +407,10 @@ class ChoiceKey(NamedTuple):
         return {"forward": VARIANTS, "dkdv": DKDV_VARIANTS, "dq": DQ_VARIANTS,
                 "one_pass": ONE_PASS_VARIANTS}[self.kernel][self.head_dim]
 
+    def label(self, variant: Variant) -> str:
+        """`variant`'s label in this choice: in the one-pass choice TL_KERNEL stands for the two passes."""
+        return "two passes" if self.kernel == "one_pass" and variant.kind == "tl" else variant.label()
+
 
 _chosen: dict[ChoiceKey, Variant] = {}
 
@@ -427,7 +431,7 @@ def status() -> str:
         return f"off ({_broken})"
     masks = {(True, False): "causal", (False, False): "full", (True, True): "window", (False, True): "window"}
     chosen = "; ".join(f"{k.kernel} D {k.head_dim} {str(k.dtype)[6:]} {masks[k.bound_right, k.bound_left]} "
-                       f"N<={k.bucket}: {v.label()}" for k, v in sorted(_chosen.items(), key=str))
+                       f"N<={k.bucket}: {k.label(v)}" for k, v in sorted(_chosen.items(), key=str))
     return f"on where B*H*Nq*Nk*D >= 2^{MIN_WORK.bit_length() - 1}" + (f"; chose {chosen}" if chosen else "")
 
 
