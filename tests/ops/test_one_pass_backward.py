@@ -13,13 +13,11 @@ from flashsys.ops.attention import determinism
 from .attention_checks import make_qkv, run_reference
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
+
 from flashsys.ops.attention import eager_plans, flash_gluon, flash_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @pytest.fixture(autouse=True)
@@ -65,7 +63,7 @@ def test_prologue_writes_the_pairs_and_zeroes_dq_and_epilogue_scales_it(rank):
     pairs = torch.full((*lse.shape, 2), float("nan"), device=DEVICE)
     o4, do4 = (t if t.dim() == 4 else t.unsqueeze(1) for t in (o, do))
     acc = torch.full(o4.shape, float("nan"), device=DEVICE)
-    flash_triton._one_pass_prologue_kernel[(triton_cdiv(n, 64), batch * heads)](
+    flash_triton._one_pass_prologue_kernel[(triton.cdiv(n, 64), batch * heads)](
         o4, do4, lse, pairs, acc, heads, n, *o4.stride(), *do4.stride(), HEAD_DIM=d, BLOCK_D=64, ROWS=64)
     want_neg = torch.where(torch.isinf(lse), torch.zeros_like(lse), -lse * flash_triton.LOG2E)
     torch.testing.assert_close(pairs[..., 0], want_neg)
@@ -74,7 +72,7 @@ def test_prologue_writes_the_pairs_and_zeroes_dq_and_epilogue_scales_it(rank):
     acc.normal_(generator=torch.Generator(DEVICE).manual_seed(12))
     dq = torch.full(o4.shape, float("nan"), device=DEVICE, dtype=torch.float16)
     rows = acc.numel() // d
-    flash_triton._one_pass_epilogue_kernel[(triton_cdiv(rows, 64),)](acc, dq, rows, 0.3, HEAD_DIM=d, BLOCK_D=64,
+    flash_triton._one_pass_epilogue_kernel[(triton.cdiv(rows, 64),)](acc, dq, rows, 0.3, HEAD_DIM=d, BLOCK_D=64,
                                                                      ROWS=64)
     assert torch.equal(dq, (acc * 0.3).to(torch.float16))
 

@@ -223,15 +223,17 @@ def _rank4(t: Tensor) -> Tensor:
     return t if t.dim() == 4 else t.unsqueeze(1)
 
 
-def _descriptor(t: Tensor, rows: int):
-    """A TMA descriptor of rank-4 t copying (1, 1, rows, D) boxes. A dim of size 1 gets the stride it would have
+def _descriptor(t: Tensor, rows: int, cols: int | None = None, layout=None):
+    """A TMA descriptor of rank-4 t copying (1, 1, rows, cols) boxes (cols: all of D by default) into shared memory
+    laid out as `layout` (by default the 16-bit tiles' `_smem_layout`). A dim of size 1 gets the stride it would have
     if t were dense over the dims inside it (its own may be anything; TMA checks every stride)."""
     shape, strides = list(t.shape), list(t.stride())
     for axis in (2, 1, 0):
         if shape[axis] == 1:
             strides[axis] = shape[axis + 1] * strides[axis + 1]
+    cols = shape[3] if cols is None else cols
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    return TensorDescriptor(t, shape, strides, [1, 1, rows, shape[3]], _smem_layout(rows, shape[3], t.dtype))
+    return TensorDescriptor(t, shape, strides, [1, 1, rows, cols], layout or _smem_layout(rows, cols, t.dtype))
 
 
 def _launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, o4: Tensor, lse: Tensor,
@@ -295,14 +297,11 @@ def _one_pass_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor,
     split_d = variant.kind == "one_pass"
     dq_cols = d // 2 if split_d else d
     gl = _kernels().gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, 1, m, dq_cols],
-                               gl.NVMMASharedLayout.get_default_for([1, 1, m, dq_cols], gl.float32))
-    k_desc = _descriptor(k4, n)
-    if split_d and d * k4.element_size() // 2 < 128:
-        k_desc = dataclasses.replace(k_desc, layout=gl.NVMMASharedLayout(
-            swizzle_byte_width=d * k4.element_size() // 2, element_bitwidth=8 * k4.element_size(), rank=4))
-    args = (_descriptor(q4, m), k_desc, _descriptor(v4, n), _descriptor(do4, m), _descriptor(dk4, n // 2),
+    dq_desc = _descriptor(dq_acc, m, dq_cols, gl.NVMMASharedLayout.get_default_for([1, 1, m, dq_cols], gl.float32))
+    half_bytes = d * k4.element_size() // 2
+    k_layout = (gl.NVMMASharedLayout(swizzle_byte_width=half_bytes, element_bitwidth=8 * k4.element_size(), rank=4)
+                if split_d and half_bytes < 128 else None)
+    args = (_descriptor(q4, m), _descriptor(k4, n, layout=k_layout), _descriptor(v4, n), _descriptor(do4, m), _descriptor(dk4, n // 2),
             _descriptor(dv4, n // 2), dq_desc, lse_delta, batch * kv_heads, n_heads, n_heads // kv_heads, n_q, n_k,
             window[0], window[1], scale * LOG2E, scale)
     kwargs = dict(HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n, BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0,
