@@ -23,6 +23,40 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+class BackwardCell:
+    """One cell of the backward probes (this one and probe_one_pass_backward): H 16, B = 16384 // N, bf16 inputs;
+    SDPA-cuDNN's forward graph to differentiate; flashsys's O and L, and the buffers its backward writes."""
+
+    def __init__(self, d: int, n: int, causal: bool):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        from flashsys.ops.attention import flash_triton
+
+        self.flash_triton = flash_triton
+        self.b = 16384 // n
+        self.q, self.k, self.v, self.do = (torch.randn(self.b, 16, n, d, device="cuda", dtype=torch.bfloat16)
+                                           for _ in range(4))
+        self.window = (-1, 0) if causal else (-1, -1)
+        self.scale = d ** -0.5
+        self.flops = 10 * self.b * 16 * n * n * d / (2 if causal else 1)  # five products of 2·N²·D per head
+        self.leaves = tuple(t.clone().requires_grad_() for t in (self.q, self.k, self.v))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            self.o_ref = F.scaled_dot_product_attention(*self.leaves, is_causal=causal)
+        self.o, self.lse = flash_triton.flash_forward_triton(self.q, self.k, self.v, self.window, self.scale)
+        self.g = flash_triton._geometry_of(self.q.shape, self.k.shape, self.q.dtype)
+        self.dq, self.dk, self.dv = (torch.empty_like(t) for t in (self.q, self.k, self.v))
+        self.lse_delta = torch.empty((*self.q.shape[:-1], 2), dtype=torch.float32, device="cuda")
+
+    def cudnn_backward(self):
+        return torch.autograd.grad(self.o_ref, self.leaves, self.do, retain_graph=True)
+
+    def backward(self, gluon: bool) -> None:
+        """flashsys's backward into dq, dk, dv (the Gluon kernels where `gluon` and they take the call)."""
+        self.flash_triton._launch_backward(self.g, self.q, self.k, self.v, self.o, self.lse, self.do, self.dq, self.dk,
+                                           self.dv, self.lse_delta, self.q, self.k, self.window, self.scale, False,
+                                           gluon)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], choices=[64, 128])
@@ -33,33 +67,19 @@ def main() -> int:
         print("probe_gluon_backward times CUDA kernels")
         return 0
     import triton
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from flashsys.ops.attention import flash_gluon, flash_triton
+    from flashsys.ops.attention import flash_gluon
 
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; H 16, "
           f"B = 16384 // N, bf16, backward only, median ms of {args.rounds} interleaved do_bench rounds")
     for d in args.head_dims:
         for n in args.seqs:
             for causal in (True, False):
-                b = 16384 // n
-                q, k, v, do = (torch.randn(b, 16, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-                window = (-1, 0) if causal else (-1, -1)
-                scale = d ** -0.5
-                flops = 10 * b * 16 * n * n * d / (2 if causal else 1)  # five products of 2·N²·D per head
-                qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    o_ref = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
-                o, lse = flash_triton.flash_forward_triton(q, k, v, window, scale)
-                g = flash_triton._geometry_of(q.shape, k.shape, q.dtype)
-                dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-                lse_delta = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device="cuda")
-                flash_triton._launch_backward(g, q, k, v, o, lse, do, dq, dk, dv, lse_delta, q, k, window, scale,
-                                              False)
-
-                def backward(gluon):
-                    flash_triton._launch_backward(g, q, k, v, o, lse, do, dq, dk, dv, lse_delta, q, k, window,
-                                                  scale, False, gluon)
+                cell = BackwardCell(d, n, causal)
+                q, k, v, do, o, lse, window, scale = (cell.q, cell.k, cell.v, cell.do, cell.o, cell.lse, cell.window,
+                                                      cell.scale)
+                dq, lse_delta, backward = cell.dq, cell.lse_delta, cell.backward
+                backward(False)
 
                 flash_gluon._chosen.clear()
                 backward(True)  # the library's choice, timed on this first call and restored before each of its runs
@@ -79,8 +99,7 @@ def main() -> int:
                     return with_choice({key_of["dq"]: dq_variant, key_of["dkdv"]: dkdv_variant})
 
                 tl = flash_gluon.TL_KERNEL
-                runs = {"SDPA cuDNN backward": lambda: torch.autograd.grad(o_ref, (qg, kg, vg), do,
-                                                                            retain_graph=True),
+                runs = {"SDPA cuDNN backward": cell.cudnn_backward,
                         "flashsys backward, tl kernels": lambda: backward(False)}
                 if flash_gluon.takes_backward(q, k, v, o, do):
                     runs["flashsys backward, the library's choices"] = with_choice(choice)
@@ -112,11 +131,11 @@ def main() -> int:
                             print(f"{label} FAILED: {traceback.format_exc()[-800:]}")
                             times[label] = [float("nan")]
                 picked = [f"{k.kernel}: {v.label()}" for k, v in choice.items()]
-                print(f"\nD={d} N={n} B={b} causal={causal}; the library's choice: {picked}")
+                print(f"\nD={d} N={n} B={cell.b} causal={causal}; the library's choice: {picked}")
                 cudnn = statistics.median(times["SDPA cuDNN backward"])
                 for label, ts in times.items():
                     ms = statistics.median(ts)
-                    print(f"  {label:<52} {ms:8.3f} ms  {flops / ms / 1e9:7.1f} TFLOP/s  {ms / cudnn:5.2f}x cuDNN",
+                    print(f"  {label:<52} {ms:8.3f} ms  {cell.flops / ms / 1e9:7.1f} TFLOP/s  {ms / cudnn:5.2f}x cuDNN",
                           flush=True)
     return 0
 

@@ -21,7 +21,6 @@ import time
 import traceback
 
 import torch
-import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -45,27 +44,17 @@ class OnePass:
 
 def check(variants_by_d, head_dims, case_indices) -> int:
     """Each variant against float64 on the Gluon tests' masked cases; the two-pass error beside it."""
-    from flashsys.ops.attention import flash_triton
-    from flashsys.ops.attention.reference import attention_reference
-    from tests.ops.attention_checks import rel_err
-    from tests.ops.test_gluon_forward import CASES, _inputs
+    from tests.ops.attention_checks import rel_err, run_reference
+    from tests.ops.test_gluon_backward import _tl_backward_case
+    from tests.ops.test_gluon_forward import CASES
 
     failures = 0
     for d in head_dims:
         for case in [CASES[i] for i in case_indices]:
             batch, heads, kv_heads, n_q, n_k, window, layout, dtype = case
-            q, k, v = _inputs(batch, heads, kv_heads, n_q, n_k, d, layout, dtype, seed=1)
-            do = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(q.device, dtype)
+            (q, k, v, do, o, lse), grads2, pairs = _tl_backward_case(case, d, 1, 2)
             scale = d ** -0.5
-            o, lse = flash_triton.flash_forward_triton(q, k, v, window, scale)
-            g = flash_triton._geometry_of(q.shape, k.shape, q.dtype)
-            grads2 = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-            pairs = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device=q.device)
-            flash_triton._launch_backward(g, q, k, v, o, lse, do, *grads2, pairs, q, k, window, scale, False)
-            q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-            o64, _ = attention_reference(q64, k64, v64, False, scale, window)
-            o64.backward(do.double())
-            ref = (q64.grad, k64.grad, v64.grad)
+            _, _, *ref = run_reference(q, k, v, do, False, scale, torch.float64, window)
             err2 = [rel_err(gr, r) for gr, r in zip(grads2, ref)]
             for var in variants_by_d[d]:
                 label = f"D {d} {n_q}x{n_k} heads {heads}/{kv_heads} window {window} {layout} {str(dtype)[6:]} " \
@@ -88,33 +77,22 @@ def check(variants_by_d, head_dims, case_indices) -> int:
 
 
 def bench(variants_by_d, head_dims, seqs, rounds) -> None:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from flashsys.ops.attention import flash_gluon, flash_triton, set_deterministic_backward
+    from flashsys.ops.attention import flash_gluon, set_deterministic_backward
+    from scripts.probe_gluon_backward import BackwardCell
 
     for d in head_dims:
         for n in seqs:
             for causal in (True, False):
-                b = 16384 // n
-                q, k, v, do = (torch.randn(b, 16, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-                window = (-1, 0) if causal else (-1, -1)
-                scale = d ** -0.5
-                flops = 10 * b * 16 * n * n * d / (2 if causal else 1)
-                qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    o_ref = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
-                o, lse = flash_triton.flash_forward_triton(q, k, v, window, scale)
-                g = flash_triton._geometry_of(q.shape, k.shape, q.dtype)
-                dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-                pairs = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device="cuda")
+                cell = BackwardCell(d, n, causal)
+                q, k, v, do, o, lse, window, scale = (cell.q, cell.k, cell.v, cell.do, cell.o, cell.lse, cell.window,
+                                                      cell.scale)
 
                 def two_pass():
-                    flash_triton._launch_backward(g, q, k, v, o, lse, do, dq, dk, dv, pairs, q, k, window, scale,
-                                                  False, True)
+                    cell.backward(True)
 
                 flash_gluon._chosen.clear()
                 two_pass()  # the library's choice, timed here
-                dq_two, dk_two = dq.clone(), dk.clone()
+                dq_two, dk_two = cell.dq.clone(), cell.dk.clone()
                 set_deterministic_backward(False)
                 two_pass()  # now the one-pass choice too
                 choice = flash_gluon.chosen_variants()
@@ -128,8 +106,7 @@ def bench(variants_by_d, head_dims, seqs, rounds) -> None:
                     return run
 
                 torch.cuda.synchronize()
-                runs = {"SDPA cuDNN backward": lambda: torch.autograd.grad(o_ref, (qg, kg, vg), do,
-                                                                            retain_graph=True),
+                runs = {"SDPA cuDNN backward": cell.cudnn_backward,
                         "flashsys, deterministic (two passes)": library(True),
                         "flashsys, set_deterministic_backward(False)": library(False)}
                 for var in variants_by_d[d]:
@@ -154,11 +131,11 @@ def bench(variants_by_d, head_dims, seqs, rounds) -> None:
                     for label, fn in runs.items():
                         times.setdefault(label, []).append(triton.testing.do_bench(fn))
                 picked = [f"{key.kernel}: {key.label(var)}" for key, var in choice.items()]
-                print(f"\nD={d} N={n} B={b} causal={causal}; the library's choices {picked}")
+                print(f"\nD={d} N={n} B={cell.b} causal={causal}; the library's choices {picked}")
                 cudnn = statistics.median(times["SDPA cuDNN backward"])
                 for label, ts in times.items():
                     ms = statistics.median(ts)
-                    print(f"  {label:<60} {ms:8.3f} ms  {flops / ms / 1e9:7.1f} TFLOP/s  {ms / cudnn:5.2f}x cuDNN"
+                    print(f"  {label:<60} {ms:8.3f} ms  {cell.flops / ms / 1e9:7.1f} TFLOP/s  {ms / cudnn:5.2f}x cuDNN"
                           f"  (rounds {', '.join(f'{t:.3f}' for t in ts)})", flush=True)
                 set_deterministic_backward(True)
                 runs.clear()
