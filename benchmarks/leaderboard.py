@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"- {label}: " + (", ".join(f"{k}={v}" for k, v in found[-1].items()) if found else
                                        "no eager launch (the compiled call autotuned over the same configs in Inductor)"))
     for kernel, label in (("forward", "fwd"), ("dkdv", "bwd dK/dV"), ("dq", "bwd dQ"),
-                          ("one_pass", "bwd, determinism off")):
+                          ("one_pass_det", "bwd, one pass or two"), ("one_pass", "bwd, determinism off")):
         gluon = [f"{key.label(v)} (N <= {key.bucket})" for key, v in flash_gluon.chosen_variants().items()
                  if key.kernel == kernel and key.head_dim == args.head_dim and key.dtype == torch.bfloat16
                  and key.bound_right]

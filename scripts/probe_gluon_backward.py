@@ -50,8 +50,14 @@ class BackwardCell:
     def cudnn_backward(self):
         return torch.autograd.grad(self.o_ref, self.leaves, self.do, retain_graph=True)
 
-    def backward(self, gluon: bool) -> None:
-        """flashsys's backward into dq, dk, dv (the Gluon kernels where `gluon` and they take the call)."""
+    def backward(self, gluon: bool, one_pass: bool = False) -> None:
+        """flashsys's backward into dq, dk, dv (the Gluon kernels where `gluon` and they take the call): the two
+        passes, or with `one_pass` whatever the library chooses (the deterministic one pass is a candidate)."""
+        if not one_pass:
+            from flashsys.ops.attention import flash_gluon
+
+            flash_gluon._chosen[flash_gluon.ChoiceKey.of(self.q, self.k, self.window, "one_pass_det")] = \
+                flash_gluon.TL_KERNEL
         self.flash_triton._launch_backward(self.g, self.q, self.k, self.v, self.o, self.lse, self.do, self.dq, self.dk,
                                            self.dv, self.lse_delta, self.q, self.k, self.window, self.scale, False,
                                            gluon)

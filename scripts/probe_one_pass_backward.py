@@ -1,12 +1,14 @@
 """The one-pass backward on a GPU (#16): FlashAttention-3's layout in Gluon (a producer warp, two consumer warpgroups of
-64 key rows at 240 registers, dQ's share added by a TMA reduce-add), `flash_gluon.ONE_PASS_VARIANTS`.
+64 key rows at 240 registers, dQ's share added by a TMA reduce-add), `flash_gluon.ONE_PASS_VARIANTS` and the
+deterministic `DETERMINISTIC_ONE_PASS_VARIANTS` (the adds into each query tile in a fixed order).
 
 1. Correct: on the masked cases of the Gluon tests (GQA, Nq != Nk with rows that see no key, windows, ragged tiles,
    (B, N, H, D) strides, rank 3, fp16 and bf16), dQ, dK and dV against float64 reference math, beside the two-pass
    backward's error on the same inputs.
 2. Fast? Whole backwards in interleaved do_bench rounds (median ms): SDPA's cuDNN backward, the library's two-pass
    backward (its choices), and each one-pass variant with its prologue (the (-L·log2 e, D) pairs, dQ's float32 sum
-   zeroed) and epilogue (dQ scaled and cast), both small `tl` kernels.
+   and the semaphores zeroed) and epilogue (dQ scaled and cast), both small `tl` kernels. Each one pass runs twice
+   first: is dQ the same bits both times?
 
     python scripts/probe_one_pass_backward.py --head-dims 64 128 --seqs 4096 16384
 """
@@ -88,27 +90,34 @@ def bench(variants_by_d, head_dims, seqs, rounds) -> None:
                                                       cell.scale)
 
                 def two_pass():
-                    cell.backward(True)
+                    cell.backward(True, one_pass=True)
 
                 flash_gluon._chosen.clear()
-                two_pass()  # the library's choice, timed here
+                det_key = flash_gluon.ChoiceKey.of(q, k, window, "one_pass_det")
+                flash_gluon._chosen[det_key] = flash_gluon.TL_KERNEL
+                two_pass()  # the two passes' choices, timed here
                 dq_two, dk_two = cell.dq.clone(), cell.dk.clone()
+                two_passes_only = flash_gluon.chosen_variants()
+                del flash_gluon._chosen[det_key]
+                two_pass()  # the default's one-pass choice too
                 set_deterministic_backward(False)
-                two_pass()  # now the one-pass choice too
+                two_pass()  # and with determinism off
+                set_deterministic_backward(True)
                 choice = flash_gluon.chosen_variants()
 
-                def library(deterministic):
+                def library(deterministic, chosen):
                     def run():
                         set_deterministic_backward(deterministic)
                         flash_gluon._chosen.clear()
-                        flash_gluon._chosen.update(choice)
+                        flash_gluon._chosen.update(chosen)
                         two_pass()
                     return run
 
                 torch.cuda.synchronize()
                 runs = {"SDPA cuDNN backward": cell.cudnn_backward,
-                        "flashsys, deterministic (two passes)": library(True),
-                        "flashsys, set_deterministic_backward(False)": library(False)}
+                        "flashsys, two passes": library(True, two_passes_only),
+                        "flashsys, default (its choice)": library(True, choice),
+                        "flashsys, set_deterministic_backward(False)": library(False, choice)}
                 for var in variants_by_d[d]:
                     fb = OnePass(var, q, k, v, o, lse, do, window, scale)
                     try:
@@ -151,17 +160,17 @@ def main() -> int:
     ap.add_argument("--cases", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5], help="which of the Gluon tests' "
                     "masked cases to check")
     ap.add_argument("--nbuf", type=int, nargs="+", default=None, help="only these buffer counts")
-    ap.add_argument("--own-keys", action="store_true", help="also time the form where each warpgroup adds all of dQ's "
-                    "columns over its own keys (kind one_pass_own_keys, 3 buffers)")
+    ap.add_argument("--kinds", nargs="+", default=["one_pass", "one_pass_det"], choices=["one_pass", "one_pass_det"],
+                    help="which one passes: the non-deterministic one, the deterministic one")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("probe_one_pass_backward runs CUDA kernels")
         return 0
     from flashsys.ops.attention import flash_gluon
 
-    variants = {d: [v for v in flash_gluon.ONE_PASS_VARIANTS[d] if v.kind == "one_pass" and (args.nbuf is None or
-                                                                                         v.nbuf in args.nbuf)]
-                + ([flash_gluon.Variant("one_pass_own_keys", 64, 128, 3, 240)] if args.own_keys else [])
+    tables = (flash_gluon.ONE_PASS_VARIANTS, flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS)
+    variants = {d: [v for table in tables for v in table[d] if v.kind in args.kinds and (args.nbuf is None or
+                                                                                       v.nbuf in args.nbuf)]
                 for d in args.head_dims}
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     t0 = time.time()

@@ -210,13 +210,14 @@ def test_stride_zero_do_and_unaligned_do_gpu(monkeypatch):
 @hopper_only
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[3]}x{c[4]}-w{c[5]}-{c[6]}-{str(c[7])[6:]}")
-@pytest.mark.parametrize("variant", [(d, v) for d, vs in flash_gluon.ONE_PASS_VARIANTS.items() for v in vs
-                                     if v.kind == "one_pass"],
+@pytest.mark.parametrize("variant", [(d, v) for table in (flash_gluon.ONE_PASS_VARIANTS,
+                                                          flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS)
+                                     for d, vs in table.items() for v in vs if v.kind != "tl"],
                          ids=lambda dv: f"d{dv[0]}-{dv[1].label().replace(' ', '-')}")
 def test_each_one_pass_variant_matches_reference_gpu(variant, case):
     """dQ, dK and dV of the one-pass backward (prologue, Gluon kernel, epilogue) against float64, within twice plain
     PyTorch's or the two passes' error, on the forward's masked cases; its prologue's pairs against the `tl` dQ
-    kernel's."""
+    kernel's. The deterministic variants give the same bits on a second run."""
     from flashsys.ops.attention import flash_triton
 
     d, var = variant
@@ -232,15 +233,21 @@ def test_each_one_pass_variant_matches_reference_gpu(variant, case):
         assert err <= 2 * max(base, tl_err) + FLOOR[dtype], f"{name}: {err:.3g} vs PyTorch {base:.3g}, tl {tl_err:.3g}"
     torch.testing.assert_close(pairs[..., 0], pairs_tl[..., 0], rtol=0, atol=0)
     torch.testing.assert_close(pairs[..., 1], pairs_tl[..., 1], rtol=1e-5, atol=1e-5)
+    if var.kind == "one_pass_det":
+        again = tuple(torch.full_like(t, float("nan")) for t in grads)
+        flash_triton._one_pass_backward(var, q, k, v, o, lse, do, *again, pairs, window, scale)
+        assert all(torch.equal(a, b) for a, b in zip(grads, again)), "the deterministic one pass changed its bits"
 
 
 @hopper_only
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
-def test_op_runs_the_one_pass_only_when_determinism_is_off_gpu(d, monkeypatch):
-    """Through FlashAttention2Triton: by default the backward is the two passes, bit-deterministic; with
-    set_deterministic_backward(False) and a one-pass variant the choice, the one pass runs and every gradient
-    matches float64, eager and compiled; torch.use_deterministic_algorithms(True) brings back the two passes."""
+@pytest.mark.parametrize("window", [(-1, 0), (-1, -1)], ids=["causal", "full"])
+def test_op_runs_the_one_pass_that_determinism_allows_gpu(d, window, monkeypatch):
+    """Through FlashAttention2Triton: by default, with the deterministic one pass the choice, it runs and its
+    gradients match float64 and keep their bits from call to call, eager and compiled (a full mask takes the rotated
+    order); with set_deterministic_backward(False) the other one pass runs, and
+    torch.use_deterministic_algorithms(True) brings back the deterministic one, with the same bits as before."""
     from flashsys.ops.attention import FlashAttention2Triton, eager_plans, flash_triton, set_deterministic_backward
 
     from .attention_checks import run_op
@@ -250,31 +257,34 @@ def test_op_runs_the_one_pass_only_when_determinism_is_off_gpu(d, monkeypatch):
     one_pass_calls = []
     real = flash_triton._one_pass_backward
     monkeypatch.setattr(flash_triton, "_one_pass_backward", lambda *a: (one_pass_calls.append(a[0]), real(*a)))
+    causal = window == (-1, 0)
     q, k, v, do = make_qkv(1, 8, 2048, 2048, d, torch.bfloat16, "cuda", seed=d + 7, kv_heads=2)
-    key = flash_gluon.ChoiceKey.of(q, k, (-1, 0), "one_pass")
+    det_key, key = (flash_gluon.ChoiceKey.of(q, k, window, kind) for kind in ("one_pass_det", "one_pass"))
 
     def grads():
-        return run_op(FlashAttention2Triton, q, k, v, do, True, None)[2:]
+        return run_op(FlashAttention2Triton, q, k, v, do, causal, None)[2:]
 
     flash_gluon._chosen.clear()
+    eager_plans.backward_plans.clear()  # a plan of the two passes from an earlier test would replay them
+    flash_gluon._chosen[det_key] = flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS[d][1]
+    flash_gluon._chosen[key] = flash_gluon.ONE_PASS_VARIANTS[d][1]
     try:
+        assert_matches_reference(FlashAttention2Triton, q, k, v, do, causal, None)
         first = grads()
         assert all(torch.equal(a, b) for a, b in zip(first, grads()))
-        assert key not in flash_gluon.chosen_variants() and not one_pass_calls
+        assert {v.kind for v in one_pass_calls} == {"one_pass_det"}
+        (o_e, dq_e, dk_e, dv_e), (o_c, dq_c, dk_c, dv_c) = eager_then_compiled(FlashAttention2Triton, q, k, v, causal)
+        assert all(torch.equal(a, b) for a, b in ((o_e, o_c), (dq_e, dq_c), (dk_e, dk_c), (dv_e, dv_c)))
+        one_pass_calls.clear()
         set_deterministic_backward(False)
-        flash_gluon._chosen[key] = flash_gluon.ONE_PASS_VARIANTS[d][1]
-        assert_matches_reference(FlashAttention2Triton, q, k, v, do, True, None)
-        assert one_pass_calls, "the one pass did not run"
-        (o_e, dq_e, dk_e, dv_e), (o_c, dq_c, dk_c, dv_c) = eager_then_compiled(FlashAttention2Triton, q, k, v, True)
-        assert torch.equal(o_e, o_c) and torch.equal(dk_e, dk_c) and torch.equal(dv_e, dv_c)
-        # dQ's float32 sums run in another order: equal up to the last bf16 bits.
-        torch.testing.assert_close(dq_c.float(), dq_e.float(), rtol=1e-2, atol=1e-3 * dq_e.float().abs().max().item())
+        assert_matches_reference(FlashAttention2Triton, q, k, v, do, causal, None)
+        assert {v.kind for v in one_pass_calls} == {"one_pass"}
         one_pass_calls.clear()
         torch.use_deterministic_algorithms(True)
-        assert all(torch.equal(a, b) for a, b in zip(first, grads())) and not one_pass_calls
+        assert all(torch.equal(a, b) for a, b in zip(first, grads()))
+        assert {v.kind for v in one_pass_calls} == {"one_pass_det"}
     finally:
         torch.use_deterministic_algorithms(False)
         set_deterministic_backward(True)
         eager_plans.backward_plans.clear()
         flash_gluon._chosen.clear()
-

@@ -61,7 +61,7 @@ def test_every_variant_compiles_for_hopper():
     assert r.returncode == 0, r.stderr[-3000:]
     compiled = json.loads(r.stdout.strip().splitlines()[-1])
     assert len(compiled) == 3 * sum(len(flash_gluon.gluon_variants(d)) for d in flash_gluon.HEAD_DIMS)
-    assert {label.split()[3] for label in compiled} == {"plain", "pingpong", "dkdv", "dq", "one_pass"}
+    assert {label.split()[3] for label in compiled} == {"plain", "pingpong", "dkdv", "dq", "one_pass", "one_pass_det"}
     failed = {label: why for label, why in compiled.items() if why != "ok"}
     assert not failed, failed
 

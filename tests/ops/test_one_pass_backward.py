@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flashsys.ops as ops
 from flashsys.ops.attention import determinism
@@ -14,6 +16,7 @@ from .attention_checks import make_qkv, run_reference
 
 pytest.importorskip("triton")
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from flashsys.ops.attention import eager_plans, flash_gluon, flash_triton  # noqa: E402
 
@@ -49,9 +52,11 @@ def test_changing_the_switch_drops_the_launch_plans():
 
 
 @pytest.mark.parametrize("rank", [3, 4])
-def test_prologue_writes_the_pairs_and_zeroes_dq_and_epilogue_scales_it(rank):
+@pytest.mark.parametrize("semaphores", [False, True])
+def test_prologue_writes_the_pairs_and_zeroes_dq_and_epilogue_scales_it(rank, semaphores):
     """The prologue's (-L·log2 e, rowsum(dO·O)) pairs from O and dO with any strides (here (B, N, H, D) ones), L = -inf
-    rows giving 0; every row of dQ's float32 sum zeroed (it held garbage); the epilogue's dQ = sum · scale, cast."""
+    rows giving 0; every row of dQ's float32 sum zeroed (it held garbage), and every semaphore of the deterministic
+    one pass (one per 64 query rows) where it has them; the epilogue's dQ = sum · scale, cast."""
     batch, heads, n, d = 2, 3, 77, 40  # a head dim that is no power of two, rows that are no multiple of 64
     g = torch.Generator().manual_seed(11)
     o = torch.randn(batch, n, heads, d, generator=g).to(DEVICE, torch.float16).transpose(1, 2)
@@ -63,8 +68,11 @@ def test_prologue_writes_the_pairs_and_zeroes_dq_and_epilogue_scales_it(rank):
     pairs = torch.full((*lse.shape, 2), float("nan"), device=DEVICE)
     o4, do4 = (t if t.dim() == 4 else t.unsqueeze(1) for t in (o, do))
     acc = torch.full(o4.shape, float("nan"), device=DEVICE)
+    sem = torch.full((batch * heads * triton.cdiv(n, 64),), 7, dtype=torch.int32, device=DEVICE)
     flash_triton._one_pass_prologue_kernel[(triton.cdiv(n, 64), batch * heads)](
-        o4, do4, lse, pairs, acc, heads, n, *o4.stride(), *do4.stride(), HEAD_DIM=d, BLOCK_D=64, ROWS=64)
+        o4, do4, lse, pairs, acc, sem if semaphores else None, heads, n, *o4.stride(), *do4.stride(), HEAD_DIM=d,
+        BLOCK_D=64, ROWS=64)
+    assert torch.equal(sem, torch.zeros_like(sem) if semaphores else torch.full_like(sem, 7))
     want_neg = torch.where(torch.isinf(lse), torch.zeros_like(lse), -lse * flash_triton.LOG2E)
     torch.testing.assert_close(pairs[..., 0], want_neg)
     torch.testing.assert_close(pairs[..., 1], (o.float() * do.float()).sum(-1), rtol=1e-5, atol=1e-5)
@@ -77,9 +85,11 @@ def test_prologue_writes_the_pairs_and_zeroes_dq_and_epilogue_scales_it(rank):
     assert torch.equal(dq, (acc * 0.3).to(torch.float16))
 
 
-def test_one_pass_choice_hands_back_to_the_two_passes(monkeypatch):
-    """The one-pass choice times the two passes beside its variants; where the two passes win (or the head dim has
-    no one-pass kernel) the caller runs them, and the one pass runs only where a variant won."""
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_one_pass_choice_hands_back_to_the_two_passes(deterministic, monkeypatch):
+    """The one-pass choice times the two passes beside its variants (the deterministic ones where determinism is
+    asked for); where the two passes win (or the head dim has no one-pass kernel) the caller runs them, and the one
+    pass runs only where a variant won."""
     monkeypatch.setattr(flash_gluon, "_chosen", {})
     timed = []
 
@@ -90,27 +100,32 @@ def test_one_pass_choice_hands_back_to_the_two_passes(monkeypatch):
 
     monkeypatch.setattr(flash_gluon, "_choose", fake_choose)
     q = torch.randn(1, 2, 64, 128)
-    for pick in ([flash_gluon.TL_KERNEL], [flash_gluon.ONE_PASS_VARIANTS[128][1]]):
+    table = flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS if deterministic else flash_gluon.ONE_PASS_VARIANTS
+    assert {v.kind for v in table[128][1:]} == {"one_pass_det" if deterministic else "one_pass"}
+    for pick in ([flash_gluon.TL_KERNEL], [table[128][1]]):
         timed.clear()
-        ran = flash_gluon.backward_one_pass(q, q, (-1, 0), timed.append, lambda: timed.append("two passes"))
-        assert timed[:3] == ["two passes", *flash_gluon.ONE_PASS_VARIANTS[128][1:]]
-        assert ran == (pick[0].kind == "one_pass")
+        ran = flash_gluon.backward_one_pass(q, q, (-1, 0), timed.append, lambda: timed.append("two passes"),
+                                            deterministic)
+        assert timed[:3] == ["two passes", *table[128][1:]]
+        assert ran == (pick[0].kind != "tl")
         assert timed[3:] == ([pick[0]] if ran else [])  # the winner runs once more, for this call
     q96 = torch.randn(1, 2, 64, 96)
-    assert not flash_gluon.backward_one_pass(q96, q96, (-1, 0), timed.append, lambda: None)
-    key = flash_gluon.ChoiceKey.of(q, q, (-1, 0), "one_pass")  # what status lines call the two passes
-    assert key.label(flash_gluon.TL_KERNEL) == "two passes"
+    assert not flash_gluon.backward_one_pass(q96, q96, (-1, 0), timed.append, lambda: None, deterministic)
+    key = flash_gluon.ChoiceKey.of(q, q, (-1, 0), "one_pass_det" if deterministic else "one_pass")
+    assert key.label(flash_gluon.TL_KERNEL) == "two passes"  # what status lines call the two passes
     assert key._replace(kernel="dq").label(flash_gluon.TL_KERNEL) == "tl kernel"
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_the_backward_asks_for_the_one_pass_only_when_allowed(deterministic, monkeypatch):
-    """With determinism off (and the Gluon path taking the call) the backward offers the one pass first; where it
-    declines, the two passes give the reference gradients. With determinism on it is never asked."""
+def test_the_backward_offers_the_one_pass_saying_whether_it_must_be_deterministic(deterministic, monkeypatch):
+    """Where the Gluon path takes the call, the backward offers the one pass first, saying whether determinism is
+    asked for (the choice then offers only the deterministic one); where it declines, the two passes give the
+    reference gradients."""
     monkeypatch.setattr(flash_gluon, "backward_dq", lambda *a: flash_gluon.Launched(False))
     monkeypatch.setattr(flash_gluon, "backward_dkdv", lambda *a: flash_gluon.Launched(False))
     asked = []
-    monkeypatch.setattr(flash_gluon, "backward_one_pass", lambda q, k, window, one, two: asked.append(window))
+    monkeypatch.setattr(flash_gluon, "backward_one_pass",
+                        lambda q, k, window, one, two, det: asked.append((window, det)))
     ops.set_deterministic_backward(deterministic)
     q, k, v, do = make_qkv(1, 2, 48, 48, 32, torch.float32, DEVICE, seed=5)
     scale = 32 ** -0.5
@@ -119,7 +134,52 @@ def test_the_backward_asks_for_the_one_pass_only_when_allowed(deterministic, mon
     grads = tuple(torch.empty_like(t) for t in (q, k, v))
     pairs = torch.empty((*q.shape[:-1], 2), device=DEVICE)
     flash_triton._launch_backward(g, q, k, v, o, lse, do, *grads, pairs, q, k, (-1, 0), scale, False, True)
-    assert asked == ([] if deterministic else [(-1, 0)])
+    assert asked == [((-1, 0), deterministic)]
     *_, dq_ref, dk_ref, dv_ref = run_reference(q, k, v, do, True, scale, torch.float64)
     for ours, ref in zip(grads, (dq_ref, dk_ref, dv_ref)):
         torch.testing.assert_close(ours.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+@triton.jit
+def _turns_kernel(Turns, Visits, n_q, n_k, window_left, window_right, stride, MAX_M: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BOUND_RIGHT: tl.constexpr, BOUND_LEFT: tl.constexpr, ROTATE: tl.constexpr):
+    """Turns[n, m]: key tile n's turn at query tile m; Visits[n, m]: whether the one pass's program n visits m (its
+    query tiles are lo, lo + BLOCK_M, ... below hi, from the kernels' own `_query_tile_range`)."""
+    n = tl.program_id(0)
+    right_offset = n_k - n_q + window_right
+    left_offset = n_k - n_q - window_left
+    lo, _, _, hi = flash_triton._query_tile_range(n * BLOCK_N, n_q, right_offset, left_offset, BLOCK_M, BLOCK_N,
+                                                  BOUND_RIGHT, BOUND_LEFT)
+    m = tl.arange(0, MAX_M)
+    visits = (m * BLOCK_M >= lo) & (m * BLOCK_M < hi)
+    turn = flash_triton._one_pass_turn(m, n, tl.cdiv(n_k, BLOCK_N), stride, right_offset, BLOCK_M, BLOCK_N,
+                                       BOUND_RIGHT, ROTATE)
+    tl.store(Turns + n * MAX_M + m, turn, mask=m < tl.cdiv(n_q, BLOCK_M))
+    tl.store(Visits + n * MAX_M + m, visits.to(tl.int32), mask=m < tl.cdiv(n_q, BLOCK_M))
+
+
+@settings(max_examples=40)
+@given(n_q=st.integers(1, 1400), n_k=st.integers(1, 1400),
+       window=st.sampled_from([(-1, 0), (-1, -1), (-1, 37), (200, 0), (64, 16), (0, 0), (130, 300), (90, -1)]))
+def test_the_deterministic_one_pass_gives_each_add_its_own_turn_in_visiting_order(n_q, n_k, window):
+    """The turns of the deterministic one pass (its adds into a query tile wait for 0, 1, ...), from the kernel's own
+    helpers: at every query tile the key tiles that visit it hold the turns 0 .. V-1, each once (a missing or
+    repeated turn would leave a wait that never ends); they come in the order the programs reach the tile; and
+    outside a rotated full mask a program waits only for key tile n + 1, which launches before it (the grid runs from
+    the last key tile down), so no wait can hold up the program it waits for."""
+    block_m, block_n = 64, 128
+    n_m, n_t = triton.cdiv(n_q, block_m), triton.cdiv(n_k, block_n)
+    rotate = window == (-1, -1) and n_m >= n_t
+    stride = max(n_m // n_t, 1)
+    turns, visits = (torch.empty((n_t, 32), dtype=torch.int32, device=DEVICE) for _ in range(2))
+    _turns_kernel[(n_t,)](turns, visits, n_q, n_k, window[0], window[1], stride, MAX_M=32, BLOCK_M=block_m, BLOCK_N=block_n,
+                          BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0, ROTATE=rotate)
+    turns, visits = turns.cpu(), visits.cpu()
+    for m in range(n_m):
+        visitors = [n for n in range(n_t) if visits[n, m]]
+        if rotate:  # program n reaches tile m at its step (m - n * stride) mod n_m
+            arrival = sorted(visitors, key=lambda n: (m - n * stride) % n_m)
+        else:  # program n starts lower than n + 1 (or as low), so it reaches m later
+            arrival = sorted(visitors, reverse=True)
+            assert visitors == list(range(min(visitors, default=0), max(visitors, default=-1) + 1))
+        assert [int(turns[n, m]) for n in arrival] == list(range(len(visitors))), (m, turns[:, m].tolist())

@@ -102,11 +102,19 @@ ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {
     128: (TL_KERNEL, Variant("one_pass", 64, 128, 2, 240), Variant("one_pass", 64, 128, 3, 240)),
 }
 
+# The deterministic one pass's candidates (the default, `deterministic_backward()` on): "one_pass_det" is the one
+# pass with dQ's adds into each query tile made in a fixed order, each waiting for its turn on a semaphore
+# (gluon_kernels.py says how the turns are ordered). TL_KERNEL stands for the two passes, as above.
+DETERMINISTIC_ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {
+    64: (TL_KERNEL, Variant("one_pass_det", 64, 128, 2, 240), Variant("one_pass_det", 64, 128, 3, 240)),
+    128: (TL_KERNEL, Variant("one_pass_det", 64, 128, 2, 240), Variant("one_pass_det", 64, 128, 3, 240)),
+}
+
 
 def gluon_variants(head_dim: int) -> tuple[Variant, ...]:
     """Every Gluon kernel variant at this head dim: the forward's, dK/dV's, dQ's and the one pass's (the `tl`
     candidates left out)."""
-    tables = (VARIANTS, DKDV_VARIANTS, DQ_VARIANTS, ONE_PASS_VARIANTS)
+    tables = (VARIANTS, DKDV_VARIANTS, DQ_VARIANTS, ONE_PASS_VARIANTS, DETERMINISTIC_ONE_PASS_VARIANTS)
     return tuple(v for table in tables for v in table.get(head_dim, ()) if v.kind != "tl")
 
 
@@ -283,34 +291,60 @@ def _dq_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, do4: 
     return _kernels().attention_backward_dq, (triton.cdiv(n_q, m) * batch * n_heads,), args, kwargs
 
 
+def semaphore_count(variant: Variant, q4: Tensor) -> int:
+    """How many int32 semaphores `variant` of the one pass needs for these queries, zeroed before its launch: one
+    per (batch, head, query tile) for "one_pass_det", none for the other."""
+    if variant.kind != "one_pass_det":
+        return 0
+    batch, n_heads, n_q, _ = q4.shape
+    return batch * n_heads * triton.cdiv(n_q, variant.block_m)
+
+
+def rotates(variant: Variant, q4: Tensor, k4: Tensor, window: tuple[int, int]) -> bool:
+    """Whether the deterministic one pass starts each program at a different query tile (ROTATE): full masks only,
+    with at least as many query tiles as key tiles, and only where one (batch, K/V head)'s programs can all run at
+    once (one per SM): the ring of turns waits on programs launched later, which must not be left waiting for an
+    SM that a waiting program holds. Elsewhere the programs go in order, which needs none of that."""
+    if variant.kind != "one_pass_det" or window != (-1, -1):
+        return False
+    n_k_tiles = triton.cdiv(k4.shape[2], variant.block_n)
+    if triton.cdiv(q4.shape[2], variant.block_m) < n_k_tiles:
+        return False
+    sms = torch.cuda.get_device_properties(q4.device).multi_processor_count if q4.is_cuda else 132
+    return n_k_tiles <= sms
+
+
 def _one_pass_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, do4: Tensor, dk4: Tensor,
-                           dv4: Tensor, dq_acc: Tensor, lse_delta: Tensor, window: tuple[int, int], scale: float
-                           ) -> tuple:
-    """As `_launch_parts`, for the one-pass backward kernel: dq_acc is dQ's (B, H, Nq, D) float32 sum, zeroed.
-    Each consumer warpgroup adds half of dQ's columns (SPLIT_D), reading them from a column half of K's tile in
-    shared memory; at D 64 that half is 64 bytes wide, so K's tile takes a 64-byte swizzle (the default's 128 bytes
-    would cut a swizzle row in two). Kind "one_pass_own_keys" (the probe's) instead has each warpgroup add all of
-    dQ's columns over its own keys: twice the reduce traffic."""
+                           dv4: Tensor, dq_acc: Tensor, lse_delta: Tensor, semaphores: Tensor | None,
+                           window: tuple[int, int], scale: float) -> tuple:
+    """As `_launch_parts`, for the one-pass backward kernel: dq_acc is dQ's (B, H, Nq, D) float32 sum, zeroed, and
+    `semaphores` `semaphore_count` int32s, zeroed (None for the kind that needs none). Each consumer warpgroup
+    computes half of dQ's columns, reading them from a column half of K's tile in shared memory; at D 64 that half
+    is 64 bytes wide, so K's tile takes a 64-byte swizzle (the default's 128 bytes would cut a swizzle row in two).
+    Kind "one_pass_det" adds in a fixed order."""
     batch, n_heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     m, n = variant.block_m, variant.block_n
-    split_d = variant.kind == "one_pass"
-    dq_cols = d // 2 if split_d else d
+    deterministic = variant.kind == "one_pass_det"
+    if deterministic and (semaphores is None or semaphores.numel() < semaphore_count(variant, q4)):
+        raise ValueError(f"{variant.label()} needs {semaphore_count(variant, q4)} zeroed int32 semaphores")
+    dq_cols = d // 2
     gl = _kernels().gl
     dq_desc = _descriptor(dq_acc, m, dq_cols, gl.NVMMASharedLayout.get_default_for([1, 1, m, dq_cols], gl.float32))
     half_bytes = d * k4.element_size() // 2
     k_layout = (gl.NVMMASharedLayout(swizzle_byte_width=half_bytes, element_bitwidth=8 * k4.element_size(), rank=4)
-                if split_d and half_bytes < 128 else None)
+                if half_bytes < 128 else None)
     args = (_descriptor(q4, m), _descriptor(k4, n, layout=k_layout), _descriptor(v4, n), _descriptor(do4, m), _descriptor(dk4, n // 2),
-            _descriptor(dv4, n // 2), dq_desc, lse_delta, batch * kv_heads, n_heads, n_heads // kv_heads, n_q, n_k,
-            window[0], window[1], scale * LOG2E, scale)
+            _descriptor(dv4, n // 2), dq_desc, lse_delta, semaphores if deterministic else None, batch * kv_heads,
+            n_heads, n_heads // kv_heads, n_q, n_k, window[0], window[1], scale * LOG2E, scale)
     kwargs = dict(HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n, BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0,
-                  NBUF=variant.nbuf, CONSUMER_REGS=variant.regs, SPLIT_D=split_d, num_warps=4)
+                  NBUF=variant.nbuf, CONSUMER_REGS=variant.regs, DETERMINISTIC=deterministic,
+                  ROTATE=rotates(variant, q4, k4, window), num_warps=4)
     return _kernels().attention_backward_one_pass, (triton.cdiv(n_k, n) * batch * kv_heads,), args, kwargs
 
 
 _LAUNCH_PARTS = {"dkdv": _dkdv_launch_parts, "dq": _dq_launch_parts, "one_pass": _one_pass_launch_parts,
-                 "one_pass_own_keys": _one_pass_launch_parts}
+                 "one_pass_det": _one_pass_launch_parts}
 
 
 def _launch(variant: Variant, *tensors_and_scalars):
@@ -378,8 +412,9 @@ def compile_only(variant: Variant, q: Tensor, k: Tensor, v: Tensor, window: tupl
     elif variant.kind.startswith("one_pass"):
         tensors = (q, k, v, q, torch.empty_like(k), torch.empty_like(v))
         dq_acc = torch.empty(_rank4(q).shape, dtype=torch.float32, device=q.device)
+        semaphores = torch.empty(semaphore_count(variant, _rank4(q)), dtype=torch.int32, device=q.device)
         kernel, _, args, kwargs = _one_pass_launch_parts(variant, *(_rank4(t) for t in tensors), dq_acc, lse_delta,
-                                                         window, scale)
+                                                         semaphores, window, scale)
     elif variant.kind == "dq":
         tensors = (q, k, v, q, o, torch.empty_like(q))
         kernel, _, args, kwargs = _dq_launch_parts(variant, *(_rank4(t) for t in tensors), lse, lse_delta, window,
@@ -395,7 +430,7 @@ class ChoiceKey(NamedTuple):
     bound_right: bool
     bound_left: bool
     bucket: int  # max(Nq, Nk) rounded up to a power of two
-    kernel: str = "forward"  # or "dkdv", "dq", "one_pass"
+    kernel: str = "forward"  # or "dkdv", "dq", "one_pass", "one_pass_det"
 
     @classmethod
     def of(cls, q4: Tensor, k4: Tensor, window: tuple[int, int], kernel: str) -> ChoiceKey:
@@ -404,11 +439,11 @@ class ChoiceKey(NamedTuple):
 
     def candidates(self) -> tuple[Variant, ...]:
         return {"forward": VARIANTS, "dkdv": DKDV_VARIANTS, "dq": DQ_VARIANTS,
-                "one_pass": ONE_PASS_VARIANTS}[self.kernel][self.head_dim]
+                "one_pass": ONE_PASS_VARIANTS, "one_pass_det": DETERMINISTIC_ONE_PASS_VARIANTS}[self.kernel][self.head_dim]
 
     def label(self, variant: Variant) -> str:
         """`variant`'s label in this choice: in the one-pass choice TL_KERNEL stands for the two passes."""
-        return "two passes" if self.kernel == "one_pass" and variant.kind == "tl" else variant.label()
+        return "two passes" if self.kernel.startswith("one_pass") and variant.kind == "tl" else variant.label()
 
 
 _chosen: dict[ChoiceKey, Variant] = {}
@@ -525,14 +560,16 @@ def backward_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse_delta: Tensor
 
 
 def backward_one_pass(q: Tensor, k: Tensor, window: tuple[int, int], run_one_pass: Callable[[Variant], object],
-                      run_two_passes: Callable[[], object]) -> bool:
+                      run_two_passes: Callable[[], object], deterministic: bool) -> bool:
     """Run the backward in one pass where a one-pass variant is this key's choice (timed on its first call against
     the two passes, `run_two_passes()`); False where the two passes are the choice or the head dim has no one-pass
     kernel (the caller runs them). `run_one_pass(variant)` launches the prologue, the kernel and the epilogue. For
-    inputs `takes_backward` accepted, with `deterministic_backward()` off."""
-    if q.shape[-1] not in ONE_PASS_VARIANTS:
+    inputs `takes_backward` accepted; `deterministic` (`deterministic_backward()`) picks the candidates whose dQ is
+    the same bit for bit from run to run."""
+    table = DETERMINISTIC_ONE_PASS_VARIANTS if deterministic else ONE_PASS_VARIANTS
+    if q.shape[-1] not in table:
         return False
-    key = ChoiceKey.of(_rank4(q), _rank4(k), window, "one_pass")
+    key = ChoiceKey.of(_rank4(q), _rank4(k), window, "one_pass_det" if deterministic else "one_pass")
     variant = _choose(key, lambda var: run_two_passes() if var.kind == "tl" else run_one_pass(var))
     if variant is None or variant.kind == "tl":
         return False

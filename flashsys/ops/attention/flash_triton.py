@@ -227,6 +227,25 @@ def _query_tile_range(start_n, n_q, right_offset, left_offset, BLOCK_M: tl.const
 
 
 @triton.jit
+def _one_pass_turn(m, n, n_k_tiles, stride, right_offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BOUND_RIGHT: tl.constexpr, ROTATE: tl.constexpr):
+    """Key tile n's turn (0 first) among the key tiles whose dQ shares the deterministic one pass adds into query
+    tile m (gluon_kernels.py says why this order): with ROTATE (full masks; program n starts at query tile
+    n * stride), the ring from the key tile that starts nearest below m; otherwise from the highest key tile that
+    sees m (`_query_tile_range`'s lo, inverted: the key tile of the last key that m's last row sees) down."""
+    if ROTATE:
+        first = tl.minimum(n_k_tiles - 1, m // stride)
+        turn = (first - n + n_k_tiles) % n_k_tiles
+    else:
+        if BOUND_RIGHT:
+            last = tl.minimum(n_k_tiles - 1, (m * BLOCK_M + BLOCK_M - 1 + right_offset) // BLOCK_N)
+        else:
+            last = n_k_tiles - 1
+        turn = last - n
+    return turn
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
     offs_m, offs_n, offs_d, lo, hi, n_k, right_offset, left_offset, qk_scale,
@@ -444,12 +463,13 @@ def _flash_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _one_pass_prologue_kernel(O, DO, L, LseDelta, DqAcc, n_heads, n_q, stride_ob, stride_oh, stride_on, stride_od,
-                              stride_dob, stride_doh, stride_don, stride_dod, HEAD_DIM: tl.constexpr,
+def _one_pass_prologue_kernel(O, DO, L, LseDelta, DqAcc, Sem, n_heads, n_q, stride_ob, stride_oh, stride_on,
+                              stride_od, stride_dob, stride_doh, stride_don, stride_dod, HEAD_DIM: tl.constexpr,
                               BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
     """Before the one-pass backward, for ROWS rows of one (batch, head): the (-L·log2 e, rowsum(dO * O)) pairs the
     dQ kernels write in the two passes (-L·log2 e = 0 for a row that sees no key, L = -inf), and those rows of dQ's
-    float32 sum zeroed. L, LseDelta and DqAcc are dense over (B, H, Nq); O and dO have any strides."""
+    float32 sum zeroed. L, LseDelta and DqAcc are dense over (B, H, Nq); O and dO have any strides. Sem (None
+    unless the one pass is the deterministic one): the semaphore of this query tile (ROWS rows) zeroed."""
     bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: (B, N, H, D) strides times long sequences pass 2^31
     b = bh // n_heads
     h = bh % n_heads
@@ -466,6 +486,8 @@ def _one_pass_prologue_kernel(O, DO, L, LseDelta, DqAcc, n_heads, n_q, stride_ob
     tl.store(LseDelta + flat * 2, tl.where(lse == float("-inf"), 0.0, lse * -_LOG2E), mask=ok)
     tl.store(LseDelta + flat * 2 + 1, tl.sum(o * do, axis=1), mask=ok)
     tl.store(DqAcc + flat[:, None] * HEAD_DIM + cols[None, :], tl.zeros([ROWS, BLOCK_D], tl.float32), mask=tile_ok)
+    if Sem is not None:
+        tl.store(Sem + bh * tl.num_programs(0) + tl.program_id(0), 0)
 
 
 @triton.jit
@@ -1009,11 +1031,12 @@ def _launch_backward(g: _Geometry, q, k, v, o, lse, do, dq, dk, dv, lse_delta, c
                              dkdv_named)
         return [dq_launch, dkdv_launch]
 
-    if gluon and not deterministic_backward() and flash_gluon.backward_one_pass(
+    if gluon and flash_gluon.backward_one_pass(
             q, k, window, lambda variant: _one_pass_backward(variant, q, k, v, o, lse, do, dq, dk, dv, lse_delta,
-                                                             window, scale), two_passes):
-        # Not recorded: a plan would replay the one pass after determinism is asked for again
-        # (torch.use_deterministic_algorithms), so each call takes this path and reads the setting.
+                                                             window, scale), two_passes, deterministic_backward()):
+        # Not recorded: a plan of the non-deterministic one pass would replay after determinism is asked for again
+        # (torch.use_deterministic_algorithms), so each call takes this path and reads the setting. (The
+        # deterministic one pass could be recorded; its launch parts are not yet.)
         return [None]
     return two_passes()
 
@@ -1025,11 +1048,15 @@ def _one_pass_backward(variant: flash_gluon.Variant, q, k, v, o, lse, do, dq, dk
     q4, k4, v4, o4, do4, dq4, dk4, dv4 = (flash_gluon._rank4(t) for t in (q, k, v, o, do, dq, dk, dv))
     batch, n_heads, n_q, d = q4.shape
     dq_acc = torch.empty(q4.shape, dtype=torch.float32, device=q.device)
+    n_semaphores = flash_gluon.semaphore_count(variant, q4)
+    if n_semaphores and variant.block_m != 64:
+        raise ValueError(f"the prologue zeroes one semaphore per 64 query rows, not per {variant.block_m}")
+    semaphores = torch.empty(n_semaphores, dtype=torch.int32, device=q.device) if n_semaphores else None
     block_d = triton.next_power_of_2(d)
     _one_pass_prologue_kernel[(triton.cdiv(n_q, 64), batch * n_heads)](
-        o4, do4, lse, lse_delta, dq_acc, n_heads, n_q, *o4.stride(), *do4.stride(), HEAD_DIM=d, BLOCK_D=block_d,
-        ROWS=64)
-    flash_gluon._launch(variant, q4, k4, v4, do4, dk4, dv4, dq_acc, lse_delta, window, scale)
+        o4, do4, lse, lse_delta, dq_acc, semaphores, n_heads, n_q, *o4.stride(), *do4.stride(), HEAD_DIM=d,
+        BLOCK_D=block_d, ROWS=64)
+    flash_gluon._launch(variant, q4, k4, v4, do4, dk4, dv4, dq_acc, lse_delta, semaphores, window, scale)
     n_rows = batch * n_heads * n_q
     _one_pass_epilogue_kernel[(triton.cdiv(n_rows, 64),)](dq_acc, dq4, n_rows, scale, HEAD_DIM=d, BLOCK_D=block_d,
                                                            ROWS=64)

@@ -40,7 +40,7 @@ from triton.experimental.gluon.language._core import builtin
 
 # The grid order, the tile ranges and the mask are the `tl` kernels' own (@triton.jit helpers, which Gluon calls
 # as they are).
-from .flash_triton import _key_tile_range, _program_start, _query_tile_range, _visible
+from .flash_triton import _key_tile_range, _one_pass_turn, _program_start, _query_tile_range, _visible
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
@@ -396,9 +396,15 @@ def _lse_delta(LseDelta, b, n_heads, n_q, j, n_iter, n_m_tiles, lo, h_kv, kv_gro
     the group), one row per thread of `layout`. Loaded where they are used (over the columns of Sᵀ that each
     thread holds), their pointers alone took ~70 registers."""
     h, start_m = _query_tile(j, n_m_tiles, lo, h_kv, kv_group, BLOCK_M)
+    return _lse_delta_at(LseDelta, b, n_heads, n_q, h, start_m, j < n_iter, BLOCK_M, layout)
+
+
+@gluon.jit
+def _lse_delta_at(LseDelta, b, n_heads, n_q, h, start_m, inside_group, BLOCK_M: gl.constexpr, layout):
+    """`_lse_delta` of the query tile of head h starting at row start_m (zeros unless inside_group)."""
     rows = start_m + gl.arange(0, BLOCK_M, layout=layout)
     pairs = LseDelta + (b * n_heads + h).to(gl.int64) * n_q * 2 + rows * 2
-    inside = (rows < n_q) & (j < n_iter)
+    inside = (rows < n_q) & inside_group
     return gl.load(pairs, mask=inside, other=0.0), gl.load(pairs + 1, mask=inside, other=0.0)
 
 @gluon.jit
@@ -601,14 +607,87 @@ def attention_backward_dq(q_desc, k_desc, v_desc, do_desc, o_desc, dq_desc, L, L
 
 
 # ----------------------------------------------------------------------------------------------------
-# Backward in one pass (opt-in, not deterministic): FlashAttention-3's warp-specialised layout
+# Backward in one pass: FlashAttention-3's warp-specialised layout
 # ----------------------------------------------------------------------------------------------------
+#
+# dQ's shares of one query tile come from every key tile that sees it, each program adding its own. A writer warp
+# makes the adds, so that the consumers never wait on them: they hand over each tile's share in a staging box.
+# Without DETERMINISTIC the adds go in whatever order the programs get there, so dQ's last bits vary from run to
+# run. With it, a semaphore per (batch, query head, query tile) counts the programs whose adds are done, and each
+# program's writer waits for its turn. The turns follow the order in which the programs reach the tile, so that in
+# the steady state the turn has come before the share is ready, and a program only waits for programs launched
+# before it (CUDA starts programs in launch order), so the waits cannot deadlock:
+# - masked (causal, windows; and full masks that ROTATE cannot take): programs visit their query tiles in order,
+#   key tile n reaches tile m later than key tile n + 1 does (it starts lower), so the adds go from the highest key
+#   tile down, and each head's programs launch from the last key tile down (the lightest first under a causal
+#   mask);
+# - ROTATE (full masks): every key tile sees every query tile, so each program starts at a different one,
+#   n * stride, and wraps around; tile m's adds go in the order the programs reach it, a ring. The ring's waits
+#   are on programs launched later as well, so the host takes ROTATE only where one head's programs all fit on
+#   the GPU at once (at most one per SM).
+
+_WAIT_TURN_ASM: gl.constexpr = gl.constexpr("""{
+.reg .pred fs_ready;
+.reg .u32 fs_polls;
+mov.u32 fs_polls, 0;
+fs_poll:
+ld.acquire.gpu.global.s32 $0, [$1];
+setp.ge.s32 fs_ready, $0, $2;
+@fs_ready bra fs_go;
+add.u32 fs_polls, fs_polls, 1;
+setp.lt.u32 fs_ready, fs_polls, 67108864;
+@fs_ready bra fs_poll;
+trap;
+fs_go:
+fence.proxy.async.global;
+}""")
+
+# cp.async.bulk.wait_group N without .read: the adds before the last N have completed, their writes done in global
+# memory (tma.store_wait only waits until they have read their shared-memory source).
+_ALL_ADDS_COMPLETE_ASM: gl.constexpr = gl.constexpr("""cp.async.bulk.wait_group 0;
+fence.proxy.async.global;
+mov.u32 $0, $1;""")
+_ALL_BUT_TWO_ADDS_COMPLETE_ASM: gl.constexpr = gl.constexpr("""cp.async.bulk.wait_group 2;
+fence.proxy.async.global;
+mov.u32 $0, $1;""")
+
+
+@gluon.jit
+def _wait_turn(semaphore, turn, layout: gl.constexpr):
+    """Every lane of the (one-warp) partition: spin until `semaphore` counts `turn` programs' adds, then order the
+    TMA adds that follow after them. ~2^26 polls (seconds) without a turn trap: a launch error, where a wait that
+    never ends would hang the process."""
+    zeros = gl.zeros([32], gl.int32, layout)
+    gl.inline_asm_elementwise(_WAIT_TURN_ASM, "=&r,l,r", [semaphore + zeros, turn + zeros], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _pass_turn(semaphore, BUT_TWO: gl.constexpr, layout: gl.constexpr):
+    """Once this warp's TMA adds (BUT_TWO: all but the last two) have completed, count them as this program's turn
+    at `semaphore` (lane 0, with release semantics), so the next program's adds go after them."""
+    lane = gl.arange(0, 32, layout=layout)
+    if BUT_TWO:
+        gl.inline_asm_elementwise(_ALL_BUT_TWO_ADDS_COMPLETE_ASM, "=r,r", [lane], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+    else:
+        gl.inline_asm_elementwise(_ALL_ADDS_COMPLETE_ASM, "=r,r", [lane], dtype=gl.int32, is_pure=False, pack=1)
+    _barrier()  # every lane's adds (the one that issued them) complete before lane 0 counts them
+    gl.atomic_add(semaphore + lane * 0, lane * 0 + 1, mask=lane == 0, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _one_pass_tile(j, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M: gl.constexpr):
+    """(query head, first row) of the j-th query tile a one-pass program visits: `_query_tile`'s, each head's tiles
+    starting at tile `rot` (0 <= rot < n_m_tiles) and wrapping around."""
+    g = j // n_m_tiles
+    return h_kv * kv_group + g, lo + ((j - g * n_m_tiles + rot) % n_m_tiles) * BLOCK_M
 
 
 @gluon.jit
 def _one_pass_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, q_bar, do_bar, k_box, v_box, kv_bar,
-                    empty_bar, b, h_kv, kv_group, start_n, lo, n_m_tiles, n_iter, BLOCK_M: gl.constexpr,
-                    NBUF: gl.constexpr):
+                       empty_bar, b, h_kv, kv_group, start_n, lo, rot, n_m_tiles, n_iter, BLOCK_M: gl.constexpr,
+                       NBUF: gl.constexpr):
     """One warp: the program's K and V tile, then query tile j's Q and dO into buffer j % NBUF once both consumers
     released tile j - NBUF."""
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -617,32 +696,62 @@ def _one_pass_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, q_bar, 
     for j in range(n_iter):
         slot = j % NBUF
         mbarrier.wait(empty_bar.index(slot), ((j // NBUF) - 1) & 1, pred=j >= NBUF)
-        h, start_m = _query_tile(j, n_m_tiles, lo, h_kv, kv_group, BLOCK_M)
+        h, start_m = _one_pass_tile(j, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M)
         _load_pair(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, b, h, start_m, slot, True)
 
 
 @gluon.jit
-def _one_pass_consumer(dk_desc, dv_desc, dq_desc, LseDelta, q_smem, do_smem, q_bar, do_bar, k_box, v_box, kv_bar,
-                    empty_bar, ds_smem, ds_bar, dq_stage, b, h_kv, n_heads, kv_group, n_q, start_n, lo, full_lo,
-                    full_hi, n_m_tiles, n_iter, right_offset, left_offset, qk_scale, softmax_scale,
-                    HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
-                    BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr,
-                    SPLIT_D: gl.constexpr):
+def _one_pass_dq_writer(dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv, n_heads, kv_group, n_q, pid_n, lo,
+                        rot, n_m_tiles, n_iter, n_k_tiles, stride, right_offset, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, DQ_COLS: gl.constexpr, BOUND_RIGHT: gl.constexpr,
+                        DETERMINISTIC: gl.constexpr, ROTATE: gl.constexpr):
+    """One warp: each tile's two dQ shares (one per consumer: dQ's column halves) from the staging boxes into
+    dq_desc's float32 sum by TMA reduce-adds. With DETERMINISTIC it first waits for the program's turn at the tile
+    (before the shares are ready, so the wait overlaps their products), and counts the turn as taken once the adds
+    have completed, after the next tile's adds are issued."""
+    lane_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    n_q_tiles = gl.cdiv(n_q, BLOCK_M)
+    last_sem = Sem
+    for j in range(n_iter):
+        h, start_m = _one_pass_tile(j, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M)
+        if DETERMINISTIC:
+            m = start_m // BLOCK_M
+            sem = Sem + (b * n_heads + h).to(gl.int64) * n_q_tiles + m
+            _wait_turn(sem, _one_pass_turn(m, pid_n, n_k_tiles, stride, right_offset, BLOCK_M, BLOCK_N, BOUND_RIGHT,
+                                           ROTATE), lane_layout)
+        for half in gl.static_range(2):
+            mbarrier.wait(stage_full.index(half), j & 1)
+            _tma_add(dq_desc, [b, h, start_m, half * DQ_COLS], dq_stage.index(half))
+        if DETERMINISTIC:
+            if j > 0:
+                _pass_turn(last_sem, True, lane_layout)  # the last tile's two adds, with this tile's two in flight
+            last_sem = sem
+        tma.store_wait(0)  # both adds have read their staging boxes
+        for half in gl.static_range(2):
+            mbarrier.arrive(stage_empty.index(half))
+    if DETERMINISTIC:
+        if n_iter > 0:
+            _pass_turn(last_sem, False, lane_layout)
+
+
+@gluon.jit
+def _one_pass_consumer(dk_desc, dv_desc, LseDelta, q_smem, do_smem, q_bar, do_bar, k_box, v_box, kv_bar, empty_bar,
+                       ds_smem, ds_bar, dq_stage, stage_full, stage_empty, b, h_kv, n_heads, kv_group, n_q, start_n,
+                       lo, rot, full_lo, full_hi, n_m_tiles, n_iter, right_offset, left_offset, qk_scale,
+                       softmax_scale, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                       HALF_N: gl.constexpr, BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr,
+                       NBUF: gl.constexpr):
     """One warpgroup: dK and dV of key rows start_n + HALF * HALF_N on, and its share of dQ, over the query tiles
     the producer streams. Per tile as `attention_backward_dkdv` (Sᵀ and dPᵀ issued together, Pᵀ under dPᵀ, dSᵀ under
-    dV's product), then dSᵀ into shared memory and a dQ product added into dq_desc's float32 tensor by a TMA
-    reduce-add, which runs on while the next tile computes.
-
-    SPLIT_D (D 128): the two warpgroups' dSᵀ halves meet in shared memory (ds_bar), and this one computes dQ's
-    columns HALF * D/2 on over all BLOCK_N keys (dS K[:, cols]; 32 registers a thread). Without it (D 64) each
-    computes dQ over its own keys only (dS_half K_half), and both add theirs: twice the reduce traffic, no wait on
-    the other warpgroup."""
+    dV's product), then dSᵀ into shared memory, where the two warpgroups' halves meet (ds_bar), and dQ's columns
+    HALF * D/2 on over all BLOCK_N keys (dS K[:, cols]; 32 registers a thread at D 128), handed to the writer warp
+    in this warpgroup's staging box (stage_full; stage_empty: the writer's add has read the last one)."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_M)
     acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT_D else HEAD_DIM
+    DQ_COLS: gl.constexpr = HEAD_DIM // 2
     dq_layout: gl.constexpr = _mma_layout(DQ_COLS)
     dtype: gl.constexpr = q_smem.dtype
     my_n = start_n + HALF * HALF_N
@@ -650,23 +759,20 @@ def _one_pass_consumer(dk_desc, dv_desc, dq_desc, LseDelta, q_smem, do_smem, q_b
     v_all = _tile(v_box, 2 * HALF_N, HEAD_DIM)
     k_tile = k_all.slice(HALF * HALF_N, HALF_N)
     v_tile = v_all.slice(HALF * HALF_N, HALF_N)
-    if SPLIT_D:
-        k_dq = k_all.slice(HALF * DQ_COLS, DQ_COLS, dim=1)  # (BLOCK_N keys, D/2): this warpgroup's dQ columns
-    else:
-        k_dq = k_tile
+    k_dq = k_all.slice(HALF * DQ_COLS, DQ_COLS, dim=1)  # (BLOCK_N keys, D/2): this warpgroup's dQ columns
     offs_n = my_n + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
     dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=acc_layout)
     s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
     dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
     stage = _tile(dq_stage.index(HALF), BLOCK_M, DQ_COLS)
-    neg_lse2, delta = _lse_delta(LseDelta, b, n_heads, n_q, 0, n_iter, n_m_tiles, lo, h_kv, kv_group, BLOCK_M,
-                                 row_layout)
+    h, start_m = _one_pass_tile(0, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M)
+    neg_lse2, delta = _lse_delta_at(LseDelta, b, n_heads, n_q, h, start_m, 0 < n_iter, BLOCK_M, row_layout)
     mbarrier.wait(kv_bar, 0)
     for j in range(n_iter):
         slot = j % NBUF
         phase = (j // NBUF) & 1
-        h, start_m = _query_tile(j, n_m_tiles, lo, h_kv, kv_group, BLOCK_M)
+        h, start_m = _one_pass_tile(j, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M)
         q_tile = _tile(q_smem.index(slot), BLOCK_M, HEAD_DIM)
         do_tile = _tile(do_smem.index(slot), BLOCK_M, HEAD_DIM)
         p, dp_tok = _transposed_probabilities(k_tile, v_tile, q_tile, do_tile, q_bar.index(slot), do_bar.index(slot),
@@ -681,32 +787,23 @@ def _one_pass_consumer(dk_desc, dv_desc, dq_desc, LseDelta, q_smem, do_smem, q_b
         ds_box.slice(HALF * HALF_N, HALF_N).store(ds)
         fence_async_shared()
         _barrier()
-        if SPLIT_D:
-            mbarrier.arrive(ds_bar.index(j % 2))
+        mbarrier.arrive(ds_bar.index(j % 2))
         dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q_tile, dk, is_async=True)
-        neg_lse2, delta = _lse_delta(LseDelta, b, n_heads, n_q, j + 1, n_iter, n_m_tiles, lo, h_kv, kv_group,
-                                     BLOCK_M, row_layout)
-        if SPLIT_D:
-            mbarrier.wait(ds_bar.index(j % 2), (j // 2) & 1)
-            dq_tok = warpgroup_mma(ds_box.permute((1, 0)), k_dq, dq_zero, use_acc=False, is_async=True)
-        else:
-            dq_tok = warpgroup_mma(ds_box.slice(HALF * HALF_N, HALF_N).permute((1, 0)), k_dq, dq_zero,
-                                   use_acc=False, is_async=True)
+        h_next, start_next = _one_pass_tile(j + 1, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M)
+        neg_lse2, delta = _lse_delta_at(LseDelta, b, n_heads, n_q, h_next, start_next, j + 1 < n_iter, BLOCK_M,
+                                        row_layout)
+        mbarrier.wait(ds_bar.index(j % 2), (j // 2) & 1)
+        dq_tok = warpgroup_mma(ds_box.permute((1, 0)), k_dq, dq_zero, use_acc=False, is_async=True)
         dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
         mbarrier.arrive(empty_bar.index(slot))
-        tma.store_wait(0)  # the last tile's reduce has read the staging box
-        _barrier()
+        mbarrier.wait(stage_empty.index(HALF), (j & 1) ^ 1, pred=j > 0)  # the writer has read the last share
         stage.store(dq)
         fence_async_shared()
         _barrier()
-        if SPLIT_D:
-            _tma_add(dq_desc, [b, h, start_m, HALF * DQ_COLS], dq_stage.index(HALF))
-        else:
-            _tma_add(dq_desc, [b, h, start_m, 0], dq_stage.index(HALF))
-    tma.store_wait(0)
-    # K and V are no longer read by this warpgroup, but may be by the other one's dQ products (SPLIT_D): dK and
-    # dV go out through the dQ staging box instead, which is this warpgroup's alone.
-    _barrier()
+        mbarrier.arrive(stage_full.index(HALF))
+    # K and V are no longer read by this warpgroup, but may be by the other one's dQ products: dK and dV go out
+    # through the staging box instead, once the writer has read the last share from it.
+    mbarrier.wait(stage_empty.index(HALF), (n_iter & 1) ^ 1, pred=n_iter > 0)
     out = _reinterpret(dq_stage.index(HALF), dtype, [1, 1, HALF_N, HEAD_DIM], dk_desc.layout)
     _tile(out, HALF_N, HEAD_DIM).store((dk * softmax_scale).to(dtype))
     fence_async_shared()
@@ -722,22 +819,33 @@ def _one_pass_consumer(dk_desc, dv_desc, dq_desc, LseDelta, q_smem, do_smem, q_b
 
 
 @gluon.jit
-def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LseDelta, n_bh, n_heads,
-                             kv_group, n_q, n_k, window_left, window_right, qk_scale, softmax_scale,
-                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                             BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr,
-                             CONSUMER_REGS: gl.constexpr, SPLIT_D: gl.constexpr):
-    """The whole backward in one pass: one program = a key tile of BLOCK_N rows of one
-    (batch, K/V head), held by two consumer warpgroups of BLOCK_N // 2 rows each, and a producer warp that streams
-    Q and dO through NBUF buffers. Per query tile five products: Sᵀ, dPᵀ, dV += Pᵀ dO, dK += dSᵀ Q, and dQ's share
-    dS K, added by a TMA reduce-add into dq_desc's tensor ((B, H, Nq, D) float32, zeroed first; unscaled). LseDelta
-    holds the (-L * log2 e, rowsum(dO * O)) pairs, written before. k_desc and v_desc copy BLOCK_N-row boxes; dk_desc
-    and dv_desc BLOCK_N // 2-row boxes; dq_desc (BLOCK_M, D / 2) boxes with SPLIT_D, else (BLOCK_M, D). dQ's sums
-    run in no fixed order, so its last bits vary from run to run."""
+def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LseDelta, Sem, n_bh,
+                                n_heads, kv_group, n_q, n_k, window_left, window_right, qk_scale, softmax_scale,
+                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr,
+                                CONSUMER_REGS: gl.constexpr, DETERMINISTIC: gl.constexpr, ROTATE: gl.constexpr):
+    """The whole backward in one pass: one program = a key tile of BLOCK_N rows of one (batch, K/V head), held by
+    two consumer warpgroups of BLOCK_N // 2 rows each, a producer warp that streams Q and dO through NBUF buffers,
+    and a writer warp that adds dQ's shares. Per query tile five products: Sᵀ, dPᵀ, dV += Pᵀ dO, dK += dSᵀ Q, and
+    dQ's share dS K, added by TMA reduce-adds into dq_desc's tensor ((B, H, Nq, D) float32, zeroed first;
+    unscaled), half of its columns per consumer. LseDelta holds the (-L * log2 e, rowsum(dO * O)) pairs, written
+    before. k_desc and v_desc copy BLOCK_N-row boxes; dk_desc and dv_desc BLOCK_N // 2-row boxes; dq_desc
+    (BLOCK_M, D / 2) boxes.
+
+    DETERMINISTIC: dQ's sums are added in a fixed order, ordered by Sem, (B, H, cdiv(Nq, BLOCK_M)) int32 zeroed
+    first (see the section's comment); ROTATE (full masks, Nq / BLOCK_M >= Nk / BLOCK_N, and at most one head's
+    cdiv(Nk, BLOCK_N) programs per SM) rotates each program's first query tile. Without DETERMINISTIC (Sem None)
+    dQ's sums run in no fixed order, so their last bits vary from run to run."""
     HALF_N: gl.constexpr = BLOCK_N // 2
-    DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT_D else HEAD_DIM
+    DQ_COLS: gl.constexpr = HEAD_DIM // 2
     dtype: gl.constexpr = q_desc.dtype
-    pid_n, bh_kv, b, h_kv, _ = _program_tile(n_bh, n_heads // kv_group, 1, False)
+    n_kv_heads = n_heads // kv_group
+    n_k_tiles = gl.cdiv(n_k, BLOCK_N)
+    # One (batch, K/V head) after another, so that the programs running at once share one head's Q and dO in L2
+    # (interleaving the heads made the deterministic causal backward 1.5-1.8x slower: kernel_experiments.md); with
+    # DETERMINISTIC and not ROTATE each head's key tiles from the last down, so that the tiles whose adds go first
+    # start first.
+    pid_n, bh_kv, b, h_kv, _ = _program_tile(n_bh, n_kv_heads, 1, DETERMINISTIC and not ROTATE)
     start_n = pid_n * BLOCK_N
     right_offset = n_k - n_q + window_right
     left_offset = n_k - n_q - window_left
@@ -745,6 +853,11 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
                                                  BOUND_RIGHT, BOUND_LEFT)
     n_m_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_M)
     n_iter = n_m_tiles * kv_group
+    stride = gl.maximum(n_m_tiles // n_k_tiles, 1)
+    if ROTATE:
+        rot = pid_n * stride
+    else:
+        rot = 0
 
     k_box = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_box = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
@@ -755,23 +868,31 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
     ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_stage = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, DQ_COLS], dq_desc.layout)
+    stage_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    stage_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(2):
         mbarrier.init(ds_bar.index(i), count=2)
+        mbarrier.init(stage_full.index(i), count=1)
+        mbarrier.init(stage_empty.index(i), count=1)
     for i in gl.static_range(NBUF):
         mbarrier.init(empty_bar.index(i), count=2)
     fence_async_shared()
-    gl.warp_specialize([(_one_pass_consumer, (dk_desc, dv_desc, dq_desc, LseDelta, q_smem, do_smem, q_bar, do_bar, k_box,
-                                           v_box, kv_bar, empty_bar, ds_smem, ds_bar, dq_stage, b, h_kv, n_heads,
-                                           kv_group, n_q, start_n, lo, full_lo, full_hi, n_m_tiles, n_iter,
-                                           right_offset, left_offset, qk_scale, softmax_scale, 0, HEAD_DIM, BLOCK_M,
-                                           HALF_N, BOUND_RIGHT, BOUND_LEFT, NBUF, SPLIT_D)),
-                        (_one_pass_consumer, (dk_desc, dv_desc, dq_desc, LseDelta, q_smem, do_smem, q_bar, do_bar, k_box,
-                                           v_box, kv_bar, empty_bar, ds_smem, ds_bar, dq_stage, b, h_kv, n_heads,
-                                           kv_group, n_q, start_n, lo, full_lo, full_hi, n_m_tiles, n_iter,
-                                           right_offset, left_offset, qk_scale, softmax_scale, 1, HEAD_DIM, BLOCK_M,
-                                           HALF_N, BOUND_RIGHT, BOUND_LEFT, NBUF, SPLIT_D)),
+    gl.warp_specialize([(_one_pass_consumer, (dk_desc, dv_desc, LseDelta, q_smem, do_smem, q_bar, do_bar, k_box, v_box,
+                                              kv_bar, empty_bar, ds_smem, ds_bar, dq_stage, stage_full, stage_empty, b,
+                                              h_kv, n_heads, kv_group, n_q, start_n, lo, rot, full_lo, full_hi,
+                                              n_m_tiles, n_iter, right_offset, left_offset, qk_scale, softmax_scale, 0,
+                                              HEAD_DIM, BLOCK_M, HALF_N, BOUND_RIGHT, BOUND_LEFT, NBUF)),
+                        (_one_pass_consumer, (dk_desc, dv_desc, LseDelta, q_smem, do_smem, q_bar, do_bar, k_box, v_box,
+                                              kv_bar, empty_bar, ds_smem, ds_bar, dq_stage, stage_full, stage_empty, b,
+                                              h_kv, n_heads, kv_group, n_q, start_n, lo, rot, full_lo, full_hi,
+                                              n_m_tiles, n_iter, right_offset, left_offset, qk_scale, softmax_scale, 1,
+                                              HEAD_DIM, BLOCK_M, HALF_N, BOUND_RIGHT, BOUND_LEFT, NBUF)),
                         (_one_pass_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, q_bar, do_bar, k_box,
-                                           v_box, kv_bar, empty_bar, b, h_kv, kv_group, start_n, lo, n_m_tiles,
-                                           n_iter, BLOCK_M, NBUF))],
-                       [4, 1], [CONSUMER_REGS, 24])
+                                              v_box, kv_bar, empty_bar, b, h_kv, kv_group, start_n, lo, rot, n_m_tiles,
+                                              n_iter, BLOCK_M, NBUF)),
+                        (_one_pass_dq_writer, (dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv, n_heads,
+                                               kv_group, n_q, pid_n, lo, rot, n_m_tiles, n_iter, n_k_tiles, stride,
+                                               right_offset, BLOCK_M, BLOCK_N, DQ_COLS, BOUND_RIGHT, DETERMINISTIC,
+                                               ROTATE))],
+                       [4, 1, 1], [CONSUMER_REGS, 24, 24])
