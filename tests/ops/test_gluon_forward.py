@@ -288,13 +288,15 @@ def test_repeated_gluon_calls_replay_plans_gpu(d, monkeypatch):
     """Repeated eager calls of a signature the Gluon kernels take (the forward and dQ; at D 128 the dK/dV kernel
     too) replay a plan: no checks, no variant choice, no descriptor validation, and the float64 reference's results
     on fresh inputs. Rank 3 and a window at D 64 (the replay makes rank-4 views), GQA and causal at D 128. A Gluon dQ
-    variant is the only dQ candidate here (the `tl` one may win the timing)."""
+    variant is the only dQ candidate here (the `tl` one may win the timing), and the two passes the only backward
+    (the deterministic one pass is not recorded as a plan)."""
     from flashsys.ops.attention import FlashAttention2Triton, eager_plans, flash_triton
 
     from .attention_checks import assert_matches_reference, make_qkv, refuse_calls
 
     monkeypatch.setattr(flash_gluon, "MIN_WORK", 0)
     monkeypatch.setitem(flash_gluon.DQ_VARIANTS, d, flash_gluon.DQ_VARIANTS[d][1:2])
+    monkeypatch.setitem(flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS, d, (flash_gluon.TL_KERNEL,))
     flash_gluon._chosen.clear()
     eager_plans.clear()
     shape, window, kv_heads = ((2, None, 777, 777), (64, 0), None) if d == 64 else ((1, 8, 1024, 1024), None, 4)
@@ -303,9 +305,11 @@ def test_repeated_gluon_calls_replay_plans_gpu(d, monkeypatch):
             q, k, v, do = make_qkv(*shape, d, torch.bfloat16, "cuda", seed=seed, kv_heads=kv_heads)
             assert_matches_reference(FlashAttention2Triton, q, k, v, do, window is None, None, window)
         assert len(eager_plans.forward_plans) == 1 and len(eager_plans.backward_plans) == 1
-        kinds = {key.kernel for key in flash_gluon.chosen_variants()}
-        assert kinds == ({"forward", "dq"} if d == 64 else {"forward", "dq", "dkdv"}), "the Gluon kernels did not run"
-        assert all(var.kind != "tl" for var in flash_gluon.chosen_variants().values())
+        chosen = {key.kernel: var for key, var in flash_gluon.chosen_variants().items()}
+        assert chosen.pop("one_pass_det") == flash_gluon.TL_KERNEL  # the two passes, asked first
+        want = {"forward", "dq"} if d == 64 else {"forward", "dq", "dkdv"}
+        assert set(chosen) == want, "the Gluon kernels did not run"
+        assert all(var.kind != "tl" for var in chosen.values())
         refuse_calls(monkeypatch, flash_gluon, "_launch")
         refuse_calls(monkeypatch, flash_triton, "check_attention_inputs", "_planned_backward")
         for seed in range(2, 4):

@@ -141,8 +141,9 @@ def test_the_backward_offers_the_one_pass_saying_whether_it_must_be_deterministi
 
 
 @triton.jit
-def _turns_kernel(Turns, Visits, n_q, n_k, window_left, window_right, stride, MAX_M: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BOUND_RIGHT: tl.constexpr, BOUND_LEFT: tl.constexpr, ROTATE: tl.constexpr):
+def _turns_kernel(Turns, Visits, n_q, n_k, window_left, window_right, stride, MAX_M: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BOUND_RIGHT: tl.constexpr, BOUND_LEFT: tl.constexpr,
+                  ROTATE: tl.constexpr):
     """Turns[n, m]: key tile n's turn at query tile m; Visits[n, m]: whether the one pass's program n visits m (its
     query tiles are lo, lo + BLOCK_M, ... below hi, from the kernels' own `_query_tile_range`)."""
     n = tl.program_id(0)
@@ -172,8 +173,8 @@ def test_the_deterministic_one_pass_gives_each_add_its_own_turn_in_visiting_orde
     rotate = window == (-1, -1) and n_m >= n_t
     stride = max(n_m // n_t, 1)
     turns, visits = (torch.empty((n_t, 32), dtype=torch.int32, device=DEVICE) for _ in range(2))
-    _turns_kernel[(n_t,)](turns, visits, n_q, n_k, window[0], window[1], stride, MAX_M=32, BLOCK_M=block_m, BLOCK_N=block_n,
-                          BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0, ROTATE=rotate)
+    _turns_kernel[(n_t,)](turns, visits, n_q, n_k, window[0], window[1], stride, MAX_M=32, BLOCK_M=block_m,
+                          BLOCK_N=block_n, BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0, ROTATE=rotate)
     turns, visits = turns.cpu(), visits.cpu()
     for m in range(n_m):
         visitors = [n for n in range(n_t) if visits[n, m]]

@@ -334,9 +334,10 @@ def _one_pass_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor,
     half_bytes = d * k4.element_size() // 2
     k_layout = (gl.NVMMASharedLayout(swizzle_byte_width=half_bytes, element_bitwidth=8 * k4.element_size(), rank=4)
                 if half_bytes < 128 else None)
-    args = (_descriptor(q4, m), _descriptor(k4, n, layout=k_layout), _descriptor(v4, n), _descriptor(do4, m), _descriptor(dk4, n // 2),
-            _descriptor(dv4, n // 2), dq_desc, lse_delta, semaphores if deterministic else None, batch * kv_heads,
-            n_heads, n_heads // kv_heads, n_q, n_k, window[0], window[1], scale * LOG2E, scale)
+    args = (_descriptor(q4, m), _descriptor(k4, n, layout=k_layout), _descriptor(v4, n), _descriptor(do4, m),
+            _descriptor(dk4, n // 2), _descriptor(dv4, n // 2), dq_desc, lse_delta,
+            semaphores if deterministic else None, batch * kv_heads, n_heads, n_heads // kv_heads, n_q, n_k, window[0],
+            window[1], scale * LOG2E, scale)
     kwargs = dict(HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n, BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0,
                   NBUF=variant.nbuf, CONSUMER_REGS=variant.regs, DETERMINISTIC=deterministic,
                   ROTATE=rotates(variant, q4, k4, window), num_warps=4)
@@ -438,8 +439,8 @@ class ChoiceKey(NamedTuple):
         return cls(q4.shape[3], q4.dtype, window[1] >= 0, window[0] >= 0, bucket, kernel)
 
     def candidates(self) -> tuple[Variant, ...]:
-        return {"forward": VARIANTS, "dkdv": DKDV_VARIANTS, "dq": DQ_VARIANTS,
-                "one_pass": ONE_PASS_VARIANTS, "one_pass_det": DETERMINISTIC_ONE_PASS_VARIANTS}[self.kernel][self.head_dim]
+        return {"forward": VARIANTS, "dkdv": DKDV_VARIANTS, "dq": DQ_VARIANTS, "one_pass": ONE_PASS_VARIANTS,
+                "one_pass_det": DETERMINISTIC_ONE_PASS_VARIANTS}[self.kernel][self.head_dim]
 
     def label(self, variant: Variant) -> str:
         """`variant`'s label in this choice: in the one-pass choice TL_KERNEL stands for the two passes."""
