@@ -1,11 +1,12 @@
 """Whether the attention backward must be bit-deterministic: the process-wide switch behind the one-pass backward.
 
-The default backward is deterministic: dQ and dK/dV run in two passes, each sum in a fixed order. On Hopper GPUs a
-one-pass backward does five tensor-core products a tile where the two passes do seven; on an H100 it took 2-16% less
-time than the two passes at head dim 128, and 4-6% less at head dim 64 with 16k-token sequences, where a timed choice
-takes it (benchmarks/results/kernel_experiments.md, "The one-pass backward"). Its dQ is a float32 sum
-that the key tiles' programs add into as they finish, in no fixed order, so dQ's last bits vary from run to run
-(PyTorch's SDPA documents the same of its fused CUDA kernels' backwards). It runs only where asked for:
+The default backward is deterministic: each sum runs in a fixed order, in two passes (dQ, then dK/dV) or, on Hopper
+GPUs where a timed choice finds it faster, in one pass whose dQ adds wait for their turns (five tensor-core products
+a tile where the two passes do seven; on an H100 2-11% less time than the two passes at head dim 128:
+benchmarks/results/kernel_experiments.md, "The deterministic one pass"). Without the turns the one pass is a few
+percent faster again: its dQ is a float32 sum that the key tiles' programs add into as they finish, in no fixed
+order, so dQ's last bits vary from run to run (PyTorch's SDPA documents the same of its fused CUDA kernels'
+backwards). That one runs only where asked for:
 
     import flashsys.ops.attention as fa
     fa.set_deterministic_backward(False)

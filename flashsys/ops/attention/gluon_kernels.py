@@ -28,8 +28,9 @@ not a multiple of the tile (TMA reads zeros past the end and clips the stores), 
 - `attention_backward_dq`: dQ with the same overlap (S and dP issued together, P under dP, drained per tile); it
   writes the (-L·log2 e, D) pairs the dK/dV kernels read, as the `tl` dQ kernel does (kernel_experiments.md, stop 31).
 - `attention_backward_one_pass`: the whole backward in one pass, five products a tile where the two passes do seven,
-  warp-specialised as FlashAttention-3's: dQ's shares are added into a float32 sum by TMA reduce-adds, in no fixed
-  order, so it runs only where the caller turned determinism off (`set_deterministic_backward(False)`).
+  warp-specialised as FlashAttention-3's: a writer warp adds dQ's shares into a float32 sum by TMA reduce-adds,
+  with DETERMINISTIC in a fixed order (each program waits for its turn at a query tile), without it in no fixed
+  order (only where the caller turned determinism off, `set_deterministic_backward(False)`).
 """
 
 from __future__ import annotations
