@@ -20,15 +20,14 @@ from .test_gluon_forward import CASES, _inputs, hopper_only  # noqa: E402
 @pytest.fixture(autouse=True)
 def _no_choices_or_plans_from_other_tests():
     """Each test starts with no kernel choice and no launch plan, and leaves none. A plan that an earlier test
-    recorded in the native launcher, with the choices since cleared, replays its kernels in an eager call while a
-    compiled call makes a new choice: on an H100 the eager backward replayed the two passes and the compiled one
-    chose the one pass, and their dQ differed in the last bits."""
-    from flashsys.ops.attention import eager_plans, native_launch
+    recorded, with the choices since cleared, replays its kernels in an eager call while a compiled call makes a new
+    choice: on an H100 the eager backward replayed the two passes and the compiled one chose the one pass, and their
+    dQ differed in the last bits."""
+    from flashsys.ops.attention import eager_plans
 
     def forget():
         flash_gluon._chosen.clear()
         eager_plans.clear()
-        native_launch.clear()
 
     forget()
     yield

@@ -76,6 +76,16 @@ def _warm(q, k, v, do):
     assert native_launch.sizes() == (1, 1)
 
 
+def test_forgetting_the_plans_forgets_the_native_copies():
+    """eager_plans.clear() (a test forcing another kernel variant, a change of the determinism switch) must empty
+    the native tables too: a native plan left behind would replay the old kernels in eager calls only."""
+    q, k, v, do = make_qkv(1, 2, 24, 24, 16, DTYPE, DEVICE, seed=4)
+    _warm(q, k, v, do)
+    eager_plans.clear()
+    assert native_launch.sizes() == (0, 0)
+    assert _call(q, k, v, do)[0] != NATIVE  # the next call takes the Python path again
+
+
 def test_the_native_node_keeps_the_autograd_contract():
     q, k, v, do = make_qkv(1, 2, 24, 24, 16, DTYPE, DEVICE, seed=3)
     _warm(q, k, v, do)

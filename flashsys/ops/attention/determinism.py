@@ -33,11 +33,10 @@ def set_deterministic_backward(deterministic: bool) -> None:
         return
     _state["deterministic"] = deterministic
     try:
-        from . import eager_plans, native_launch
+        from . import eager_plans
     except ImportError:  # no Triton: no plans to drop
         return
-    eager_plans.clear()
-    native_launch.clear()
+    eager_plans.clear()  # the native launcher's too
 
 
 def deterministic_backward() -> bool:

@@ -180,7 +180,12 @@ op_forward_plans = PlanTable()
 
 
 def clear() -> None:
-    """Forget every plan (eager forwards, backwards, compiled graphs' ops): after a change that plans do not key on,
-    e.g. a test forcing another kernel variant."""
+    """Forget every plan (eager forwards, backwards, compiled graphs' ops, and the native launcher's copies of the
+    eager ones): after a change that plans do not key on, e.g. a test forcing another kernel variant. Clearing these
+    tables alone left the native launcher replaying the old kernels in eager calls while compiled calls chose anew
+    (an H100 test saw their dQ differ in the last bits)."""
     for table in (forward_plans, backward_plans, op_forward_plans):
         table.clear()
+    from . import native_launch  # it imports this module
+
+    native_launch.clear()
