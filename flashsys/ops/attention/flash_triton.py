@@ -1043,8 +1043,8 @@ def _launch_backward(g: _Geometry, q, k, v, o, lse, do, dq, dk, dv, lse_delta, c
 
 def _one_pass_backward(variant: flash_gluon.Variant, q, k, v, o, lse, do, dq, dk, dv, lse_delta, window, scale):
     """The one-pass backward on rank-3/4 tensors (Hopper, `flash_gluon.backward_one_pass`): the prologue kernel
-    writes the (L, D) pairs and zeroes dQ's float32 sum, the Gluon kernel adds into it, the epilogue scales and casts
-    it into dq."""
+    writes the (L, D) pairs and zeroes dQ's float32 sum (and the deterministic one's semaphores), the Gluon kernel
+    adds into it, the epilogue scales and casts it into dq."""
     q4, k4, v4, o4, do4, dq4, dk4, dv4 = (flash_gluon._rank4(t) for t in (q, k, v, o, do, dq, dk, dv))
     batch, n_heads, n_q, d = q4.shape
     dq_acc = torch.empty(q4.shape, dtype=torch.float32, device=q.device)
