@@ -184,3 +184,24 @@ def test_the_deterministic_one_pass_gives_each_add_its_own_turn_in_visiting_orde
             arrival = sorted(visitors, reverse=True)
             assert visitors == list(range(min(visitors, default=0), max(visitors, default=-1) + 1))
         assert [int(turns[n, m]) for n in arrival] == list(range(len(visitors))), (m, turns[:, m].tolist())
+
+
+def test_full_masks_rotate_only_where_one_heads_programs_fit_at_once(monkeypatch):
+    """The rotated order's ring waits on programs launched later, so it is taken only where a (batch, K/V head)'s
+    key tiles all fit on the SMs this process may use at once (132 stand in for a CPU tensor's GPU; MPS's
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE cuts them), for full masks with at least as many query tiles as key tiles."""
+    det = flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS[128][1]
+    monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
+
+    def rotates(n_q, n_k, window=(-1, -1), variant=det):
+        return flash_gluon.rotates(variant, torch.empty(1, 2, n_q, 8), torch.empty(1, 2, n_k, 8), window)
+
+    assert rotates(16384, 16384)  # 128 key tiles
+    assert not rotates(132 * 128 + 1, 132 * 128 + 1)  # 133 key tiles
+    assert not rotates(16384, 16384, (-1, 0)) and not rotates(16384, 16384, (64, 64))  # masks go in order
+    assert not rotates(512, 4096)  # 8 query tiles, 32 key tiles
+    assert not rotates(16384, 16384, variant=flash_gluon.ONE_PASS_VARIANTS[128][1])  # no turns to order
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "50")
+    assert rotates(8192, 8192) and not rotates(16384, 16384)  # 64 and 128 key tiles against 66 SMs
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "most")
+    assert not rotates(1024, 1024)

@@ -312,8 +312,18 @@ def rotates(variant: Variant, q4: Tensor, k4: Tensor, window: tuple[int, int]) -
     n_k_tiles = triton.cdiv(k4.shape[2], variant.block_n)
     if triton.cdiv(q4.shape[2], variant.block_m) < n_k_tiles:
         return False
-    sms = torch.cuda.get_device_properties(q4.device).multi_processor_count if q4.is_cuda else 132
-    return n_k_tiles <= sms
+    return n_k_tiles <= _usable_sms(q4)
+
+
+def _usable_sms(t: Tensor) -> int:
+    """The SMs this process's kernels can run on at once: the GPU's count (132 for a CPU tensor, an H100's, for
+    compiling without a GPU), cut to MPS's share where CUDA_MPS_ACTIVE_THREAD_PERCENTAGE limits it."""
+    sms = torch.cuda.get_device_properties(t.device).multi_processor_count if t.is_cuda else 132
+    share = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    try:
+        return sms if share is None else max(1, int(sms * float(share) / 100))
+    except ValueError:  # an unreadable share: assume the smallest
+        return 1
 
 
 def _one_pass_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, do4: Tensor, dk4: Tensor,
