@@ -656,8 +656,8 @@ mov.u32 $0, $1;""")
 @gluon.jit
 def _wait_turn(semaphore, turn, layout: gl.constexpr):
     """Every lane of the (one-warp) partition: spin until `semaphore` counts `turn` programs' adds, then order the
-    TMA adds that follow after them. ~2^26 polls (seconds) without a turn trap: a launch error, where a wait that
-    never ends would hang the process."""
+    TMA adds that follow after them. 2^26 polls without a turn (tens of seconds, an L2 round trip each) trap: a
+    launch error, where a wait that never ends would hang the process."""
     zeros = gl.zeros([32], gl.int32, layout)
     gl.inline_asm_elementwise(_WAIT_TURN_ASM, "=&r,l,r", [semaphore + zeros, turn + zeros], dtype=gl.int32,
                               is_pure=False, pack=1)
