@@ -265,7 +265,7 @@ def test_op_runs_the_one_pass_that_determinism_allows_gpu(d, window, monkeypatch
     gradients match float64 and keep their bits from call to call, eager and compiled (a full mask takes the rotated
     order); with set_deterministic_backward(False) the other one pass runs, and
     torch.use_deterministic_algorithms(True) brings back the deterministic one, with the same bits as before."""
-    from flashsys.ops.attention import FlashAttention2Triton, eager_plans, flash_triton, set_deterministic_backward
+    from flashsys.ops.attention import FlashAttention2Triton, flash_triton, set_deterministic_backward
 
     from .attention_checks import run_op
 
@@ -281,8 +281,6 @@ def test_op_runs_the_one_pass_that_determinism_allows_gpu(d, window, monkeypatch
     def grads():
         return run_op(FlashAttention2Triton, q, k, v, do, causal, None)[2:]
 
-    flash_gluon._chosen.clear()
-    eager_plans.backward_plans.clear()  # a plan of the two passes from an earlier test would replay them
     flash_gluon._chosen[det_key] = flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS[d][1]
     flash_gluon._chosen[key] = flash_gluon.ONE_PASS_VARIANTS[d][1]
     try:
@@ -300,8 +298,6 @@ def test_op_runs_the_one_pass_that_determinism_allows_gpu(d, window, monkeypatch
         torch.use_deterministic_algorithms(True)
         assert all(torch.equal(a, b) for a, b in zip(first, grads()))
         assert {v.kind for v in one_pass_calls} == {"one_pass_det"}
-    finally:
+    finally:  # the fixture forgets the choices and plans
         torch.use_deterministic_algorithms(False)
         set_deterministic_backward(True)
-        eager_plans.backward_plans.clear()
-        flash_gluon._chosen.clear()

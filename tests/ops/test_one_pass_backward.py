@@ -205,3 +205,17 @@ def test_full_masks_rotate_only_where_one_heads_programs_fit_at_once(monkeypatch
     assert rotates(8192, 8192) and not rotates(16384, 16384)  # 64 and 128 key tiles against 66 SMs
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "most")
     assert not rotates(1024, 1024)
+
+
+def test_the_deterministic_one_pass_refuses_missing_or_short_semaphores():
+    """Its launch needs one zeroed int32 per (batch, head, query tile): without them, or too few, it says so, naming
+    the argument, before anything launches (a short table would let turns read past it and wait forever)."""
+    det = flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS[128][1]
+    q = torch.empty(2, 4, 300, 128)
+    k = torch.empty(2, 2, 200, 128)
+    assert flash_gluon.semaphore_count(det, q) == 2 * 4 * 5
+    assert flash_gluon.semaphore_count(flash_gluon.ONE_PASS_VARIANTS[128][1], q) == 0
+    acc, pairs = torch.empty(q.shape), torch.empty(2, 4, 300, 2)
+    for semaphores in (None, torch.zeros(39, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="semaphores: .* needs 40 zeroed int32s"):
+            flash_gluon._one_pass_launch_parts(det, q, k, k, q, k, k, acc, pairs, semaphores, (-1, 0), 0.1)

@@ -339,7 +339,8 @@ def _one_pass_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor,
     m, n = variant.block_m, variant.block_n
     deterministic = variant.kind == "one_pass_det"
     if deterministic and (semaphores is None or semaphores.numel() < semaphore_count(variant, q4)):
-        raise ValueError(f"{variant.label()} needs {semaphore_count(variant, q4)} zeroed int32 semaphores")
+        raise ValueError(f"semaphores: {variant.label()} needs {semaphore_count(variant, q4)} zeroed int32s, got "
+                         f"{None if semaphores is None else semaphores.numel()}")
     dq_cols = d // 2
     gl = _kernels().gl
     dq_desc = _descriptor(dq_acc, m, dq_cols, gl.NVMMASharedLayout.get_default_for([1, 1, m, dq_cols], gl.float32))

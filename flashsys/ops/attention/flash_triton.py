@@ -1049,13 +1049,12 @@ def _one_pass_backward(variant: flash_gluon.Variant, q, k, v, o, lse, do, dq, dk
     batch, n_heads, n_q, d = q4.shape
     dq_acc = torch.empty(q4.shape, dtype=torch.float32, device=q.device)
     n_semaphores = flash_gluon.semaphore_count(variant, q4)
-    if n_semaphores and variant.block_m != 64:
-        raise ValueError(f"the prologue zeroes one semaphore per 64 query rows, not per {variant.block_m}")
     semaphores = torch.empty(n_semaphores, dtype=torch.int32, device=q.device) if n_semaphores else None
     block_d = triton.next_power_of_2(d)
-    _one_pass_prologue_kernel[(triton.cdiv(n_q, 64), batch * n_heads)](
+    rows = variant.block_m  # one prologue program per query tile of the kernel: it zeroes that tile's semaphore
+    _one_pass_prologue_kernel[(triton.cdiv(n_q, rows), batch * n_heads)](
         o4, do4, lse, lse_delta, dq_acc, semaphores, n_heads, n_q, *o4.stride(), *do4.stride(), HEAD_DIM=d,
-        BLOCK_D=block_d, ROWS=64)
+        BLOCK_D=block_d, ROWS=rows)
     flash_gluon._launch(variant, q4, k4, v4, do4, dk4, dv4, dq_acc, lse_delta, semaphores, window, scale)
     n_rows = batch * n_heads * n_q
     _one_pass_epilogue_kernel[(triton.cdiv(n_rows, 64),)](dq_acc, dq4, n_rows, scale, HEAD_DIM=d, BLOCK_D=block_d,

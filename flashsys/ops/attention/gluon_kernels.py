@@ -643,14 +643,16 @@ fs_go:
 fence.proxy.async.global;
 }""")
 
-# cp.async.bulk.wait_group N without .read: the adds before the last N have completed, their writes done in global
-# memory (tma.store_wait only waits until they have read their shared-memory source).
-_ALL_ADDS_COMPLETE_ASM: gl.constexpr = gl.constexpr("""cp.async.bulk.wait_group 0;
-fence.proxy.async.global;
-mov.u32 $0, $1;""")
-_ALL_BUT_TWO_ADDS_COMPLETE_ASM: gl.constexpr = gl.constexpr("""cp.async.bulk.wait_group 2;
-fence.proxy.async.global;
-mov.u32 $0, $1;""")
+
+
+def _adds_complete_asm(pending: int) -> gl.constexpr:
+    """cp.async.bulk.wait_group without .read: this thread's adds but the last `pending` have completed, their
+    writes done in global memory (tma.store_wait only waits until they have read their shared-memory source)."""
+    return gl.constexpr(f"cp.async.bulk.wait_group {pending};\nfence.proxy.async.global;\nmov.u32 $0, $1;")
+
+
+_ALL_ADDS_COMPLETE_ASM: gl.constexpr = _adds_complete_asm(0)
+_ALL_BUT_TWO_ADDS_COMPLETE_ASM: gl.constexpr = _adds_complete_asm(2)
 
 
 @gluon.jit
