@@ -52,11 +52,10 @@ def test_changing_the_switch_drops_the_launch_plans():
 
 
 @pytest.mark.parametrize("rank", [3, 4])
-@pytest.mark.parametrize("semaphores", [False, True])
-def test_prologue_writes_the_pairs_and_zeroes_dq_and_epilogue_scales_it(rank, semaphores):
+def test_prologue_writes_the_pairs_and_zeroes_dq_and_epilogue_scales_it(rank):
     """The prologue's (-L·log2 e, rowsum(dO·O)) pairs from O and dO with any strides (here (B, N, H, D) ones), L = -inf
-    rows giving 0; every row of dQ's float32 sum zeroed (it held garbage), and every semaphore of the deterministic
-    one pass (one per 64 query rows) where it has them; the epilogue's dQ = sum · scale, cast."""
+    rows giving 0; every row of dQ's float32 sum zeroed (it held garbage), and every semaphore (one per 64 query
+    rows); the epilogue's dQ = sum · scale, cast."""
     batch, heads, n, d = 2, 3, 77, 40  # a head dim that is no power of two, rows that are no multiple of 64
     g = torch.Generator().manual_seed(11)
     o = torch.randn(batch, n, heads, d, generator=g).to(DEVICE, torch.float16).transpose(1, 2)
@@ -70,9 +69,8 @@ def test_prologue_writes_the_pairs_and_zeroes_dq_and_epilogue_scales_it(rank, se
     acc = torch.full(o4.shape, float("nan"), device=DEVICE)
     sem = torch.full((batch * heads * triton.cdiv(n, 64),), 7, dtype=torch.int32, device=DEVICE)
     flash_triton._one_pass_prologue_kernel[(triton.cdiv(n, 64), batch * heads)](
-        o4, do4, lse, pairs, acc, sem if semaphores else None, heads, n, *o4.stride(), *do4.stride(), HEAD_DIM=d,
-        BLOCK_D=64, ROWS=64)
-    assert torch.equal(sem, torch.zeros_like(sem) if semaphores else torch.full_like(sem, 7))
+        o4, do4, lse, pairs, acc, sem, *o4.stride(), *do4.stride(), heads, n, HEAD_DIM=d, BLOCK_D=64, ROWS=64)
+    assert torch.equal(sem, torch.zeros_like(sem))
     want_neg = torch.where(torch.isinf(lse), torch.zeros_like(lse), -lse * flash_triton.LOG2E)
     torch.testing.assert_close(pairs[..., 0], want_neg)
     torch.testing.assert_close(pairs[..., 1], (o.float() * do.float()).sum(-1), rtol=1e-5, atol=1e-5)
@@ -88,8 +86,8 @@ def test_prologue_writes_the_pairs_and_zeroes_dq_and_epilogue_scales_it(rank, se
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_one_pass_choice_hands_back_to_the_two_passes(deterministic, monkeypatch):
     """The one-pass choice times the two passes beside its variants (the deterministic ones where determinism is
-    asked for); where the two passes win (or the head dim has no one-pass kernel) the caller runs them, and the one
-    pass runs only where a variant won."""
+    asked for) and names the winner; where the two passes win (or the head dim has no one-pass kernel) it names
+    none, and the caller runs them."""
     monkeypatch.setattr(flash_gluon, "_chosen", {})
     timed = []
 
@@ -104,13 +102,12 @@ def test_one_pass_choice_hands_back_to_the_two_passes(deterministic, monkeypatch
     assert {v.kind for v in table[128][1:]} == {"one_pass_det" if deterministic else "one_pass"}
     for pick in ([flash_gluon.TL_KERNEL], [table[128][1]]):
         timed.clear()
-        ran = flash_gluon.backward_one_pass(q, q, (-1, 0), timed.append, lambda: timed.append("two passes"),
-                                            deterministic)
-        assert timed[:3] == ["two passes", *table[128][1:]]
-        assert ran == (pick[0].kind != "tl")
-        assert timed[3:] == ([pick[0]] if ran else [])  # the winner runs once more, for this call
+        chosen = flash_gluon.choose_one_pass(q, q, (-1, 0), timed.append, lambda: timed.append("two passes"),
+                                             deterministic)
+        assert timed == ["two passes", *table[128][1:]]
+        assert chosen == (None if pick[0].kind == "tl" else pick[0])
     q96 = torch.randn(1, 2, 64, 96)
-    assert not flash_gluon.backward_one_pass(q96, q96, (-1, 0), timed.append, lambda: None, deterministic)
+    assert flash_gluon.choose_one_pass(q96, q96, (-1, 0), timed.append, lambda: None, deterministic) is None
     key = flash_gluon.ChoiceKey.of(q, q, (-1, 0), "one_pass_det" if deterministic else "one_pass")
     assert key.label(flash_gluon.TL_KERNEL) == "two passes"  # what status lines call the two passes
     assert key._replace(kernel="dq").label(flash_gluon.TL_KERNEL) == "tl kernel"
@@ -124,7 +121,7 @@ def test_the_backward_offers_the_one_pass_saying_whether_it_must_be_deterministi
     monkeypatch.setattr(flash_gluon, "backward_dq", lambda *a: flash_gluon.Launched(False))
     monkeypatch.setattr(flash_gluon, "backward_dkdv", lambda *a: flash_gluon.Launched(False))
     asked = []
-    monkeypatch.setattr(flash_gluon, "backward_one_pass",
+    monkeypatch.setattr(flash_gluon, "choose_one_pass",
                         lambda q, k, window, one, two, det: asked.append((window, det)))
     ops.set_deterministic_backward(deterministic)
     q, k, v, do = make_qkv(1, 2, 48, 48, 32, torch.float32, DEVICE, seed=5)
@@ -219,3 +216,80 @@ def test_the_deterministic_one_pass_refuses_missing_or_short_semaphores():
     for semaphores in (None, torch.zeros(39, dtype=torch.int32)):
         with pytest.raises(ValueError, match="semaphores: .* needs 40 zeroed int32s"):
             flash_gluon._one_pass_launch_parts(det, q, k, k, q, k, k, acc, pairs, semaphores, (-1, 0), 0.1)
+
+
+class _StandInOnePass:
+    """Stands in on a CPU for the compiled one-pass Gluon kernel (it needs an H100): called with that kernel's
+    arguments (tensors where it takes descriptors), it makes the kernel's writes in float64 from the pairs the
+    prologue wrote: dK, dV, and dQ's unscaled sum added into dq_acc, after checking that the prologue zeroed the sum
+    and the semaphores. GluonReplay indexes a compiled kernel by its grid; indexing gives the stand-in itself."""
+
+    def __init__(self, causal: bool):
+        self.causal, self.calls = causal, 0
+
+    def __getitem__(self, grid):
+        return self
+
+    def __call__(self, q, k, v, do, dk, dv, dq_acc, pairs, semaphores, window, scale, stream=None):
+        assert not dq_acc.any() and not semaphores.any(), "the one pass ran without its prologue"
+        self.calls += 1
+        q, k, v, do = (t.double() for t in (q, k, v, do))
+        p = torch.exp2(q @ k.transpose(-1, -2) * (scale * flash_triton.LOG2E) + pairs[..., 0, None].double())
+        if self.causal:
+            p = p.tril()
+        ds = p * (do @ v.transpose(-1, -2) - pairs[..., 1, None].double())
+        dq_acc += (ds @ k).float()
+        dk.copy_(ds.transpose(-1, -2) @ q * scale)
+        dv.copy_(p.transpose(-1, -2) @ do)
+
+
+@pytest.mark.parametrize("launcher", ["python", "native"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_a_one_pass_backward_is_replayed_from_its_plan_with_fresh_scratch(launcher, causal, request, monkeypatch):
+    """A backward that ran the one pass is recorded as a plan: prologue, kernel and epilogue, with the dQ sum and
+    semaphores allocated anew on each replay (the prologue zeroes them: the stand-in kernel checks). Replays, by
+    eager_plans and by the native node, give the first call's bits and the float64 gradients without choosing
+    again; a plan made with determinism off is not replayed once torch.use_deterministic_algorithms(True) asks for
+    it, and is again once it no longer does."""
+    from flashsys.ops.attention import FlashAttention2Triton, native_launch
+
+    from .attention_checks import run_op, select_launcher
+
+    select_launcher(launcher, request, monkeypatch)
+    eager_plans.clear()
+    request.addfinalizer(eager_plans.clear)
+    variant = flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS[64][1]
+    stand_in, chosen = _StandInOnePass(causal), []
+
+    def fake_launch(var, q4, k4, v4, do4, dk4, dv4, dq_acc, pairs, semaphores, window, scale):
+        params = (q4, k4, v4, do4, dk4, dv4, dq_acc, pairs, semaphores, window, scale)
+        stand_in(*params)
+        return stand_in, (1,), params
+
+    monkeypatch.setattr(flash_gluon, "takes_backward", lambda *a: True)
+    monkeypatch.setattr(flash_gluon, "choose_one_pass", lambda q, k, window, one, two, det: (chosen.append(det),
+                                                                                             variant)[1])
+    monkeypatch.setattr(flash_gluon, "_launch", fake_launch)
+    batch, heads, n, d = 2, 2, 80, 64  # 80 rows: two query tiles of 64, the last ragged
+    q, k, v, do = make_qkv(batch, heads, n, n, d, torch.float32, DEVICE, seed=21)
+
+    runs = [run_op(FlashAttention2Triton, q, k, v, do, causal, None)[2:] for _ in range(4)]
+    assert chosen == [True] and stand_in.calls == 4
+    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(run, runs[0]))
+    (plan,) = eager_plans.backward_plans._plans.values()
+    assert plan.scratch == (((batch, heads, n, d), torch.float32), ((batch * heads * 2,), torch.int32))
+    if launcher == "native":
+        assert native_launch.sizes() == (1, 1)
+    *_, dq_ref, dk_ref, dv_ref = run_reference(q, k, v, do, causal, d ** -0.5, torch.float64)
+    for ours, ref in zip(runs[-1], (dq_ref, dk_ref, dv_ref)):
+        torch.testing.assert_close(ours.double(), ref, rtol=1e-4, atol=1e-4)
+
+    ops.set_deterministic_backward(False)  # drops the plans
+    for _ in range(3):
+        run_op(FlashAttention2Triton, q, k, v, do, causal, None)
+    torch.use_deterministic_algorithms(True)
+    for _ in range(3):
+        run_op(FlashAttention2Triton, q, k, v, do, causal, None)
+    torch.use_deterministic_algorithms(False)
+    run_op(FlashAttention2Triton, q, k, v, do, causal, None)
+    assert chosen == [True, False, True]

@@ -97,13 +97,15 @@ class ForwardPlan:
 
 
 class BackwardPlan:
-    """The backward of one signature: the dQ and dK/dV kernels' launches and the (L, D) scratch's shape;
-    `native` as in ForwardPlan."""
+    """The backward of one signature: its kernels' launches, the (L, D) pairs' shape, and the (shape, dtype) of
+    each scratch tensor the launches use after the call's own (the one pass's dQ sum and semaphores: the launches
+    that use them also initialise them); `native` as in ForwardPlan."""
 
-    __slots__ = ("delta_shape", "replays", "native")
+    __slots__ = ("delta_shape", "replays", "scratch", "native")
 
-    def __init__(self, delta_shape: tuple[int, ...], plan_replays: tuple[Replay, ...]):
-        self.delta_shape, self.replays = delta_shape, plan_replays
+    def __init__(self, delta_shape: tuple[int, ...], plan_replays: tuple[Replay, ...],
+                 scratch: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()):
+        self.delta_shape, self.replays, self.scratch = delta_shape, plan_replays, scratch
         self.native: bool | None = None
 
     def launch(self, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor
@@ -112,7 +114,8 @@ class BackwardPlan:
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
         lse_delta = torch.empty(self.delta_shape, dtype=torch.float32, device=q.device)
-        _launch_all(self.replays, (q, k, v, o, lse, do, dq, dk, dv, lse_delta), q.get_device())
+        scratch = [torch.empty(shape, dtype=dtype, device=q.device) for shape, dtype in self.scratch]
+        _launch_all(self.replays, (q, k, v, o, lse, do, dq, dk, dv, lse_delta, *scratch), q.get_device())
         return dq, dk, dv
 
 

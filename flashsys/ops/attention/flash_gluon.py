@@ -252,17 +252,16 @@ def _launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, o4: Tens
     kernels = _kernels()
     batch, n_heads, n_q, d = q4.shape
     q_rows = variant.block_m if variant.kind == "plain" else variant.block_m // 2
+    n_programs = triton.cdiv(n_q, variant.block_m) * batch * n_heads
     args = (_descriptor(q4, q_rows), _descriptor(k4, variant.block_n), _descriptor(v4, variant.block_n),
             _descriptor(o4, q_rows), lse, batch * n_heads, n_heads, n_heads // k4.shape[1], n_q, k4.shape[2], window[0],
             window[1], scale * LOG2E)
     kwargs = dict(HEAD_DIM=d, BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, BOUND_RIGHT=window[1] >= 0,
                   BOUND_LEFT=window[0] >= 0, NBUF=variant.nbuf, num_warps=4)
     if variant.kind == "plain":
-        kernel = kernels.attention_forward
-    else:
-        kernel = kernels.attention_forward_pingpong
-        kwargs["CONSUMER_REGS"] = variant.regs
-    return kernel, (triton.cdiv(n_q, variant.block_m) * batch * n_heads,), args, kwargs
+        return kernels.attention_forward, (n_programs,), args, kwargs
+    kwargs["CONSUMER_REGS"] = variant.regs
+    return kernels.attention_forward_pingpong, (n_programs,), args, kwargs
 
 
 def _dkdv_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, do4: Tensor, dk4: Tensor, dv4: Tensor,
@@ -315,10 +314,21 @@ def rotates(variant: Variant, q4: Tensor, k4: Tensor, window: tuple[int, int]) -
     return n_k_tiles <= _usable_sms(q4)
 
 
+_sm_counts: dict[int, int] = {}
+
+
+def _sm_count(device_index: int) -> int:
+    """The SMs of this CUDA device, read once (reading the device's properties costs a few µs a launch)."""
+    count = _sm_counts.get(device_index)
+    if count is None:
+        count = _sm_counts[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return count
+
+
 def _usable_sms(t: Tensor) -> int:
     """The SMs this process's kernels can run on at once: the GPU's count (132 for a CPU tensor, an H100's, for
     compiling without a GPU), cut to MPS's share where CUDA_MPS_ACTIVE_THREAD_PERCENTAGE limits it."""
-    sms = torch.cuda.get_device_properties(t.device).multi_processor_count if t.is_cuda else 132
+    sms = _sm_count(t.get_device()) if t.is_cuda else 132
     share = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
     try:
         return sms if share is None else max(1, int(sms * float(share) / 100))
@@ -330,10 +340,10 @@ def _one_pass_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor,
                            dv4: Tensor, dq_acc: Tensor, lse_delta: Tensor, semaphores: Tensor | None,
                            window: tuple[int, int], scale: float) -> tuple:
     """As `_launch_parts`, for the one-pass backward kernel: dq_acc is dQ's (B, H, Nq, D) float32 sum, zeroed, and
-    `semaphores` `semaphore_count` int32s, zeroed (None for the kind that needs none). Each consumer warpgroup
-    computes half of dQ's columns, reading them from a column half of K's tile in shared memory; at D 64 that half
-    is 64 bytes wide, so K's tile takes a 64-byte swizzle (the default's 128 bytes would cut a swizzle row in two).
-    Kind "one_pass_det" adds in a fixed order."""
+    `semaphores` `semaphore_count` int32s, zeroed (the other kind reads none: any int32 tensor, or None). Each
+    consumer warpgroup computes half of dQ's columns, reading them from a column half of K's tile in shared memory;
+    at D 64 that half is 64 bytes wide, so K's tile takes a 64-byte swizzle (the default's 128 bytes would cut a
+    swizzle row in two). Kind "one_pass_det" adds in a fixed order."""
     batch, n_heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     m, n = variant.block_m, variant.block_n
@@ -349,7 +359,7 @@ def _one_pass_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor,
                 if half_bytes < 128 else None)
     args = (_descriptor(q4, m), _descriptor(k4, n, layout=k_layout), _descriptor(v4, n), _descriptor(do4, m),
             _descriptor(dk4, n // 2), _descriptor(dv4, n // 2), dq_desc, lse_delta,
-            semaphores if deterministic else None, batch * kv_heads, n_heads, n_heads // kv_heads, n_q, n_k, window[0],
+            semaphores, batch * kv_heads, n_heads, n_heads // kv_heads, n_q, n_k, window[0],
             window[1], scale * LOG2E, scale)
     kwargs = dict(HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n, BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0,
                   NBUF=variant.nbuf, CONSUMER_REGS=variant.regs, DETERMINISTIC=deterministic,
@@ -573,22 +583,30 @@ def backward_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse_delta: Tensor
                 dv4, lse_delta, window, scale)
 
 
-def backward_one_pass(q: Tensor, k: Tensor, window: tuple[int, int], run_one_pass: Callable[[Variant], object],
-                      run_two_passes: Callable[[], object], deterministic: bool) -> bool:
-    """Run the backward in one pass where a one-pass variant is this key's choice (timed on its first call against
-    the two passes, `run_two_passes()`); False where the two passes are the choice or the head dim has no one-pass
-    kernel (the caller runs them). `run_one_pass(variant)` launches the prologue, the kernel and the epilogue. For
-    inputs `takes_backward` accepted; `deterministic` (`deterministic_backward()`) picks the candidates whose dQ is
-    the same bit for bit from run to run."""
+def choose_one_pass(q: Tensor, k: Tensor, window: tuple[int, int], run_one_pass: Callable[[Variant], object],
+                    run_two_passes: Callable[[], object], deterministic: bool) -> Variant | None:
+    """The one-pass variant to run for this key, where one is the choice (timed on the key's first call against the
+    two passes, `run_two_passes()`); None where the two passes are the choice or the head dim has no one-pass
+    kernel (the caller runs them). `run_one_pass(variant)` launches the prologue, the kernel and the epilogue; the
+    caller launches the chosen one (`backward_one_pass`). For inputs `takes_backward` accepted; `deterministic`
+    (`deterministic_backward()`) picks the candidates whose dQ is the same bit for bit from run to run."""
     table = DETERMINISTIC_ONE_PASS_VARIANTS if deterministic else ONE_PASS_VARIANTS
     if q.shape[-1] not in table:
-        return False
+        return None
     key = ChoiceKey.of(_rank4(q), _rank4(k), window, "one_pass_det" if deterministic else "one_pass")
     variant = _choose(key, lambda var: run_two_passes() if var.kind == "tl" else run_one_pass(var))
-    if variant is None or variant.kind == "tl":
-        return False
-    run_one_pass(variant)
-    return True
+    return None if variant is None or variant.kind == "tl" else variant
+
+
+def backward_one_pass(variant: Variant, q: Tensor, k: Tensor, v: Tensor, do: Tensor, dk: Tensor, dv: Tensor,
+                      dq_acc: Tensor, lse_delta: Tensor, semaphores: Tensor, window: tuple[int, int],
+                      scale: float) -> Launched:
+    """Launch the one-pass kernel `variant` (after the prologue: dq_acc, (B, H, Nq, D) float32, and `semaphores`
+    zeroed, lse_delta written): dK and dV (dense, shaped like k and v) written, dQ's unscaled float32 sum added
+    into dq_acc."""
+    q4, k4, v4, do4, dk4, dv4 = (_rank4(t) for t in (q, k, v, do, dk, dv))
+    return _launch_recorded(variant, (q, k, v, do, dk, dv, dq_acc, lse_delta, semaphores), q4, k4, v4, do4, dk4,
+                            dv4, dq_acc, lse_delta, semaphores, window, scale)
 
 
 def _run(key: ChoiceKey, tensors: tuple[Tensor, ...], run_tl: Callable[[], object] | None,
@@ -598,7 +616,14 @@ def _run(key: ChoiceKey, tensors: tuple[Tensor, ...], run_tl: Callable[[], objec
     variant = _choose(key, lambda var: run_tl() if var.kind == "tl" else _launch(var, *tensors_and_scalars))
     if variant is None or variant.kind == "tl":
         return Launched(False)
+    return _launch_recorded(variant, tensors, *tensors_and_scalars)
+
+
+def _launch_recorded(variant: Variant, tensors: tuple[Tensor, ...], *tensors_and_scalars) -> Launched:
+    """Launch `variant` and return the launch as eager_plans records it (`tensors`: the call's tensors its first
+    parameters are made from, in order)."""
     compiled, grid, params = _launch(variant, *tensors_and_scalars)
-    if torch.cuda.is_current_stream_capturing() or not GluonReplay.recordable(params, len(tensors)):
+    capturing = tensors[0].is_cuda and torch.cuda.is_current_stream_capturing()
+    if capturing or not GluonReplay.recordable(params, len(tensors)):
         return Launched(True)  # a capture's variant is not the timed choice; an unknown descriptor type
     return Launched(True, Recorded(GluonReplay(compiled, grid, params, len(tensors)), tensors, ()))

@@ -463,13 +463,13 @@ def _flash_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _one_pass_prologue_kernel(O, DO, L, LseDelta, DqAcc, Sem, n_heads, n_q, stride_ob, stride_oh, stride_on,
-                              stride_od, stride_dob, stride_doh, stride_don, stride_dod, HEAD_DIM: tl.constexpr,
+def _one_pass_prologue_kernel(O, DO, L, LseDelta, DqAcc, Sem, stride_ob, stride_oh, stride_on, stride_od,
+                              stride_dob, stride_doh, stride_don, stride_dod, n_heads, n_q, HEAD_DIM: tl.constexpr,
                               BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
     """Before the one-pass backward, for ROWS rows of one (batch, head): the (-L·log2 e, rowsum(dO * O)) pairs the
-    dQ kernels write in the two passes (-L·log2 e = 0 for a row that sees no key, L = -inf), and those rows of dQ's
-    float32 sum zeroed. L, LseDelta and DqAcc are dense over (B, H, Nq); O and dO have any strides. Sem (None
-    unless the one pass is the deterministic one): the semaphore of this query tile (ROWS rows) zeroed."""
+    dQ kernels write in the two passes (-L·log2 e = 0 for a row that sees no key, L = -inf), those rows of dQ's
+    float32 sum zeroed, and the semaphore of this query tile (ROWS rows; the deterministic one pass's turns; the
+    other ignores it) zeroed. L, LseDelta and DqAcc are dense over (B, H, Nq); O and dO have any strides."""
     bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: (B, N, H, D) strides times long sequences pass 2^31
     b = bh // n_heads
     h = bh % n_heads
@@ -486,8 +486,7 @@ def _one_pass_prologue_kernel(O, DO, L, LseDelta, DqAcc, Sem, n_heads, n_q, stri
     tl.store(LseDelta + flat * 2, tl.where(lse == float("-inf"), 0.0, lse * -_LOG2E), mask=ok)
     tl.store(LseDelta + flat * 2 + 1, tl.sum(o * do, axis=1), mask=ok)
     tl.store(DqAcc + flat[:, None] * HEAD_DIM + cols[None, :], tl.zeros([ROWS, BLOCK_D], tl.float32), mask=tile_ok)
-    if Sem is not None:
-        tl.store(Sem + bh * tl.num_programs(0) + tl.program_id(0), 0)
+    tl.store(Sem + bh * tl.num_programs(0) + tl.program_id(0), 0)
 
 
 @triton.jit
@@ -684,7 +683,7 @@ class _LaunchPlan(NamedTuple):
     named: frozenset[str]  # the names a launcher must pass
     strided: tuple[str, ...]  # the tensors whose strides are arguments
     constexprs: tuple[str, ...]  # the compile-time parameters, in signature order (they come last)
-    tensors: tuple[str, ...]  # the pointer arguments: every argument before the first stride
+    tensors: tuple[str, ...]  # the pointer arguments: the leading ones, named in capitals (Q, LseDelta, CU_Q)
 
 
 @functools.cache
@@ -708,8 +707,9 @@ def _launch_plan(kernel) -> _LaunchPlan:
             slots.append((p.name, None))
     named = frozenset(name for name, axis in slots if axis is None)
     strided = tuple(dict.fromkeys(name for name, axis in slots if axis is not None))
-    first_stride = next(i for i, (_, axis) in enumerate(slots) if axis is not None)
-    tensors = tuple(name for name, _ in slots[:first_stride])
+    n_pointers = next((i for i, (name, axis) in enumerate(slots) if axis is not None or not name[0].isupper()),
+                      len(slots))
+    tensors = tuple(name for name, _ in slots[:n_pointers])
     return _LaunchPlan(tuple(slots), named, strided, tuple(constexprs), tensors)
 
 
@@ -978,14 +978,18 @@ def _planned_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, d
                       scale: float, traced: bool = False
                       ) -> tuple[Tensor, Tensor, Tensor, eager_plans.BackwardPlan | None]:
     """flash_backward_triton for a dense dO, and the plan that replays it (as `_planned_forward`). Where the Gluon
-    backward kernels take the call (Hopper, flash_gluon.takes_backward), each runs where it is the choice."""
+    backward kernels take the call (Hopper, flash_gluon.takes_backward), each runs where it is the choice, and
+    the one pass where it is."""
     g = _geometry_of(q.shape, k.shape, q.dtype) if traced else _cached_geometry(q.shape, k.shape, q.dtype)
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     lse_delta = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device=q.device)
     gluon = not traced and flash_gluon.takes_backward(q, k, v, o, do)
-    recorded = _launch_backward(g, q, k, v, o, lse, do, dq, dk, dv, lse_delta, q, k, window, scale, traced, gluon)
-    replays = None if traced else eager_plans.replays(recorded, (q, k, v, o, lse, do, dq, dk, dv, lse_delta))
-    plan = None if replays is None else eager_plans.BackwardPlan(tuple(lse_delta.shape), replays)
+    recorded, scratch = _launch_backward(g, q, k, v, o, lse, do, dq, dk, dv, lse_delta, q, k, window, scale, traced,
+                                         gluon)
+    replays = None if traced else eager_plans.replays(recorded, (q, k, v, o, lse, do, dq, dk, dv, lse_delta,
+                                                                 *scratch))
+    plan = None if replays is None else eager_plans.BackwardPlan(
+        tuple(lse_delta.shape), replays, tuple((tuple(t.shape), t.dtype) for t in scratch))
     return dq, dk, dv, plan
 
 
@@ -1008,8 +1012,16 @@ def backward_arguments(g: _Geometry, q, k, v, o, lse, do, dq, dk, dv, lse_delta,
     return dict(shared, L=lse, DQ=dq, O=o, n_bh=g.n_bh), dict(shared, DK=dk, DV=dv, n_bh=g.n_bh_kv)
 
 
+class _BackwardLaunches(NamedTuple):
+    """A backward's launches as eager_plans records them, and the scratch tensors they use beyond the call's
+    gradients and (L, D) pairs (the one pass's dQ sum and semaphores), which a replay allocates anew."""
+
+    recorded: list[Recorded | None]
+    scratch: tuple[Tensor, ...] = ()
+
+
 def _launch_backward(g: _Geometry, q, k, v, o, lse, do, dq, dk, dv, lse_delta, cu_q, cu_k, window, scale,
-                     traced, gluon: bool = False) -> list[Recorded | None]:
+                     traced, gluon: bool = False) -> _BackwardLaunches:
     dq_named, dkdv_named = backward_arguments(g, q, k, v, o, lse, do, dq, dk, dv, lse_delta, cu_q, cu_k, window,
                                               scale)
     launch = _launch_traced if traced else _launch_eager
@@ -1017,7 +1029,7 @@ def _launch_backward(g: _Geometry, q, k, v, o, lse, do, dq, dk, dv, lse_delta, c
     def launch_dq():
         return launch("dq", _bwd_dq_kernels, g, window, _tile_grid(g.grid_q, "BLOCK_M", g.n_bh), dq_named)
 
-    def two_passes() -> list[Recorded | None]:
+    def two_passes() -> _BackwardLaunches:
         # dQ first: it writes the (-L*log2e, D) pairs that the dK/dV kernel reads.
         if gluon and (launched := flash_gluon.backward_dq(q, k, v, do, o, dq, lse, lse_delta, window, scale,
                                                           launch_dq)).ran:
@@ -1025,40 +1037,59 @@ def _launch_backward(g: _Geometry, q, k, v, o, lse, do, dq, dk, dv, lse_delta, c
         else:
             dq_launch = launch_dq()
         if gluon and (launched := flash_gluon.backward_dkdv(q, k, v, do, lse_delta, dk, dv, window, scale)).ran:
-            return [dq_launch, launched.recorded]
+            return _BackwardLaunches([dq_launch, launched.recorded])
         # One dK/dV program per key tile and K/V head: it sums the query heads of its group itself.
         dkdv_launch = launch("dkdv", _bwd_dkdv_kernels, g, window, _tile_grid(g.grid_k, "BLOCK_N", g.n_bh_kv),
                              dkdv_named)
-        return [dq_launch, dkdv_launch]
+        return _BackwardLaunches([dq_launch, dkdv_launch])
 
-    if gluon and flash_gluon.backward_one_pass(
+    if gluon:
+        # The plan of this call records which kind ran; its key holds `deterministic_backward()`
+        # (`_planned_eager_backward`), so a plan of the unordered one pass never replays where determinism is asked.
+        one_pass = flash_gluon.choose_one_pass(
             q, k, window, lambda variant: _one_pass_backward(variant, q, k, v, o, lse, do, dq, dk, dv, lse_delta,
-                                                             window, scale), two_passes, deterministic_backward()):
-        # Not recorded: a plan of the non-deterministic one pass would replay after determinism is asked for again
-        # (torch.use_deterministic_algorithms), so each call takes this path and reads the setting. (The
-        # deterministic one pass could be recorded; its launch parts are not yet.)
-        return [None]
+                                                             window, scale), two_passes, deterministic_backward())
+        if one_pass is not None:
+            return _one_pass_backward(one_pass, q, k, v, o, lse, do, dq, dk, dv, lse_delta, window, scale)
     return two_passes()
 
 
-def _one_pass_backward(variant: flash_gluon.Variant, q, k, v, o, lse, do, dq, dk, dv, lse_delta, window, scale):
-    """The one-pass backward on rank-3/4 tensors (Hopper, `flash_gluon.backward_one_pass`): the prologue kernel
-    writes the (L, D) pairs and zeroes dQ's float32 sum (and the deterministic one's semaphores), the Gluon kernel
-    adds into it, the epilogue scales and casts it into dq."""
-    q4, k4, v4, o4, do4, dq4, dk4, dv4 = (flash_gluon._rank4(t) for t in (q, k, v, o, do, dq, dk, dv))
+def _one_pass_backward(variant: flash_gluon.Variant, q, k, v, o, lse, do, dq, dk, dv, lse_delta, window, scale
+                       ) -> _BackwardLaunches:
+    """The one-pass backward on rank-3/4 tensors (Hopper, `flash_gluon.choose_one_pass`): the prologue kernel
+    writes the (L, D) pairs and zeroes dQ's float32 sum and the semaphores, the Gluon kernel adds into the sum, the
+    epilogue scales and casts it into dq. Rank-3 tensors go to the `tl` kernels as they are (`_strides4`)."""
+    q4 = flash_gluon._rank4(q)
     batch, n_heads, n_q, d = q4.shape
     dq_acc = torch.empty(q4.shape, dtype=torch.float32, device=q.device)
-    n_semaphores = flash_gluon.semaphore_count(variant, q4)
-    semaphores = torch.empty(n_semaphores, dtype=torch.int32, device=q.device) if n_semaphores else None
+    n_tiles = triton.cdiv(n_q, variant.block_m)  # one prologue program per query tile: it zeroes its semaphore
+    semaphores = torch.empty(batch * n_heads * n_tiles, dtype=torch.int32, device=q.device)
     block_d = triton.next_power_of_2(d)
-    rows = variant.block_m  # one prologue program per query tile of the kernel: it zeroes that tile's semaphore
-    _one_pass_prologue_kernel[(triton.cdiv(n_q, rows), batch * n_heads)](
-        o4, do4, lse, lse_delta, dq_acc, semaphores, n_heads, n_q, *o4.stride(), *do4.stride(), HEAD_DIM=d,
-        BLOCK_D=block_d, ROWS=rows)
-    flash_gluon._launch(variant, q4, k4, v4, do4, dk4, dv4, dq_acc, lse_delta, semaphores, window, scale)
+    prologue = _launch_helper(_one_pass_prologue_kernel, (n_tiles, batch * n_heads, 1),
+                              dict(O=o, DO=do, L=lse, LseDelta=lse_delta, DqAcc=dq_acc, Sem=semaphores,
+                                   n_heads=n_heads, n_q=n_q), dict(HEAD_DIM=d, BLOCK_D=block_d,
+                                                                   ROWS=variant.block_m))
+    launched = flash_gluon.backward_one_pass(variant, q, k, v, do, dk, dv, dq_acc, lse_delta, semaphores, window,
+                                             scale)
     n_rows = batch * n_heads * n_q
-    _one_pass_epilogue_kernel[(triton.cdiv(n_rows, 64),)](dq_acc, dq4, n_rows, scale, HEAD_DIM=d, BLOCK_D=block_d,
-                                                           ROWS=64)
+    epilogue = _launch_helper(_one_pass_epilogue_kernel, (triton.cdiv(n_rows, 64), 1, 1),
+                              dict(DqAcc=dq_acc, DQ=dq, n_rows=n_rows, softmax_scale=scale),
+                              dict(HEAD_DIM=d, BLOCK_D=block_d, ROWS=64))
+    return _BackwardLaunches([prologue, launched.recorded, epilogue], (dq_acc, semaphores))
+
+
+def _launch_helper(kernel, grid_xyz: tuple[int, int, int], named: dict, constexprs: dict) -> Recorded | None:
+    """Launch one of the one pass's `tl` helper kernels (no autotuning) and return the launch as eager_plans
+    records it, or None where it cannot be replayed (inside a CUDA graph capture)."""
+    args = _positional(kernel, named)
+    compiled = kernel[grid_xyz](*args, **constexprs)
+    if args[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    fast = _fast_launch(kernel, compiled, grid_xyz, args, constexprs)
+    if fast is None:
+        return None
+    n_tensors = len(_launch_plan(kernel).tensors)
+    return Recorded(fast[0], args[:n_tensors], (*args[n_tensors:], *fast[1]), fast[2], grid_xyz)
 
 
 def _packed_view(t: Tensor, n_seqs: int) -> Tensor:
@@ -1272,6 +1303,9 @@ def _planned_eager_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     key = eager_plans.signature_key(window, scale, q, k, v, o, lse, do)
     if key is None:
         return None
+    # Which one pass a plan replays depends on the setting (flash_gluon.choose_one_pass). Changing our switch drops
+    # every plan; torch.use_deterministic_algorithms does not, so it is in the key (native_launch's too).
+    key = (torch.are_deterministic_algorithms_enabled(), *key)
     plan = eager_plans.backward_plans.get(key)
     if plan is not None and eager_plans.on_current_device(q):
         grads = plan.launch(q, k, v, o, lse, do)

@@ -188,8 +188,9 @@ def offer_forward(plan: eager_plans.ForwardPlan | None, q: Tensor, k: Tensor, v:
 def offer_backward(plan: eager_plans.BackwardPlan | None, window: tuple[int, int], scale: float, q: Tensor,
                    k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor) -> None:
     """As `offer_forward`, for a backward plan of (q, k, v, O, L as unpacked, the dense dO)."""
-    _offer(plan, lambda specs: _module.add_backward(*window, float(scale), q, k, v, o, lse, do, specs,
-                                                     list(plan.delta_shape)))
+    _offer(plan, lambda specs: _module.add_backward(
+        *window, float(scale), q, k, v, o, lse, do, specs, list(plan.delta_shape),
+        [(list(shape), str(dtype).removeprefix("torch.")) for shape, dtype in plan.scratch]))
 
 
 _refused_kernels: set[str] = set()

@@ -10,6 +10,7 @@
 // A launch is either a CUDA kernel (cuLaunchKernel with the argument words the Python side packed from the
 // kernel's PTX parameter list) or a Python callable: on the CPU under Triton's interpreter (that is how CPU CI runs
 // this same node), and on a GPU for the Gluon kernels, whose TMA descriptors Python encodes (flash_gluon.GluonReplay).
+#include <ATen/Context.h>
 #include <ATen/TensorSubclassLikeUtils.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -81,10 +82,19 @@ struct ForwardPlan {
   double scale;
 };
 
+struct Scratch {  // a tensor the launches use after the call's own, allocated anew for each call
+  std::vector<int64_t> shape;
+  at::ScalarType dtype;
+};
+
 struct BackwardPlan {
   std::vector<Launch> launches;
   std::vector<int64_t> delta_shape;
+  std::vector<Scratch> scratch;  // the one pass's dQ sum and semaphores; the launches that use them initialise them
 };
+
+constexpr int kBackwardTensors = 10;  // q, k, v, O, L, dO, dQ, dK, dV, the (L, D) pairs; then the scratch
+constexpr size_t kMaxScratch = 4;
 
 // Keys: the bytes of what eager_plans keys on (shapes, strides, dtypes, devices, 16-byte alignment, flags).
 void append(std::string& key, int64_t x) { key.append(reinterpret_cast<const char*>(&x), sizeof x); }
@@ -124,6 +134,9 @@ std::string backward_key(int64_t window_left, int64_t window_right, double scale
                          std::initializer_list<const at::Tensor*> tensors) {
   std::string key;
   key.reserve(640);
+  // Which one pass a plan replays depends on the determinism setting. flashsys's own switch drops every plan when
+  // it changes; torch.use_deterministic_algorithms does not, so it is in the key (as in eager_plans' key).
+  append(key, at::globalContext().deterministicAlgorithms());
   append(key, window_left);
   append(key, window_right);
   append_double(key, scale);
@@ -258,7 +271,9 @@ struct FlashAttention2TritonNative : public torch::autograd::Function<FlashAtten
     if (plan != nullptr && plain(d_o)) {
       at::Tensor dq = empty_like_contiguous(q), dk = empty_like_contiguous(k), dv = empty_like_contiguous(v);
       at::Tensor delta = at::empty(plan->delta_shape, q.options().dtype(at::kFloat));
-      const at::Tensor tensors[] = {q, k, v, o, lse, d_o, dq, dk, dv, delta};
+      at::Tensor tensors[kBackwardTensors + kMaxScratch] = {q, k, v, o, lse, d_o, dq, dk, dv, delta};
+      for (size_t i = 0; i < plan->scratch.size(); ++i)
+        tensors[kBackwardTensors + i] = at::empty(plan->scratch[i].shape, q.options().dtype(plan->scratch[i].dtype));
       launch_all(plan->launches, tensors);
       return {dq, dk, dv, at::Tensor()};
     }
@@ -375,9 +390,21 @@ void add_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 
 void add_backward(int64_t window_left, int64_t window_right, double scale, const at::Tensor& q, const at::Tensor& k,
                   const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse, const at::Tensor& d_o,
-                  const py::list& launches, std::vector<int64_t> delta_shape) {
+                  const py::list& launches, std::vector<int64_t> delta_shape,
+                  const std::vector<std::tuple<std::vector<int64_t>, std::string>>& scratch) {
+  // (shape, dtype name) per scratch tensor; the dtypes the one pass uses.
+  static const std::unordered_map<std::string, at::ScalarType> dtypes = {{"float32", at::kFloat},
+                                                                        {"int32", at::kInt}};
+  if (scratch.size() > kMaxScratch) throw std::invalid_argument("flashsys native launch: too many scratch tensors");
+  std::vector<Scratch> buffers;
+  for (const auto& [shape, name] : scratch) {
+    auto it = dtypes.find(name);
+    if (it == dtypes.end()) throw std::invalid_argument("flashsys native launch: scratch dtype " + name);
+    buffers.push_back(Scratch{shape, it->second});
+  }
+  const int n_tensors = kBackwardTensors + static_cast<int>(buffers.size());
   backward_plans.put(backward_key(window_left, window_right, scale, {&q, &k, &v, &o, &lse, &d_o}),
-                     BackwardPlan{make_launches(launches, 10), std::move(delta_shape)});
+                     BackwardPlan{make_launches(launches, n_tensors), std::move(delta_shape), std::move(buffers)});
 }
 
 }  // namespace
