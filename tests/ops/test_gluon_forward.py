@@ -61,7 +61,8 @@ def test_every_variant_compiles_for_hopper():
     assert r.returncode == 0, r.stderr[-3000:]
     compiled = json.loads(r.stdout.strip().splitlines()[-1])
     assert len(compiled) == 3 * sum(len(flash_gluon.gluon_variants(d)) for d in flash_gluon.HEAD_DIMS)
-    assert {label.split()[3] for label in compiled} == {"plain", "pingpong", "dkdv", "dq", "one_pass", "one_pass_det"}
+    assert {label.split()[3] for label in compiled} == {"plain", "pingpong", "persistent", "dkdv", "dq", "one_pass",
+                                                        "one_pass_det"}
     failed = {label: why for label, why in compiled.items() if why != "ok"}
     assert not failed, failed
 
@@ -97,7 +98,24 @@ def _inputs(batch, heads, kv_heads, n_q, n_k, d, layout, dtype, seed):
 @pytest.mark.parametrize("variant", [(d, v) for d, vs in flash_gluon.VARIANTS.items() for v in vs],
                          ids=lambda dv: f"d{dv[0]}-{dv[1].label().replace(' ', '-')}")
 def test_each_variant_matches_reference_gpu(variant, case):
-    d, var = variant
+    _check_variant(*variant, case)
+
+
+@hopper_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[3]}x{c[4]}-w{c[5]}-{c[6]}-{str(c[7])[6:]}")
+@pytest.mark.parametrize("variant", [(d, v) for d, vs in flash_gluon.VARIANTS.items() for v in vs
+                                     if v.kind == "persistent"],
+                         ids=lambda dv: f"d{dv[0]}-{dv[1].label().replace(' ', '-')}")
+def test_persistent_programs_run_many_query_tiles_each_gpu(variant, case, monkeypatch):
+    """The persistent forward with 5 programs: each runs query tiles of several heads (and of both ends of a causal
+    head) one after another, its ring of buffers, turns and staging boxes carried from one to the next."""
+    monkeypatch.setattr(flash_gluon, "_usable_sms", lambda t: 5)
+    _check_variant(*variant, case)
+
+
+def _check_variant(d, var, case):
+    """O and L of one variant's launch against float64, O within twice plain PyTorch's error."""
     batch, heads, kv_heads, n_q, n_k, window, layout, dtype = case
     q, k, v = _inputs(batch, heads, kv_heads, n_q, n_k, d, layout, dtype, seed=n_q + d)
     scale = d ** -0.5

@@ -65,8 +65,10 @@ class Variant(NamedTuple):
 # Candidates per head dim, best single choice first: each won some cells of the H100 sweep
 # (kernel_configs/probe_gluon_forward_sweep_h100.txt), and none of the others won any.
 VARIANTS: dict[int, tuple[Variant, ...]] = {
-    64: (Variant("plain", 64, 128, 3), Variant("plain", 128, 64, 3), Variant("pingpong", 128, 128, 3, 240)),
-    128: (Variant("pingpong", 128, 64, 4, 240), Variant("pingpong", 128, 128, 2, 240), Variant("plain", 64, 64, 3)),
+    64: (Variant("plain", 64, 128, 3), Variant("plain", 128, 64, 3), Variant("pingpong", 128, 128, 3, 240),
+         Variant("persistent", 128, 128, 3, 240)),
+    128: (Variant("pingpong", 128, 64, 4, 240), Variant("pingpong", 128, 128, 2, 240), Variant("plain", 64, 64, 3),
+          Variant("persistent", 128, 128, 2, 240), Variant("persistent", 128, 64, 4, 240)),
 }
 
 
@@ -261,6 +263,8 @@ def _launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, o4: Tens
     if variant.kind == "plain":
         return kernels.attention_forward, (n_programs,), args, kwargs
     kwargs["CONSUMER_REGS"] = variant.regs
+    if variant.kind == "persistent":  # one program per SM, each over every num_programs-th query tile
+        return kernels.attention_forward_persistent, (min(n_programs, _usable_sms(q4)),), args, kwargs
     return kernels.attention_forward_pingpong, (n_programs,), args, kwargs
 
 

@@ -180,15 +180,17 @@ def _rows(x, acc):
 
 @gluon.jit
 def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_hi, n_k, right_offset, left_offset,
-            qk_scale, k_desc, v_desc, b, h_kv, turn_bar, empty_bar, HALF: gl.constexpr, ROWS: gl.constexpr,
-            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr, BOUND_RIGHT: gl.constexpr,
-            BOUND_LEFT: gl.constexpr, PINGPONG: gl.constexpr):
+            qk_scale, k_desc, v_desc, b, h_kv, turn_bar, empty_bar, streamed, turns, HALF: gl.constexpr,
+            ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr,
+            BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr, PINGPONG: gl.constexpr):
     """(O unnormalised, row max, row sum) of one warpgroup's ROWS query rows over key tiles lo, lo + BLOCK_N, ...
     (n_tiles of them), with the intra-warpgroup overlap of the module docstring.
 
     The plain kernel refills a freed K/V buffer itself (k_desc, v_desc, b, h_kv); a ping-pong consumer (PINGPONG)
     instead waits for its turn before issuing products and passes it on after (turn_bar, HALF), and releases a
-    freed buffer to the producer (empty_bar). The arguments the other kind uses are None."""
+    freed buffer to the producer (empty_bar). The arguments the other kind uses are None. `streamed` and `turns`:
+    the key tiles this program streamed through its ring and the turns this warpgroup took before (0, or a
+    persistent program's earlier query tiles), which fix each buffer's slot and each barrier's phase."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_mma_layout(HEAD_DIM), k_width=2)
     dtype: gl.constexpr = k_smem.dtype
@@ -198,10 +200,11 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=_mma_layout(HEAD_DIM))
     if n_tiles > 0:
         # Tile 0: S and its softmax; nothing to overlap yet.
+        first = streamed % NBUF
         if PINGPONG:
-            mbarrier.wait(turn_bar.index(HALF), 0)
-        mbarrier.wait(k_bar.index(0), 0)
-        s = warpgroup_mma(q, _tile(k_smem.index(0), BLOCK_N, HEAD_DIM).permute((1, 0)), s_zero, use_acc=False,
+            mbarrier.wait(turn_bar.index(HALF), turns & 1)
+        mbarrier.wait(k_bar.index(first), (streamed // NBUF) & 1)
+        s = warpgroup_mma(q, _tile(k_smem.index(first), BLOCK_N, HEAD_DIM).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn_bar.index(1 - HALF))
@@ -210,14 +213,14 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
                            BOUND_LEFT)
         p, m_i, alpha, l_i = _softmax_step(s, m_i, l_i, qk_scale)
         for t in range(1, n_tiles):
-            slot = t % NBUF
-            prev = (t - 1) % NBUF
+            slot = (streamed + t) % NBUF
+            prev = (streamed + t - 1) % NBUF
             if PINGPONG:
-                mbarrier.wait(turn_bar.index(HALF), t & 1)
-            mbarrier.wait(k_bar.index(slot), (t // NBUF) & 1)
+                mbarrier.wait(turn_bar.index(HALF), (turns + t) & 1)
+            mbarrier.wait(k_bar.index(slot), ((streamed + t) // NBUF) & 1)
             s_tok = warpgroup_mma(q, _tile(k_smem.index(slot), BLOCK_N, HEAD_DIM).permute((1, 0)), s_zero,
                                   use_acc=False, is_async=True)
-            mbarrier.wait(v_bar.index(prev), ((t - 1) // NBUF) & 1)
+            mbarrier.wait(v_bar.index(prev), ((streamed + t - 1) // NBUF) & 1)
             acc_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem.index(prev), BLOCK_N,
                                                                                     HEAD_DIM), acc, is_async=True)
             if PINGPONG:
@@ -234,10 +237,10 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
                 _load_pair(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, lo + (t - 1 + NBUF) * BLOCK_N, prev,
                            t - 1 + NBUF < n_tiles)
             acc = acc * _rows(alpha, acc)
-        last = (n_tiles - 1) % NBUF
+        last = (streamed + n_tiles - 1) % NBUF
         if PINGPONG:
-            mbarrier.wait(turn_bar.index(HALF), n_tiles & 1)
-        mbarrier.wait(v_bar.index(last), ((n_tiles - 1) // NBUF) & 1)
+            mbarrier.wait(turn_bar.index(HALF), (turns + n_tiles) & 1)
+        mbarrier.wait(v_bar.index(last), ((streamed + n_tiles - 1) // NBUF) & 1)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), _tile(v_smem.index(last), BLOCK_N, HEAD_DIM),
                             acc, is_async=True)
         if PINGPONG:
@@ -250,9 +253,11 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
 
 @gluon.jit
 def _store_out(acc, m_i, l_i, offs_m, L, n_q, o_desc, b, h, row, staging, ROWS: gl.constexpr,
-               HEAD_DIM: gl.constexpr):
+               HEAD_DIM: gl.constexpr, DRAIN: gl.constexpr = True):
     """L (natural log; -inf for a row that saw no key) and O = acc / l (0 there) of query rows row.. (offs_m). O goes
-    through `staging` (the query tile's box, no longer read) by a TMA store, which clips rows past n_q."""
+    through `staging` (the query tile's box, no longer read; a persistent program's own buffer) by a TMA store, which
+    clips rows past n_q. DRAIN: wait for the store to complete; without it the caller waits before `staging` is
+    written again (a persistent program's next query tile)."""
     seen = l_i > 0.0
     l_safe = gl.where(seen, l_i, 1.0)
     gl.store(L + offs_m, gl.where(seen, m_i * 0.6931471805599453 + gl.log(l_safe), float("-inf")), mask=offs_m < n_q)
@@ -260,7 +265,8 @@ def _store_out(acc, m_i, l_i, offs_m, L, n_q, o_desc, b, h, row, staging, ROWS: 
     _tile(staging, ROWS, HEAD_DIM).store(acc.to(o_desc.dtype))
     fence_async_shared()
     _tma_store(o_desc, [b, h, row, 0], staging)
-    tma.store_wait(0)
+    if DRAIN:
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -290,7 +296,7 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, L, n_bh, n_heads, kv_group
     mbarrier.wait(q_bar, 0)
     acc, m_i, l_i = _attend(_tile(q_box, BLOCK_M, HEAD_DIM), offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo,
                             full_lo, full_hi, n_k, right_offset, left_offset, qk_scale, k_desc, v_desc, b, h_kv, None,
-                            None, 0, BLOCK_M, HEAD_DIM, BLOCK_N, NBUF, BOUND_RIGHT, BOUND_LEFT, False)
+                            None, 0, 0, 0, BLOCK_M, HEAD_DIM, BLOCK_N, NBUF, BOUND_RIGHT, BOUND_LEFT, False)
 
     _invalidate_barriers(q_bar, k_bar, v_bar, NBUF)
     _store_out(acc, m_i, l_i, offs_m, L + bh.to(gl.int64) * n_q, n_q, o_desc, b, h, start_m, q_box, BLOCK_M,
@@ -327,7 +333,8 @@ def _pingpong_consumer(o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, e
     mbarrier.wait(q_bar.index(HALF), 0)  # always: the query box is the output's staging buffer
     acc, m_i, l_i = _attend(_tile(q_box, HALF_M, HEAD_DIM), offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo,
                             full_lo, full_hi, n_k, right_offset, left_offset, qk_scale, None, None, None, None,
-                            turn_bar, empty_bar, HALF, HALF_M, HEAD_DIM, BLOCK_N, NBUF, BOUND_RIGHT, BOUND_LEFT, True)
+                            turn_bar, empty_bar, 0, 0, HALF, HALF_M, HEAD_DIM, BLOCK_N, NBUF, BOUND_RIGHT, BOUND_LEFT,
+                            True)
     _store_out(acc, m_i, l_i, offs_m, L, n_q, o_desc, b, h, my_m, q_box, HALF_M, HEAD_DIM)
 
 
@@ -375,6 +382,138 @@ def attention_forward_pingpong(q_desc, k_desc, v_desc, o_desc, L, n_bh, n_heads,
                                               BOUND_RIGHT, BOUND_LEFT, NBUF)),
                         (_pingpong_producer, (q_desc, k_desc, v_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
                                               empty_bar, b, h, h_kv, start_m, lo, n_tiles, BLOCK_M, BLOCK_N, NBUF))],
+                       [4, 1], [CONSUMER_REGS, 24])
+
+
+@gluon.jit
+def _query_tile_at(tile, n_m_tiles, n_heads, kv_group, n_q, n_k, window_left, window_right, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr):
+    """`_query_program` for a persistent program's `tile`-th query tile (of n_m_tiles per (batch, head)) instead of
+    a program's own: the same order (one head after another, a causal head's heaviest tile first)."""
+    pid_m = tile % n_m_tiles
+    bh = tile // n_m_tiles
+    if BOUND_RIGHT:
+        pid_m = n_m_tiles - 1 - pid_m
+    h = (bh % n_heads).to(gl.int32)
+    start_m = pid_m * BLOCK_M
+    right_offset = n_k - n_q + window_right
+    left_offset = n_k - n_q - window_left
+    lo, full_lo, full_hi, hi = _key_tile_range(start_m, n_k, right_offset, left_offset, BLOCK_M, BLOCK_N, BOUND_RIGHT,
+                                               BOUND_LEFT)
+    return bh, (bh // n_heads).to(gl.int32), h, h // kv_group, start_m, right_offset, left_offset, lo, full_lo, \
+        full_hi, hi
+
+
+@gluon.jit
+def _persistent_producer(q_desc, k_desc, v_desc, q_smem, q_bar, q_empty, k_smem, v_smem, k_bar, v_bar, empty_bar,
+                         n_heads, kv_group, n_q, n_k, window_left, window_right, n_m_tiles, n_total,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr,
+                         BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr):
+    """One warp: for each of the program's query tiles, both halves' queries once their warpgroups are done with the
+    last tile's (q_empty), then its K/V tiles through the ring, as `_pingpong_producer`; the ring's slots and phases
+    run on across query tiles, so the next tile's K/V streams in while this one's last products run."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    streamed = 0
+    i = 0
+    for tile in range(gl.program_id(0), n_total, gl.num_programs(0)):
+        _, b, h, h_kv, start_m, _, _, lo, _, _, hi = _query_tile_at(
+            tile, n_m_tiles, n_heads, kv_group, n_q, n_k, window_left, window_right, BLOCK_M, BLOCK_N, BOUND_RIGHT,
+            BOUND_LEFT)
+        for half in gl.static_range(2):
+            mbarrier.wait(q_empty.index(half), (i - 1) & 1, pred=i > 0)
+            mbarrier.expect(q_bar.index(half), q_desc.block_type.nbytes)
+            _tma_load(q_desc, [b, h, start_m + half * HALF_M, 0], q_bar.index(half), q_smem.index(half))
+        n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+        for t in range(n_tiles):
+            slot = (streamed + t) % NBUF
+            mbarrier.wait(empty_bar.index(slot), (((streamed + t) // NBUF) - 1) & 1, pred=streamed + t >= NBUF)
+            _load_pair(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, lo + t * BLOCK_N, slot, True)
+        streamed += n_tiles
+        i += 1
+
+
+@gluon.jit
+def _persistent_consumer(o_desc, L, q_smem, q_bar, q_empty, o_smem, k_smem, v_smem, k_bar, v_bar, empty_bar, turn_bar,
+                         n_heads, kv_group, n_q, n_k, window_left, window_right, n_m_tiles, n_total, qk_scale,
+                         HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr):
+    """One warpgroup of a persistent program: `_pingpong_consumer` over each of the program's query tiles in turn. It
+    hands its query box back to the producer as soon as its last product has read it, and writes O through a box of
+    its own without waiting for the store (it waits before writing the box again), so the next tile's queries load
+    and its first products issue while this tile's output is still on its way out."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    q_box = q_smem.index(HALF)
+    staging = o_smem.index(HALF)
+    streamed = 0
+    turns = 0
+    i = 0
+    for tile in range(gl.program_id(0), n_total, gl.num_programs(0)):
+        bh, b, h, _, start_m, right_offset, left_offset, lo, full_lo, full_hi, hi = _query_tile_at(
+            tile, n_m_tiles, n_heads, kv_group, n_q, n_k, window_left, window_right, BLOCK_M, BLOCK_N, BOUND_RIGHT,
+            BOUND_LEFT)
+        n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+        my_m = start_m + HALF * HALF_M
+        offs_m = my_m + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, _mma_layout(BLOCK_N)))
+        mbarrier.wait(q_bar.index(HALF), i & 1)
+        acc, m_i, l_i = _attend(_tile(q_box, HALF_M, HEAD_DIM), offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo,
+                                full_lo, full_hi, n_k, right_offset, left_offset, qk_scale, None, None, None, None,
+                                turn_bar, empty_bar, streamed, turns, HALF, HALF_M, HEAD_DIM, BLOCK_N, NBUF,
+                                BOUND_RIGHT, BOUND_LEFT, True)
+        mbarrier.arrive(q_empty.index(HALF))  # every product that read the queries has completed
+        tma.store_wait(0)  # the last tile's output has left the staging box
+        _store_out(acc, m_i, l_i, offs_m, L + bh.to(gl.int64) * n_q, n_q, o_desc, b, h, my_m, staging, HALF_M,
+                   HEAD_DIM, False)
+        streamed += n_tiles
+        turns += gl.where(n_tiles > 0, n_tiles + 1, 0)
+        i += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def attention_forward_persistent(q_desc, k_desc, v_desc, o_desc, L, n_bh, n_heads, kv_group, n_q, n_k,
+                                 window_left, window_right, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                                 BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr,
+                                 NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """`attention_forward_pingpong` as a persistent kernel: each program (one per SM) runs query tiles program_id,
+    program_id + num_programs, ... in the ping-pong kernel's order. What a program of that kernel does once per
+    query tile (launch, load the queries, wait for the first K/V tiles, store the output) overlaps the previous
+    tile's work here (FlashAttention-3's persistent schedule). O has its own staging boxes (HALF_M rows each)."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    dtype: gl.constexpr = q_desc.dtype
+    n_m_tiles = gl.cdiv(n_q, BLOCK_M)
+    n_total = n_m_tiles * n_bh
+    q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, HALF_M, HEAD_DIM], q_desc.layout)
+    o_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, HALF_M, HEAD_DIM], o_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    empty_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
+        mbarrier.init(turn_bar.index(i), count=1)
+    for i in gl.static_range(NBUF):
+        mbarrier.init(k_bar.index(i), count=1)
+        mbarrier.init(v_bar.index(i), count=1)
+        mbarrier.init(empty_bar.index(i), count=2)
+    fence_async_shared()
+    mbarrier.arrive(turn_bar.index(0))  # warpgroup 0 takes the first turn
+    gl.warp_specialize([(_persistent_consumer, (o_desc, L, q_smem, q_bar, q_empty, o_smem, k_smem, v_smem, k_bar, v_bar,
+                                                empty_bar, turn_bar, n_heads, kv_group, n_q, n_k, window_left,
+                                                window_right, n_m_tiles, n_total, qk_scale, 0, HEAD_DIM, BLOCK_M,
+                                                BLOCK_N, BOUND_RIGHT, BOUND_LEFT, NBUF)),
+                        (_persistent_consumer, (o_desc, L, q_smem, q_bar, q_empty, o_smem, k_smem, v_smem, k_bar, v_bar,
+                                                empty_bar, turn_bar, n_heads, kv_group, n_q, n_k, window_left,
+                                                window_right, n_m_tiles, n_total, qk_scale, 1, HEAD_DIM, BLOCK_M,
+                                                BLOCK_N, BOUND_RIGHT, BOUND_LEFT, NBUF)),
+                        (_persistent_producer, (q_desc, k_desc, v_desc, q_smem, q_bar, q_empty, k_smem, v_smem, k_bar,
+                                                v_bar, empty_bar, n_heads, kv_group, n_q, n_k, window_left,
+                                                window_right, n_m_tiles, n_total, BLOCK_M, BLOCK_N, BOUND_RIGHT,
+                                                BOUND_LEFT, NBUF))],
                        [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -837,7 +976,7 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
 
     DETERMINISTIC: dQ's sums are added in a fixed order, ordered by Sem, (B, H, cdiv(Nq, BLOCK_M)) int32 zeroed
     first (see the section's comment); ROTATE (full masks, Nq / BLOCK_M >= Nk / BLOCK_N, and at most one head's
-    cdiv(Nk, BLOCK_N) programs per SM) rotates each program's first query tile. Without DETERMINISTIC (Sem None)
+    cdiv(Nk, BLOCK_N) programs per SM) rotates each program's first query tile. Without DETERMINISTIC (Sem unread)
     dQ's sums run in no fixed order, so their last bits vary from run to run."""
     HALF_N: gl.constexpr = BLOCK_N // 2
     DQ_COLS: gl.constexpr = HEAD_DIM // 2
