@@ -263,8 +263,9 @@ def _launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, o4: Tens
     if variant.kind == "plain":
         return kernels.attention_forward, (n_programs,), args, kwargs
     kwargs["CONSUMER_REGS"] = variant.regs
-    if variant.kind == "persistent":  # one program per SM, each over every num_programs-th query tile
-        return kernels.attention_forward_persistent, (min(n_programs, _usable_sms(q4)),), args, kwargs
+    if variant.kind == "persistent":  # one program per SM, over pairs of query tiles (gluon_kernels' units)
+        n_units = (triton.cdiv(n_q, variant.block_m) + 1) // 2 * batch * n_heads
+        return kernels.attention_forward_persistent, (min(n_units, _usable_sms(q4)),), args, kwargs
     return kernels.attention_forward_pingpong, (n_programs,), args, kwargs
 
 
