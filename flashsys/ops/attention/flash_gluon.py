@@ -54,11 +54,13 @@ class Variant(NamedTuple):
     block_n: int
     nbuf: int  # K/V buffers in flight
     regs: int = 0
+    stages: int = 1  # the one pass's sets of dQ staging boxes
 
     def label(self) -> str:
         if self.kind == "tl":
             return "tl kernel"
         extra = f" {self.regs} regs" if self.regs else ""
+        extra += f" {self.stages} stages" if self.stages > 1 else ""
         return f"{self.kind} {self.block_m}x{self.block_n} {self.nbuf}buf{extra}"
 
 
@@ -103,7 +105,8 @@ DQ_VARIANTS: dict[int, tuple[Variant, ...]] = {
 # 0.84-0.98x the two passes' time at D 128 and 0.94-0.96x at D 64 N 16384, but 0.99-1.03x at D 64 N 4096
 # (kernel_configs/probe_one_pass_backward_*_h100.txt).
 ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {
-    64: (TL_KERNEL, Variant("one_pass", 64, 128, 2, 240), Variant("one_pass", 64, 128, 3, 240)),
+    64: (TL_KERNEL, Variant("one_pass", 64, 128, 2, 240), Variant("one_pass", 64, 128, 3, 240),
+         Variant("one_pass", 64, 128, 2, 240, 2), Variant("one_pass", 64, 128, 3, 240, 2)),
     128: (TL_KERNEL, Variant("one_pass", 64, 128, 2, 240), Variant("one_pass", 64, 128, 3, 240)),
 }
 
@@ -113,7 +116,8 @@ ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {
 # (16k tokens, bf16, whole backwards) it ran 0.89-0.98x the two passes' time at D 128 and 1.03-1.10x at D 64, where
 # the two passes stay the choice (kernel_configs/probe_one_pass_det_h100.txt).
 DETERMINISTIC_ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {
-    64: (TL_KERNEL, Variant("one_pass_det", 64, 128, 2, 240), Variant("one_pass_det", 64, 128, 3, 240)),
+    64: (TL_KERNEL, Variant("one_pass_det", 64, 128, 2, 240), Variant("one_pass_det", 64, 128, 3, 240),
+         Variant("one_pass_det", 64, 128, 2, 240, 2), Variant("one_pass_det", 64, 128, 3, 240, 2)),
     128: (TL_KERNEL, Variant("one_pass_det", 64, 128, 2, 240), Variant("one_pass_det", 64, 128, 3, 240)),
 }
 
@@ -371,7 +375,7 @@ def _one_pass_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor,
             window[1], scale * LOG2E, scale)
     kwargs = dict(HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n, BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0,
                   NBUF=variant.nbuf, CONSUMER_REGS=variant.regs, DETERMINISTIC=deterministic,
-                  ROTATE=rotates(variant, q4, k4, window), num_warps=4)
+                  ROTATE=rotates(variant, q4, k4, window), NSTAGE=variant.stages, num_warps=4)
     return _kernels().attention_backward_one_pass, (triton.cdiv(n_k, n) * batch * kv_heads,), args, kwargs
 
 

@@ -860,11 +860,12 @@ def _one_pass_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, q_bar, 
 def _one_pass_dq_writer(dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv, n_heads, kv_group, n_q, pid_n, lo,
                         rot, n_m_tiles, n_iter, n_k_tiles, stride, right_offset, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, DQ_COLS: gl.constexpr, BOUND_RIGHT: gl.constexpr,
-                        DETERMINISTIC: gl.constexpr, ROTATE: gl.constexpr):
-    """One warp: each tile's two dQ shares (one per consumer: dQ's column halves) from the staging boxes into
-    dq_desc's float32 sum by TMA reduce-adds. With DETERMINISTIC it first waits for the program's turn at the tile
-    (before the shares are ready, so the wait overlaps their products), and counts the turn as taken once the adds
-    have completed, after the next tile's adds are issued."""
+                        DETERMINISTIC: gl.constexpr, ROTATE: gl.constexpr, NSTAGE: gl.constexpr):
+    """One warp: each tile's two dQ shares (one per consumer: dQ's column halves) from the staging boxes (tile j's in
+    set j % NSTAGE) into dq_desc's float32 sum by TMA reduce-adds, handing each set back once the adds have read it.
+    With DETERMINISTIC it first waits for the program's turn at the tile (before the shares are ready, so the wait
+    overlaps their products), and counts the turn as taken once the adds have completed, after the next tile's adds
+    are issued and their staging boxes handed back (so the count's wait and atomic are off the consumers' path)."""
     lane_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     n_q_tiles = gl.cdiv(n_q, BLOCK_M)
     last_sem = Sem
@@ -875,16 +876,17 @@ def _one_pass_dq_writer(dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv
             sem = Sem + (b * n_heads + h).to(gl.int64) * n_q_tiles + m
             _wait_turn(sem, _one_pass_turn(m, pid_n, n_k_tiles, stride, right_offset, BLOCK_M, BLOCK_N, BOUND_RIGHT,
                                            ROTATE), lane_layout)
+        first = (j % NSTAGE) * 2
         for half in gl.static_range(2):
-            mbarrier.wait(stage_full.index(half), j & 1)
-            _tma_add(dq_desc, [b, h, start_m, half * DQ_COLS], dq_stage.index(half))
+            mbarrier.wait(stage_full.index(first + half), (j // NSTAGE) & 1)
+            _tma_add(dq_desc, [b, h, start_m, half * DQ_COLS], dq_stage.index(first + half))
+        tma.store_wait(0)  # both adds have read their staging boxes
+        for half in gl.static_range(2):
+            mbarrier.arrive(stage_empty.index(first + half))
         if DETERMINISTIC:
             if j > 0:
                 _pass_turn(last_sem, True, lane_layout)  # the last tile's two adds, with this tile's two in flight
             last_sem = sem
-        tma.store_wait(0)  # both adds have read their staging boxes
-        for half in gl.static_range(2):
-            mbarrier.arrive(stage_empty.index(half))
     if DETERMINISTIC:
         if n_iter > 0:
             _pass_turn(last_sem, False, lane_layout)
@@ -896,12 +898,13 @@ def _one_pass_consumer(dk_desc, dv_desc, LseDelta, q_smem, do_smem, q_bar, do_ba
                        lo, rot, full_lo, full_hi, n_m_tiles, n_iter, right_offset, left_offset, qk_scale,
                        softmax_scale, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        HALF_N: gl.constexpr, BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr,
-                       NBUF: gl.constexpr):
+                       NBUF: gl.constexpr, NSTAGE: gl.constexpr):
     """One warpgroup: dK and dV of key rows start_n + HALF * HALF_N on, and its share of dQ, over the query tiles
     the producer streams. Per tile as `attention_backward_dkdv` (Sᵀ and dPᵀ issued together, Pᵀ under dPᵀ, dSᵀ under
     dV's product), then dSᵀ into shared memory, where the two warpgroups' halves meet (ds_bar), and dQ's columns
     HALF * D/2 on over all BLOCK_N keys (dS K[:, cols]; 32 registers a thread at D 128), handed to the writer warp
-    in this warpgroup's staging box (stage_full; stage_empty: the writer's add has read the last one)."""
+    in this warpgroup's staging box of set j % NSTAGE (stage_full; stage_empty: the writer's add has read the share
+    the set held before; with two sets the writer's latency has a tile's slack)."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_M)
     acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -921,7 +924,6 @@ def _one_pass_consumer(dk_desc, dv_desc, LseDelta, q_smem, do_smem, q_bar, do_ba
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=acc_layout)
     s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
     dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
-    stage = _tile(dq_stage.index(HALF), BLOCK_M, DQ_COLS)
     h, start_m = _one_pass_tile(0, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M)
     neg_lse2, delta = _lse_delta_at(LseDelta, b, n_heads, n_q, h, start_m, 0 < n_iter, BLOCK_M, row_layout)
     mbarrier.wait(kv_bar, 0)
@@ -952,14 +954,18 @@ def _one_pass_consumer(dk_desc, dv_desc, LseDelta, q_smem, do_smem, q_bar, do_ba
         dq_tok = warpgroup_mma(ds_box.permute((1, 0)), k_dq, dq_zero, use_acc=False, is_async=True)
         dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
         mbarrier.arrive(empty_bar.index(slot))
-        mbarrier.wait(stage_empty.index(HALF), (j & 1) ^ 1, pred=j > 0)  # the writer has read the last share
-        stage.store(dq)
+        box = (j % NSTAGE) * 2 + HALF
+        # the writer has read the share this box held before
+        mbarrier.wait(stage_empty.index(box), ((j // NSTAGE) & 1) ^ 1, pred=j >= NSTAGE)
+        _tile(dq_stage.index(box), BLOCK_M, DQ_COLS).store(dq)
         fence_async_shared()
         _barrier()
-        mbarrier.arrive(stage_full.index(HALF))
+        mbarrier.arrive(stage_full.index(box))
     # K and V are no longer read by this warpgroup, but may be by the other one's dQ products: dK and dV go out
-    # through the staging box instead, once the writer has read the last share from it.
-    mbarrier.wait(stage_empty.index(HALF), (n_iter & 1) ^ 1, pred=n_iter > 0)
+    # through a staging box instead, once the writer has read the last share (it reads them in order, so every
+    # share before it too).
+    last = n_iter - 1
+    mbarrier.wait(stage_empty.index((last % NSTAGE) * 2 + HALF), (last // NSTAGE) & 1, pred=n_iter > 0)
     out = _reinterpret(dq_stage.index(HALF), dtype, [1, 1, HALF_N, HEAD_DIM], dk_desc.layout)
     _tile(out, HALF_N, HEAD_DIM).store((dk * softmax_scale).to(dtype))
     fence_async_shared()
@@ -979,14 +985,16 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
                                 n_heads, kv_group, n_q, n_k, window_left, window_right, qk_scale, softmax_scale,
                                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                 BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr,
-                                CONSUMER_REGS: gl.constexpr, DETERMINISTIC: gl.constexpr, ROTATE: gl.constexpr):
+                                CONSUMER_REGS: gl.constexpr, DETERMINISTIC: gl.constexpr, ROTATE: gl.constexpr,
+                                NSTAGE: gl.constexpr = 1):
     """The whole backward in one pass: one program = a key tile of BLOCK_N rows of one (batch, K/V head), held by
     two consumer warpgroups of BLOCK_N // 2 rows each, a producer warp that streams Q and dO through NBUF buffers,
     and a writer warp that adds dQ's shares. Per query tile five products: Sᵀ, dPᵀ, dV += Pᵀ dO, dK += dSᵀ Q, and
     dQ's share dS K, added by TMA reduce-adds into dq_desc's tensor ((B, H, Nq, D) float32, zeroed first;
     unscaled), half of its columns per consumer. LseDelta holds the (-L * log2 e, rowsum(dO * O)) pairs, written
     before. k_desc and v_desc copy BLOCK_N-row boxes; dk_desc and dv_desc BLOCK_N // 2-row boxes; dq_desc
-    (BLOCK_M, D / 2) boxes.
+    (BLOCK_M, D / 2) boxes. NSTAGE sets of dQ staging boxes (two is 16 KB more shared memory at D 64 and does not fit
+    at D 128).
 
     DETERMINISTIC: dQ's sums are added in a fixed order, ordered by Sem, (B, H, cdiv(Nq, BLOCK_M)) int32 zeroed
     first (see the section's comment); ROTATE (full masks, Nq / BLOCK_M >= Nk / BLOCK_N, and at most one head's
@@ -1023,12 +1031,13 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
     ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_stage = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, DQ_COLS], dq_desc.layout)
-    stage_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    stage_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_stage = gl.allocate_shared_memory(gl.float32, [2 * NSTAGE, 1, 1, BLOCK_M, DQ_COLS], dq_desc.layout)
+    stage_full = gl.allocate_shared_memory(gl.int64, [2 * NSTAGE, 1], mbarrier.MBarrierLayout())
+    stage_empty = gl.allocate_shared_memory(gl.int64, [2 * NSTAGE, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(2):
         mbarrier.init(ds_bar.index(i), count=2)
+    for i in gl.static_range(2 * NSTAGE):
         mbarrier.init(stage_full.index(i), count=1)
         mbarrier.init(stage_empty.index(i), count=1)
     for i in gl.static_range(NBUF):
@@ -1038,17 +1047,17 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
                                               kv_bar, empty_bar, ds_smem, ds_bar, dq_stage, stage_full, stage_empty, b,
                                               h_kv, n_heads, kv_group, n_q, start_n, lo, rot, full_lo, full_hi,
                                               n_m_tiles, n_iter, right_offset, left_offset, qk_scale, softmax_scale, 0,
-                                              HEAD_DIM, BLOCK_M, HALF_N, BOUND_RIGHT, BOUND_LEFT, NBUF)),
+                                              HEAD_DIM, BLOCK_M, HALF_N, BOUND_RIGHT, BOUND_LEFT, NBUF, NSTAGE)),
                         (_one_pass_consumer, (dk_desc, dv_desc, LseDelta, q_smem, do_smem, q_bar, do_bar, k_box, v_box,
                                               kv_bar, empty_bar, ds_smem, ds_bar, dq_stage, stage_full, stage_empty, b,
                                               h_kv, n_heads, kv_group, n_q, start_n, lo, rot, full_lo, full_hi,
                                               n_m_tiles, n_iter, right_offset, left_offset, qk_scale, softmax_scale, 1,
-                                              HEAD_DIM, BLOCK_M, HALF_N, BOUND_RIGHT, BOUND_LEFT, NBUF)),
+                                              HEAD_DIM, BLOCK_M, HALF_N, BOUND_RIGHT, BOUND_LEFT, NBUF, NSTAGE)),
                         (_one_pass_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, q_bar, do_bar, k_box,
                                               v_box, kv_bar, empty_bar, b, h_kv, kv_group, start_n, lo, rot, n_m_tiles,
                                               n_iter, BLOCK_M, NBUF)),
                         (_one_pass_dq_writer, (dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv, n_heads,
                                                kv_group, n_q, pid_n, lo, rot, n_m_tiles, n_iter, n_k_tiles, stride,
                                                right_offset, BLOCK_M, BLOCK_N, DQ_COLS, BOUND_RIGHT, DETERMINISTIC,
-                                               ROTATE))],
+                                               ROTATE, NSTAGE))],
                        [4, 1, 1], [CONSUMER_REGS, 24, 24])
