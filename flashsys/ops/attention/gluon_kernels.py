@@ -865,7 +865,7 @@ def _one_pass_dq_writer(dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv
     set j % NSTAGE) into dq_desc's float32 sum by TMA reduce-adds, handing each set back once the adds have read it.
     With DETERMINISTIC it first waits for the program's turn at the tile (before the shares are ready, so the wait
     overlaps their products), and counts the turn as taken once the adds have completed, after the next tile's adds
-    are issued and their staging boxes handed back (so the count's wait and atomic are off the consumers' path)."""
+    are issued."""
     lane_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     n_q_tiles = gl.cdiv(n_q, BLOCK_M)
     last_sem = Sem
@@ -880,13 +880,15 @@ def _one_pass_dq_writer(dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv
         for half in gl.static_range(2):
             mbarrier.wait(stage_full.index(first + half), (j // NSTAGE) & 1)
             _tma_add(dq_desc, [b, h, start_m, half * DQ_COLS], dq_stage.index(first + half))
-        tma.store_wait(0)  # both adds have read their staging boxes
-        for half in gl.static_range(2):
-            mbarrier.arrive(stage_empty.index(first + half))
         if DETERMINISTIC:
+            # Before the staging boxes go back: counting the turn after that delayed each hop of the full masks'
+            # ring (22% slower at D 64, N 4096; kernel_experiments.md, stop 40).
             if j > 0:
                 _pass_turn(last_sem, True, lane_layout)  # the last tile's two adds, with this tile's two in flight
             last_sem = sem
+        tma.store_wait(0)  # both adds have read their staging boxes
+        for half in gl.static_range(2):
+            mbarrier.arrive(stage_empty.index(first + half))
     if DETERMINISTIC:
         if n_iter > 0:
             _pass_turn(last_sem, False, lane_layout)
@@ -1037,7 +1039,11 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(2):
         mbarrier.init(ds_bar.index(i), count=2)
-    for i in gl.static_range(2 * NSTAGE):
+        mbarrier.init(stage_full.index(i), count=1)
+        mbarrier.init(stage_empty.index(i), count=1)
+    # The second set's in a loop of their own: moving the first set's out of the loop above makes Triton 3.6 add a
+    # bar.sync to the prologue (as in the ping-pong forward's).
+    for i in gl.static_range(2, 2 * NSTAGE):
         mbarrier.init(stage_full.index(i), count=1)
         mbarrier.init(stage_empty.index(i), count=1)
     for i in gl.static_range(NBUF):
