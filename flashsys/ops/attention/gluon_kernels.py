@@ -15,6 +15,8 @@ kernels here use its intra-warpgroup overlap:
 - `attention_forward_pingpong`: warp-specialised. A producer warp issues the TMA copies into a ring of buffers;
   two consumer warpgroups of BLOCK_M // 2 query rows share the key tiles and take turns at issuing their products
   (FlashAttention-3's inter-warpgroup ping-pong), so one's softmax runs while the other's products run.
+- `attention_forward_persistent`: the ping-pong kernel with one program per SM, each over pairs of query tiles, so
+  that one tile's start and end overlap the previous tile's work (best below N 16384 and under causal masks).
 
 Both write what the `tl` forward writes (O, and L in natural log) for every input it takes: grouped-query K/V
 (head h reads K/V head h // kv_group), Nq != Nk, causal and sliding windows (bottom-right aligned), lengths that are
