@@ -45,8 +45,8 @@ MIN_WORK = 1 << 35
 
 
 class Variant(NamedTuple):
-    """One kernel configuration: a forward's "plain" (one warpgroup) or "pingpong" (producer warp + two consumer
-    warpgroups with `regs` registers per thread), a backward's "dkdv", "dq" or "one_pass" (the whole backward,
+    """One kernel configuration: a forward's "plain" (one warpgroup), "pingpong" (producer warp + two consumer
+    warpgroups with `regs` registers per thread) or "persistent" (the ping-pong kernel, one program per SM), a backward's "dkdv", "dq" or "one_pass" (the whole backward,
     warp-specialised as the ping-pong), or "tl" (the `tl` kernels a Gluon choice times its variants against)."""
 
     kind: str
@@ -66,7 +66,7 @@ class Variant(NamedTuple):
 
 # Candidates per head dim, best single choice first: each won some cells of the H100 sweep
 # (kernel_configs/probe_gluon_forward_sweep_h100.txt), and none of the others won any. "persistent": the ping-pong
-# kernel with one program per SM over pairs of query tiles; on an H100 1-9% faster than the best of the others in
+# kernel with one program per SM over pairs of query tiles; on an H100 1-8% faster than the best of the others in
 # most cells of N 1024-16384, at D 128 full N 16384 up to 5% slower (kernel_configs/probe_gluon_variants_persistent_
 # h100.txt), so the choice keeps timing all of them. The choice's first call with no timing takes the first.
 VARIANTS: dict[int, tuple[Variant, ...]] = {

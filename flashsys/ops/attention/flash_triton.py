@@ -1044,8 +1044,9 @@ def _launch_backward(g: _Geometry, q, k, v, o, lse, do, dq, dk, dv, lse_delta, c
         return _BackwardLaunches([dq_launch, dkdv_launch])
 
     if gluon:
-        # The plan of this call records which kind ran; its key holds `deterministic_backward()`
-        # (`_planned_eager_backward`), so a plan of the unordered one pass never replays where determinism is asked.
+        # The plan of this call records which kind ran. No plan of the unordered one pass replays where determinism
+        # is asked for: changing flashsys's switch drops every plan, and the plans key on torch's
+        # (`_planned_eager_backward`).
         one_pass = flash_gluon.choose_one_pass(
             q, k, window, lambda variant: _one_pass_backward(variant, q, k, v, o, lse, do, dq, dk, dv, lse_delta,
                                                              window, scale), two_passes, deterministic_backward())
