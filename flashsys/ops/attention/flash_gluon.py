@@ -46,8 +46,9 @@ MIN_WORK = 1 << 35
 
 class Variant(NamedTuple):
     """One kernel configuration: a forward's "plain" (one warpgroup), "pingpong" (producer warp + two consumer
-    warpgroups with `regs` registers per thread) or "persistent" (the ping-pong kernel, one program per SM), a backward's "dkdv", "dq" or "one_pass" (the whole backward,
-    warp-specialised as the ping-pong), or "tl" (the `tl` kernels a Gluon choice times its variants against)."""
+    warpgroups with `regs` registers per thread) or "persistent" (the ping-pong kernel, one program per SM), a
+    backward's "dkdv", "dq", "one_pass" or "one_pass_det" (the whole backward, warp-specialised as the ping-pong),
+    or "tl" (the `tl` kernels a Gluon choice times its variants against)."""
 
     kind: str
     block_m: int
