@@ -91,11 +91,21 @@ def _query_program(n_bh, n_heads, kv_group, n_q, n_k, window_left, window_right,
     i + left_offset <= j <= i + right_offset; the key range is `_key_tile_range`'s."""
     pid_m, bh, b, h, h_kv = _program_tile(n_bh, n_heads, kv_group, BOUND_RIGHT)
     start_m = pid_m * BLOCK_M
+    right_offset, left_offset, lo, full_lo, full_hi, hi = _key_geometry(
+        start_m, n_q, n_k, window_left, window_right, BLOCK_M, BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
+    return bh, b, h, h_kv, start_m, right_offset, left_offset, lo, full_lo, full_hi, hi
+
+
+@gluon.jit
+def _key_geometry(start_m, n_q, n_k, window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr):
+    """(right offset, left offset, lo, full_lo, full_hi, hi) of the query tile starting at start_m (see
+    `_query_program`)."""
     right_offset = n_k - n_q + window_right
     left_offset = n_k - n_q - window_left
     lo, full_lo, full_hi, hi = _key_tile_range(start_m, n_k, right_offset, left_offset, BLOCK_M, BLOCK_N, BOUND_RIGHT,
                                                BOUND_LEFT)
-    return bh, b, h, h_kv, start_m, right_offset, left_offset, lo, full_lo, full_hi, hi
+    return right_offset, left_offset, lo, full_lo, full_hi, hi
 
 
 @gluon.jit
@@ -404,10 +414,8 @@ def _persistent_tile(j, n_m_tiles, n_heads, kv_group, n_q, n_k, window_left, win
     valid = (j % 2 == 0) | (pid_m != n_m_tiles - 1 - k)
     h = (bh % n_heads).to(gl.int32)
     start_m = pid_m * BLOCK_M
-    right_offset = n_k - n_q + window_right
-    left_offset = n_k - n_q - window_left
-    lo, full_lo, full_hi, hi = _key_tile_range(start_m, n_k, right_offset, left_offset, BLOCK_M, BLOCK_N, BOUND_RIGHT,
-                                               BOUND_LEFT)
+    right_offset, left_offset, lo, full_lo, full_hi, hi = _key_geometry(
+        start_m, n_q, n_k, window_left, window_right, BLOCK_M, BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
     return valid, bh, (bh // n_heads).to(gl.int32), h, h // kv_group, start_m, right_offset, left_offset, lo, \
         full_lo, full_hi, hi
 
