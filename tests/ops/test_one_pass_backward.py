@@ -156,15 +156,9 @@ def _turns_kernel(Turns, Visits, n_q, n_k, window_left, window_right, stride, MA
     tl.store(Visits + n * MAX_M + m, visits.to(tl.int32), mask=m < tl.cdiv(n_q, BLOCK_M))
 
 
-@settings(max_examples=40)
-@given(n_q=st.integers(1, 1400), n_k=st.integers(1, 1400),
-       window=st.sampled_from([(-1, 0), (-1, -1), (-1, 37), (200, 0), (64, 16), (0, 0), (130, 300), (90, -1)]))
-def test_the_deterministic_one_pass_gives_each_add_its_own_turn_in_visiting_order(n_q, n_k, window):
-    """The turns of the deterministic one pass (its adds into a query tile wait for 0, 1, ...), from the kernel's own
-    helpers: at every query tile the key tiles that visit it hold the turns 0 .. V-1, each once (a missing or
-    repeated turn would leave a wait that never ends); they come in the order the programs reach the tile; and
-    outside a rotated full mask a program waits only for key tile n + 1, which launches before it (the grid runs from
-    the last key tile down), so no wait can hold up the program it waits for."""
+def _turns(n_q: int, n_k: int, window: tuple[int, int]):
+    """(query tiles, key tiles, whether the host would rotate (132 SMs), the rotation's stride, Turns, Visits) of
+    the deterministic one pass with 64-row query tiles and 128-row key tiles (`_turns_kernel`)."""
     block_m, block_n = 64, 128
     n_m, n_t = triton.cdiv(n_q, block_m), triton.cdiv(n_k, block_n)
     rotate = window == (-1, -1) and n_m >= n_t
@@ -172,7 +166,21 @@ def test_the_deterministic_one_pass_gives_each_add_its_own_turn_in_visiting_orde
     turns, visits = (torch.empty((n_t, 32), dtype=torch.int32, device=DEVICE) for _ in range(2))
     _turns_kernel[(n_t,)](turns, visits, n_q, n_k, window[0], window[1], stride, MAX_M=32, BLOCK_M=block_m,
                           BLOCK_N=block_n, BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0, ROTATE=rotate)
-    turns, visits = turns.cpu(), visits.cpu()
+    return n_m, n_t, rotate, stride, turns.cpu(), visits.cpu()
+
+
+_WINDOWS = [(-1, 0), (-1, -1), (-1, 37), (200, 0), (64, 16), (0, 0), (130, 300), (90, -1)]
+
+
+@settings(max_examples=40)
+@given(n_q=st.integers(1, 1400), n_k=st.integers(1, 1400), window=st.sampled_from(_WINDOWS))
+def test_the_deterministic_one_pass_gives_each_add_its_own_turn_in_visiting_order(n_q, n_k, window):
+    """The turns of the deterministic one pass (its adds into a query tile wait for 0, 1, ...), from the kernel's own
+    helpers: at every query tile the key tiles that visit it hold the turns 0 .. V-1, each once (a missing or
+    repeated turn would leave a wait that never ends); they come in the order the programs reach the tile; and
+    outside a rotated full mask a program waits only for key tile n + 1, which launches before it (the grid runs from
+    the last key tile down), so no wait can hold up the program it waits for."""
+    n_m, n_t, rotate, stride, turns, visits = _turns(n_q, n_k, window)
     for m in range(n_m):
         visitors = [n for n in range(n_t) if visits[n, m]]
         if rotate:  # program n reaches tile m at its step (m - n * stride) mod n_m
@@ -181,6 +189,79 @@ def test_the_deterministic_one_pass_gives_each_add_its_own_turn_in_visiting_orde
             arrival = sorted(visitors, reverse=True)
             assert visitors == list(range(min(visitors, default=0), max(visitors, default=-1) + 1))
         assert [int(turns[n, m]) for n in arrival] == list(range(len(visitors))), (m, turns[:, m].tolist())
+
+
+def _runs_to_the_end(launches, sms: int) -> bool:
+    """Whether programs that wait for their turns all finish on `sms` SMs, one program per SM, started in launch
+    order as SMs free up. `launches`: per program (head, [(query tile, turn), ...] in visiting order). A step adds
+    one program's share at one query tile, once as many shares as its turn have been added there; False where every
+    running program waits for a program that has not started (a deadlock on the GPU)."""
+    added: dict[tuple[int, int], int] = {}
+    queue, running = list(launches), []
+    while queue or running:
+        while queue and len(running) < sms:
+            head, steps = queue.pop(0)
+            running.append((head, list(steps)))
+        moved = False
+        for head, steps in running:
+            while steps and added.get((head, steps[0][0]), 0) == steps[0][1]:
+                added[head, steps[0][0]] = steps[0][1] + 1
+                steps.pop(0)
+                moved = True
+        running = [(head, steps) for head, steps in running if steps]
+        if not moved and running:
+            return False
+    return True
+
+
+def _launches(n_q, n_k, window, heads, last_first):
+    """The deterministic one pass's programs in launch order (see `_runs_to_the_end`), the kernel's order and
+    turns: heads one after another, each head's key tiles from the last down with `last_first`, else from 0 up."""
+    n_m, n_t, rotate, stride, turns, visits = _turns(n_q, n_k, window)
+    programs = []
+    for n in range(n_t):
+        tiles = [m for m in range(n_m) if visits[n, m]]
+        if rotate:  # `_one_pass_tile`: from tile n * stride on, wrapping around
+            tiles = [(n * stride + j) % n_m for j in range(n_m)]
+        programs.append([(m, int(turns[n, m])) for m in tiles])
+    order = range(n_t - 1, -1, -1) if last_first else range(n_t)
+    return [(head, programs[n]) for head in range(heads) for n in order]
+
+
+@settings(max_examples=40, deadline=None)
+@given(n_q=st.integers(1, 1400), n_k=st.integers(1, 1400), window=st.sampled_from(_WINDOWS),
+       sms=st.integers(1, 14))
+def test_the_deterministic_one_pass_cannot_deadlock_in_the_order_the_host_launches_it(n_q, n_k, window, sms):
+    """Programs spin until their turn, holding their SM: in the order `last_tile_first` and `rotates` pick for a
+    GPU of `sms` SMs, three heads' programs all finish (a simulation with the kernel's own turns). Launching a
+    causal head's tiles from key tile 0 up is safe only where the head fits on the SMs, which the host checks."""
+    det = flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS[128][1]
+    q4, k4 = torch.empty(1, 2, n_q, 8), torch.empty(1, 2, n_k, 8)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(flash_gluon, "_usable_sms", lambda t: sms)
+        last_first = flash_gluon.last_tile_first(det, q4, k4, window)
+        if flash_gluon.rotates(det, q4, k4, window) != (window == (-1, -1) and _turns(n_q, n_k, window)[2]
+                                                         and triton.cdiv(n_k, 128) <= sms):
+            raise AssertionError("the host rotates where the kernel's turns are not the ring's, or without room")
+    if window == (-1, -1) and _turns(n_q, n_k, window)[2] and triton.cdiv(n_k, 128) > sms:
+        return  # the host does not rotate; the turns this test draws are the ring's
+    assert _runs_to_the_end(_launches(n_q, n_k, window, 3, last_first), sms)
+
+
+def test_a_causal_head_launched_heaviest_first_deadlocks_without_room_and_the_host_avoids_it():
+    """The simulation finds the deadlock the host's order avoids: a causal head's 11 key tiles from 0 up on 10 SMs
+    (each waits for the tile above, which cannot start), and not on 11; the host picks that order only on 11."""
+    launches = _launches(1400, 1400, (-1, 0), 2, last_first=False)
+    assert not _runs_to_the_end(launches, 10) and _runs_to_the_end(launches, 11)
+    assert _runs_to_the_end(_launches(1400, 1400, (-1, 0), 2, last_first=True), 1)
+    det = flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS[128][1]
+    q4 = torch.empty(1, 2, 1400, 8)
+    with pytest.MonkeyPatch.context() as patch:
+        for sms, expected in ((10, True), (11, False)):
+            patch.setattr(flash_gluon, "_usable_sms", lambda t: sms)
+            assert flash_gluon.last_tile_first(det, q4, q4, (-1, 0)) is expected
+            assert flash_gluon.last_tile_first(det, q4, q4, (64, 0)) is True  # a window: last first, as before
+            assert flash_gluon.last_tile_first(flash_gluon.ONE_PASS_VARIANTS[128][1], q4, q4, (-1, 0)) is False
 
 
 def test_full_masks_rotate_only_where_one_heads_programs_fit_at_once(monkeypatch):
