@@ -29,28 +29,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class OnePass:
-    """The library's one-pass backward (prologue, Gluon kernel, epilogue) with one variant, on rank-4 tensors;
-    `last_tile_first` (True/False) overrides the host's launch order of the deterministic kind."""
+    """The library's one-pass backward (prologue, Gluon kernel, epilogue) with one variant, on rank-4 tensors."""
 
-    def __init__(self, variant, q, k, v, o, lse, do, window, scale, last_tile_first=None):
+    def __init__(self, variant, q, k, v, o, lse, do, window, scale):
         from flashsys.ops.attention import flash_triton
 
         self.run_one = lambda: flash_triton._one_pass_backward(variant, q, k, v, o, lse, do, self.dq, self.dk,
                                                                self.dv, self.pairs, window, scale)
         self.dq, self.dk, self.dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
         self.pairs = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device=q.device)
-        self.last_tile_first = last_tile_first
 
     def __call__(self):
-        from flashsys.ops.attention import flash_gluon
-
-        host_order = flash_gluon.last_tile_first
-        if self.last_tile_first is not None:
-            flash_gluon.last_tile_first = lambda *args: self.last_tile_first
-        try:
-            self.run_one()
-        finally:
-            flash_gluon.last_tile_first = host_order
+        self.run_one()
         return self.dq, self.dk, self.dv
 
 
@@ -88,7 +78,7 @@ def check(variants_by_d, head_dims, case_indices) -> int:
     return failures
 
 
-def bench(variants_by_d, head_dims, seqs, rounds, orders=False) -> None:
+def bench(variants_by_d, head_dims, seqs, rounds) -> None:
     from flashsys.ops.attention import flash_gluon, set_deterministic_backward
     from scripts.probe_gluon_backward import BackwardCell
 
@@ -128,13 +118,8 @@ def bench(variants_by_d, head_dims, seqs, rounds, orders=False) -> None:
                         "flashsys, two passes": library(True, two_passes_only),
                         "flashsys, default (its choice)": library(True, choice),
                         "flashsys, set_deterministic_backward(False)": library(False, choice)}
-                candidates = [(var, None) for var in variants_by_d[d]]
-                if orders:  # the deterministic kind in the order the host did not pick, too
-                    candidates += [(var, not flash_gluon.last_tile_first(var, q, k, window))
-                                   for var in variants_by_d[d] if var.kind == "one_pass_det"]
-                for var, order in candidates:
-                    fb = OnePass(var, q, k, v, o, lse, do, window, scale, order)
-                    name = var.label() + ("" if order is None else f", last tile first {order}")
+                for var in variants_by_d[d]:
+                    fb = OnePass(var, q, k, v, o, lse, do, window, scale)
                     try:
                         fb()
                         torch.cuda.synchronize()
@@ -144,12 +129,12 @@ def bench(variants_by_d, head_dims, seqs, rounds, orders=False) -> None:
                         fb()
                         torch.cuda.synchronize()
                         same = torch.equal(dq_first, fb.dq)
-                        print(f"  D={d} N={n} causal={causal} {name}: vs two passes dQ {rel:.1e} dK {relk:.1e};"
+                        print(f"  D={d} N={n} causal={causal} {var.label()}: vs two passes dQ {rel:.1e} dK {relk:.1e};"
                               f" dQ bitwise equal on a rerun: {same}", flush=True)
                     except Exception:  # noqa: BLE001
-                        print(f"  {name} FAILED: {traceback.format_exc()[-1500:]}", flush=True)
+                        print(f"  {var.label()} FAILED: {traceback.format_exc()[-1500:]}", flush=True)
                         continue
-                    runs[f"one pass {name} (+ prologue, epilogue)"] = fb
+                    runs[f"one pass {var.label()} (+ prologue, epilogue)"] = fb
                 times: dict[str, list[float]] = {}
                 for _ in range(rounds):
                     for label, fn in runs.items():
@@ -177,8 +162,6 @@ def main() -> int:
     ap.add_argument("--nbuf", type=int, nargs="+", default=None, help="only these buffer counts")
     ap.add_argument("--kinds", nargs="+", default=["one_pass", "one_pass_det"], choices=["one_pass", "one_pass_det"],
                     help="which one passes: the non-deterministic one, the deterministic one")
-    ap.add_argument("--orders", action="store_true", help="time the deterministic kind in both launch orders "
-                    "(each head's key tiles from the last down, or from 0 up)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("probe_one_pass_backward runs CUDA kernels")
@@ -193,7 +176,7 @@ def main() -> int:
     t0 = time.time()
     failures = 0 if args.skip_check else check(variants, args.head_dims, args.cases)
     print(f"check: {failures} failures ({time.time() - t0:.0f} s)", flush=True)
-    bench(variants, args.head_dims, args.seqs, args.rounds, args.orders)
+    bench(variants, args.head_dims, args.seqs, args.rounds)
     return 1 if failures else 0
 
 

@@ -321,27 +321,10 @@ def rotates(variant: Variant, q4: Tensor, k4: Tensor, window: tuple[int, int]) -
     SM that a waiting program holds. Elsewhere the programs go in order, which needs none of that."""
     if variant.kind != "one_pass_det" or window != (-1, -1):
         return False
-    if triton.cdiv(q4.shape[2], variant.block_m) < triton.cdiv(k4.shape[2], variant.block_n):
+    n_k_tiles = triton.cdiv(k4.shape[2], variant.block_n)
+    if triton.cdiv(q4.shape[2], variant.block_m) < n_k_tiles:
         return False
-    return _head_fits(variant, q4, k4)
-
-
-def last_tile_first(variant: Variant, q4: Tensor, k4: Tensor, window: tuple[int, int]) -> bool:
-    """Whether the deterministic one pass launches each head's key tiles from the last down (LAST_TILE_FIRST), so
-    that a program waits only for programs launched before it, however few SMs there are. Causal masks (a right
-    bound, no left one) launch from key tile 0 up instead, the heaviest tiles first, where one (batch, K/V head)'s
-    programs fit on the SMs at once: the programs a wait is on are then of the same head, launched or running, and
-    the lightest-first order would leave the last head's heaviest tiles to run alone at the end. Other masks keep
-    the last-first order (their tiles carry equal work, or they rotate)."""
-    if variant.kind != "one_pass_det" or rotates(variant, q4, k4, window):
-        return False
-    causal = window[0] < 0 <= window[1]
-    return not (causal and _head_fits(variant, q4, k4))
-
-
-def _head_fits(variant: Variant, q4: Tensor, k4: Tensor) -> bool:
-    """Whether one (batch, K/V head)'s one-pass programs (one per key tile, one per SM) can all run at once."""
-    return triton.cdiv(k4.shape[2], variant.block_n) <= _usable_sms(q4)
+    return n_k_tiles <= _usable_sms(q4)
 
 
 _sm_counts: dict[int, int] = {}
@@ -393,8 +376,7 @@ def _one_pass_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor,
             window[1], scale * LOG2E, scale)
     kwargs = dict(HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n, BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0,
                   NBUF=variant.nbuf, CONSUMER_REGS=variant.regs, DETERMINISTIC=deterministic,
-                  ROTATE=rotates(variant, q4, k4, window), NSTAGE=variant.stages,
-                  LAST_TILE_FIRST=last_tile_first(variant, q4, k4, window), num_warps=4)
+                  ROTATE=rotates(variant, q4, k4, window), NSTAGE=variant.stages, num_warps=4)
     return _kernels().attention_backward_one_pass, (triton.cdiv(n_k, n) * batch * kv_heads,), args, kwargs
 
 

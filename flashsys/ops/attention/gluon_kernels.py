@@ -780,15 +780,11 @@ def attention_backward_dq(q_desc, k_desc, v_desc, do_desc, o_desc, dq_desc, L, L
 # run. With it, a semaphore per (batch, query head, query tile) counts the programs whose adds are done, and each
 # program's writer waits for its turn. The turns follow the order in which the programs reach the tile, so that in
 # the steady state the turn has come before the share is ready, and a program only waits for programs launched
-# before it (CUDA starts programs in launch order), or on programs of its own head where all of a head's programs
-# fit on the GPU at once, so the waits cannot deadlock:
+# before it (CUDA starts programs in launch order), so the waits cannot deadlock:
 # - masked (causal, windows; and full masks that ROTATE cannot take): programs visit their query tiles in order,
 #   key tile n reaches tile m later than key tile n + 1 does (it starts lower), so the adds go from the highest key
-#   tile down. With LAST_TILE_FIRST each head's programs launch from the last key tile down (the lightest first
-#   under a causal mask), so a program waits only for programs launched before it, whatever the number of SMs.
-#   Without it (the host's choice for causal masks where one head's programs fit at once) they launch from key
-#   tile 0 up, the heaviest first, as the other backward kernels do: the lightest-first order leaves the last
-#   head's heaviest tiles to run alone at the end (a list-scheduling model: 6.5% longer at N 16384, 16 heads);
+#   tile down, and each head's programs launch from the last key tile down (the lightest first under a causal
+#   mask);
 # - ROTATE (full masks): every key tile sees every query tile, so each program starts at a different one,
 #   n * stride, and wraps around; tile m's adds go in the order the programs reach it, a ring. The ring's waits
 #   are on programs launched later as well, so the host takes ROTATE only where one head's programs all fit on
@@ -1002,7 +998,7 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
                                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                 BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr,
                                 CONSUMER_REGS: gl.constexpr, DETERMINISTIC: gl.constexpr, ROTATE: gl.constexpr,
-                                NSTAGE: gl.constexpr = 1, LAST_TILE_FIRST: gl.constexpr = False):
+                                NSTAGE: gl.constexpr = 1):
     """The whole backward in one pass: one program = a key tile of BLOCK_N rows of one (batch, K/V head), held by
     two consumer warpgroups of BLOCK_N // 2 rows each, a producer warp that streams Q and dO through NBUF buffers,
     and a writer warp that adds dQ's shares. Per query tile five products: Sᵀ, dPᵀ, dV += Pᵀ dO, dK += dSᵀ Q, and
@@ -1014,10 +1010,8 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
 
     DETERMINISTIC: dQ's sums are added in a fixed order, ordered by Sem, (B, H, cdiv(Nq, BLOCK_M)) int32 zeroed
     first (see the section's comment); ROTATE (full masks, Nq / BLOCK_M >= Nk / BLOCK_N, and at most one head's
-    cdiv(Nk, BLOCK_N) programs per SM) rotates each program's first query tile; LAST_TILE_FIRST launches each
-    head's key tiles from the last down, which the masked order needs where a head's programs may not all fit on
-    the GPU at once. Without DETERMINISTIC (Sem unread) dQ's sums run in no fixed order, so their last bits vary
-    from run to run."""
+    cdiv(Nk, BLOCK_N) programs per SM) rotates each program's first query tile. Without DETERMINISTIC (Sem unread)
+    dQ's sums run in no fixed order, so their last bits vary from run to run."""
     HALF_N: gl.constexpr = BLOCK_N // 2
     DQ_COLS: gl.constexpr = HEAD_DIM // 2
     dtype: gl.constexpr = q_desc.dtype
@@ -1025,8 +1019,9 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     n_k_tiles = gl.cdiv(n_k, BLOCK_N)
     # One (batch, K/V head) after another, so that the programs running at once share one head's Q and dO in L2
     # (interleaving the heads made the deterministic causal backward 1.5-1.8x slower: kernel_experiments.md); with
-    # LAST_TILE_FIRST each head's key tiles from the last down, so that the tiles whose adds go first start first.
-    pid_n, bh_kv, b, h_kv, _ = _program_tile(n_bh, n_kv_heads, 1, LAST_TILE_FIRST)
+    # DETERMINISTIC and not ROTATE each head's key tiles from the last down, so that the tiles whose adds go first
+    # start first.
+    pid_n, bh_kv, b, h_kv, _ = _program_tile(n_bh, n_kv_heads, 1, DETERMINISTIC and not ROTATE)
     start_n = pid_n * BLOCK_N
     right_offset = n_k - n_q + window_right
     left_offset = n_k - n_q - window_left
