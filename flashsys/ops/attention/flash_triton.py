@@ -227,21 +227,21 @@ def _query_tile_range(start_n, n_q, right_offset, left_offset, BLOCK_M: tl.const
 
 
 @triton.jit
-def _one_pass_turn(m, n, n_k_tiles, stride, left_offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BOUND_LEFT: tl.constexpr, ROTATE: tl.constexpr):
+def _one_pass_turn(m, n, n_k_tiles, stride, right_offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BOUND_RIGHT: tl.constexpr, ROTATE: tl.constexpr):
     """Key tile n's turn (0 first) among the key tiles whose dQ shares the deterministic one pass adds into query
     tile m (gluon_kernels.py says why this order): with ROTATE (full masks; program n starts at query tile
-    n * stride), the ring from the key tile that starts nearest below m; otherwise from the lowest key tile that
-    sees m (`_query_tile_range`'s hi, inverted: the key tile of the first key that m's first row sees) up."""
+    n * stride), the ring from the key tile that starts nearest below m; otherwise from the highest key tile that
+    sees m (`_query_tile_range`'s lo, inverted: the key tile of the last key that m's last row sees) down."""
     if ROTATE:
         first = tl.minimum(n_k_tiles - 1, m // stride)
         turn = (first - n + n_k_tiles) % n_k_tiles
     else:
-        if BOUND_LEFT:
-            first = tl.maximum(m * BLOCK_M + left_offset, 0) // BLOCK_N
+        if BOUND_RIGHT:
+            last = tl.minimum(n_k_tiles - 1, (m * BLOCK_M + BLOCK_M - 1 + right_offset) // BLOCK_N)
         else:
-            first = 0
-        turn = n - first
+            last = n_k_tiles - 1
+        turn = last - n
     return turn
 
 

@@ -781,13 +781,10 @@ def attention_backward_dq(q_desc, k_desc, v_desc, do_desc, o_desc, dq_desc, L, L
 # program's writer waits for its turn. The turns follow the order in which the programs reach the tile, so that in
 # the steady state the turn has come before the share is ready, and a program only waits for programs launched
 # before it (CUDA starts programs in launch order), so the waits cannot deadlock:
-# - masked (causal, windows; and full masks that ROTATE cannot take): each head's programs launch from key tile 0
-#   up (the heaviest first under a causal mask, as the unordered kind's) and visit their query tiles from the last
-#   down, query heads of a K/V group side by side; key tile n's last query tile is no lower than key tile n - 1's,
-#   so n reaches tile m no earlier, and the adds go from the lowest key tile up. (Visiting upward from the first
-#   tile, the adds must go from the highest key tile down, so the grid must launch the lightest tiles first, and
-#   the heaviest of the last head then run alone at the end: 4-7% of a causal backward; launching heaviest first
-#   with upward visits made every program after the first wave wait a tile a turn, 1.6x slower: stop 41.)
+# - masked (causal, windows; and full masks that ROTATE cannot take): programs visit their query tiles in order,
+#   key tile n reaches tile m later than key tile n + 1 does (it starts lower), so the adds go from the highest key
+#   tile down, and each head's programs launch from the last key tile down (the lightest first under a causal
+#   mask);
 # - ROTATE (full masks): every key tile sees every query tile, so each program starts at a different one,
 #   n * stride, and wraps around; tile m's adds go in the order the programs reach it, a ring. The ring's waits
 #   are on programs launched later as well, so the host takes ROTATE only where one head's programs all fit on
@@ -846,13 +843,9 @@ def _pass_turn(semaphore, BUT_TWO: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _one_pass_tile(j, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M: gl.constexpr, DESCENDING: gl.constexpr):
+def _one_pass_tile(j, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M: gl.constexpr):
     """(query head, first row) of the j-th query tile a one-pass program visits: `_query_tile`'s, each head's tiles
-    starting at tile `rot` (0 <= rot < n_m_tiles) and wrapping around; with DESCENDING from the last tile down, the
-    group's query heads side by side at each tile."""
-    if DESCENDING:
-        i = j // kv_group
-        return h_kv * kv_group + (j - i * kv_group), lo + (n_m_tiles - 1 - i) * BLOCK_M
+    starting at tile `rot` (0 <= rot < n_m_tiles) and wrapping around."""
     g = j // n_m_tiles
     return h_kv * kv_group + g, lo + ((j - g * n_m_tiles + rot) % n_m_tiles) * BLOCK_M
 
@@ -860,7 +853,7 @@ def _one_pass_tile(j, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M: gl.constexpr,
 @gluon.jit
 def _one_pass_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, q_bar, do_bar, k_box, v_box, kv_bar,
                        empty_bar, b, h_kv, kv_group, start_n, lo, rot, n_m_tiles, n_iter, BLOCK_M: gl.constexpr,
-                       NBUF: gl.constexpr, DESCENDING: gl.constexpr):
+                       NBUF: gl.constexpr):
     """One warp: the program's K and V tile, then query tile j's Q and dO into buffer j % NBUF once both consumers
     released tile j - NBUF."""
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -869,16 +862,15 @@ def _one_pass_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, q_bar, 
     for j in range(n_iter):
         slot = j % NBUF
         mbarrier.wait(empty_bar.index(slot), ((j // NBUF) - 1) & 1, pred=j >= NBUF)
-        h, start_m = _one_pass_tile(j, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M, DESCENDING)
+        h, start_m = _one_pass_tile(j, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M)
         _load_pair(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, b, h, start_m, slot, True)
 
 
 @gluon.jit
 def _one_pass_dq_writer(dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv, n_heads, kv_group, n_q, pid_n, lo,
-                        rot, n_m_tiles, n_iter, n_k_tiles, stride, left_offset, BLOCK_M: gl.constexpr,
-                        BLOCK_N: gl.constexpr, DQ_COLS: gl.constexpr, BOUND_LEFT: gl.constexpr,
-                        DETERMINISTIC: gl.constexpr, ROTATE: gl.constexpr, NSTAGE: gl.constexpr,
-                        DESCENDING: gl.constexpr):
+                        rot, n_m_tiles, n_iter, n_k_tiles, stride, right_offset, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, DQ_COLS: gl.constexpr, BOUND_RIGHT: gl.constexpr,
+                        DETERMINISTIC: gl.constexpr, ROTATE: gl.constexpr, NSTAGE: gl.constexpr):
     """One warp: each tile's two dQ shares (one per consumer: dQ's column halves) from the staging boxes (tile j's in
     set j % NSTAGE) into dq_desc's float32 sum by TMA reduce-adds, handing each set back once the adds have read it.
     With DETERMINISTIC it first waits for the program's turn at the tile (before the shares are ready, so the wait
@@ -888,11 +880,11 @@ def _one_pass_dq_writer(dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv
     n_q_tiles = gl.cdiv(n_q, BLOCK_M)
     last_sem = Sem
     for j in range(n_iter):
-        h, start_m = _one_pass_tile(j, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M, DESCENDING)
+        h, start_m = _one_pass_tile(j, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M)
         if DETERMINISTIC:
             m = start_m // BLOCK_M
             sem = Sem + (b * n_heads + h).to(gl.int64) * n_q_tiles + m
-            _wait_turn(sem, _one_pass_turn(m, pid_n, n_k_tiles, stride, left_offset, BLOCK_M, BLOCK_N, BOUND_LEFT,
+            _wait_turn(sem, _one_pass_turn(m, pid_n, n_k_tiles, stride, right_offset, BLOCK_M, BLOCK_N, BOUND_RIGHT,
                                            ROTATE), lane_layout)
         first = (j % NSTAGE) * 2
         for half in gl.static_range(2):
@@ -918,7 +910,7 @@ def _one_pass_consumer(dk_desc, dv_desc, LseDelta, q_smem, do_smem, q_bar, do_ba
                        lo, rot, full_lo, full_hi, n_m_tiles, n_iter, right_offset, left_offset, qk_scale,
                        softmax_scale, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        HALF_N: gl.constexpr, BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr,
-                       NBUF: gl.constexpr, NSTAGE: gl.constexpr, DESCENDING: gl.constexpr):
+                       NBUF: gl.constexpr, NSTAGE: gl.constexpr):
     """One warpgroup: dK and dV of key rows start_n + HALF * HALF_N on, and its share of dQ, over the query tiles
     the producer streams. Per tile as `attention_backward_dkdv` (Sᵀ and dPᵀ issued together, Pᵀ under dPᵀ, dSᵀ under
     dV's product), then dSᵀ into shared memory, where the two warpgroups' halves meet (ds_bar), and dQ's columns
@@ -944,13 +936,13 @@ def _one_pass_consumer(dk_desc, dv_desc, LseDelta, q_smem, do_smem, q_bar, do_ba
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=acc_layout)
     s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
     dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
-    h, start_m = _one_pass_tile(0, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M, DESCENDING)
+    h, start_m = _one_pass_tile(0, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M)
     neg_lse2, delta = _lse_delta_at(LseDelta, b, n_heads, n_q, h, start_m, 0 < n_iter, BLOCK_M, row_layout)
     mbarrier.wait(kv_bar, 0)
     for j in range(n_iter):
         slot = j % NBUF
         phase = (j // NBUF) & 1
-        h, start_m = _one_pass_tile(j, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M, DESCENDING)
+        h, start_m = _one_pass_tile(j, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M)
         q_tile = _tile(q_smem.index(slot), BLOCK_M, HEAD_DIM)
         do_tile = _tile(do_smem.index(slot), BLOCK_M, HEAD_DIM)
         p, dp_tok = _transposed_probabilities(k_tile, v_tile, q_tile, do_tile, q_bar.index(slot), do_bar.index(slot),
@@ -967,7 +959,7 @@ def _one_pass_consumer(dk_desc, dv_desc, LseDelta, q_smem, do_smem, q_bar, do_ba
         _barrier()
         mbarrier.arrive(ds_bar.index(j % 2))
         dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q_tile, dk, is_async=True)
-        h_next, start_next = _one_pass_tile(j + 1, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M, DESCENDING)
+        h_next, start_next = _one_pass_tile(j + 1, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M)
         neg_lse2, delta = _lse_delta_at(LseDelta, b, n_heads, n_q, h_next, start_next, j + 1 < n_iter, BLOCK_M,
                                         row_layout)
         mbarrier.wait(ds_bar.index(j % 2), (j // 2) & 1)
@@ -1018,19 +1010,18 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
 
     DETERMINISTIC: dQ's sums are added in a fixed order, ordered by Sem, (B, H, cdiv(Nq, BLOCK_M)) int32 zeroed
     first (see the section's comment); ROTATE (full masks, Nq / BLOCK_M >= Nk / BLOCK_N, and at most one head's
-    cdiv(Nk, BLOCK_N) programs per SM) rotates each program's first query tile; otherwise its query tiles go from
-    the last down. Without DETERMINISTIC (Sem unread) dQ's sums run in no fixed order, so their last bits vary from
-    run to run."""
+    cdiv(Nk, BLOCK_N) programs per SM) rotates each program's first query tile. Without DETERMINISTIC (Sem unread)
+    dQ's sums run in no fixed order, so their last bits vary from run to run."""
     HALF_N: gl.constexpr = BLOCK_N // 2
-    DESCENDING: gl.constexpr = DETERMINISTIC and not ROTATE
     DQ_COLS: gl.constexpr = HEAD_DIM // 2
     dtype: gl.constexpr = q_desc.dtype
     n_kv_heads = n_heads // kv_group
     n_k_tiles = gl.cdiv(n_k, BLOCK_N)
     # One (batch, K/V head) after another, so that the programs running at once share one head's Q and dO in L2
-    # (interleaving the heads made the deterministic causal backward 1.5-1.8x slower: kernel_experiments.md); each
-    # head's key tiles from 0 up, the heaviest first under a causal mask (DESCENDING: their adds go first too).
-    pid_n, bh_kv, b, h_kv, _ = _program_tile(n_bh, n_kv_heads, 1, False)
+    # (interleaving the heads made the deterministic causal backward 1.5-1.8x slower: kernel_experiments.md); with
+    # DETERMINISTIC and not ROTATE each head's key tiles from the last down, so that the tiles whose adds go first
+    # start first.
+    pid_n, bh_kv, b, h_kv, _ = _program_tile(n_bh, n_kv_heads, 1, DETERMINISTIC and not ROTATE)
     start_n = pid_n * BLOCK_N
     right_offset = n_k - n_q + window_right
     left_offset = n_k - n_q - window_left
@@ -1072,19 +1063,17 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
                                               kv_bar, empty_bar, ds_smem, ds_bar, dq_stage, stage_full, stage_empty, b,
                                               h_kv, n_heads, kv_group, n_q, start_n, lo, rot, full_lo, full_hi,
                                               n_m_tiles, n_iter, right_offset, left_offset, qk_scale, softmax_scale, 0,
-                                              HEAD_DIM, BLOCK_M, HALF_N, BOUND_RIGHT, BOUND_LEFT, NBUF, NSTAGE,
-                                              DESCENDING)),
+                                              HEAD_DIM, BLOCK_M, HALF_N, BOUND_RIGHT, BOUND_LEFT, NBUF, NSTAGE)),
                         (_one_pass_consumer, (dk_desc, dv_desc, LseDelta, q_smem, do_smem, q_bar, do_bar, k_box, v_box,
                                               kv_bar, empty_bar, ds_smem, ds_bar, dq_stage, stage_full, stage_empty, b,
                                               h_kv, n_heads, kv_group, n_q, start_n, lo, rot, full_lo, full_hi,
                                               n_m_tiles, n_iter, right_offset, left_offset, qk_scale, softmax_scale, 1,
-                                              HEAD_DIM, BLOCK_M, HALF_N, BOUND_RIGHT, BOUND_LEFT, NBUF, NSTAGE,
-                                              DESCENDING)),
+                                              HEAD_DIM, BLOCK_M, HALF_N, BOUND_RIGHT, BOUND_LEFT, NBUF, NSTAGE)),
                         (_one_pass_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, q_bar, do_bar, k_box,
                                               v_box, kv_bar, empty_bar, b, h_kv, kv_group, start_n, lo, rot, n_m_tiles,
-                                              n_iter, BLOCK_M, NBUF, DESCENDING)),
+                                              n_iter, BLOCK_M, NBUF)),
                         (_one_pass_dq_writer, (dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv, n_heads,
                                                kv_group, n_q, pid_n, lo, rot, n_m_tiles, n_iter, n_k_tiles, stride,
-                                               left_offset, BLOCK_M, BLOCK_N, DQ_COLS, BOUND_LEFT, DETERMINISTIC,
-                                               ROTATE, NSTAGE, DESCENDING))],
+                                               right_offset, BLOCK_M, BLOCK_N, DQ_COLS, BOUND_RIGHT, DETERMINISTIC,
+                                               ROTATE, NSTAGE))],
                        [4, 1, 1], [CONSUMER_REGS, 24, 24])
