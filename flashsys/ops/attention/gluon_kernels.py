@@ -784,7 +784,8 @@ def attention_backward_dq(q_desc, k_desc, v_desc, do_desc, o_desc, dq_desc, L, L
 # - masked (causal, windows; and full masks that ROTATE cannot take): programs visit their query tiles in order,
 #   key tile n reaches tile m later than key tile n + 1 does (it starts lower), so the adds go from the highest key
 #   tile down, and each head's programs launch from the last key tile down (the lightest first under a causal
-#   mask);
+#   mask). Two heaviest-first orders were 1.4-1.6x slower at N 16384: their programs reach each tile together,
+#   so every turn waits a whole hop (kernel_experiments.md, stop 41);
 # - ROTATE (full masks): every key tile sees every query tile, so each program starts at a different one,
 #   n * stride, and wraps around; tile m's adds go in the order the programs reach it, a ring. The ring's waits
 #   are on programs launched later as well, so the host takes ROTATE only where one head's programs all fit on
