@@ -156,12 +156,14 @@ def _turns_kernel(Turns, Visits, n_q, n_k, window_left, window_right, stride, MA
     tl.store(Visits + n * MAX_M + m, visits.to(tl.int32), mask=m < tl.cdiv(n_q, BLOCK_M))
 
 
-def _turns(n_q: int, n_k: int, window: tuple[int, int]):
-    """(query tiles, key tiles, whether the host would rotate (132 SMs), the rotation's stride, Turns, Visits) of
-    the deterministic one pass with 64-row query tiles and 128-row key tiles (`_turns_kernel`)."""
+def _turns(n_q: int, n_k: int, window: tuple[int, int], rotate: bool | None = None):
+    """(query tiles, key tiles, whether it rotates (by default as the host would on 132 SMs), the rotation's
+    stride, Turns, Visits) of the deterministic one pass with 64-row query tiles and 128-row key tiles
+    (`_turns_kernel`)."""
     block_m, block_n = 64, 128
     n_m, n_t = triton.cdiv(n_q, block_m), triton.cdiv(n_k, block_n)
-    rotate = window == (-1, -1) and n_m >= n_t
+    if rotate is None:
+        rotate = window == (-1, -1) and n_m >= n_t
     stride = max(n_m // n_t, 1)
     turns, visits = (torch.empty((n_t, 32), dtype=torch.int32, device=DEVICE) for _ in range(2))
     _turns_kernel[(n_t,)](turns, visits, n_q, n_k, window[0], window[1], stride, MAX_M=32, BLOCK_M=block_m,
@@ -214,10 +216,13 @@ def _runs_to_the_end(launches, sms: int) -> bool:
     return True
 
 
-def _launches(n_q, n_k, window, heads, last_first):
-    """The deterministic one pass's programs in launch order (see `_runs_to_the_end`), the kernel's order and
-    turns: heads one after another, each head's key tiles from the last down with `last_first`, else from 0 up."""
-    n_m, n_t, rotate, stride, turns, visits = _turns(n_q, n_k, window)
+def _launches(n_q, n_k, window, heads, rotate, last_first=None):
+    """The deterministic one pass's programs in launch order (see `_runs_to_the_end`), with the kernel's turns and
+    order: heads one after another; with `rotate` the ring, each head's key tiles from 0 up, else the masked order,
+    from the last key tile down (`last_first` overrides that)."""
+    n_m, n_t, rotate, stride, turns, visits = _turns(n_q, n_k, window, rotate)
+    if last_first is None:
+        last_first = not rotate
     programs = []
     for n in range(n_t):
         tiles = [m for m in range(n_m) if visits[n, m]]
@@ -236,29 +241,28 @@ def _launches(n_q, n_k, window, heads, last_first):
 @example(n_q=1400, n_k=1400, window=(-1, 0), sms=1)  # a causal mask on one SM
 def test_the_deterministic_one_pass_cannot_deadlock_in_the_order_the_host_launches_it(n_q, n_k, window, sms):
     """Programs spin until their turn, holding their SM. In the order the host launches them on a GPU of `sms` SMs
-    (the ring where `rotates` says so, else each head's key tiles from the last down), three heads' programs all
-    finish: a simulation with the kernel's own turns."""
+    (the ring where `rotates` says so, else the masked order, each head's key tiles from the last down), three
+    heads' programs all finish: a simulation with the kernel's own turns."""
     det = flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS[128][1]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(flash_gluon, "_usable_sms", lambda t: sms)
         rotate = flash_gluon.rotates(det, torch.empty(1, 2, n_q, 8), torch.empty(1, 2, n_k, 8), window)
-    ring = _turns(n_q, n_k, window)[2]  # the turns `_turns` draws: the ring's where a full mask could rotate
-    if ring and not rotate:
-        assert triton.cdiv(n_k, 128) > sms  # the host declines the ring only where a head does not fit
-        return  # and takes the masked order, whose turns this test does not draw
-    assert rotate == ring
-    assert _runs_to_the_end(_launches(n_q, n_k, window, 3, last_first=not rotate), sms)
+    assert _runs_to_the_end(_launches(n_q, n_k, window, 3, rotate), sms)
 
 
-def test_a_causal_head_launched_heaviest_first_deadlocks_without_room():
-    """Why the deterministic one pass launches a masked head's key tiles from the last down, where the unordered
-    one starts from key tile 0 (the heaviest under a causal mask): from 0 up, 11 key tiles on 10 SMs each wait for
-    the tile above, which cannot start; the simulation finds it, and finds none on 11 SMs or from the last down on
-    one. (Where a head does fit, the GPU measured that order 1.6x slower: the programs after the first wave reach
-    each query tile together and take their turns one after another; kernel_experiments.md, stop 41.)"""
-    launches = _launches(1400, 1400, (-1, 0), 2, last_first=False)
-    assert not _runs_to_the_end(launches, 10) and _runs_to_the_end(launches, 11)
-    assert _runs_to_the_end(_launches(1400, 1400, (-1, 0), 2, last_first=True), 1)
+def test_the_simulation_finds_the_deadlocks_the_host_avoids():
+    """The ring's waits are on programs launched later: rotating 11 key tiles on 10 SMs deadlocks (so `rotates`
+    declines there), on 11 it does not. And why the masked order launches a head's key tiles from the last down,
+    where the unordered one pass starts from key tile 0 (the heaviest under a causal mask): from 0 up, 11 causal
+    key tiles on 10 SMs each wait for the tile above, which cannot start; from the last down they finish on one SM.
+    (Where a head does fit, the GPU measured heaviest-first orders 1.4-1.6x slower: the programs reach each query
+    tile together and take their turns one after another; kernel_experiments.md, stop 41.)"""
+    ring = _launches(1400, 1400, (-1, -1), 2, rotate=True)
+    assert not _runs_to_the_end(ring, 10) and _runs_to_the_end(ring, 11)
+    heaviest_first = _launches(1400, 1400, (-1, 0), 2, rotate=False, last_first=False)
+    assert not _runs_to_the_end(heaviest_first, 10) and _runs_to_the_end(heaviest_first, 11)
+    for window in ((-1, 0), (-1, -1)):
+        assert _runs_to_the_end(_launches(1400, 1400, window, 2, rotate=False), 1)
 
 
 def test_full_masks_rotate_only_where_one_heads_programs_fit_at_once(monkeypatch):
