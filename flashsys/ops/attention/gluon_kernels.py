@@ -351,30 +351,34 @@ def _pingpong_consumer(o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, e
 
 
 @gluon.jit
-def attention_forward_pingpong(q_desc, k_desc, v_desc, o_desc, L, n_bh, n_heads, kv_group, n_q, n_k,
-                               window_left, window_right, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                               BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr,
-                               NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    """Warp-specialised: a producer warp (TMA) and two consumer warpgroups of BLOCK_M // 2 rows each that share the
-    key tiles and ping-pong (see _pingpong_consumer). q_desc and o_desc have BLOCK_M // 2-row boxes."""
-    HALF_M: gl.constexpr = BLOCK_M // 2
+def _pingpong_buffers(q_desc, k_desc, v_desc, o_desc, HALF_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      BLOCK_N: gl.constexpr, NBUF: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The ping-pong kernels' shared memory and barriers, initialised, warpgroup 0 holding the first turn: (query
+    boxes, K ring, V ring, query barriers, turn barriers, K, V and slot-free barriers), and with PERSISTENT after
+    them O's own staging boxes and the query-box-free barriers (the ping-pong kernel stores O through the query box
+    and loads its queries once).
+
+    Their own K/V ring, not `_stream_buffers`: the slots' free barriers are initialised in the same loop, and moving
+    them after the ring's reorders the prologue (Triton 3.6 then adds a bar.sync; kernel_experiments.md, stop 35).
+    The persistent kernel's two extra allocations sit where it measured them (its PTX is unchanged by this
+    helper)."""
     dtype: gl.constexpr = q_desc.dtype
-    bh, b, h, h_kv, start_m, right_offset, left_offset, lo, full_lo, full_hi, hi = _query_program(
-        n_bh, n_heads, kv_group, n_q, n_k, window_left, window_right, BLOCK_M, BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
-    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-    L = L + bh.to(gl.int64) * n_q
-    # Its own K/V ring, not `_stream_buffers`: the slots' empty barriers are initialised in the same loop, and moving
-    # them after the ring's reorders the prologue (Triton 3.6 then adds a bar.sync; kernel_experiments.md, stop 35).
     q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, HALF_M, HEAD_DIM], q_desc.layout)
+    if PERSISTENT:
+        o_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, HALF_M, HEAD_DIM], o_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    if PERSISTENT:
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     turn_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     v_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     empty_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_bar.index(i), count=1)
+        if PERSISTENT:
+            mbarrier.init(q_empty.index(i), count=1)
         mbarrier.init(turn_bar.index(i), count=1)
     for i in gl.static_range(NBUF):
         mbarrier.init(k_bar.index(i), count=1)
@@ -382,6 +386,26 @@ def attention_forward_pingpong(q_desc, k_desc, v_desc, o_desc, L, n_bh, n_heads,
         mbarrier.init(empty_bar.index(i), count=2)
     fence_async_shared()
     mbarrier.arrive(turn_bar.index(0))  # warpgroup 0 takes the first turn
+    if PERSISTENT:
+        return q_smem, k_smem, v_smem, q_bar, turn_bar, k_bar, v_bar, empty_bar, o_smem, q_empty
+    else:
+        return q_smem, k_smem, v_smem, q_bar, turn_bar, k_bar, v_bar, empty_bar
+
+
+@gluon.jit
+def attention_forward_pingpong(q_desc, k_desc, v_desc, o_desc, L, n_bh, n_heads, kv_group, n_q, n_k,
+                               window_left, window_right, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                               BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr,
+                               NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """Warp-specialised: a producer warp (TMA) and two consumer warpgroups of BLOCK_M // 2 rows each that share the
+    key tiles and ping-pong (see _pingpong_consumer). q_desc and o_desc have BLOCK_M // 2-row boxes."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    bh, b, h, h_kv, start_m, right_offset, left_offset, lo, full_lo, full_hi, hi = _query_program(
+        n_bh, n_heads, kv_group, n_q, n_k, window_left, window_right, BLOCK_M, BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
+    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+    L = L + bh.to(gl.int64) * n_q
+    q_smem, k_smem, v_smem, q_bar, turn_bar, k_bar, v_bar, empty_bar = _pingpong_buffers(
+        q_desc, k_desc, v_desc, o_desc, HALF_M, HEAD_DIM, BLOCK_N, NBUF, False)
     # The argument tuples are written out in the call: a tuple bound to a name first passes its constexprs on
     # wrapped twice (Triton 3.6), and arithmetic on them then fails.
     gl.warp_specialize([(_pingpong_consumer, (o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar,
@@ -504,28 +528,9 @@ def attention_forward_persistent(q_desc, k_desc, v_desc, o_desc, L, n_bh, n_head
     (launch, load the queries, wait for the first K/V tiles, store the output) overlaps the previous tile's work here
     (FlashAttention-3's persistent schedule). O has its own staging boxes (HALF_M rows each)."""
     HALF_M: gl.constexpr = BLOCK_M // 2
-    dtype: gl.constexpr = q_desc.dtype
     n_m_tiles = gl.cdiv(n_q, BLOCK_M)
-    q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, HALF_M, HEAD_DIM], q_desc.layout)
-    o_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, HALF_M, HEAD_DIM], o_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    turn_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    k_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    v_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    empty_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(q_bar.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=1)
-        mbarrier.init(turn_bar.index(i), count=1)
-    for i in gl.static_range(NBUF):
-        mbarrier.init(k_bar.index(i), count=1)
-        mbarrier.init(v_bar.index(i), count=1)
-        mbarrier.init(empty_bar.index(i), count=2)
-    fence_async_shared()
-    mbarrier.arrive(turn_bar.index(0))  # warpgroup 0 takes the first turn
+    q_smem, k_smem, v_smem, q_bar, turn_bar, k_bar, v_bar, empty_bar, o_smem, q_empty = _pingpong_buffers(
+        q_desc, k_desc, v_desc, o_desc, HALF_M, HEAD_DIM, BLOCK_N, NBUF, True)
     gl.warp_specialize([(_persistent_consumer, (o_desc, L, q_smem, q_bar, q_empty, o_smem, k_smem, v_smem, k_bar, v_bar,
                                                 empty_bar, turn_bar, n_bh, n_heads, kv_group, n_q, n_k,
                                                 window_left, window_right, n_m_tiles, qk_scale, 0, HEAD_DIM, BLOCK_M,
