@@ -259,6 +259,35 @@ def test_each_one_pass_variant_matches_reference_gpu(variant, case):
 @hopper_only
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("n_q, late", [(1024, True), (600, False)], ids=["stride2", "stride1"])
+def test_the_deterministic_one_pass_ring_finishes_and_matches_reference_gpu(d, n_q, late):
+    """Full masks rotate each program's first query tile (a ring of turns). With 64-row query tiles against 1024
+    keys (8 key tiles), 1024 queries give a ring of stride 2, where the writer counts its turns late, and 600 one of
+    stride 1, where a late count deadlocked (the GPU trapped). Both finish, match float64 and repeat their bits."""
+    from flashsys.ops.attention import flash_triton
+
+    var = flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS[d][1]
+    case = (1, 2, 2, n_q, 1024, (-1, -1), "bhnd", torch.bfloat16)
+    (q, k, v, do, o, lse), grads_tl, _ = _tl_backward_case(case, d, 17, 3)
+    assert flash_gluon.rotates(var, q, k, (-1, -1))
+    assert flash_gluon.passes_turns_late(var, q, k, (-1, -1)) == late
+    scale = d ** -0.5
+    _, _, *refs = run_reference(q, k, v, do, False, scale, torch.float64, (-1, -1))
+    runs = []
+    for _ in range(2):
+        grads = tuple(torch.full_like(t, float("nan"), memory_format=torch.contiguous_format) for t in (q, k, v))
+        pairs = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device=q.device)
+        flash_triton._one_pass_backward(var, q, k, v, o, lse, do, *grads, pairs, (-1, -1), scale)
+        runs.append(grads)
+    for name, ours, ref, tl_result in zip(("dQ", "dK", "dV"), runs[0], refs, grads_tl):
+        err, tl_err = rel_err(ours, ref), rel_err(tl_result, ref)
+        assert err <= 2 * tl_err + FLOOR[torch.bfloat16], f"{name}: {err:.3g} vs the two passes' {tl_err:.3g}"
+    assert all(torch.equal(a, b) for a, b in zip(*runs)), "the deterministic one pass changed its bits"
+
+
+@hopper_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("window", [(-1, 0), (-1, -1)], ids=["causal", "full"])
 def test_op_runs_the_one_pass_that_determinism_allows_gpu(d, window, monkeypatch):
     """Through FlashAttention2Triton: by default, with the deterministic one pass the choice, it runs and its

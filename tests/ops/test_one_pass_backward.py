@@ -156,11 +156,11 @@ def _turns_kernel(Turns, Visits, n_q, n_k, window_left, window_right, stride, MA
     tl.store(Visits + n * MAX_M + m, visits.to(tl.int32), mask=m < tl.cdiv(n_q, BLOCK_M))
 
 
-def _turns(n_q: int, n_k: int, window: tuple[int, int], rotate: bool | None = None):
+def _turns(n_q: int, n_k: int, window: tuple[int, int], rotate: bool | None = None, block_m: int = 64):
     """(query tiles, key tiles, whether it rotates (by default as the host would on 132 SMs), the rotation's
-    stride, Turns, Visits) of the deterministic one pass with 64-row query tiles and 128-row key tiles
+    stride, Turns, Visits) of the deterministic one pass with `block_m`-row query tiles and 128-row key tiles
     (`_turns_kernel`)."""
-    block_m, block_n = 64, 128
+    block_n = 128
     n_m, n_t = triton.cdiv(n_q, block_m), triton.cdiv(n_k, block_n)
     if rotate is None:
         rotate = window == (-1, -1) and n_m >= n_t
@@ -175,14 +175,15 @@ _WINDOWS = [(-1, 0), (-1, -1), (-1, 37), (200, 0), (64, 16), (0, 0), (130, 300),
 
 
 @settings(max_examples=40)
-@given(n_q=st.integers(1, 1400), n_k=st.integers(1, 1400), window=st.sampled_from(_WINDOWS))
-def test_the_deterministic_one_pass_gives_each_add_its_own_turn_in_visiting_order(n_q, n_k, window):
+@given(n_q=st.integers(1, 1400), n_k=st.integers(1, 1400), window=st.sampled_from(_WINDOWS),
+       block_m=st.sampled_from([64, 128]))
+def test_the_deterministic_one_pass_gives_each_add_its_own_turn_in_visiting_order(n_q, n_k, window, block_m):
     """The turns of the deterministic one pass (its adds into a query tile wait for 0, 1, ...), from the kernel's own
     helpers: at every query tile the key tiles that visit it hold the turns 0 .. V-1, each once (a missing or
     repeated turn would leave a wait that never ends); they come in the order the programs reach the tile; and
     outside a rotated full mask a program waits only for key tile n + 1, which launches before it (the grid runs from
     the last key tile down), so no wait can hold up the program it waits for."""
-    n_m, n_t, rotate, stride, turns, visits = _turns(n_q, n_k, window)
+    n_m, n_t, rotate, stride, turns, visits = _turns(n_q, n_k, window, block_m=block_m)
     for m in range(n_m):
         visitors = [n for n in range(n_t) if visits[n, m]]
         if rotate:  # program n reaches tile m at its step (m - n * stride) mod n_m
@@ -193,34 +194,48 @@ def test_the_deterministic_one_pass_gives_each_add_its_own_turn_in_visiting_orde
         assert [int(turns[n, m]) for n in arrival] == list(range(len(visitors))), (m, turns[:, m].tolist())
 
 
-def _runs_to_the_end(launches, sms: int) -> bool:
+def _runs_to_the_end(launches, sms: int, pass_late: bool = False) -> bool:
     """Whether programs that wait for their turns all finish on `sms` SMs, one program per SM, started in launch
     order as SMs free up. `launches`: per program (head, [(query tile, turn), ...] in visiting order). A step adds
-    one program's share at one query tile, once as many shares as its turn have been added there; False where every
-    running program waits for a program that has not started (a deadlock on the GPU)."""
-    added: dict[tuple[int, int], int] = {}
+    one program's share at one query tile, once as many shares as its turn have been counted there; the writer
+    counts it at once, or with `pass_late` (PASS_LATE) only once it has taken its next turn (or has none left).
+    False where every running program waits for a program that has not started or for a count that waits on it
+    (a deadlock on the GPU)."""
+    counted: dict[tuple[int, int], int] = {}
     queue, running = list(launches), []
     while queue or running:
         while queue and len(running) < sms:
             head, steps = queue.pop(0)
-            running.append((head, list(steps)))
+            running.append([head, list(steps), None])  # None: no share added and not yet counted
         moved = False
-        for head, steps in running:
-            while steps and added.get((head, steps[0][0]), 0) == steps[0][1]:
-                added[head, steps[0][0]] = steps[0][1] + 1
-                steps.pop(0)
+        for program in running:
+            head, steps, pending = program
+            while steps and counted.get((head, steps[0][0]), 0) == steps[0][1]:
+                if pending is not None:
+                    counted[head, pending] += 1
+                tile = steps.pop(0)[0]
+                counted.setdefault((head, tile), 0)
+                if pass_late:
+                    pending = tile
+                else:
+                    counted[head, tile] += 1
                 moved = True
-        running = [(head, steps) for head, steps in running if steps]
+            if not steps and pending is not None:
+                counted[head, pending] += 1
+                pending = None
+                moved = True
+            program[2] = pending
+        running = [program for program in running if program[1] or program[2] is not None]
         if not moved and running:
             return False
     return True
 
 
-def _launches(n_q, n_k, window, heads, rotate, last_first=None):
+def _launches(n_q, n_k, window, heads, rotate, last_first=None, block_m=64):
     """The deterministic one pass's programs in launch order (see `_runs_to_the_end`), with the kernel's turns and
     order: heads one after another; with `rotate` the ring, each head's key tiles from 0 up, else the masked order,
     from the last key tile down (`last_first` overrides that)."""
-    n_m, n_t, rotate, stride, turns, visits = _turns(n_q, n_k, window, rotate)
+    n_m, n_t, rotate, stride, turns, visits = _turns(n_q, n_k, window, rotate, block_m)
     if last_first is None:
         last_first = not rotate
     programs = []
@@ -233,36 +248,50 @@ def _launches(n_q, n_k, window, heads, rotate, last_first=None):
     return [(head, programs[n]) for head in range(heads) for n in order]
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(n_q=st.integers(1, 1400), n_k=st.integers(1, 1400), window=st.sampled_from(_WINDOWS),
-       sms=st.integers(1, 14))
-@example(n_q=1400, n_k=1400, window=(-1, -1), sms=5)  # a full mask whose head does not fit: no ring
-@example(n_q=1400, n_k=1400, window=(-1, -1), sms=11)  # one that fits: the ring
-@example(n_q=1400, n_k=1400, window=(-1, 0), sms=1)  # a causal mask on one SM
-def test_the_deterministic_one_pass_cannot_deadlock_in_the_order_the_host_launches_it(n_q, n_k, window, sms):
+       sms=st.integers(1, 14), block_m=st.sampled_from([64, 128]))
+@example(n_q=1400, n_k=1400, window=(-1, -1), sms=5, block_m=64)  # a full mask whose head does not fit: no ring
+@example(n_q=1400, n_k=1400, window=(-1, -1), sms=11, block_m=64)  # one that fits: the ring, stride 2
+@example(n_q=1400, n_k=1400, window=(-1, -1), sms=11, block_m=128)  # the ring, stride 1
+@example(n_q=700, n_k=1400, window=(-1, -1), sms=11, block_m=64)  # the ring, stride 1
+@example(n_q=1400, n_k=1400, window=(-1, 0), sms=1, block_m=64)  # a causal mask on one SM
+def test_the_deterministic_one_pass_cannot_deadlock_in_the_order_the_host_launches_it(n_q, n_k, window, sms,
+                                                                                      block_m):
     """Programs spin until their turn, holding their SM. In the order the host launches them on a GPU of `sms` SMs
-    (the ring where `rotates` says so, else the masked order, each head's key tiles from the last down), three
-    heads' programs all finish: a simulation with the kernel's own turns."""
-    det = flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS[128][1]
+    (the ring where `rotates` says so, else the masked order, each head's key tiles from the last down), and
+    counting turns late where `passes_turns_late` says so, three heads' programs all finish: a simulation with the
+    kernel's own turns."""
+    det = flash_gluon.Variant("one_pass_det", block_m, 128, 2, 240)
+    q4, k4 = torch.empty(1, 2, n_q, 8), torch.empty(1, 2, n_k, 8)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(flash_gluon, "_usable_sms", lambda t: sms)
-        rotate = flash_gluon.rotates(det, torch.empty(1, 2, n_q, 8), torch.empty(1, 2, n_k, 8), window)
-    assert _runs_to_the_end(_launches(n_q, n_k, window, 3, rotate), sms)
+        rotate = flash_gluon.rotates(det, q4, k4, window)
+        late = flash_gluon.passes_turns_late(det, q4, k4, window)
+    assert _runs_to_the_end(_launches(n_q, n_k, window, 3, rotate, block_m=block_m), sms, late)
 
 
 def test_the_simulation_finds_the_deadlocks_the_host_avoids():
     """The ring's waits are on programs launched later: rotating 11 key tiles on 10 SMs deadlocks (so `rotates`
-    declines there), on 11 it does not. And why the masked order launches a head's key tiles from the last down,
+    declines there), on 11 it does not. A ring of stride 1 (each program one tile behind the one before it) that
+    counts its turns late deadlocks on any number of SMs (so `passes_turns_late` declines there); one of stride 2
+    does not. And why the masked order launches a head's key tiles from the last down,
     where the unordered one pass starts from key tile 0 (the heaviest under a causal mask): from 0 up, 11 causal
     key tiles on 10 SMs each wait for the tile above, which cannot start; from the last down they finish on one SM.
     (Where a head does fit, the GPU measured heaviest-first orders 1.4-1.6x slower: the programs reach each query
     tile together and take their turns one after another; kernel_experiments.md, stop 41.)"""
     ring = _launches(1400, 1400, (-1, -1), 2, rotate=True)
     assert not _runs_to_the_end(ring, 10) and _runs_to_the_end(ring, 11)
+    assert _runs_to_the_end(ring, 11, pass_late=True)  # stride 2
+    for tight_ring in (_launches(1400, 1400, (-1, -1), 2, rotate=True, block_m=128),
+                       _launches(700, 1400, (-1, -1), 2, rotate=True)):
+        assert _runs_to_the_end(tight_ring, 11) and not _runs_to_the_end(tight_ring, 40, pass_late=True)
     heaviest_first = _launches(1400, 1400, (-1, 0), 2, rotate=False, last_first=False)
     assert not _runs_to_the_end(heaviest_first, 10) and _runs_to_the_end(heaviest_first, 11)
     for window in ((-1, 0), (-1, -1)):
-        assert _runs_to_the_end(_launches(1400, 1400, window, 2, rotate=False), 1)
+        for block_m in (64, 128):
+            for late in (False, True):
+                assert _runs_to_the_end(_launches(1400, 1400, window, 2, rotate=False, block_m=block_m), 1, late)
 
 
 def test_full_masks_rotate_only_where_one_heads_programs_fit_at_once(monkeypatch):
@@ -284,6 +313,22 @@ def test_full_masks_rotate_only_where_one_heads_programs_fit_at_once(monkeypatch
     assert rotates(8192, 8192) and not rotates(16384, 16384)  # 64 and 128 key tiles against 66 SMs
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "most")
     assert not rotates(1024, 1024)
+
+
+def test_turns_are_counted_late_only_where_each_predecessor_is_two_tiles_ahead(monkeypatch):
+    """PASS_LATE: in a ring only of stride 2 or more query tiles per key tile; in the masked order only where a key
+    tile spans two query tiles or more (64-row query tiles against 128-row key tiles, not 128 against 128)."""
+    monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
+
+    def late(n_q, n_k, window=(-1, -1), block_m=64, kind="one_pass_det"):
+        variant = flash_gluon.Variant(kind, block_m, 128, 2, 240)
+        return flash_gluon.passes_turns_late(variant, torch.empty(1, 2, n_q, 8), torch.empty(1, 2, n_k, 8), window)
+
+    assert late(16384, 16384) and late(16384, 16384, (-1, 0)) and late(4096, 16384, (-1, 0))
+    assert not late(8192, 16384) and not late(16320, 16384)  # rings of stride 1 (128 and 255 query tiles)
+    assert late(132 * 128 + 1, 132 * 128 + 1)  # too many key tiles to rotate: the masked order
+    assert not late(16384, 16384, block_m=128) and not late(16384, 16384, (-1, 0), block_m=128)
+    assert not late(16384, 16384, kind="one_pass")  # no turns
 
 
 def test_the_deterministic_one_pass_refuses_missing_or_short_semaphores():

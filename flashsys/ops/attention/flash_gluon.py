@@ -327,6 +327,20 @@ def rotates(variant: Variant, q4: Tensor, k4: Tensor, window: tuple[int, int]) -
     return n_k_tiles <= _usable_sms(q4)
 
 
+def passes_turns_late(variant: Variant, q4: Tensor, k4: Tensor, window: tuple[int, int]) -> bool:
+    """Whether the deterministic one pass's writer counts a tile's turn only after issuing the next tile's adds
+    (PASS_LATE), which keeps the adds' completion off its path: only where each program's predecessor at a tile gets
+    there two or more tiles before it. That is the ring's stride (query tiles per key tile) where it rotates, and
+    the tiles' sizes elsewhere (key tile n + 1 starts BLOCK_N rows, BLOCK_N / BLOCK_M query tiles, further on). One
+    tile ahead, a late count would make a ring of programs wait on each other's next waits (a deadlock: the GPU
+    trapped) and chain a masked order's programs one hop behind another."""
+    if variant.kind != "one_pass_det":
+        return False
+    if rotates(variant, q4, k4, window):
+        return triton.cdiv(q4.shape[2], variant.block_m) // triton.cdiv(k4.shape[2], variant.block_n) >= 2
+    return variant.block_n >= 2 * variant.block_m
+
+
 _sm_counts: dict[int, int] = {}
 
 
@@ -376,7 +390,8 @@ def _one_pass_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor,
             window[1], scale * LOG2E, scale)
     kwargs = dict(HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n, BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0,
                   NBUF=variant.nbuf, CONSUMER_REGS=variant.regs, DETERMINISTIC=deterministic,
-                  ROTATE=rotates(variant, q4, k4, window), NSTAGE=variant.stages, num_warps=4)
+                  ROTATE=rotates(variant, q4, k4, window), PASS_LATE=passes_turns_late(variant, q4, k4, window),
+                  NSTAGE=variant.stages, num_warps=4)
     return _kernels().attention_backward_one_pass, (triton.cdiv(n_k, n) * batch * kv_heads,), args, kwargs
 
 

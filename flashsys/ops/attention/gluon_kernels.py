@@ -795,6 +795,9 @@ def attention_backward_dq(q_desc, k_desc, v_desc, do_desc, o_desc, dq_desc, L, L
 #   n * stride, and wraps around; tile m's adds go in the order the programs reach it, a ring. The ring's waits
 #   are on programs launched later as well, so the host takes ROTATE only where one head's programs all fit on
 #   the GPU at once (at most one per SM).
+# Where a program's predecessor reaches each tile only one tile before it (a ring of stride 1; 128-row query tiles
+# under a mask), the writer must count each turn before it waits for the next (PASS_LATE off): counting it after
+# would make the ring wait on itself (the GPU trapped) and put a masked order's programs one hop behind another.
 
 _WAIT_TURN_ASM: gl.constexpr = gl.constexpr("""{
 .reg .pred fs_ready;
@@ -876,12 +879,16 @@ def _one_pass_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, q_bar, 
 def _one_pass_dq_writer(dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv, n_heads, kv_group, n_q, pid_n, lo,
                         rot, n_m_tiles, n_iter, n_k_tiles, stride, right_offset, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, DQ_COLS: gl.constexpr, BOUND_RIGHT: gl.constexpr,
-                        DETERMINISTIC: gl.constexpr, ROTATE: gl.constexpr, NSTAGE: gl.constexpr):
+                        DETERMINISTIC: gl.constexpr, ROTATE: gl.constexpr, NSTAGE: gl.constexpr,
+                        PASS_LATE: gl.constexpr):
     """One warp: each tile's two dQ shares (one per consumer: dQ's column halves) from the staging boxes (tile j's in
     set j % NSTAGE) into dq_desc's float32 sum by TMA reduce-adds, handing each set back once the adds have read it.
     With DETERMINISTIC it first waits for the program's turn at the tile (before the shares are ready, so the wait
-    overlaps their products), and counts the turn as taken once the adds have completed, after the next tile's adds
-    are issued."""
+    overlaps their products), and counts the turn as taken once the adds have completed: with PASS_LATE after the
+    next tile's adds are issued (their completion overlaps them), else once the staging set has gone back. PASS_LATE
+    needs every program's predecessor at a tile two or more tiles ahead of it: a program then waits on a turn its
+    predecessor took before the tile it waits at, where one tile ahead its wait on the predecessor's wait would
+    close the ring's circle (a deadlock) and chain a masked order's programs one behind another."""
     lane_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     n_q_tiles = gl.cdiv(n_q, BLOCK_M)
     last_sem = Sem
@@ -896,7 +903,7 @@ def _one_pass_dq_writer(dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv
         for half in gl.static_range(2):
             mbarrier.wait(stage_full.index(first + half), (j // NSTAGE) & 1)
             _tma_add(dq_desc, [b, h, start_m, half * DQ_COLS], dq_stage.index(first + half))
-        if DETERMINISTIC:
+        if DETERMINISTIC and PASS_LATE:
             # Before the staging boxes go back: counting the turn after that delayed each hop of the full masks'
             # ring (22% slower at D 64, N 4096; kernel_experiments.md, stop 40).
             if j > 0:
@@ -905,7 +912,9 @@ def _one_pass_dq_writer(dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv
         tma.store_wait(0)  # both adds have read their staging boxes
         for half in gl.static_range(2):
             mbarrier.arrive(stage_empty.index(first + half))
-    if DETERMINISTIC:
+        if DETERMINISTIC and not PASS_LATE:
+            _pass_turn(sem, False, lane_layout)
+    if DETERMINISTIC and PASS_LATE:
         if n_iter > 0:
             _pass_turn(last_sem, False, lane_layout)
 
@@ -1004,7 +1013,7 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
                                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                 BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr,
                                 CONSUMER_REGS: gl.constexpr, DETERMINISTIC: gl.constexpr, ROTATE: gl.constexpr,
-                                NSTAGE: gl.constexpr = 1):
+                                PASS_LATE: gl.constexpr, NSTAGE: gl.constexpr = 1):
     """The whole backward in one pass: one program = a key tile of BLOCK_N rows of one (batch, K/V head), held by
     two consumer warpgroups of BLOCK_N // 2 rows each, a producer warp that streams Q and dO through NBUF buffers,
     and a writer warp that adds dQ's shares. Per query tile five products: Sᵀ, dPᵀ, dV += Pᵀ dO, dK += dSᵀ Q, and
@@ -1016,8 +1025,10 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
 
     DETERMINISTIC: dQ's sums are added in a fixed order, ordered by Sem, (B, H, cdiv(Nq, BLOCK_M)) int32 zeroed
     first (see the section's comment); ROTATE (full masks, Nq / BLOCK_M >= Nk / BLOCK_N, and at most one head's
-    cdiv(Nk, BLOCK_N) programs per SM) rotates each program's first query tile. Without DETERMINISTIC (Sem unread)
-    dQ's sums run in no fixed order, so their last bits vary from run to run."""
+    cdiv(Nk, BLOCK_N) programs per SM) rotates each program's first query tile; PASS_LATE (only where each program's
+    predecessor at a tile is two or more tiles ahead of it: `_one_pass_dq_writer`) counts a tile's turn after the
+    next tile's adds are issued. Without DETERMINISTIC (Sem unread) dQ's sums run in no fixed order, so their last
+    bits vary from run to run."""
     HALF_N: gl.constexpr = BLOCK_N // 2
     DQ_COLS: gl.constexpr = HEAD_DIM // 2
     dtype: gl.constexpr = q_desc.dtype
@@ -1081,5 +1092,5 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
                         (_one_pass_dq_writer, (dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv, n_heads,
                                                kv_group, n_q, pid_n, lo, rot, n_m_tiles, n_iter, n_k_tiles, stride,
                                                right_offset, BLOCK_M, BLOCK_N, DQ_COLS, BOUND_RIGHT, DETERMINISTIC,
-                                               ROTATE, NSTAGE))],
+                                               ROTATE, NSTAGE, PASS_LATE))],
                        [4, 1, 1], [CONSUMER_REGS, 24, 24])
