@@ -258,19 +258,22 @@ def test_each_one_pass_variant_matches_reference_gpu(variant, case):
 
 @hopper_only
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("n_q, late", [(1024, True), (600, False)], ids=["stride2", "stride1"])
-def test_the_deterministic_one_pass_ring_finishes_and_matches_reference_gpu(d, n_q, late):
-    """Full masks rotate each program's first query tile (a ring of turns). With 64-row query tiles against 1024
-    keys (8 key tiles), 1024 queries give a ring of stride 2, where the writer counts its turns late, and 600 one of
-    stride 1, where a late count deadlocked (the GPU trapped). Both finish, match float64 and repeat their bits."""
+@pytest.mark.parametrize("n_q", [1024, 600])
+@pytest.mark.parametrize("variant", [(d, v) for d, vs in flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS.items()
+                                     for v in vs if v.kind != "tl"],
+                         ids=lambda dv: f"d{dv[0]}-{dv[1].label().replace(' ', '-')}")
+def test_the_deterministic_one_pass_ring_finishes_and_matches_reference_gpu(variant, n_q):
+    """Full masks rotate each program's first query tile (a ring of turns). Against 1024 keys (8 key tiles), 1024
+    queries in 64-row tiles give a ring of stride 2, where the writer counts its turns late; 600 queries, or
+    128-row tiles, one of stride 1, where a late count deadlocked (the GPU trapped). All finish, match float64 and
+    repeat their bits."""
     from flashsys.ops.attention import flash_triton
 
-    var = flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS[d][1]
+    d, var = variant
     case = (1, 2, 2, n_q, 1024, (-1, -1), "bhnd", torch.bfloat16)
     (q, k, v, do, o, lse), grads_tl, _ = _tl_backward_case(case, d, 17, 3)
     assert flash_gluon.rotates(var, q, k, (-1, -1))
-    assert flash_gluon.passes_turns_late(var, q, k, (-1, -1)) == late
+    assert flash_gluon.passes_turns_late(var, q, k, (-1, -1)) == (var.block_m == 64 and n_q == 1024)
     scale = d ** -0.5
     _, _, *refs = run_reference(q, k, v, do, False, scale, torch.float64, (-1, -1))
     runs = []

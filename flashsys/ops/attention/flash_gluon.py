@@ -104,21 +104,25 @@ DQ_VARIANTS: dict[int, tuple[Variant, ...]] = {
 # block_n // 2 key rows at `regs` registers, each adding half of dQ's columns by a TMA reduce-add. TL_KERNEL stands
 # for the two passes, which stay a candidate: on an H100 (16k tokens, bf16, whole backwards) the one pass ran
 # 0.84-0.98x the two passes' time at D 128 and 0.94-0.96x at D 64 N 16384, but 0.99-1.03x at D 64 N 4096
-# (kernel_configs/probe_one_pass_backward_*_h100.txt).
+# (kernel_configs/probe_one_pass_backward_*_h100.txt). At D 64, 128-row query tiles (half the tiles a program
+# visits, and its products twice as wide) ran 2-5% faster than 64-row ones in every cell of N 4096 and 16384 but the
+# deterministic causal N 16384, where they tied (kernel_configs/probe_one_pass_block_m128_h100.txt); at D 128 their
+# accumulators do not fit in the registers.
 ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {
-    64: (TL_KERNEL, Variant("one_pass", 64, 128, 2, 240), Variant("one_pass", 64, 128, 3, 240),
-         Variant("one_pass", 64, 128, 2, 240, 2), Variant("one_pass", 64, 128, 3, 240, 2)),
+    64: (TL_KERNEL, Variant("one_pass", 64, 128, 3, 240, 2), Variant("one_pass", 128, 128, 2, 240),
+         Variant("one_pass", 128, 128, 3, 240)),
     128: (TL_KERNEL, Variant("one_pass", 64, 128, 2, 240), Variant("one_pass", 64, 128, 3, 240)),
 }
 
 # The deterministic one pass's candidates (the default, `deterministic_backward()` on): "one_pass_det" is the one
 # pass with dQ's adds into each query tile made in a fixed order, each waiting for its turn on a semaphore
 # (gluon_kernels.py says how the turns are ordered). TL_KERNEL stands for the two passes, as above. On an H100
-# (16k tokens, bf16, whole backwards) it ran 0.89-0.98x the two passes' time at D 128 and 1.03-1.10x at D 64, where
-# the two passes stay the choice (kernel_configs/probe_one_pass_det_h100.txt).
+# (16k tokens, bf16, whole backwards) it ran 0.89-0.98x the two passes' time at D 128 and 1.03-1.10x at D 64 with
+# 64-row query tiles (kernel_configs/probe_one_pass_det_h100.txt); with 128-row ones 0.92-0.97x at D 64 but causal
+# N 16384, 1.00x there (kernel_configs/probe_one_pass_block_m128_h100.txt).
 DETERMINISTIC_ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {
-    64: (TL_KERNEL, Variant("one_pass_det", 64, 128, 2, 240), Variant("one_pass_det", 64, 128, 3, 240),
-         Variant("one_pass_det", 64, 128, 2, 240, 2), Variant("one_pass_det", 64, 128, 3, 240, 2)),
+    64: (TL_KERNEL, Variant("one_pass_det", 64, 128, 3, 240, 2), Variant("one_pass_det", 128, 128, 2, 240),
+         Variant("one_pass_det", 128, 128, 3, 240)),
     128: (TL_KERNEL, Variant("one_pass_det", 64, 128, 2, 240), Variant("one_pass_det", 64, 128, 3, 240)),
 }
 
