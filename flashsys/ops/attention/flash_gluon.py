@@ -372,8 +372,9 @@ def _one_pass_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor,
                            window: tuple[int, int], scale: float) -> tuple:
     """As `_launch_parts`, for the one-pass backward kernel: dq_acc is dQ's (B, H, Nq, D) float32 sum, zeroed, and
     `semaphores` `semaphore_count` int32s, zeroed (the other kind reads none: any int32 tensor, or None). Each
-    consumer warpgroup computes half of dQ's columns, reading them from a column half of K's tile in shared memory;
-    at D 64 that half is 64 bytes wide, so K's tile takes a 64-byte swizzle (the default's 128 bytes would cut a
+    consumer warpgroup computes half of dQ: with 128-row query tiles half its rows (dq_desc's boxes (64, D)), else
+    half its columns (boxes (block_m, D / 2)), reading them from a column half of K's tile in shared memory; at D 64
+    that half is 64 bytes wide, so K's tile then takes a 64-byte swizzle (the default's 128 bytes would cut a
     swizzle row in two). Kind "one_pass_det" adds in a fixed order."""
     batch, n_heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
@@ -382,10 +383,11 @@ def _one_pass_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor,
     if deterministic and (semaphores is None or semaphores.numel() < semaphore_count(variant, q4)):
         raise ValueError(f"semaphores: {variant.label()} needs {semaphore_count(variant, q4)} zeroed int32s, got "
                          f"{None if semaphores is None else semaphores.numel()}")
-    dq_cols = d // 2
+    dq_rows, dq_cols = (m // 2, d) if m >= 128 else (m, d // 2)
     gl = _kernels().gl
-    dq_desc = _descriptor(dq_acc, m, dq_cols, gl.NVMMASharedLayout.get_default_for([1, 1, m, dq_cols], gl.float32))
-    half_bytes = d * k4.element_size() // 2
+    dq_desc = _descriptor(dq_acc, dq_rows, dq_cols,
+                          gl.NVMMASharedLayout.get_default_for([1, 1, dq_rows, dq_cols], gl.float32))
+    half_bytes = dq_cols * k4.element_size()
     k_layout = (gl.NVMMASharedLayout(swizzle_byte_width=half_bytes, element_bitwidth=8 * k4.element_size(), rank=4)
                 if half_bytes < 128 else None)
     args = (_descriptor(q4, m), _descriptor(k4, n, layout=k_layout), _descriptor(v4, n), _descriptor(do4, m),

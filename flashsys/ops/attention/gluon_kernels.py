@@ -878,10 +878,11 @@ def _one_pass_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, q_bar, 
 @gluon.jit
 def _one_pass_dq_writer(dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv, n_heads, kv_group, n_q, pid_n, lo,
                         rot, n_m_tiles, n_iter, n_k_tiles, stride, right_offset, BLOCK_M: gl.constexpr,
-                        BLOCK_N: gl.constexpr, DQ_COLS: gl.constexpr, BOUND_RIGHT: gl.constexpr,
+                        BLOCK_N: gl.constexpr, DQ_ROWS: gl.constexpr, DQ_COLS: gl.constexpr,
+                        BOUND_RIGHT: gl.constexpr,
                         DETERMINISTIC: gl.constexpr, ROTATE: gl.constexpr, NSTAGE: gl.constexpr,
                         PASS_LATE: gl.constexpr):
-    """One warp: each tile's two dQ shares (one per consumer: dQ's column halves) from the staging boxes (tile j's in
+    """One warp: each tile's two dQ shares (one per consumer: dQ's row or column halves) from the staging boxes (tile j's in
     set j % NSTAGE) into dq_desc's float32 sum by TMA reduce-adds, handing each set back once the adds have read it.
     With DETERMINISTIC it first waits for the program's turn at the tile (before the shares are ready, so the wait
     overlaps their products), and counts the turn as taken once the adds have completed: with PASS_LATE after the
@@ -902,7 +903,10 @@ def _one_pass_dq_writer(dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv
         first = (j % NSTAGE) * 2
         for half in gl.static_range(2):
             mbarrier.wait(stage_full.index(first + half), (j // NSTAGE) & 1)
-            _tma_add(dq_desc, [b, h, start_m, half * DQ_COLS], dq_stage.index(first + half))
+            # a row half's share (DQ_ROWS < BLOCK_M) starts half * DQ_ROWS rows on, a column half's half * DQ_COLS
+            # columns on
+            _tma_add(dq_desc, [b, h, start_m + half * (BLOCK_M - DQ_ROWS), half * DQ_COLS * (DQ_ROWS // BLOCK_M)],
+                     dq_stage.index(first + half))
         if DETERMINISTIC and PASS_LATE:
             # Before the staging boxes go back: counting the turn after that delayed each hop of the full masks'
             # ring (22% slower at D 64, N 4096; kernel_experiments.md, stop 40).
@@ -925,19 +929,20 @@ def _one_pass_consumer(dk_desc, dv_desc, LseDelta, q_smem, do_smem, q_bar, do_ba
                        lo, rot, full_lo, full_hi, n_m_tiles, n_iter, right_offset, left_offset, qk_scale,
                        softmax_scale, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        HALF_N: gl.constexpr, BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr,
-                       NBUF: gl.constexpr, NSTAGE: gl.constexpr):
+                       NBUF: gl.constexpr, NSTAGE: gl.constexpr, DQ_ROWS: gl.constexpr, DQ_COLS: gl.constexpr):
     """One warpgroup: dK and dV of key rows start_n + HALF * HALF_N on, and its share of dQ, over the query tiles
     the producer streams. Per tile as `attention_backward_dkdv` (Sᵀ and dPᵀ issued together, Pᵀ under dPᵀ, dSᵀ under
-    dV's product), then dSᵀ into shared memory, where the two warpgroups' halves meet (ds_bar), and dQ's columns
-    HALF * D/2 on over all BLOCK_N keys (dS K[:, cols]; 32 registers a thread at D 128), handed to the writer warp
-    in this warpgroup's staging box of set j % NSTAGE (stage_full; stage_empty: the writer's add has read the share
-    the set held before; with two sets the writer's latency has a tile's slack)."""
+    dV's product), then dSᵀ into shared memory, where the two warpgroups' halves meet (ds_bar), and its half of dQ
+    over all BLOCK_N keys: with 64-row query tiles its D/2 columns (DQ_COLS; dS K[:, cols], 32 registers a thread at
+    D 128), with 128-row ones its 64 rows (DQ_ROWS; dS[rows] K, one product of 64 columns at D 64 where the column
+    halves took two of 32). The share goes to the writer warp in this warpgroup's staging box of set j % NSTAGE
+    (stage_full; stage_empty: the writer's add has read the share the set held before; with two sets the writer's
+    latency has a tile's slack)."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_M)
     acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    DQ_COLS: gl.constexpr = HEAD_DIM // 2
     dq_layout: gl.constexpr = _mma_layout(DQ_COLS)
     dtype: gl.constexpr = q_smem.dtype
     my_n = start_n + HALF * HALF_N
@@ -945,12 +950,15 @@ def _one_pass_consumer(dk_desc, dv_desc, LseDelta, q_smem, do_smem, q_bar, do_ba
     v_all = _tile(v_box, 2 * HALF_N, HEAD_DIM)
     k_tile = k_all.slice(HALF * HALF_N, HALF_N)
     v_tile = v_all.slice(HALF * HALF_N, HALF_N)
-    k_dq = k_all.slice(HALF * DQ_COLS, DQ_COLS, dim=1)  # (BLOCK_N keys, D/2): this warpgroup's dQ columns
+    # This warpgroup's query rows of dS (Sᵀ's columns) and all of K, or all of dS and its columns of K
+    SPLIT_COLS: gl.constexpr = DQ_ROWS // BLOCK_M  # 1 where the consumers split dQ's columns, 0 for rows
+    ds_rows: gl.constexpr = HALF * DQ_ROWS * (1 - SPLIT_COLS)
+    k_dq = k_all.slice(HALF * DQ_COLS * SPLIT_COLS, DQ_COLS, dim=1)
     offs_n = my_n + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
     dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=acc_layout)
     s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
-    dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
+    dq_zero = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, layout=dq_layout)
     h, start_m = _one_pass_tile(0, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M)
     neg_lse2, delta = _lse_delta_at(LseDelta, b, n_heads, n_q, h, start_m, 0 < n_iter, BLOCK_M, row_layout)
     mbarrier.wait(kv_bar, 0)
@@ -978,13 +986,14 @@ def _one_pass_consumer(dk_desc, dv_desc, LseDelta, q_smem, do_smem, q_bar, do_ba
         neg_lse2, delta = _lse_delta_at(LseDelta, b, n_heads, n_q, h_next, start_next, j + 1 < n_iter, BLOCK_M,
                                         row_layout)
         mbarrier.wait(ds_bar.index(j % 2), (j // 2) & 1)
-        dq_tok = warpgroup_mma(ds_box.permute((1, 0)), k_dq, dq_zero, use_acc=False, is_async=True)
+        dq_tok = warpgroup_mma(ds_box.slice(ds_rows, DQ_ROWS, dim=1).permute((1, 0)), k_dq, dq_zero,
+                               use_acc=False, is_async=True)
         dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
         mbarrier.arrive(empty_bar.index(slot))
         box = (j % NSTAGE) * 2 + HALF
         # the writer has read the share this box held before
         mbarrier.wait(stage_empty.index(box), ((j // NSTAGE) & 1) ^ 1, pred=j >= NSTAGE)
-        _tile(dq_stage.index(box), BLOCK_M, DQ_COLS).store(dq)
+        _tile(dq_stage.index(box), DQ_ROWS, DQ_COLS).store(dq)
         fence_async_shared()
         _barrier()
         mbarrier.arrive(stage_full.index(box))
@@ -1018,9 +1027,9 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     two consumer warpgroups of BLOCK_N // 2 rows each, a producer warp that streams Q and dO through NBUF buffers,
     and a writer warp that adds dQ's shares. Per query tile five products: Sᵀ, dPᵀ, dV += Pᵀ dO, dK += dSᵀ Q, and
     dQ's share dS K, added by TMA reduce-adds into dq_desc's tensor ((B, H, Nq, D) float32, zeroed first;
-    unscaled), half of its columns per consumer. LseDelta holds the (-L * log2 e, rowsum(dO * O)) pairs, written
-    before. k_desc and v_desc copy BLOCK_N-row boxes; dk_desc and dv_desc BLOCK_N // 2-row boxes; dq_desc
-    (BLOCK_M, D / 2) boxes. NSTAGE sets of dQ staging boxes (two is 16 KB more shared memory at D 64 and does not fit
+    unscaled), half of its rows or columns per consumer. LseDelta holds the (-L * log2 e, rowsum(dO * O)) pairs,
+    written before. k_desc and v_desc copy BLOCK_N-row boxes; dk_desc and dv_desc BLOCK_N // 2-row boxes; dq_desc
+    a consumer's share, (BLOCK_M, D / 2) or (BLOCK_M / 2, D) boxes (`_one_pass_consumer`). NSTAGE sets of dQ staging boxes (two is 16 KB more shared memory at D 64 and does not fit
     at D 128).
 
     DETERMINISTIC: dQ's sums are added in a fixed order, ordered by Sem, (B, H, cdiv(Nq, BLOCK_M)) int32 zeroed
@@ -1030,7 +1039,8 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     next tile's adds are issued. Without DETERMINISTIC (Sem unread) dQ's sums run in no fixed order, so their last
     bits vary from run to run."""
     HALF_N: gl.constexpr = BLOCK_N // 2
-    DQ_COLS: gl.constexpr = HEAD_DIM // 2
+    DQ_ROWS: gl.constexpr = dq_desc.block_type.shape[2]  # a consumer's share of dQ: rows or columns halved
+    DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
     n_kv_heads = n_heads // kv_group
     n_k_tiles = gl.cdiv(n_k, BLOCK_N)
@@ -1060,7 +1070,7 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
     ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_stage = gl.allocate_shared_memory(gl.float32, [2 * NSTAGE, 1, 1, BLOCK_M, DQ_COLS], dq_desc.layout)
+    dq_stage = gl.allocate_shared_memory(gl.float32, [2 * NSTAGE, 1, 1, DQ_ROWS, DQ_COLS], dq_desc.layout)
     stage_full = gl.allocate_shared_memory(gl.int64, [2 * NSTAGE, 1], mbarrier.MBarrierLayout())
     stage_empty = gl.allocate_shared_memory(gl.int64, [2 * NSTAGE, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
@@ -1080,17 +1090,19 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
                                               kv_bar, empty_bar, ds_smem, ds_bar, dq_stage, stage_full, stage_empty, b,
                                               h_kv, n_heads, kv_group, n_q, start_n, lo, rot, full_lo, full_hi,
                                               n_m_tiles, n_iter, right_offset, left_offset, qk_scale, softmax_scale, 0,
-                                              HEAD_DIM, BLOCK_M, HALF_N, BOUND_RIGHT, BOUND_LEFT, NBUF, NSTAGE)),
+                                              HEAD_DIM, BLOCK_M, HALF_N, BOUND_RIGHT, BOUND_LEFT, NBUF, NSTAGE, DQ_ROWS,
+                                              DQ_COLS)),
                         (_one_pass_consumer, (dk_desc, dv_desc, LseDelta, q_smem, do_smem, q_bar, do_bar, k_box, v_box,
                                               kv_bar, empty_bar, ds_smem, ds_bar, dq_stage, stage_full, stage_empty, b,
                                               h_kv, n_heads, kv_group, n_q, start_n, lo, rot, full_lo, full_hi,
                                               n_m_tiles, n_iter, right_offset, left_offset, qk_scale, softmax_scale, 1,
-                                              HEAD_DIM, BLOCK_M, HALF_N, BOUND_RIGHT, BOUND_LEFT, NBUF, NSTAGE)),
+                                              HEAD_DIM, BLOCK_M, HALF_N, BOUND_RIGHT, BOUND_LEFT, NBUF, NSTAGE, DQ_ROWS,
+                                              DQ_COLS)),
                         (_one_pass_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, q_bar, do_bar, k_box,
                                               v_box, kv_bar, empty_bar, b, h_kv, kv_group, start_n, lo, rot, n_m_tiles,
                                               n_iter, BLOCK_M, NBUF)),
                         (_one_pass_dq_writer, (dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv, n_heads,
                                                kv_group, n_q, pid_n, lo, rot, n_m_tiles, n_iter, n_k_tiles, stride,
-                                               right_offset, BLOCK_M, BLOCK_N, DQ_COLS, BOUND_RIGHT, DETERMINISTIC,
-                                               ROTATE, NSTAGE, PASS_LATE))],
+                                               right_offset, BLOCK_M, BLOCK_N, DQ_ROWS, DQ_COLS, BOUND_RIGHT,
+                                               DETERMINISTIC, ROTATE, NSTAGE, PASS_LATE))],
                        [4, 1, 1], [CONSUMER_REGS, 24, 24])
