@@ -101,13 +101,15 @@ DQ_VARIANTS: dict[int, tuple[Variant, ...]] = {
 
 # The one-pass backward's candidates (`deterministic_backward()` off only: dQ's float32 sums are added in no fixed
 # order). "one_pass": a producer warp streams block_m query rows through nbuf buffers to two consumer warpgroups of
-# block_n // 2 key rows at `regs` registers, each adding half of dQ's columns by a TMA reduce-add. TL_KERNEL stands
+# block_n // 2 key rows at `regs` registers, each adding half of dQ (its columns; with 128-row query tiles its rows)
+# by a TMA reduce-add. TL_KERNEL stands
 # for the two passes, which stay a candidate: on an H100 (16k tokens, bf16, whole backwards) the one pass ran
 # 0.84-0.98x the two passes' time at D 128 and 0.94-0.96x at D 64 N 16384, but 0.99-1.03x at D 64 N 4096
 # (kernel_configs/probe_one_pass_backward_*_h100.txt). At D 64, 128-row query tiles (half the tiles a program
 # visits, and its products twice as wide) ran 2-5% faster than 64-row ones in every cell of N 4096 and 16384 but the
-# deterministic causal N 16384, where they tied (kernel_configs/probe_one_pass_block_m128_h100.txt); at D 128 their
-# accumulators do not fit in the registers.
+# deterministic causal N 16384, where they tied (kernel_configs/probe_one_pass_block_m128_h100.txt), and splitting
+# dQ by rows took 2-6% more off (probe_one_pass_dq_rows_h100.txt); at D 128 their accumulators do not fit in the
+# registers.
 ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {
     64: (TL_KERNEL, Variant("one_pass", 64, 128, 3, 240, 2), Variant("one_pass", 128, 128, 2, 240),
          Variant("one_pass", 128, 128, 3, 240)),
@@ -118,8 +120,8 @@ ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {
 # pass with dQ's adds into each query tile made in a fixed order, each waiting for its turn on a semaphore
 # (gluon_kernels.py says how the turns are ordered). TL_KERNEL stands for the two passes, as above. On an H100
 # (16k tokens, bf16, whole backwards) it ran 0.89-0.98x the two passes' time at D 128 and 1.03-1.10x at D 64 with
-# 64-row query tiles (kernel_configs/probe_one_pass_det_h100.txt); with 128-row ones 0.92-0.97x at D 64 but causal
-# N 16384, 1.00x there (kernel_configs/probe_one_pass_block_m128_h100.txt).
+# 64-row query tiles (kernel_configs/probe_one_pass_det_h100.txt); with 128-row ones and dQ split by rows 0.88-0.97x
+# at D 64 (kernel_configs/probe_one_pass_dq_rows_h100.txt), where the choice now takes it.
 DETERMINISTIC_ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {
     64: (TL_KERNEL, Variant("one_pass_det", 64, 128, 3, 240, 2), Variant("one_pass_det", 128, 128, 2, 240),
          Variant("one_pass_det", 128, 128, 3, 240)),
@@ -372,9 +374,9 @@ def _one_pass_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor,
                            window: tuple[int, int], scale: float) -> tuple:
     """As `_launch_parts`, for the one-pass backward kernel: dq_acc is dQ's (B, H, Nq, D) float32 sum, zeroed, and
     `semaphores` `semaphore_count` int32s, zeroed (the other kind reads none: any int32 tensor, or None). Each
-    consumer warpgroup computes half of dQ: with 128-row query tiles half its rows (dq_desc's boxes (64, D)), else
-    half its columns (boxes (block_m, D / 2)), reading them from a column half of K's tile in shared memory; at D 64
-    that half is 64 bytes wide, so K's tile then takes a 64-byte swizzle (the default's 128 bytes would cut a
+    consumer warpgroup computes half of dQ: with 128-row query tiles half its rows (dq_desc's boxes (64, D)), from
+    all of K's tile in shared memory; else half its columns (boxes (block_m, D / 2)), from a column half of K's tile,
+    which at D 64 is 64 bytes wide, so K's tile then takes a 64-byte swizzle (the default's 128 bytes would cut a
     swizzle row in two). Kind "one_pass_det" adds in a fixed order."""
     batch, n_heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]

@@ -879,11 +879,11 @@ def _one_pass_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, q_bar, 
 def _one_pass_dq_writer(dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv, n_heads, kv_group, n_q, pid_n, lo,
                         rot, n_m_tiles, n_iter, n_k_tiles, stride, right_offset, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, DQ_ROWS: gl.constexpr, DQ_COLS: gl.constexpr,
-                        BOUND_RIGHT: gl.constexpr,
-                        DETERMINISTIC: gl.constexpr, ROTATE: gl.constexpr, NSTAGE: gl.constexpr,
-                        PASS_LATE: gl.constexpr):
-    """One warp: each tile's two dQ shares (one per consumer: dQ's row or column halves) from the staging boxes (tile j's in
-    set j % NSTAGE) into dq_desc's float32 sum by TMA reduce-adds, handing each set back once the adds have read it.
+                        BOUND_RIGHT: gl.constexpr, DETERMINISTIC: gl.constexpr, ROTATE: gl.constexpr,
+                        NSTAGE: gl.constexpr, PASS_LATE: gl.constexpr):
+    """One warp: each tile's two dQ shares (one per consumer: dQ's row or column halves) from the staging boxes
+    (tile j's in set j % NSTAGE) into dq_desc's float32 sum by TMA reduce-adds, handing each set back once the adds
+    have read it.
     With DETERMINISTIC it first waits for the program's turn at the tile (before the shares are ready, so the wait
     overlaps their products), and counts the turn as taken once the adds have completed: with PASS_LATE after the
     next tile's adds are issued (their completion overlaps them), else once the staging set has gone back. PASS_LATE
@@ -1029,8 +1029,9 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     dQ's share dS K, added by TMA reduce-adds into dq_desc's tensor ((B, H, Nq, D) float32, zeroed first;
     unscaled), half of its rows or columns per consumer. LseDelta holds the (-L * log2 e, rowsum(dO * O)) pairs,
     written before. k_desc and v_desc copy BLOCK_N-row boxes; dk_desc and dv_desc BLOCK_N // 2-row boxes; dq_desc
-    a consumer's share, (BLOCK_M, D / 2) or (BLOCK_M / 2, D) boxes (`_one_pass_consumer`). NSTAGE sets of dQ staging boxes (two is 16 KB more shared memory at D 64 and does not fit
-    at D 128).
+    a consumer's share, (BLOCK_M, D / 2) or (BLOCK_M / 2, D) boxes (`_one_pass_consumer`). NSTAGE sets of dQ
+    staging boxes (two is 16 KB more shared memory at D 64 with 64-row query tiles, and does not fit at D 128 or
+    with 128-row ones).
 
     DETERMINISTIC: dQ's sums are added in a fixed order, ordered by Sem, (B, H, cdiv(Nq, BLOCK_M)) int32 zeroed
     first (see the section's comment); ROTATE (full masks, Nq / BLOCK_M >= Nk / BLOCK_N, and at most one head's
