@@ -2,7 +2,8 @@
 in launch order as SMs free up, one per SM, and a program of key tile n visits T - n query tiles (a unit each, and
 one unit per program). It shows why the masked order's tail is hard to avoid: every head must launch its key tiles
 from the last down, so the last program launched is always a heaviest one, and what splitting the last head's
-heaviest tiles in two would give (kernel_experiments.md, stop 42).
+heaviest tiles in two would give in the model. Built and timed, the split was not faster (kernel_experiments.md,
+stop 42).
 
     python scripts/one_pass_launch_model.py --heads 16 --key-tiles 128 --sms 132
 """
