@@ -851,6 +851,16 @@ def _pass_turn(semaphore, BUT_TWO: gl.constexpr, layout: gl.constexpr):
     gl.atomic_add(semaphore + lane * 0, lane * 0 + 1, mask=lane == 0, sem="release", scope="gpu")
 
 
+@gluon.constexpr_function
+def _dq_share_start(half, block_m, dq_rows, dq_cols, dim):
+    """Where consumer `half`'s share of a query tile's dQ starts along `dim` (0: rows, 1: columns): a row half where
+    dq_desc's boxes hold fewer rows than the tile (128-row query tiles), else a column half."""
+    by_rows = dq_rows < block_m
+    if dim == 0:
+        return half * dq_rows if by_rows else 0
+    return 0 if by_rows else half * dq_cols
+
+
 @gluon.jit
 def _one_pass_tile(j, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M: gl.constexpr):
     """(query head, first row) of the j-th query tile a one-pass program visits: `_query_tile`'s, each head's tiles
@@ -903,10 +913,8 @@ def _one_pass_dq_writer(dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv
         first = (j % NSTAGE) * 2
         for half in gl.static_range(2):
             mbarrier.wait(stage_full.index(first + half), (j // NSTAGE) & 1)
-            # a row half's share (DQ_ROWS < BLOCK_M) starts half * DQ_ROWS rows on, a column half's half * DQ_COLS
-            # columns on
-            _tma_add(dq_desc, [b, h, start_m + half * (BLOCK_M - DQ_ROWS), half * DQ_COLS * (DQ_ROWS // BLOCK_M)],
-                     dq_stage.index(first + half))
+            _tma_add(dq_desc, [b, h, start_m + _dq_share_start(half, BLOCK_M, DQ_ROWS, DQ_COLS, 0),
+                               _dq_share_start(half, BLOCK_M, DQ_ROWS, DQ_COLS, 1)], dq_stage.index(first + half))
         if DETERMINISTIC and PASS_LATE:
             # Before the staging boxes go back: counting the turn after that delayed each hop of the full masks'
             # ring (22% slower at D 64, N 4096; kernel_experiments.md, stop 40).
@@ -951,9 +959,8 @@ def _one_pass_consumer(dk_desc, dv_desc, LseDelta, q_smem, do_smem, q_bar, do_ba
     k_tile = k_all.slice(HALF * HALF_N, HALF_N)
     v_tile = v_all.slice(HALF * HALF_N, HALF_N)
     # This warpgroup's query rows of dS (Sᵀ's columns) and all of K, or all of dS and its columns of K
-    SPLIT_COLS: gl.constexpr = DQ_ROWS // BLOCK_M  # 1 where the consumers split dQ's columns, 0 for rows
-    ds_rows: gl.constexpr = HALF * DQ_ROWS * (1 - SPLIT_COLS)
-    k_dq = k_all.slice(HALF * DQ_COLS * SPLIT_COLS, DQ_COLS, dim=1)
+    ds_rows: gl.constexpr = _dq_share_start(HALF, BLOCK_M, DQ_ROWS, DQ_COLS, 0)
+    k_dq = k_all.slice(_dq_share_start(HALF, BLOCK_M, DQ_ROWS, DQ_COLS, 1), DQ_COLS, dim=1)
     offs_n = my_n + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
     dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=acc_layout)
