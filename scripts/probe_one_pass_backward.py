@@ -28,6 +28,18 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def variant_spec(spec: str):
+    """argparse type of a one-pass variant written KIND,BLOCK_M,BLOCK_N,NBUF,REGS[,STAGES] (`flash_gluon.Variant`),
+    e.g. one_pass_det,128,128,2,240."""
+    from flashsys.ops.attention import flash_gluon
+
+    kind, *numbers = spec.split(",")
+    if kind not in ("one_pass", "one_pass_det") or len(numbers) not in (4, 5) or not all(x.isdigit() for x in numbers):
+        raise argparse.ArgumentTypeError(f"{spec!r}: want KIND,BLOCK_M,BLOCK_N,NBUF,REGS[,STAGES] with KIND one_pass "
+                                         "or one_pass_det and whole numbers, e.g. one_pass_det,128,128,2,240")
+    return flash_gluon.Variant(kind, *(int(x) for x in numbers))
+
+
 class OnePass:
     """The library's one-pass backward (prologue, Gluon kernel, epilogue) with one variant, on rank-4 tensors."""
 
@@ -162,8 +174,8 @@ def main() -> int:
     ap.add_argument("--nbuf", type=int, nargs="+", default=None, help="only these buffer counts")
     ap.add_argument("--kinds", nargs="+", default=["one_pass", "one_pass_det"], choices=["one_pass", "one_pass_det"],
                     help="which one passes: the non-deterministic one, the deterministic one")
-    ap.add_argument("--extra", nargs="+", default=[], metavar="KIND,BLOCK_M,BLOCK_N,NBUF,REGS[,STAGES]",
-                    help="variants outside the tables to check and time as well, e.g. one_pass_det,128,128,2,240")
+    ap.add_argument("--extra", nargs="+", default=[], type=variant_spec,
+                    metavar="KIND,BLOCK_M,BLOCK_N,NBUF,REGS[,STAGES]", help="variants outside the tables to check and time as well, e.g. one_pass_det,128,128,2,240")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("probe_one_pass_backward runs CUDA kernels")
@@ -174,10 +186,9 @@ def main() -> int:
     variants = {d: [v for table in tables for v in table[d] if v.kind in args.kinds and (args.nbuf is None or
                                                                                        v.nbuf in args.nbuf)]
                 for d in args.head_dims}
-    for spec in args.extra:
-        kind, *numbers = spec.split(",")
+    for variant in args.extra:
         for d in args.head_dims:
-            variants[d].append(flash_gluon.Variant(kind, *(int(x) for x in numbers)))
+            variants[d].append(variant)
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     t0 = time.time()
     failures = 0 if args.skip_check else check(variants, args.head_dims, args.cases)
