@@ -6,12 +6,14 @@ compare its picks with the long timings here.
 
     python scripts/probe_gluon_variants.py --head-dims 64 128 --seqs 4096 16384
     python scripts/probe_gluon_variants.py --head-dims 128 --seqs 4096 --rounds 2 --rep 500 --choice-settings 10:5 100:3
+    python scripts/probe_gluon_variants.py --against /tmp/old_gluon_kernels.py --rounds 3   # A/B against other kernels
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import os
 import statistics
 import sys
@@ -33,6 +35,8 @@ def main() -> int:
     ap.add_argument("--choice-settings", nargs="+", default=["100:3"],
                     help="the choice's settings to try, each rep_ms:rounds (flash_gluon._CHOICE_REP_MS, _ROUNDS)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms) per timing")
+    ap.add_argument("--against", metavar="FILE",
+                    help="another version of gluon_kernels.py: its variants are timed too, interleaved with these")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("probe_gluon_variants times CUDA kernels")
@@ -44,6 +48,7 @@ def main() -> int:
     from flashsys.ops.attention.flash_triton import flash_forward_triton
 
     native_launch.wait()
+    against = _load_kernels(args.against) if args.against else None
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; H 16, "
           f"B = 16384 // N, bf16, forward only, median ms of triton.testing.do_bench(rep={args.rep}), "
           f"{args.rounds} interleaved round(s)")
@@ -71,9 +76,12 @@ def main() -> int:
                         flash_gluon.MIN_WORK = saved
 
                 candidates = [("SDPA cuDNN", cudnn), ("flashsys tl forward", tl_forward)]
-                candidates += [(f"gluon {var.label()}", functools.partial(flash_gluon._launch, var, q, k, v, o, lse,
-                                                                           window, scale))
-                               for var in flash_gluon.VARIANTS[d]]
+                for var in flash_gluon.VARIANTS[d]:
+                    launch = functools.partial(flash_gluon._launch, var, q, k, v, o, lse, window, scale)
+                    candidates.append((f"gluon {var.label()}", launch))
+                    if against is not None:
+                        candidates.append((f"gluon {var.label()} (--against)", functools.partial(
+                            _with_kernels, against, launch)))
                 times: dict[str, list[float]] = {}
                 for _ in range(args.rounds):
                     for label, fn in candidates:
@@ -99,6 +107,26 @@ def main() -> int:
                     print(f"  {label:<45} {ms:8.3f} ms ({lo:.3f}-{hi:.3f})  {flops / ms / 1e9:7.1f} TFLOP/s",
                           flush=True)
     return 0
+
+
+def _load_kernels(path: str):
+    """`path` (a gluon_kernels.py) imported as a module of flashsys.ops.attention, beside the library's own."""
+    spec = importlib.util.spec_from_file_location("flashsys.ops.attention._gluon_kernels_against", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _with_kernels(module, launch):
+    """Run `launch` with flash_gluon launching `module`'s kernels in place of its own."""
+    from flashsys.ops.attention import flash_gluon
+
+    own = flash_gluon._kernels()  # imported before the swap, so that the swap is undone to it
+    flash_gluon._imported[0] = module
+    try:
+        return launch()
+    finally:
+        flash_gluon._imported[0] = own
 
 
 if __name__ == "__main__":

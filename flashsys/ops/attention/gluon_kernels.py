@@ -137,13 +137,18 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
+def _load_tile(desc, smem, bar, batch, head, row, slot, pred):
+    """A TMA copy of the tile at `row` of one head into buffer `slot`, signalling that buffer's barrier."""
+    mbarrier.expect(bar.index(slot), desc.block_type.nbytes, pred=pred)
+    _tma_load(desc, [batch, head, row, 0], bar.index(slot), smem.index(slot), pred=pred)
+
+
+@gluon.jit
 def _load_pair(a_desc, b_desc, a_smem, b_smem, a_bar, b_bar, batch, head, row, slot, pred):
     """TMA copies of the two tiles at `row` of one head (K and V; the backward's Q and dO) into buffer `slot`; each
     signals its own barrier."""
-    mbarrier.expect(a_bar.index(slot), a_desc.block_type.nbytes, pred=pred)
-    _tma_load(a_desc, [batch, head, row, 0], a_bar.index(slot), a_smem.index(slot), pred=pred)
-    mbarrier.expect(b_bar.index(slot), b_desc.block_type.nbytes, pred=pred)
-    _tma_load(b_desc, [batch, head, row, 0], b_bar.index(slot), b_smem.index(slot), pred=pred)
+    _load_tile(a_desc, a_smem, a_bar, batch, head, row, slot, pred)
+    _load_tile(b_desc, b_smem, b_bar, batch, head, row, slot, pred)
 
 
 @gluon.jit
@@ -199,8 +204,9 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
     (n_tiles of them), with the intra-warpgroup overlap of the module docstring.
 
     The plain kernel refills a freed K/V buffer itself (k_desc, v_desc, b, h_kv); a ping-pong consumer (PINGPONG)
-    instead waits for its turn before issuing products and passes it on after (turn_bar, HALF), and releases a
-    freed buffer to the producer (empty_bar). The arguments the other kind uses are None. `streamed` and `turns`:
+    instead waits for its turn before issuing products and passes it on after (turn_bar, HALF), and releases each
+    freed buffer to the producer: K's as soon as S has read it (empty_bar slot), V's after P V (empty_bar
+    NBUF + slot), so that the next K tile loads while this tile's P V and softmax run. The arguments the other kind uses are None. `streamed` and `turns`:
     the key tiles this program streamed through its ring and the turns this warpgroup took before (0, or a
     persistent program's earlier query tiles), which fix each buffer's slot and each barrier's phase."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
@@ -221,6 +227,8 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
         if PINGPONG:
             mbarrier.arrive(turn_bar.index(1 - HALF))
         s = warpgroup_mma_wait(0, deps=[s])
+        if PINGPONG:
+            mbarrier.arrive(empty_bar.index(first))
         s = _masked_scores(s, offs_m, lo, n_k, right_offset, left_offset, full_lo, full_hi, BLOCK_N, BOUND_RIGHT,
                            BOUND_LEFT)
         p, m_i, alpha, l_i = _softmax_step(s, m_i, l_i, qk_scale)
@@ -238,13 +246,15 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
             if PINGPONG:
                 mbarrier.arrive(turn_bar.index(1 - HALF))
             s = warpgroup_mma_wait(1, deps=[s_tok])  # S_t is done; P_{t-1} V_{t-1} may still run
+            if PINGPONG:
+                mbarrier.arrive(empty_bar.index(slot))
             s = _masked_scores(s, offs_m, lo + t * BLOCK_N, n_k, right_offset, left_offset, full_lo, full_hi,
                                BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
             p, m_i, alpha, l_i = _softmax_step(s, m_i, l_i, qk_scale)
             acc = warpgroup_mma_wait(0, deps=[acc_tok])
             # Buffer `prev` is free: this warpgroup's wait above covers every product of its own that read it.
             if PINGPONG:
-                mbarrier.arrive(empty_bar.index(prev))
+                mbarrier.arrive(empty_bar.index(NBUF + prev))
             else:
                 _load_pair(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, lo + (t - 1 + NBUF) * BLOCK_N, prev,
                            t - 1 + NBUF < n_tiles)
@@ -259,7 +269,7 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
             mbarrier.arrive(turn_bar.index(1 - HALF))
         acc = warpgroup_mma_wait(0, deps=[acc])
         if PINGPONG:
-            mbarrier.arrive(empty_bar.index(last))
+            mbarrier.arrive(empty_bar.index(NBUF + last))
     return acc, m_i, l_i
 
 
@@ -318,8 +328,8 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, L, n_bh, n_heads, kv_group
 @gluon.jit
 def _pingpong_producer(q_desc, k_desc, v_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar, b, h, h_kv,
                        start_m, lo, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr):
-    """One warp: both halves' queries, then K/V tile t into buffer t % NBUF once both consumers released tile
-    t - NBUF."""
+    """One warp: both halves' queries, then K tile t into buffer t % NBUF once both consumers' S products have read
+    K tile t - NBUF, and V tile t once their P V products have read V tile t - NBUF."""
     HALF_M: gl.constexpr = BLOCK_M // 2
     for half in gl.static_range(2):
         mbarrier.expect(q_bar.index(half), q_desc.block_type.nbytes)
@@ -327,7 +337,9 @@ def _pingpong_producer(q_desc, k_desc, v_desc, q_smem, q_bar, k_smem, v_smem, k_
     for t in range(n_tiles):
         slot = t % NBUF
         mbarrier.wait(empty_bar.index(slot), ((t // NBUF) - 1) & 1, pred=t >= NBUF)
-        _load_pair(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, lo + t * BLOCK_N, slot, True)
+        _load_tile(k_desc, k_smem, k_bar, b, h_kv, lo + t * BLOCK_N, slot, True)
+        mbarrier.wait(empty_bar.index(NBUF + slot), ((t // NBUF) - 1) & 1, pred=t >= NBUF)
+        _load_tile(v_desc, v_smem, v_bar, b, h_kv, lo + t * BLOCK_N, slot, True)
 
 
 @gluon.jit
@@ -354,7 +366,8 @@ def _pingpong_consumer(o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, e
 def _pingpong_buffers(q_desc, k_desc, v_desc, o_desc, HALF_M: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_N: gl.constexpr, NBUF: gl.constexpr, PERSISTENT: gl.constexpr):
     """The ping-pong kernels' shared memory and barriers, initialised, warpgroup 0 holding the first turn: (query
-    boxes, K ring, V ring, query barriers, turn barriers, K, V and slot-free barriers), and with PERSISTENT after
+    boxes, K ring, V ring, query barriers, turn barriers, K, V and slot-free barriers: K slot i's at i, V slot i's at
+    NBUF + i), and with PERSISTENT after
     them O's own staging boxes and the query-box-free barriers (the ping-pong kernel stores O through the query box
     and loads its queries once).
 
@@ -374,7 +387,7 @@ def _pingpong_buffers(q_desc, k_desc, v_desc, o_desc, HALF_M: gl.constexpr, HEAD
     turn_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     v_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    empty_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    empty_bar = gl.allocate_shared_memory(gl.int64, [2 * NBUF, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_bar.index(i), count=1)
         if PERSISTENT:
@@ -384,6 +397,7 @@ def _pingpong_buffers(q_desc, k_desc, v_desc, o_desc, HALF_M: gl.constexpr, HEAD
         mbarrier.init(k_bar.index(i), count=1)
         mbarrier.init(v_bar.index(i), count=1)
         mbarrier.init(empty_bar.index(i), count=2)
+        mbarrier.init(empty_bar.index(NBUF + i), count=2)
     fence_async_shared()
     mbarrier.arrive(turn_bar.index(0))  # warpgroup 0 takes the first turn
     if PERSISTENT:
@@ -474,8 +488,11 @@ def _persistent_producer(q_desc, k_desc, v_desc, q_smem, q_bar, q_empty, k_smem,
             n_tiles = gl.cdiv(hi - lo, BLOCK_N)
             for t in range(n_tiles):
                 slot = (streamed + t) % NBUF
-                mbarrier.wait(empty_bar.index(slot), (((streamed + t) // NBUF) - 1) & 1, pred=streamed + t >= NBUF)
-                _load_pair(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, lo + t * BLOCK_N, slot, True)
+                phase = (((streamed + t) // NBUF) - 1) & 1
+                mbarrier.wait(empty_bar.index(slot), phase, pred=streamed + t >= NBUF)
+                _load_tile(k_desc, k_smem, k_bar, b, h_kv, lo + t * BLOCK_N, slot, True)
+                mbarrier.wait(empty_bar.index(NBUF + slot), phase, pred=streamed + t >= NBUF)
+                _load_tile(v_desc, v_smem, v_bar, b, h_kv, lo + t * BLOCK_N, slot, True)
             streamed += n_tiles
             i += 1
 
