@@ -11,11 +11,13 @@ deterministic `DETERMINISTIC_ONE_PASS_VARIANTS` (the adds into each query tile i
    first: is dQ the same bits both times?
 
     python scripts/probe_one_pass_backward.py --head-dims 64 128 --seqs 4096 16384
+    python scripts/probe_one_pass_backward.py --against /tmp/old_gluon_kernels.py --skip-check  # A/B, interleaved
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -90,8 +92,10 @@ def check(variants_by_d, head_dims, case_indices) -> int:
     return failures
 
 
-def bench(variants_by_d, head_dims, seqs, rounds) -> None:
+def bench(variants_by_d, head_dims, seqs, rounds, against=None) -> None:
+    """against: another gluon_kernels module, whose one passes are timed beside these (`probe_gluon_variants`)."""
     from flashsys.ops.attention import flash_gluon, set_deterministic_backward
+    from scripts.probe_gluon_variants import _with_kernels
     from scripts.probe_gluon_backward import BackwardCell
 
     for d in head_dims:
@@ -147,6 +151,8 @@ def bench(variants_by_d, head_dims, seqs, rounds) -> None:
                         print(f"  {var.label()} FAILED: {traceback.format_exc()[-1500:]}", flush=True)
                         continue
                     runs[f"one pass {var.label()} (+ prologue, epilogue)"] = fb
+                    if against is not None:
+                        runs[f"one pass {var.label()} (--against)"] = functools.partial(_with_kernels, against, fb)
                 times: dict[str, list[float]] = {}
                 for _ in range(rounds):
                     for label, fn in runs.items():
@@ -176,6 +182,8 @@ def main() -> int:
                     help="which one passes: the non-deterministic one, the deterministic one")
     ap.add_argument("--extra", nargs="+", default=[], type=variant_spec,
                     metavar="KIND,BLOCK_M,BLOCK_N,NBUF,REGS[,STAGES]", help="variants outside the tables to check and time as well, e.g. one_pass_det,128,128,2,240")
+    ap.add_argument("--against", metavar="FILE",
+                    help="another version of gluon_kernels.py: its one passes are timed too, interleaved with these")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("probe_one_pass_backward runs CUDA kernels")
@@ -193,7 +201,9 @@ def main() -> int:
     t0 = time.time()
     failures = 0 if args.skip_check else check(variants, args.head_dims, args.cases)
     print(f"check: {failures} failures ({time.time() - t0:.0f} s)", flush=True)
-    bench(variants, args.head_dims, args.seqs, args.rounds)
+    from scripts.probe_gluon_variants import _load_kernels
+
+    bench(variants, args.head_dims, args.seqs, args.rounds, _load_kernels(args.against) if args.against else None)
     return 1 if failures else 0
 
 

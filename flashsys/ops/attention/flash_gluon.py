@@ -69,12 +69,15 @@ class Variant(NamedTuple):
 # (kernel_configs/probe_gluon_forward_sweep_h100.txt), and none of the others won any. "persistent": the ping-pong
 # kernel with one program per SM over pairs of query tiles; on an H100 1-8% faster than the best of the others in
 # most cells of N 1024-16384, at D 128 full N 16384 up to 5% slower (kernel_configs/probe_gluon_variants_persistent_
-# h100.txt), so the choice keeps timing all of them. The choice's first call with no timing takes the first.
+# h100.txt), so the choice keeps timing all of them. The choice's first call with no timing takes the first. At
+# D 128 the 128x128 kernels with two buffers lead since K and V are handed back apart (stop 43; on an H200 the best
+# in every cell of N 1024-16384, kernel_configs/probe_gluon_forward_d128_3buf_h200.txt); the others won cells of
+# H100 sweeps before that and stay timed.
 VARIANTS: dict[int, tuple[Variant, ...]] = {
     64: (Variant("plain", 64, 128, 3), Variant("plain", 128, 64, 3), Variant("pingpong", 128, 128, 3, 240),
          Variant("persistent", 128, 128, 3, 240)),
-    128: (Variant("pingpong", 128, 64, 4, 240), Variant("pingpong", 128, 128, 2, 240), Variant("plain", 64, 64, 3),
-          Variant("persistent", 128, 128, 2, 240), Variant("persistent", 128, 64, 4, 240)),
+    128: (Variant("persistent", 128, 128, 2, 240), Variant("pingpong", 128, 128, 2, 240),
+          Variant("pingpong", 128, 64, 4, 240), Variant("plain", 64, 64, 3), Variant("persistent", 128, 64, 4, 240)),
 }
 
 
