@@ -5,11 +5,15 @@ Importing this module needs a Triton with Gluon's Hopper API (3.6 or later); `fl
 where that is so. The host side (which inputs take these kernels, the variants, tuning) is in `flash_gluon.py`.
 
 Why Gluon: a `tl` kernel on Hopper runs each tile's softmax and its two tensor-core products one after the other
-(Triton waits for each `wgmma` before its result is used). Gluon exposes FlashAttention-3's tools, and both
-kernels here use its intra-warpgroup overlap:
+(Triton waits for each `wgmma` before its result is used). Gluon exposes FlashAttention-3's tools. The forward
+kernels are written with its intra-warpgroup overlap:
 
-    S_t = Q K_tᵀ (async); O += P_{t-1} V_{t-1} (async); wait for S_t only; softmax(S_t) -> P_t runs while the
-    P V product is still on the tensor cores; wait for it; rescale O; refill the freed K/V buffer (TMA).
+    S_t = Q K_tᵀ (async); O += P_{t-1} V_{t-1} (async); wait for S_t only; softmax(S_t) -> P_t; wait for P V;
+    rescale O; hand the freed K/V buffers back (or refill them, TMA).
+
+but ptxas moves the wait for P V (which reads P from registers) up to just after the row max, so the exponentials
+run after it. Pinning them under P V made the 128x128 kernels 12-16% slower (kernel_experiments.md, stop 43): the
+overlap that pays is the ping-pong kernels', one warpgroup's softmax under the other's products.
 
 - `attention_forward`: one warpgroup per program, several programs per SM (best at D 64 and short sequences).
 - `attention_forward_pingpong`: warp-specialised. A producer warp issues the TMA copies into a ring of buffers;
