@@ -193,6 +193,16 @@ def _mma_layout(cols, warps=4):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, cols, 16])
 
 
+@gluon.constexpr_function
+def _v_free_barriers(nbuf):
+    """Where a ping-pong kernel's V-slot-free barriers start in its slot-free barriers: NBUF with two slots, where K
+    goes back to the producer once S has read it and V once P V has (8-15% off the D 128 128x128 kernels: tile t + 1
+    loaded into tile t - 1's slot only after both consumers finished tile t - 1, and the first waited for it); 0
+    with three or more, where each slot goes back whole after P V (the D 64 and 4-buffer kernels, where handing K
+    back apart measured -0.5% to +1.7%; kernel_experiments.md, stop 43)."""
+    return nbuf if nbuf == 2 else 0
+
+
 @gluon.jit
 def _rows(x, acc):
     """A per-row vector (in S's layout) in the rows of `acc`'s layout, broadcast over its columns."""
@@ -209,13 +219,15 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
 
     The plain kernel refills a freed K/V buffer itself (k_desc, v_desc, b, h_kv); a ping-pong consumer (PINGPONG)
     instead waits for its turn before issuing products and passes it on after (turn_bar, HALF), and releases each
-    freed buffer to the producer: K's as soon as S has read it (empty_bar slot), V's after P V (empty_bar
-    NBUF + slot), so that the next K tile loads while this tile's P V and softmax run. The arguments the other kind uses are None. `streamed` and `turns`:
+    freed buffer to the producer (empty_bar): with two slots K's as soon as S has read it (slot) and V's after P V
+    (NBUF + slot), so that the next K tile loads while this tile's P V and softmax run; with more, both after P V
+    (slot; `_v_free_barriers`). The arguments the other kind uses are None. `streamed` and `turns`:
     the key tiles this program streamed through its ring and the turns this warpgroup took before (0, or a
     persistent program's earlier query tiles), which fix each buffer's slot and each barrier's phase."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_mma_layout(HEAD_DIM), k_width=2)
     dtype: gl.constexpr = k_smem.dtype
+    V_FREE: gl.constexpr = _v_free_barriers(NBUF)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
@@ -231,7 +243,7 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
         if PINGPONG:
             mbarrier.arrive(turn_bar.index(1 - HALF))
         s = warpgroup_mma_wait(0, deps=[s])
-        if PINGPONG:
+        if PINGPONG and V_FREE > 0:
             mbarrier.arrive(empty_bar.index(first))
         s = _masked_scores(s, offs_m, lo, n_k, right_offset, left_offset, full_lo, full_hi, BLOCK_N, BOUND_RIGHT,
                            BOUND_LEFT)
@@ -250,7 +262,7 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
             if PINGPONG:
                 mbarrier.arrive(turn_bar.index(1 - HALF))
             s = warpgroup_mma_wait(1, deps=[s_tok])  # S_t is done; P_{t-1} V_{t-1} may still run
-            if PINGPONG:
+            if PINGPONG and V_FREE > 0:
                 mbarrier.arrive(empty_bar.index(slot))
             s = _masked_scores(s, offs_m, lo + t * BLOCK_N, n_k, right_offset, left_offset, full_lo, full_hi,
                                BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
@@ -258,7 +270,7 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
             acc = warpgroup_mma_wait(0, deps=[acc_tok])
             # Buffer `prev` is free: this warpgroup's wait above covers every product of its own that read it.
             if PINGPONG:
-                mbarrier.arrive(empty_bar.index(NBUF + prev))
+                mbarrier.arrive(empty_bar.index(V_FREE + prev))
             else:
                 _load_pair(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, lo + (t - 1 + NBUF) * BLOCK_N, prev,
                            t - 1 + NBUF < n_tiles)
@@ -273,7 +285,7 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
             mbarrier.arrive(turn_bar.index(1 - HALF))
         acc = warpgroup_mma_wait(0, deps=[acc])
         if PINGPONG:
-            mbarrier.arrive(empty_bar.index(NBUF + last))
+            mbarrier.arrive(empty_bar.index(V_FREE + last))
     return acc, m_i, l_i
 
 
@@ -333,7 +345,9 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, L, n_bh, n_heads, kv_group
 def _pingpong_producer(q_desc, k_desc, v_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar, b, h, h_kv,
                        start_m, lo, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr):
     """One warp: both halves' queries, then K tile t into buffer t % NBUF once both consumers' S products have read
-    K tile t - NBUF, and V tile t once their P V products have read V tile t - NBUF."""
+    K tile t - NBUF (with more than two slots: their P V products V tile t - NBUF), and V tile t once their P V
+    products have read V tile t - NBUF (`_v_free_barriers`)."""
+    V_FREE: gl.constexpr = _v_free_barriers(NBUF)
     HALF_M: gl.constexpr = BLOCK_M // 2
     for half in gl.static_range(2):
         mbarrier.expect(q_bar.index(half), q_desc.block_type.nbytes)
@@ -342,7 +356,8 @@ def _pingpong_producer(q_desc, k_desc, v_desc, q_smem, q_bar, k_smem, v_smem, k_
         slot = t % NBUF
         mbarrier.wait(empty_bar.index(slot), ((t // NBUF) - 1) & 1, pred=t >= NBUF)
         _load_tile(k_desc, k_smem, k_bar, b, h_kv, lo + t * BLOCK_N, slot, True)
-        mbarrier.wait(empty_bar.index(NBUF + slot), ((t // NBUF) - 1) & 1, pred=t >= NBUF)
+        if V_FREE > 0:
+            mbarrier.wait(empty_bar.index(V_FREE + slot), ((t // NBUF) - 1) & 1, pred=t >= NBUF)
         _load_tile(v_desc, v_smem, v_bar, b, h_kv, lo + t * BLOCK_N, slot, True)
 
 
@@ -370,8 +385,8 @@ def _pingpong_consumer(o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, e
 def _pingpong_buffers(q_desc, k_desc, v_desc, o_desc, HALF_M: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_N: gl.constexpr, NBUF: gl.constexpr, PERSISTENT: gl.constexpr):
     """The ping-pong kernels' shared memory and barriers, initialised, warpgroup 0 holding the first turn: (query
-    boxes, K ring, V ring, query barriers, turn barriers, K, V and slot-free barriers: K slot i's at i, V slot i's at
-    NBUF + i), and with PERSISTENT after
+    boxes, K ring, V ring, query barriers, turn barriers, K, V and slot-free barriers: slot i's (K's with two slots)
+    at i, with two slots V slot i's at NBUF + i, `_v_free_barriers`), and with PERSISTENT after
     them O's own staging boxes and the query-box-free barriers (the ping-pong kernel stores O through the query box
     and loads its queries once).
 
@@ -391,7 +406,8 @@ def _pingpong_buffers(q_desc, k_desc, v_desc, o_desc, HALF_M: gl.constexpr, HEAD
     turn_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     v_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    empty_bar = gl.allocate_shared_memory(gl.int64, [2 * NBUF, 1], mbarrier.MBarrierLayout())
+    V_FREE: gl.constexpr = _v_free_barriers(NBUF)
+    empty_bar = gl.allocate_shared_memory(gl.int64, [V_FREE + NBUF, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_bar.index(i), count=1)
         if PERSISTENT:
@@ -401,7 +417,8 @@ def _pingpong_buffers(q_desc, k_desc, v_desc, o_desc, HALF_M: gl.constexpr, HEAD
         mbarrier.init(k_bar.index(i), count=1)
         mbarrier.init(v_bar.index(i), count=1)
         mbarrier.init(empty_bar.index(i), count=2)
-        mbarrier.init(empty_bar.index(NBUF + i), count=2)
+        if V_FREE > 0:
+            mbarrier.init(empty_bar.index(V_FREE + i), count=2)
     fence_async_shared()
     mbarrier.arrive(turn_bar.index(0))  # warpgroup 0 takes the first turn
     if PERSISTENT:
@@ -478,6 +495,7 @@ def _persistent_producer(q_desc, k_desc, v_desc, q_smem, q_bar, q_empty, k_smem,
     last tile's (q_empty), then its K/V tiles through the ring, as `_pingpong_producer`; the ring's slots and phases
     run on across query tiles, so the next tile's K/V streams in while this one's last products run."""
     HALF_M: gl.constexpr = BLOCK_M // 2
+    V_FREE: gl.constexpr = _v_free_barriers(NBUF)
     streamed = 0
     i = 0
     for j in range(_persistent_steps(n_m_tiles, n_bh)):
@@ -495,7 +513,8 @@ def _persistent_producer(q_desc, k_desc, v_desc, q_smem, q_bar, q_empty, k_smem,
                 phase = (((streamed + t) // NBUF) - 1) & 1
                 mbarrier.wait(empty_bar.index(slot), phase, pred=streamed + t >= NBUF)
                 _load_tile(k_desc, k_smem, k_bar, b, h_kv, lo + t * BLOCK_N, slot, True)
-                mbarrier.wait(empty_bar.index(NBUF + slot), phase, pred=streamed + t >= NBUF)
+                if V_FREE > 0:
+                    mbarrier.wait(empty_bar.index(V_FREE + slot), phase, pred=streamed + t >= NBUF)
                 _load_tile(v_desc, v_smem, v_bar, b, h_kv, lo + t * BLOCK_N, slot, True)
             streamed += n_tiles
             i += 1
@@ -1058,8 +1077,8 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     unscaled), half of its rows or columns per consumer. LseDelta holds the (-L * log2 e, rowsum(dO * O)) pairs,
     written before. k_desc and v_desc copy BLOCK_N-row boxes; dk_desc and dv_desc BLOCK_N // 2-row boxes; dq_desc
     a consumer's share, (BLOCK_M, D / 2) or (BLOCK_M / 2, D) boxes (`_one_pass_consumer`). NSTAGE sets of dQ
-    staging boxes (two is 16 KB more shared memory at D 64 with 64-row query tiles, and does not fit at D 128 or
-    with 128-row ones).
+    staging boxes (two is 16 KB more shared memory at D 64 with 64-row query tiles; at D 128 two fit only with two
+    Q/dO buffers, and ran 0-2% slower there, kernel_experiments.md, stop 43; with 128-row tiles they do not fit).
 
     DETERMINISTIC: dQ's sums are added in a fixed order, ordered by Sem, (B, H, cdiv(Nq, BLOCK_M)) int32 zeroed
     first (see the section's comment); ROTATE (full masks, Nq / BLOCK_M >= Nk / BLOCK_N, and at most one head's
