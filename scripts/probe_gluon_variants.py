@@ -35,7 +35,7 @@ def main() -> int:
     ap.add_argument("--choice-settings", nargs="+", default=["100:3"],
                     help="the choice's settings to try, each rep_ms:rounds (flash_gluon._CHOICE_REP_MS, _ROUNDS)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms) per timing")
-    ap.add_argument("--against", metavar="FILE",
+    ap.add_argument("--against", metavar="FILE", type=kernels_file,
                     help="another version of gluon_kernels.py: its variants are timed too, interleaved with these")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -107,6 +107,13 @@ def main() -> int:
                     print(f"  {label:<45} {ms:8.3f} ms ({lo:.3f}-{hi:.3f})  {flops / ms / 1e9:7.1f} TFLOP/s",
                           flush=True)
     return 0
+
+
+def kernels_file(path: str) -> str:
+    """argparse type of --against: an existing Python file (another version of gluon_kernels.py)."""
+    if not path.endswith(".py") or not os.path.isfile(path):
+        raise argparse.ArgumentTypeError(f"{path!r}: want an existing .py file, another version of gluon_kernels.py")
+    return path
 
 
 def _load_kernels(path: str):

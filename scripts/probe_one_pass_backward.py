@@ -29,6 +29,8 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from scripts.probe_gluon_variants import _load_kernels, _with_kernels, kernels_file  # noqa: E402
+
 
 def variant_spec(spec: str):
     """argparse type of a one-pass variant written KIND,BLOCK_M,BLOCK_N,NBUF,REGS[,STAGES] (`flash_gluon.Variant`),
@@ -95,7 +97,6 @@ def check(variants_by_d, head_dims, case_indices) -> int:
 def bench(variants_by_d, head_dims, seqs, rounds, against=None) -> None:
     """against: another gluon_kernels module, whose one passes are timed beside these (`probe_gluon_variants`)."""
     from flashsys.ops.attention import flash_gluon, set_deterministic_backward
-    from scripts.probe_gluon_variants import _with_kernels
     from scripts.probe_gluon_backward import BackwardCell
 
     for d in head_dims:
@@ -182,7 +183,7 @@ def main() -> int:
                     help="which one passes: the non-deterministic one, the deterministic one")
     ap.add_argument("--extra", nargs="+", default=[], type=variant_spec,
                     metavar="KIND,BLOCK_M,BLOCK_N,NBUF,REGS[,STAGES]", help="variants outside the tables to check and time as well, e.g. one_pass_det,128,128,2,240")
-    ap.add_argument("--against", metavar="FILE",
+    ap.add_argument("--against", metavar="FILE", type=kernels_file,
                     help="another version of gluon_kernels.py: its one passes are timed too, interleaved with these")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -201,8 +202,6 @@ def main() -> int:
     t0 = time.time()
     failures = 0 if args.skip_check else check(variants, args.head_dims, args.cases)
     print(f"check: {failures} failures ({time.time() - t0:.0f} s)", flush=True)
-    from scripts.probe_gluon_variants import _load_kernels
-
     bench(variants, args.head_dims, args.seqs, args.rounds, _load_kernels(args.against) if args.against else None)
     return 1 if failures else 0
 
