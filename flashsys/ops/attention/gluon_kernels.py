@@ -342,23 +342,32 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, L, n_bh, n_heads, kv_group
 
 
 @gluon.jit
+def _produce_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, empty_bar, b, h_kv, row, slot, phase, reused,
+                     NBUF: gl.constexpr):
+    """A ping-pong producer's copy of the K and V tiles at `row` into buffer `slot`: each once both consumers have
+    handed that slot's tile back (phase: of the tile NBUF earlier; reused: there was one), K's and V's apart with
+    two slots (`_v_free_barriers`)."""
+    V_FREE: gl.constexpr = _v_free_barriers(NBUF)
+    mbarrier.wait(empty_bar.index(slot), phase, pred=reused)
+    _load_tile(k_desc, k_smem, k_bar, b, h_kv, row, slot, True)
+    if V_FREE > 0:
+        mbarrier.wait(empty_bar.index(V_FREE + slot), phase, pred=reused)
+    _load_tile(v_desc, v_smem, v_bar, b, h_kv, row, slot, True)
+
+
+@gluon.jit
 def _pingpong_producer(q_desc, k_desc, v_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar, b, h, h_kv,
                        start_m, lo, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr):
     """One warp: both halves' queries, then K tile t into buffer t % NBUF once both consumers' S products have read
     K tile t - NBUF (with more than two slots: their P V products V tile t - NBUF), and V tile t once their P V
     products have read V tile t - NBUF (`_v_free_barriers`)."""
-    V_FREE: gl.constexpr = _v_free_barriers(NBUF)
     HALF_M: gl.constexpr = BLOCK_M // 2
     for half in gl.static_range(2):
         mbarrier.expect(q_bar.index(half), q_desc.block_type.nbytes)
         _tma_load(q_desc, [b, h, start_m + half * HALF_M, 0], q_bar.index(half), q_smem.index(half))
     for t in range(n_tiles):
-        slot = t % NBUF
-        mbarrier.wait(empty_bar.index(slot), ((t // NBUF) - 1) & 1, pred=t >= NBUF)
-        _load_tile(k_desc, k_smem, k_bar, b, h_kv, lo + t * BLOCK_N, slot, True)
-        if V_FREE > 0:
-            mbarrier.wait(empty_bar.index(V_FREE + slot), ((t // NBUF) - 1) & 1, pred=t >= NBUF)
-        _load_tile(v_desc, v_smem, v_bar, b, h_kv, lo + t * BLOCK_N, slot, True)
+        _produce_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, empty_bar, b, h_kv, lo + t * BLOCK_N, t % NBUF,
+                         ((t // NBUF) - 1) & 1, t >= NBUF, NBUF)
 
 
 @gluon.jit
@@ -495,7 +504,6 @@ def _persistent_producer(q_desc, k_desc, v_desc, q_smem, q_bar, q_empty, k_smem,
     last tile's (q_empty), then its K/V tiles through the ring, as `_pingpong_producer`; the ring's slots and phases
     run on across query tiles, so the next tile's K/V streams in while this one's last products run."""
     HALF_M: gl.constexpr = BLOCK_M // 2
-    V_FREE: gl.constexpr = _v_free_barriers(NBUF)
     streamed = 0
     i = 0
     for j in range(_persistent_steps(n_m_tiles, n_bh)):
@@ -509,13 +517,9 @@ def _persistent_producer(q_desc, k_desc, v_desc, q_smem, q_bar, q_empty, k_smem,
                 _tma_load(q_desc, [b, h, start_m + half * HALF_M, 0], q_bar.index(half), q_smem.index(half))
             n_tiles = gl.cdiv(hi - lo, BLOCK_N)
             for t in range(n_tiles):
-                slot = (streamed + t) % NBUF
-                phase = (((streamed + t) // NBUF) - 1) & 1
-                mbarrier.wait(empty_bar.index(slot), phase, pred=streamed + t >= NBUF)
-                _load_tile(k_desc, k_smem, k_bar, b, h_kv, lo + t * BLOCK_N, slot, True)
-                if V_FREE > 0:
-                    mbarrier.wait(empty_bar.index(V_FREE + slot), phase, pred=streamed + t >= NBUF)
-                _load_tile(v_desc, v_smem, v_bar, b, h_kv, lo + t * BLOCK_N, slot, True)
+                g = streamed + t
+                _produce_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, empty_bar, b, h_kv, lo + t * BLOCK_N,
+                                 g % NBUF, ((g // NBUF) - 1) & 1, g >= NBUF, NBUF)
             streamed += n_tiles
             i += 1
 
