@@ -112,9 +112,11 @@ DQ_VARIANTS: dict[int, tuple[Variant, ...]] = {
 # visits, and its products twice as wide) ran 2-5% faster than 64-row ones in every cell of N 4096 and 16384 but the
 # deterministic causal N 16384, where they tied (kernel_configs/probe_one_pass_block_m128_h100.txt), and splitting
 # dQ by rows took 2-6% more off (probe_one_pass_dq_rows_h100.txt); at D 128 their accumulators do not fit in the
-# registers.
+# registers. With two Q/dO buffers they fit a second set of dQ staging boxes (230,544 bytes of shared memory), which
+# gives the writer a tile more of slack: 1-5% faster than one set unordered, 1-2% deterministic (a tie at full N
+# 16384) in the four D 64 cells of N 4096 and 16384 (kernel_configs/probe_one_pass_d64_two_stages_h100.txt).
 ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {
-    64: (TL_KERNEL, Variant("one_pass", 64, 128, 3, 240, 2), Variant("one_pass", 128, 128, 2, 240),
+    64: (TL_KERNEL, Variant("one_pass", 64, 128, 3, 240, 2), Variant("one_pass", 128, 128, 2, 240, 2),
          Variant("one_pass", 128, 128, 3, 240)),
     128: (TL_KERNEL, Variant("one_pass", 64, 128, 2, 240), Variant("one_pass", 64, 128, 3, 240)),
 }
@@ -124,9 +126,10 @@ ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {
 # (gluon_kernels.py says how the turns are ordered). TL_KERNEL stands for the two passes, as above. On an H100
 # (16k tokens, bf16, whole backwards) it ran 0.89-0.98x the two passes' time at D 128 and 1.03-1.10x at D 64 with
 # 64-row query tiles (kernel_configs/probe_one_pass_det_h100.txt); with 128-row ones and dQ split by rows 0.88-0.97x
-# at D 64 (kernel_configs/probe_one_pass_dq_rows_h100.txt), where the choice now takes it.
+# at D 64 (kernel_configs/probe_one_pass_dq_rows_h100.txt), where the choice now takes it; its 128-row two-buffer
+# kernel takes two staging sets, as above.
 DETERMINISTIC_ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {
-    64: (TL_KERNEL, Variant("one_pass_det", 64, 128, 3, 240, 2), Variant("one_pass_det", 128, 128, 2, 240),
+    64: (TL_KERNEL, Variant("one_pass_det", 64, 128, 3, 240, 2), Variant("one_pass_det", 128, 128, 2, 240, 2),
          Variant("one_pass_det", 128, 128, 3, 240)),
     128: (TL_KERNEL, Variant("one_pass_det", 64, 128, 2, 240), Variant("one_pass_det", 64, 128, 3, 240)),
 }
