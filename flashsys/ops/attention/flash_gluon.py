@@ -113,7 +113,7 @@ DQ_VARIANTS: dict[int, tuple[Variant, ...]] = {
 # deterministic causal N 16384, where they tied (kernel_configs/probe_one_pass_block_m128_h100.txt), and splitting
 # dQ by rows took 2-6% more off (probe_one_pass_dq_rows_h100.txt); at D 128 their accumulators do not fit in the
 # registers. With two Q/dO buffers they fit a second set of dQ staging boxes (230,544 bytes of shared memory), which
-# gives the writer a tile more of slack: 1-5% faster than one set unordered, 1-2% deterministic (a tie at full N
+# gives the writer a tile more of slack: 0.7-5% faster than one set unordered, 1-2% deterministic (a tie at full N
 # 16384) in the four D 64 cells of N 4096 and 16384 (kernel_configs/probe_one_pass_d64_two_stages_h100.txt).
 ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {
     64: (TL_KERNEL, Variant("one_pass", 64, 128, 3, 240, 2), Variant("one_pass", 128, 128, 2, 240, 2),
