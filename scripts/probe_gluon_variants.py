@@ -117,10 +117,30 @@ def kernels_file(path: str) -> str:
 
 
 def _load_kernels(path: str):
-    """`path` (a gluon_kernels.py) imported as a module of flashsys.ops.attention, beside the library's own."""
+    """`path` (a gluon_kernels.py) imported as a module of flashsys.ops.attention, beside the library's own. Exits,
+    naming --against, where a kernel the library launches is missing there or takes other parameters: the host
+    passes the library's kernels' parameters, by name, and a difference would otherwise stop the timings midway
+    with a KeyError from deep in the launch."""
+    from flashsys.ops.attention import flash_gluon
+
+    own = flash_gluon._kernels()
+    if own is None:
+        raise SystemExit(f"--against {path}: the library's own Gluon kernels do not import here ({flash_gluon._broken})")
     spec = importlib.util.spec_from_file_location("flashsys.ops.attention._gluon_kernels_against", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    for name, kernel in vars(own).items():
+        if not name.startswith("attention_") or not hasattr(kernel, "arg_names"):
+            continue
+        theirs = getattr(getattr(module, name, None), "arg_names", None)
+        if theirs is None:
+            raise SystemExit(f"--against {path}: it has no kernel {name}, which the library launches")
+        if theirs != kernel.arg_names:
+            extra = [a for a in theirs if a not in kernel.arg_names]
+            missing = [a for a in kernel.arg_names if a not in theirs]
+            what = "; ".join(part for part in (f"takes {', '.join(extra)}, which the library does not pass" if extra
+                                               else "", f"lacks {', '.join(missing)}" if missing else "") if part)
+            raise SystemExit(f"--against {path}: its {name} {what or 'takes its parameters in another order'}")
     return module
 
 

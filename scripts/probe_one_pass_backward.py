@@ -198,11 +198,12 @@ def main() -> int:
     for variant in args.extra:
         for d in args.head_dims:
             variants[d].append(variant)
+    against = _load_kernels(args.against) if args.against else None  # refused before the check, not after it
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     t0 = time.time()
     failures = 0 if args.skip_check else check(variants, args.head_dims, args.cases)
     print(f"check: {failures} failures ({time.time() - t0:.0f} s)", flush=True)
-    bench(variants, args.head_dims, args.seqs, args.rounds, _load_kernels(args.against) if args.against else None)
+    bench(variants, args.head_dims, args.seqs, args.rounds, against)
     return 1 if failures else 0
 
 
