@@ -52,3 +52,54 @@ def test_against_takes_kernels_with_the_librarys_parameters_and_refuses_others(t
     lacking.write_text(text.replace(", NSTAGE: gl.constexpr = 1):", "):"))
     with pytest.raises(SystemExit, match=r"its attention_backward_one_pass lacks NSTAGE"):
         probe._load_kernels(str(lacking))
+
+
+def test_the_choice_probe_prints_each_candidates_rounds_and_a_nested_choice_apart(monkeypatch, capsys):
+    """scripts/probe_choice_timings.py: with do_bench standing in (each candidate's time fixed, a different one per
+    round), a one-pass choice prints every candidate's three rounds in its own group and what it took; the dQ
+    choice made inside the two passes' first run prints its own line first, and its timings are not counted as the
+    outer choice's."""
+    import torch
+    import triton.testing
+
+    from flashsys.ops.attention import flash_gluon
+
+    spec = importlib.util.spec_from_file_location("probe_choice_timings", SCRIPTS / "probe_choice_timings.py")
+    choice_probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(choice_probe)
+    outer = flash_gluon.ChoiceKey(64, torch.bfloat16, True, False, 4096, "one_pass_det")
+    inner = flash_gluon.ChoiceKey(64, torch.bfloat16, True, False, 4096, "dq")
+    ms = {}  # (which choice, the variant a run launches) -> its time; every round adds 0.01
+    calls = []
+
+    def fake_bench(fn, *args, **kwargs):
+        launched = fn()
+        calls.append(launched)
+        return ms[launched] + 0.01 * (calls.count(launched) - 1)
+
+    def run_inner(variant):
+        return "inner", variant
+
+    def run_outer(variant):
+        if variant.kind == "tl":
+            flash_gluon._choose(inner, run_inner)  # as the two passes' first run makes the dQ choice
+        return "outer", variant
+
+    for i, variant in enumerate(outer.candidates()):
+        ms["outer", variant] = 2.0 - 0.25 * i  # the last candidate fastest
+    for i, variant in enumerate(inner.candidates()):
+        ms["inner", variant] = 1.0 + 0.1 * i
+    monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
+    monkeypatch.setattr(flash_gluon, "autotune_enabled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU build has no CUDA
+    monkeypatch.setattr(flash_gluon, "_chosen", {})
+    monkeypatch.setattr(flash_gluon, "_choose", flash_gluon._choose)
+    choice_probe._logged_choices()
+    assert flash_gluon._choose(outer, run_outer) == outer.candidates()[-1]
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["CHOICE dq D64 bfloat16 causal=True N<=4096",
+                                                      "CHOICE one_pass_det D64 bfloat16 causal=True N<=4096"]
+    assert lines[1].split(": ", 1)[1].startswith(outer.label(outer.candidates()[-1]) + ";")
+    for variant in outer.candidates():
+        rounds = ", ".join(f"{ms['outer', variant] + 0.01 * r:.3f}" for r in range(3))
+        assert f"{outer.label(variant)}: {rounds}" in lines[1]
