@@ -342,12 +342,14 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, L, n_bh, n_heads, kv_group
 
 
 @gluon.jit
-def _produce_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, empty_bar, b, h_kv, row, slot, phase, reused,
-                     NBUF: gl.constexpr):
-    """A ping-pong producer's copy of the K and V tiles at `row` into buffer `slot`: each once both consumers have
-    handed that slot's tile back (phase: of the tile NBUF earlier; reused: there was one), K's and V's apart with
-    two slots (`_v_free_barriers`)."""
+def _produce_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, empty_bar, b, h_kv, row, g, NBUF: gl.constexpr):
+    """A ping-pong producer's copy of the K and V tiles at `row`, the g-th tile it streams, into buffer g % NBUF:
+    each once both consumers have handed back the tile that slot held (tile g - NBUF, where there was one), K's and
+    V's apart with two slots (`_v_free_barriers`)."""
     V_FREE: gl.constexpr = _v_free_barriers(NBUF)
+    slot = g % NBUF
+    phase = ((g // NBUF) - 1) & 1
+    reused = g >= NBUF
     mbarrier.wait(empty_bar.index(slot), phase, pred=reused)
     _load_tile(k_desc, k_smem, k_bar, b, h_kv, row, slot, True)
     if V_FREE > 0:
@@ -366,8 +368,7 @@ def _pingpong_producer(q_desc, k_desc, v_desc, q_smem, q_bar, k_smem, v_smem, k_
         mbarrier.expect(q_bar.index(half), q_desc.block_type.nbytes)
         _tma_load(q_desc, [b, h, start_m + half * HALF_M, 0], q_bar.index(half), q_smem.index(half))
     for t in range(n_tiles):
-        _produce_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, empty_bar, b, h_kv, lo + t * BLOCK_N, t % NBUF,
-                         ((t // NBUF) - 1) & 1, t >= NBUF, NBUF)
+        _produce_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, empty_bar, b, h_kv, lo + t * BLOCK_N, t, NBUF)
 
 
 @gluon.jit
@@ -517,9 +518,8 @@ def _persistent_producer(q_desc, k_desc, v_desc, q_smem, q_bar, q_empty, k_smem,
                 _tma_load(q_desc, [b, h, start_m + half * HALF_M, 0], q_bar.index(half), q_smem.index(half))
             n_tiles = gl.cdiv(hi - lo, BLOCK_N)
             for t in range(n_tiles):
-                g = streamed + t
                 _produce_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, empty_bar, b, h_kv, lo + t * BLOCK_N,
-                                 g % NBUF, ((g // NBUF) - 1) & 1, g >= NBUF, NBUF)
+                                 streamed + t, NBUF)
             streamed += n_tiles
             i += 1
 
