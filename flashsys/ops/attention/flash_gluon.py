@@ -112,7 +112,7 @@ DQ_VARIANTS: dict[int, tuple[Variant, ...]] = {
 # visits, and its products twice as wide) ran 2-5% faster than 64-row ones in every cell of N 4096 and 16384 but the
 # deterministic causal N 16384, where they tied (kernel_configs/probe_one_pass_block_m128_h100.txt), and splitting
 # dQ by rows took 2-6% more off (probe_one_pass_dq_rows_h100.txt); at D 128 their accumulators do not fit in the
-# registers. With two Q/dO buffers they fit a second set of dQ staging boxes (230,544 bytes of shared memory), which
+# registers. With two Q/dO buffers they fit a second set of dQ staging boxes (231,984 bytes of shared memory), which
 # gives the writer a tile more of slack: 0.7-5% faster than one set unordered, 1-2% deterministic (a tie at full N
 # 16384) in the four D 64 cells of N 4096 and 16384 (kernel_configs/probe_one_pass_d64_two_stages_h100.txt).
 ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {

@@ -51,10 +51,14 @@ from .flash_triton import _key_tile_range, _one_pass_turn, _program_start, _quer
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 # TMA copies: Triton 3.6 names them async_copy_*; later Tritons renamed them async_load / async_store.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+# cp.async copies (global to shared, per thread): Triton 3.6 names them async_copy_global_to_shared, later Tritons
+# async_load.
+_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 
 @builtin
@@ -178,6 +182,15 @@ def _invalidate_barriers(one_bar, a_bar, b_bar, NBUF: gl.constexpr):
     for i in gl.static_range(NBUF):
         mbarrier.invalidate(a_bar.index(i))
         mbarrier.invalidate(b_bar.index(i))
+
+
+@builtin
+def _vector_in(x, layout, _semantic=None):
+    """A per-row or per-column vector in `layout`: converted where `x` is in registers, read in it where `x` is a
+    row of shared memory (no conversion, no barrier)."""
+    if isinstance(x, gl.shared_memory_descriptor):
+        return x.load(layout, _semantic=_semantic)
+    return gl.convert_layout(x, layout, _semantic=_semantic)
 
 
 @gluon.jit
@@ -609,31 +622,27 @@ def _lse_delta(LseDelta, b, n_heads, n_q, j, n_iter, n_m_tiles, lo, h_kv, kv_gro
     the group), one row per thread of `layout`. Loaded where they are used (over the columns of Sᵀ that each
     thread holds), their pointers alone took ~70 registers."""
     h, start_m = _query_tile(j, n_m_tiles, lo, h_kv, kv_group, BLOCK_M)
-    return _lse_delta_at(LseDelta, b, n_heads, n_q, h, start_m, j < n_iter, BLOCK_M, layout)
-
-
-@gluon.jit
-def _lse_delta_at(LseDelta, b, n_heads, n_q, h, start_m, inside_group, BLOCK_M: gl.constexpr, layout):
-    """`_lse_delta` of the query tile of head h starting at row start_m (zeros unless inside_group)."""
     rows = start_m + gl.arange(0, BLOCK_M, layout=layout)
     pairs = LseDelta + (b * n_heads + h).to(gl.int64) * n_q * 2 + rows * 2
-    inside = (rows < n_q) & inside_group
+    inside = (rows < n_q) & (j < n_iter)
     return gl.load(pairs, mask=inside, other=0.0), gl.load(pairs + 1, mask=inside, other=0.0)
 
+
 @gluon.jit
-def _transposed_probabilities(k_tile, v_tile, q_tile, do_tile, q_ready, do_ready, phase, s_zero, neg_lse2, qk_scale,
-                              offs_n, start_m, full_lo, full_hi, n_q, right_offset, left_offset, BLOCK_M: gl.constexpr,
+def _transposed_probabilities(k_tile, v_tile, q_tile, do_tile, do_ready, phase, s_zero, neg_lse2, qk_scale, offs_n,
+                              start_m, full_lo, full_hi, n_q, right_offset, left_offset, BLOCK_M: gl.constexpr,
                               BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr):
-    """A dK/dV tile's first steps on transposed scores (keys x queries): Sᵀ = K Qᵀ and dPᵀ = V dOᵀ issued together,
-    each once its tile is in; wait for Sᵀ only; Pᵀ = exp2(Sᵀ·scale - L), masked where the query tile straddles a
-    window edge or the end of the queries. Returns (Pᵀ, dPᵀ's token): dPᵀ may still be on the tensor cores."""
+    """A dK/dV tile's first steps on transposed scores (keys x queries), once Q's tile is in (the caller waited for
+    it): Sᵀ = K Qᵀ and dPᵀ = V dOᵀ issued together, dPᵀ once dO's tile is in; wait for Sᵀ only;
+    Pᵀ = exp2(Sᵀ·scale - L), masked where the query tile straddles a window edge or the end of the queries.
+    neg_lse2 (-L * log2 e of the tile's rows) is in registers or a row of shared memory (`_vector_in`).
+    Returns (Pᵀ, dPᵀ's token): dPᵀ may still be on the tensor cores."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s_zero.type.layout)  # a vector over Sᵀ's columns (queries)
-    mbarrier.wait(q_ready, phase)
     s_tok = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     mbarrier.wait(do_ready, phase)
     dp_tok = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(1, deps=[s_tok])  # dPᵀ may still run
-    p = gl.exp2(s * qk_scale + gl.convert_layout(neg_lse2, col_layout)[None, :])
+    p = gl.exp2(s * qk_scale + _vector_in(neg_lse2, col_layout)[None, :])
     if (start_m < full_lo) | (start_m >= full_hi):  # a tile at a window edge or the end of the queries
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
         visible = _visible(offs_m[None, :], offs_n[:, None], offs_m[None, :], n_q, right_offset, left_offset,
@@ -704,9 +713,10 @@ def attention_backward_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
         h, start_m = _query_tile(j, n_m_tiles, lo, h_kv, kv_group, BLOCK_M)
         q_tile = _tile(q_smem.index(slot), BLOCK_M, HEAD_DIM)
         do_tile = _tile(do_smem.index(slot), BLOCK_M, HEAD_DIM)
-        p, dp_tok = _transposed_probabilities(k_tile, v_tile, q_tile, do_tile, q_bar.index(slot), do_bar.index(slot),
-                                              phase, s_zero, neg_lse2, qk_scale, offs_n, start_m, full_lo, full_hi,
-                                              n_q, right_offset, left_offset, BLOCK_M, BOUND_RIGHT, BOUND_LEFT)
+        mbarrier.wait(q_bar.index(slot), phase)
+        p, dp_tok = _transposed_probabilities(k_tile, v_tile, q_tile, do_tile, do_bar.index(slot), phase, s_zero,
+                                              neg_lse2, qk_scale, offs_n, start_m, full_lo, full_hi, n_q,
+                                              right_offset, left_offset, BLOCK_M, BOUND_RIGHT, BOUND_LEFT)
         dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do_tile, dv, is_async=True)
         dp = warpgroup_mma_wait(1, deps=[dp_tok])  # dV's product may still run
         ds = p * (dp - gl.convert_layout(delta, col_layout)[None, :])
@@ -914,11 +924,33 @@ def _one_pass_tile(j, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M: gl.constexpr)
 
 
 @gluon.jit
-def _one_pass_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, q_bar, do_bar, k_box, v_box, kv_bar,
-                       empty_bar, b, h_kv, kv_group, start_n, lo, rot, n_m_tiles, n_iter, BLOCK_M: gl.constexpr,
-                       NBUF: gl.constexpr):
-    """One warp: the program's K and V tile, then query tile j's Q and dO into buffer j % NBUF once both consumers
-    released tile j - NBUF."""
+def _copy_pairs(LseDelta, pair_box, bar, b, n_heads, n_q, h, start_m, BLOCK_M: gl.constexpr):
+    """The (-L * log2 e, D) pairs of the query tile of head h starting at row start_m (zeros past n_q) into
+    `pair_box`, 2 * BLOCK_M float32s: the rows' -L * log2 e, then their D (`_pair_rows`). By cp.async, 4 bytes a
+    copy (the global pairs are interleaved), from the (one-warp) caller, counted on `bar`: its phase then completes
+    only once they have landed. The consumers read each half in the columns of Sᵀ they hold, where loaded from
+    global memory one row per thread and converted, each tile took three warpgroup barriers (a shared-memory round
+    trip per conversion; kernel_experiments.md, stop 45)."""
+    i = gl.arange(0, 2 * BLOCK_M, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    second = (i >= BLOCK_M).to(gl.int32)  # D's half
+    rows = start_m + i - second * BLOCK_M
+    pairs = LseDelta + (b * n_heads + h).to(gl.int64) * n_q * 2
+    _cp_async(pair_box, pairs + rows * 2 + second, mask=rows < n_q)
+    async_copy.mbarrier_arrive(bar)
+
+
+@gluon.jit
+def _pair_rows(pair_box, BLOCK_M: gl.constexpr):
+    """(-L * log2 e, D) of a query tile's rows, as two shared-memory rows of `pair_box` (`_copy_pairs`)."""
+    return pair_box.slice(0, BLOCK_M), pair_box.slice(BLOCK_M, BLOCK_M)
+
+
+@gluon.jit
+def _one_pass_producer(q_desc, k_desc, v_desc, do_desc, LseDelta, q_smem, do_smem, pair_smem, q_bar, do_bar, k_box,
+                       v_box, kv_bar, empty_bar, b, h_kv, n_heads, kv_group, n_q, start_n, lo, rot, n_m_tiles, n_iter,
+                       BLOCK_M: gl.constexpr, NBUF: gl.constexpr):
+    """One warp: the program's K and V tile, then query tile j's Q, dO and (-L * log2 e, D) pairs into buffer
+    j % NBUF once both consumers released tile j - NBUF (the pairs counted on Q's barrier)."""
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     _tma_load(k_desc, [b, h_kv, start_n, 0], kv_bar, k_box)
     _tma_load(v_desc, [b, h_kv, start_n, 0], kv_bar, v_box)
@@ -926,6 +958,8 @@ def _one_pass_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, q_bar, 
         slot = j % NBUF
         mbarrier.wait(empty_bar.index(slot), ((j // NBUF) - 1) & 1, pred=j >= NBUF)
         h, start_m = _one_pass_tile(j, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M)
+        # The pairs first: their count on Q's barrier must be in before the TMA's arrival can complete its phase.
+        _copy_pairs(LseDelta, pair_smem.index(slot), q_bar.index(slot), b, n_heads, n_q, h, start_m, BLOCK_M)
         _load_pair(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, b, h, start_m, slot, True)
 
 
@@ -976,15 +1010,16 @@ def _one_pass_dq_writer(dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv
 
 
 @gluon.jit
-def _one_pass_consumer(dk_desc, dv_desc, LseDelta, q_smem, do_smem, q_bar, do_bar, k_box, v_box, kv_bar, empty_bar,
-                       ds_smem, ds_bar, dq_stage, stage_full, stage_empty, b, h_kv, n_heads, kv_group, n_q, start_n,
+def _one_pass_consumer(dk_desc, dv_desc, q_smem, do_smem, pair_smem, q_bar, do_bar, k_box, v_box, kv_bar, empty_bar,
+                       ds_smem, ds_bar, dq_stage, stage_full, stage_empty, b, h_kv, kv_group, n_q, start_n,
                        lo, rot, full_lo, full_hi, n_m_tiles, n_iter, right_offset, left_offset, qk_scale,
                        softmax_scale, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        HALF_N: gl.constexpr, BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr,
                        NBUF: gl.constexpr, NSTAGE: gl.constexpr, DQ_ROWS: gl.constexpr, DQ_COLS: gl.constexpr):
     """One warpgroup: dK and dV of key rows start_n + HALF * HALF_N on, and its share of dQ, over the query tiles
     the producer streams. Per tile as `attention_backward_dkdv` (Sᵀ and dPᵀ issued together, Pᵀ under dPᵀ, dSᵀ under
-    dV's product), then dSᵀ into shared memory, where the two warpgroups' halves meet (ds_bar), and its half of dQ
+    dV's product; the tile's -L * log2 e and D read from the producer's copy in shared memory, in the columns of Sᵀ
+    this thread holds), then dSᵀ into shared memory, where the two warpgroups' halves meet (ds_bar), and its half of dQ
     over all BLOCK_N keys: with 64-row query tiles its D/2 columns (DQ_COLS; dS K[:, cols], 32 registers a thread at
     D 128), with 128-row ones its 64 rows (DQ_ROWS; dS[rows] K, one product of 64 columns at D 64 where the column
     halves took two of 32). The share goes to the writer warp in this warpgroup's staging box of set j % NSTAGE
@@ -994,7 +1029,6 @@ def _one_pass_consumer(dk_desc, dv_desc, LseDelta, q_smem, do_smem, q_bar, do_ba
     acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     dq_layout: gl.constexpr = _mma_layout(DQ_COLS)
     dtype: gl.constexpr = q_smem.dtype
     my_n = start_n + HALF * HALF_N
@@ -1010,8 +1044,6 @@ def _one_pass_consumer(dk_desc, dv_desc, LseDelta, q_smem, do_smem, q_bar, do_ba
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=acc_layout)
     s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
     dq_zero = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, layout=dq_layout)
-    h, start_m = _one_pass_tile(0, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M)
-    neg_lse2, delta = _lse_delta_at(LseDelta, b, n_heads, n_q, h, start_m, 0 < n_iter, BLOCK_M, row_layout)
     mbarrier.wait(kv_bar, 0)
     for j in range(n_iter):
         slot = j % NBUF
@@ -1019,12 +1051,14 @@ def _one_pass_consumer(dk_desc, dv_desc, LseDelta, q_smem, do_smem, q_bar, do_ba
         h, start_m = _one_pass_tile(j, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M)
         q_tile = _tile(q_smem.index(slot), BLOCK_M, HEAD_DIM)
         do_tile = _tile(do_smem.index(slot), BLOCK_M, HEAD_DIM)
-        p, dp_tok = _transposed_probabilities(k_tile, v_tile, q_tile, do_tile, q_bar.index(slot), do_bar.index(slot),
-                                              phase, s_zero, neg_lse2, qk_scale, offs_n, start_m, full_lo, full_hi,
-                                              n_q, right_offset, left_offset, BLOCK_M, BOUND_RIGHT, BOUND_LEFT)
+        neg_lse2, delta = _pair_rows(pair_smem.index(slot), BLOCK_M)
+        mbarrier.wait(q_bar.index(slot), phase)  # Q's tile and the pairs
+        p, dp_tok = _transposed_probabilities(k_tile, v_tile, q_tile, do_tile, do_bar.index(slot), phase, s_zero,
+                                              neg_lse2, qk_scale, offs_n, start_m, full_lo, full_hi, n_q,
+                                              right_offset, left_offset, BLOCK_M, BOUND_RIGHT, BOUND_LEFT)
         dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), do_tile, dv, is_async=True)
         dp = warpgroup_mma_wait(1, deps=[dp_tok])
-        ds = (p * (dp - gl.convert_layout(delta, col_layout)[None, :])).to(dtype)
+        ds = (p * (dp - delta.load(col_layout)[None, :])).to(dtype)
         # dSᵀ of this warpgroup's keys into buffer j % 2. Both warpgroups drained their dQ products of tile j - 2
         # (which read it) before arriving at tile j - 1's barrier, which this one passed.
         ds_box = ds_smem.index(j % 2)
@@ -1033,9 +1067,6 @@ def _one_pass_consumer(dk_desc, dv_desc, LseDelta, q_smem, do_smem, q_bar, do_ba
         _barrier()
         mbarrier.arrive(ds_bar.index(j % 2))
         dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q_tile, dk, is_async=True)
-        h_next, start_next = _one_pass_tile(j + 1, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M)
-        neg_lse2, delta = _lse_delta_at(LseDelta, b, n_heads, n_q, h_next, start_next, j + 1 < n_iter, BLOCK_M,
-                                        row_layout)
         mbarrier.wait(ds_bar.index(j % 2), (j // 2) & 1)
         dq_tok = warpgroup_mma(ds_box.slice(ds_rows, DQ_ROWS, dim=1).permute((1, 0)), k_dq, dq_zero,
                                use_acc=False, is_async=True)
@@ -1079,11 +1110,11 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     and a writer warp that adds dQ's shares. Per query tile five products: Sᵀ, dPᵀ, dV += Pᵀ dO, dK += dSᵀ Q, and
     dQ's share dS K, added by TMA reduce-adds into dq_desc's tensor ((B, H, Nq, D) float32, zeroed first;
     unscaled), half of its rows or columns per consumer. LseDelta holds the (-L * log2 e, rowsum(dO * O)) pairs,
-    written before. k_desc and v_desc copy BLOCK_N-row boxes; dk_desc and dv_desc BLOCK_N // 2-row boxes; dq_desc
+    written before; the producer copies each query tile's into shared memory beside its Q (`_copy_pairs`). k_desc and v_desc copy BLOCK_N-row boxes; dk_desc and dv_desc BLOCK_N // 2-row boxes; dq_desc
     a consumer's share, (BLOCK_M, D / 2) or (BLOCK_M / 2, D) boxes (`_one_pass_consumer`). NSTAGE sets of dQ
     staging boxes (two is 16 KB more shared memory at D 64 with 64-row query tiles; at D 128 two fit only with two
     Q/dO buffers, and ran 0-2% slower there, kernel_experiments.md, stop 43; with 128-row tiles at D 64 likewise,
-    230,544 bytes, where they ran 0-5% faster, stop 44).
+    231,984 bytes with the pairs' buffers, where they ran 0-5% faster, stop 44).
 
     DETERMINISTIC: dQ's sums are added in a fixed order, ordered by Sem, (B, H, cdiv(Nq, BLOCK_M)) int32 zeroed
     first (see the section's comment); ROTATE (full masks, Nq / BLOCK_M >= Nk / BLOCK_N, and at most one head's
@@ -1119,6 +1150,7 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     v_box = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_smem, do_smem, q_bar, do_bar = _stream_buffers(q_desc, do_desc, BLOCK_M, HEAD_DIM, NBUF)
+    pair_smem = gl.allocate_shared_memory(gl.float32, [NBUF, 2 * BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     empty_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
@@ -1139,21 +1171,21 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     for i in gl.static_range(NBUF):
         mbarrier.init(empty_bar.index(i), count=2)
     fence_async_shared()
-    gl.warp_specialize([(_one_pass_consumer, (dk_desc, dv_desc, LseDelta, q_smem, do_smem, q_bar, do_bar, k_box, v_box,
+    gl.warp_specialize([(_one_pass_consumer, (dk_desc, dv_desc, q_smem, do_smem, pair_smem, q_bar, do_bar, k_box, v_box,
                                               kv_bar, empty_bar, ds_smem, ds_bar, dq_stage, stage_full, stage_empty, b,
-                                              h_kv, n_heads, kv_group, n_q, start_n, lo, rot, full_lo, full_hi,
+                                              h_kv, kv_group, n_q, start_n, lo, rot, full_lo, full_hi,
                                               n_m_tiles, n_iter, right_offset, left_offset, qk_scale, softmax_scale, 0,
                                               HEAD_DIM, BLOCK_M, HALF_N, BOUND_RIGHT, BOUND_LEFT, NBUF, NSTAGE, DQ_ROWS,
                                               DQ_COLS)),
-                        (_one_pass_consumer, (dk_desc, dv_desc, LseDelta, q_smem, do_smem, q_bar, do_bar, k_box, v_box,
+                        (_one_pass_consumer, (dk_desc, dv_desc, q_smem, do_smem, pair_smem, q_bar, do_bar, k_box, v_box,
                                               kv_bar, empty_bar, ds_smem, ds_bar, dq_stage, stage_full, stage_empty, b,
-                                              h_kv, n_heads, kv_group, n_q, start_n, lo, rot, full_lo, full_hi,
+                                              h_kv, kv_group, n_q, start_n, lo, rot, full_lo, full_hi,
                                               n_m_tiles, n_iter, right_offset, left_offset, qk_scale, softmax_scale, 1,
                                               HEAD_DIM, BLOCK_M, HALF_N, BOUND_RIGHT, BOUND_LEFT, NBUF, NSTAGE, DQ_ROWS,
                                               DQ_COLS)),
-                        (_one_pass_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, q_bar, do_bar, k_box,
-                                              v_box, kv_bar, empty_bar, b, h_kv, kv_group, start_n, lo, rot, n_m_tiles,
-                                              n_iter, BLOCK_M, NBUF)),
+                        (_one_pass_producer, (q_desc, k_desc, v_desc, do_desc, LseDelta, q_smem, do_smem, pair_smem,
+                                              q_bar, do_bar, k_box, v_box, kv_bar, empty_bar, b, h_kv, n_heads,
+                                              kv_group, n_q, start_n, lo, rot, n_m_tiles, n_iter, BLOCK_M, NBUF)),
                         (_one_pass_dq_writer, (dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv, n_heads,
                                                kv_group, n_q, pid_n, lo, rot, n_m_tiles, n_iter, n_k_tiles, stride,
                                                right_offset, BLOCK_M, BLOCK_N, DQ_ROWS, DQ_COLS, BOUND_RIGHT,
