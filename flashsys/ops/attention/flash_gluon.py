@@ -114,11 +114,15 @@ DQ_VARIANTS: dict[int, tuple[Variant, ...]] = {
 # dQ by rows took 2-6% more off (probe_one_pass_dq_rows_h100.txt); at D 128 their accumulators do not fit in the
 # registers. With two Q/dO buffers they fit a second set of dQ staging boxes (231,984 bytes of shared memory), which
 # gives the writer a tile more of slack: 0.7-5% faster than one set unordered, 1-2% deterministic (a tie at full N
-# 16384) in the four D 64 cells of N 4096 and 16384 (kernel_configs/probe_one_pass_d64_two_stages_h100.txt).
+# 16384) in the four D 64 cells of N 4096 and 16384 (kernel_configs/probe_one_pass_d64_two_stages_h100.txt). At D 128
+# two sets fit beside two 64-row Q/dO buffers; since the pairs are read from shared memory they run 5-7% faster than
+# one under full masks deterministic, 1-4% unordered, and 1-2% slower under causal ones
+# (kernel_configs/probe_one_pass_d128_two_stages_h100.txt): the timed choice takes either.
 ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {
     64: (TL_KERNEL, Variant("one_pass", 64, 128, 3, 240, 2), Variant("one_pass", 128, 128, 2, 240, 2),
          Variant("one_pass", 128, 128, 3, 240)),
-    128: (TL_KERNEL, Variant("one_pass", 64, 128, 2, 240), Variant("one_pass", 64, 128, 3, 240)),
+    128: (TL_KERNEL, Variant("one_pass", 64, 128, 2, 240), Variant("one_pass", 64, 128, 2, 240, 2),
+          Variant("one_pass", 64, 128, 3, 240)),
 }
 
 # The deterministic one pass's candidates (the default, `deterministic_backward()` on): "one_pass_det" is the one
@@ -131,7 +135,8 @@ ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {
 DETERMINISTIC_ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {
     64: (TL_KERNEL, Variant("one_pass_det", 64, 128, 3, 240, 2), Variant("one_pass_det", 128, 128, 2, 240, 2),
          Variant("one_pass_det", 128, 128, 3, 240)),
-    128: (TL_KERNEL, Variant("one_pass_det", 64, 128, 2, 240), Variant("one_pass_det", 64, 128, 3, 240)),
+    128: (TL_KERNEL, Variant("one_pass_det", 64, 128, 2, 240), Variant("one_pass_det", 64, 128, 2, 240, 2),
+          Variant("one_pass_det", 64, 128, 3, 240)),
 }
 
 
