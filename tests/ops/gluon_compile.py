@@ -1,7 +1,7 @@
 """Compile every Gluon variant (the forward's, the dK/dV, dQ and one-pass backward kernels') for sm_90 without a GPU,
-for every mask kind, and print what each compiled to as one JSON line ({variant and mask: "ok" or the error}). Run as
-a subprocess by
-test_gluon_forward (a stand-in driver replaces Triton's for the whole process), or by hand:
+for every mask kind, and print what each compiled to as one JSON line ({variant and mask: "ok", or why it cannot run:
+its compile failed, or it needs more shared memory than sm_90 has}). Run as a subprocess by test_gluon_forward (a
+stand-in driver replaces Triton's for the whole process), or by hand:
 
     python -m tests.ops.gluon_compile
 
@@ -42,10 +42,20 @@ def compiled_variants() -> Iterator[tuple[str, object]]:
                 yield label, compiled
 
 
+def verdict(kernel: object) -> str:
+    """"ok", or why a variant cannot run: its compile failed, or it needs more shared memory than sm_90 gives a
+    program (it compiles, and only its launch fails)."""
+    from flashsys.ops.attention import flash_gluon
+
+    if isinstance(kernel, Exception):
+        return f"{type(kernel).__name__}: {str(kernel)[-1500:]}"
+    if kernel.metadata.shared > flash_gluon.SM90_SHARED_BYTES:
+        return f"needs {kernel.metadata.shared} bytes of shared memory, sm_90 allows {flash_gluon.SM90_SHARED_BYTES}"
+    return "ok"
+
+
 def main() -> None:
-    compiled = {label: "ok" if not isinstance(kernel, Exception) else f"{type(kernel).__name__}: {str(kernel)[-1500:]}"
-                for label, kernel in compiled_variants()}
-    print(json.dumps(compiled))
+    print(json.dumps({label: verdict(kernel) for label, kernel in compiled_variants()}))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ from .triton_env import autotune_enabled, env_switch
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
+# The shared memory one program may take on sm_90 (227 KB): a variant's kernel must fit it, or its launch fails.
+SM90_SHARED_BYTES = 232_448
 _DTYPES = (torch.float16, torch.bfloat16)
 # The work (B * H * Nq * Nk * D) below which a call keeps the `tl` kernels. Repeated eager calls replay the Gluon
 # launches from plans (GluonReplay): 46-86 µs of host time a forward against the `tl` forward's 14-60, and a forward
@@ -117,10 +119,11 @@ DQ_VARIANTS: dict[int, tuple[Variant, ...]] = {
 # 16384) in the four D 64 cells of N 4096 and 16384 (kernel_configs/probe_one_pass_d64_two_stages_h100.txt). At D 128
 # two sets fit beside two 64-row Q/dO buffers; since the pairs are read from shared memory they run 5-7% faster than
 # one under full masks deterministic, 1-4% unordered, and 1-2% slower under causal ones
-# (kernel_configs/probe_one_pass_d128_two_stages_h100.txt): the timed choice takes either.
+# (kernel_configs/probe_one_pass_d128_two_stages_h100.txt): the timed choice takes either. A D 64 128-row kernel
+# with three buffers no longer fits (233,024 bytes with the pairs' buffers); it had timed 5-7% slower than the
+# two-buffer one with two sets (kernel_configs/choice_timings_stop44_h100.txt) and was dropped (stop 45).
 ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {
-    64: (TL_KERNEL, Variant("one_pass", 64, 128, 3, 240, 2), Variant("one_pass", 128, 128, 2, 240, 2),
-         Variant("one_pass", 128, 128, 3, 240)),
+    64: (TL_KERNEL, Variant("one_pass", 64, 128, 3, 240, 2), Variant("one_pass", 128, 128, 2, 240, 2)),
     128: (TL_KERNEL, Variant("one_pass", 64, 128, 2, 240), Variant("one_pass", 64, 128, 2, 240, 2),
           Variant("one_pass", 64, 128, 3, 240)),
 }
@@ -133,8 +136,7 @@ ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {
 # at D 64 (kernel_configs/probe_one_pass_dq_rows_h100.txt), where the choice now takes it; its 128-row two-buffer
 # kernel takes two staging sets, as above.
 DETERMINISTIC_ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {
-    64: (TL_KERNEL, Variant("one_pass_det", 64, 128, 3, 240, 2), Variant("one_pass_det", 128, 128, 2, 240, 2),
-         Variant("one_pass_det", 128, 128, 3, 240)),
+    64: (TL_KERNEL, Variant("one_pass_det", 64, 128, 3, 240, 2), Variant("one_pass_det", 128, 128, 2, 240, 2)),
     128: (TL_KERNEL, Variant("one_pass_det", 64, 128, 2, 240), Variant("one_pass_det", 64, 128, 2, 240, 2),
           Variant("one_pass_det", 64, 128, 3, 240)),
 }
