@@ -67,6 +67,22 @@ def test_every_variant_compiles_for_hopper():
     assert not failed, failed
 
 
+def test_the_compile_check_fails_a_variant_past_sm90_shared_memory():
+    """A kernel can compile for sm_90 and still fail to launch there: one that needs more shared memory than a program
+    gets (stop 45's pairs' buffers took a D 64 one pass to 233,024 bytes). The compile check reports it."""
+    from types import SimpleNamespace
+
+    from tests.ops.gluon_compile import verdict
+
+    def kernel(shared):
+        return SimpleNamespace(metadata=SimpleNamespace(shared=shared))
+
+    assert verdict(kernel(flash_gluon.SM90_SHARED_BYTES)) == "ok"
+    past = verdict(kernel(flash_gluon.SM90_SHARED_BYTES + 576))
+    assert past == f"needs {flash_gluon.SM90_SHARED_BYTES + 576} bytes of shared memory, sm_90 allows 232448"
+    assert verdict(ValueError("no layout")) == "ValueError: no layout"
+
+
 # (batch, heads, kv heads, Nq, Nk, window, rank-3 / (B, N, H, D) layout, dtype): each case masks something.
 CASES = [
     (2, 4, 4, 1000, 1000, (-1, 0), "bhnd", torch.bfloat16),  # causal, ragged last tile
