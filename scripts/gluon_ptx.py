@@ -8,8 +8,9 @@ such dumps:
     python scripts/gluon_ptx.py dump /tmp/after         # at the new code
     python scripts/gluon_ptx.py compare /tmp/before /tmp/after
 
-`dump` also prints each kernel's shared memory, and its registers and spills from Triton's bundled ptxas (for the
-ping-pong kernels the launch's count; `setmaxnreg` then moves registers from the producer to the consumers).
+`dump` also prints each kernel's shared memory, its registers and spills from Triton's bundled ptxas (for the
+ping-pong kernels the launch's count; `setmaxnreg` then moves registers from the producer to the consumers), and the
+warpgroup barriers and local loads in its SASS.
 Each kernel is `identical`, `reordered` (the same instructions, registers renamed, in another order: read the diff
 to see that the order does not matter, e.g. barrier initialisations before a fence; register names are erased, so
 swapped operands read as reordered too) or `differs` (lines changed). The exit status is 0 where every kernel is
@@ -62,6 +63,12 @@ def _ptxas_usage(ptx: Path) -> str:
                                             if spills and spills.group(1) != "0" else "")
 
 
+def _sass_counts(sass: str) -> str:
+    """Barriers and local (spill) loads in a kernel's SASS (Triton's cuobjdump), all partitions, prologue and epilogue
+    included: a warpgroup barrier in a tile loop costs every tile (kernel_experiments.md, stops 44 and 45)."""
+    return f"{sass.count('BAR.SYNC')} BAR.SYNC, {sass.count('LDL')} LDL in its SASS"
+
+
 def dump(out: Path) -> int:
     import triton
 
@@ -79,7 +86,8 @@ def dump(out: Path) -> int:
             print(f"{name}: {type(kernel).__name__}: {str(kernel)[-500:]}")
             continue
         write_ptx(out / f"{name}.ptx", kernel.asm["ptx"])
-        print(f"{name}: {kernel.metadata.shared} bytes of shared memory, {_ptxas_usage(out / f'{name}.ptx')}")
+        print(f"{name}: {kernel.metadata.shared} bytes of shared memory, {_ptxas_usage(out / f'{name}.ptx')}, "
+              f"{_sass_counts(kernel.asm['sass'])}")
     print(f"triton {triton.__version__}: {failed} failed to compile")
     return 1 if failed else 0
 

@@ -73,3 +73,15 @@ def test_folders_without_a_dump_or_with_an_old_one_are_refused(tmp_path):
         gluon_ptx.compare(tmp_path / "empty", tmp_path / "before")
     with pytest.raises(SystemExit, match="already holds .ptx files"):
         gluon_ptx.dump(tmp_path / "before")
+
+
+def test_sass_counts_name_the_barriers_and_spill_loads():
+    sass = """
+        /*0870*/                   STL [R1+0x34], R2 ;
+        /*1540*/                   BAR.SYNC.DEFER_BLOCKING 0x2, 0x80 ;
+        /*1a70*/                   LDL R14, [R1+0x24] ;
+        /*1ae0*/              @!P1 SYNCS.ARRIVE.TRANS64.A1T0 RZ, [R4+URZ+0x305d0], RZ ;
+        /*1b00*/                   BAR.SYNC.DEFER_BLOCKING 0x2, 0x80 ;
+        /*2350*/                   LDL.LU R6, [R1+0x48] ;
+    """
+    assert gluon_ptx._sass_counts(sass) == "2 BAR.SYNC, 2 LDL in its SASS"
