@@ -1113,9 +1113,10 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     written before; the producer copies each query tile's into shared memory beside its Q (`_copy_pairs`). k_desc
     and v_desc copy BLOCK_N-row boxes; dk_desc and dv_desc BLOCK_N // 2-row boxes; dq_desc a consumer's share,
     (BLOCK_M, D / 2) or (BLOCK_M / 2, D) boxes (`_one_pass_consumer`). NSTAGE sets of dQ staging boxes (two is
-    16 KB more shared memory at D 64 with 64-row query tiles; at D 128 two fit only with two Q/dO buffers, 230,928
-    bytes, and ran 5-7% faster deterministic under full masks, 1-2% slower causal, kernel_experiments.md, stop 45;
-    with 128-row tiles at D 64 likewise, 231,984 bytes, where they ran 0-5% faster, stop 44).
+    16 KB more shared memory at D 64 with 64-row query tiles; at D 128 two fit only with two Q/dO buffers,
+    230,944-230,976 bytes, and ran 5-7% faster deterministic under full masks, 1-2% slower causal,
+    kernel_experiments.md, stop 45; with 128-row tiles at D 64 likewise, 231,968-232,000 bytes, where they ran 0-5%
+    faster, stop 44).
 
     DETERMINISTIC: dQ's sums are added in a fixed order, ordered by Sem, (B, H, cdiv(Nq, BLOCK_M)) int32 zeroed
     first (see the section's comment); ROTATE (full masks, Nq / BLOCK_M >= Nk / BLOCK_N, and at most one head's
