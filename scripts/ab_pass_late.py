@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
-import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -26,7 +24,7 @@ def main() -> int:
 
     from flashsys.ops.attention import flash_gluon
     from scripts.probe_gluon_backward import BackwardCell
-    from scripts.probe_one_pass_backward import OnePass
+    from scripts.probe_one_pass_backward import OnePass, interleaved_times, print_times
 
     host_rule = flash_gluon.passes_turns_late
 
@@ -63,16 +61,9 @@ def main() -> int:
                 print(f"D=128 N={n} causal={causal} {var.label()} PASS_LATE {lt}: dQ bitwise equal on a rerun "
                       f"{torch.equal(first, fb.dq)}", flush=True)
                 runs[f"{var.label()} PASS_LATE {lt}"] = run
-        times: dict[str, list[float]] = {}
-        for _ in range(args.rounds):
-            for label, fn in runs.items():
-                times.setdefault(label, []).append(triton.testing.do_bench(fn))
-        cudnn = statistics.median(times["SDPA cuDNN backward"])
+        times = interleaved_times(runs, args.rounds)
         print(f"\nD=128 N={n} B={cell.b} causal={causal}")
-        for label, ts in times.items():
-            ms = statistics.median(ts)
-            print(f"  {label:<55} {ms:8.3f} ms {ms / cudnn:5.2f}x cuDNN (rounds {', '.join(f'{t:.3f}' for t in ts)})",
-                  flush=True)
+        print_times(times, cell.flops)
         torch.cuda.empty_cache()
     return 0
 

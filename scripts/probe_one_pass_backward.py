@@ -94,6 +94,25 @@ def check(variants_by_d, head_dims, case_indices) -> int:
     return failures
 
 
+def interleaved_times(runs: dict, rounds: int) -> dict[str, list[float]]:
+    """Each run's do_bench time (ms) in each of `rounds` rounds, the runs taking turns within a round (the pool's
+    clocks drift)."""
+    times: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for label, fn in runs.items():
+            times.setdefault(label, []).append(triton.testing.do_bench(fn))
+    return times
+
+
+def print_times(times: dict[str, list[float]], flops: float) -> None:
+    """One row per run: its median ms, TFLOP/s, its ratio to SDPA's cuDNN backward's median, and every round."""
+    base = statistics.median(times["SDPA cuDNN backward"])
+    for label, ts in times.items():
+        ms = statistics.median(ts)
+        print(f"  {label:<60} {ms:8.3f} ms  {flops / ms / 1e9:7.1f} TFLOP/s  {ms / base:5.2f}x cuDNN"
+              f"  (rounds {', '.join(f'{t:.3f}' for t in ts)})", flush=True)
+
+
 def bench(variants_by_d, head_dims, seqs, rounds, against=None) -> None:
     """against: another gluon_kernels module, whose one passes are timed beside these (`probe_gluon_variants`)."""
     from flashsys.ops.attention import flash_gluon, set_deterministic_backward
@@ -154,17 +173,10 @@ def bench(variants_by_d, head_dims, seqs, rounds, against=None) -> None:
                     runs[f"one pass {var.label()} (+ prologue, epilogue)"] = fb
                     if against is not None:
                         runs[f"one pass {var.label()} (--against)"] = functools.partial(_with_kernels, against, fb)
-                times: dict[str, list[float]] = {}
-                for _ in range(rounds):
-                    for label, fn in runs.items():
-                        times.setdefault(label, []).append(triton.testing.do_bench(fn))
+                times = interleaved_times(runs, rounds)
                 picked = [f"{key.kernel}: {key.label(var)}" for key, var in choice.items()]
                 print(f"\nD={d} N={n} B={cell.b} causal={causal}; the library's choices {picked}")
-                cudnn = statistics.median(times["SDPA cuDNN backward"])
-                for label, ts in times.items():
-                    ms = statistics.median(ts)
-                    print(f"  {label:<60} {ms:8.3f} ms  {cell.flops / ms / 1e9:7.1f} TFLOP/s  {ms / cudnn:5.2f}x cuDNN"
-                          f"  (rounds {', '.join(f'{t:.3f}' for t in ts)})", flush=True)
+                print_times(times, cell.flops)
                 set_deterministic_backward(True)
                 runs.clear()
                 torch.cuda.empty_cache()
@@ -182,7 +194,8 @@ def main() -> int:
     ap.add_argument("--kinds", nargs="+", default=["one_pass", "one_pass_det"], choices=["one_pass", "one_pass_det"],
                     help="which one passes: the non-deterministic one, the deterministic one")
     ap.add_argument("--extra", nargs="+", default=[], type=variant_spec,
-                    metavar="KIND,BLOCK_M,BLOCK_N,NBUF,REGS[,STAGES]", help="variants outside the tables to check and time as well, e.g. one_pass_det,128,128,2,240")
+                    metavar="KIND,BLOCK_M,BLOCK_N,NBUF,REGS[,STAGES]",
+                    help="variants outside the tables to check and time as well, e.g. one_pass_det,128,128,2,240")
     ap.add_argument("--against", metavar="FILE", type=kernels_file,
                     help="another version of gluon_kernels.py: its one passes are timed too, interleaved with these")
     args = ap.parse_args()
