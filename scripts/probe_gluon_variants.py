@@ -30,7 +30,8 @@ def main() -> int:
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], choices=[64, 128])
     ap.add_argument("--seqs", type=int, nargs="+", default=[16384])
     ap.add_argument("--causal", choices=["yes", "no", "both"], default="both")
-    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds; each row prints its median (min-max)")
+    ap.add_argument("--rounds", type=at_least_one, default=1,
+                    help="interleaved rounds; each row prints its median (min-max)")
     ap.add_argument("--choices", type=int, default=1, help="how many times the library's choice is made afresh")
     ap.add_argument("--choice-settings", nargs="+", default=["100:3"],
                     help="the choice's settings to try, each rep_ms:rounds (flash_gluon._CHOICE_REP_MS, _ROUNDS)")
@@ -116,6 +117,13 @@ def kernels_file(path: str) -> str:
     return path
 
 
+def at_least_one(text: str) -> int:
+    """argparse type of --rounds: a whole number, 1 or more (no rounds would leave no time to take a median of)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: want a whole number of rounds, 1 or more")
+    return int(text)
+
+
 def _load_kernels(path: str):
     """`path` (a gluon_kernels.py) imported as a module of flashsys.ops.attention, beside the library's own. Exits,
     naming --against, where a kernel the library launches is missing there or takes other parameters: the host
@@ -125,7 +133,8 @@ def _load_kernels(path: str):
 
     own = flash_gluon._kernels()
     if own is None:
-        raise SystemExit(f"--against {path}: the library's own Gluon kernels do not import here ({flash_gluon._broken})")
+        raise SystemExit(f"--against {path}: the library's own Gluon kernels do not import here "
+                         f"({flash_gluon._broken})")
     spec = importlib.util.spec_from_file_location("flashsys.ops.attention._gluon_kernels_against", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -29,7 +29,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.probe_gluon_variants import _load_kernels, _with_kernels, kernels_file  # noqa: E402
+from scripts.probe_gluon_variants import _load_kernels, _with_kernels, at_least_one, kernels_file  # noqa: E402
 
 
 def variant_spec(spec: str):
@@ -186,7 +186,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], choices=[64, 128])
     ap.add_argument("--seqs", type=int, nargs="+", default=[4096, 16384])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=at_least_one, default=3)
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--cases", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5], help="which of the Gluon tests' "
                     "masked cases to check")

@@ -1,5 +1,5 @@
-"""The A/B probes' --against (scripts/probe_gluon_variants.py, probe_one_pass_backward.py): what they refuse, and
-how they say so, before anything is timed."""
+"""The A/B probes' arguments (scripts/probe_gluon_variants.py, probe_one_pass_backward.py, ab_pass_late.py): what
+--against and --rounds refuse, and how they say so, before anything is timed."""
 
 from __future__ import annotations
 
@@ -26,6 +26,17 @@ def test_against_refuses_a_path_that_is_not_a_python_file(script, path):
                           cwd=ROOT, timeout=120)
     assert done.returncode == 2
     assert "--against" in done.stderr and path in done.stderr
+
+
+@pytest.mark.parametrize("script", ["probe_gluon_variants.py", "probe_one_pass_backward.py", "ab_pass_late.py"])
+@pytest.mark.parametrize("rounds", ["0", "-2", "two"])
+def test_rounds_refuses_anything_but_a_whole_number_from_one(script, rounds):
+    """No rounds would leave no time to take a median of (a StatisticsError after the whole check): refused by
+    argparse, exit 2, naming --rounds and the value."""
+    done = subprocess.run([sys.executable, str(SCRIPTS / script), f"--rounds={rounds}"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 2
+    assert "--rounds" in done.stderr and repr(rounds) in done.stderr
 
 
 def _gluon_kernels_import() -> bool:
