@@ -14,8 +14,13 @@ profiles, the CUDA runtime calls per step and one step's GPU timeline; with --su
 timings with the SM clock and power; with --events instead, forward and backward split by CUDA events over 300
 steps. Results of 2026-11-24: kernel_experiments.md, "Why the leaderboard step lost 5% ... (stop 33)".
 
+--launch instead prints, per cell and implementation, each kernel of one forward + backward with its launch shape as
+the profiler records it (grid, threads a block, registers a thread, shared memory, blocks an SM): how cuDNN's kernels
+are laid out beside ours, where their names only hint at it.
+
     python scripts/probe_fwd_bwd_gap.py [--cells 64:0:16384 128:1:16384 ...]
     python scripts/probe_fwd_bwd_gap.py --leaderboard [--sustain | --events] --cells
+    python scripts/probe_fwd_bwd_gap.py --launch --cells 64:0:16384 128:0:16384
 """
 
 from __future__ import annotations
@@ -127,6 +132,20 @@ def print_profiles(name: str, step, iters: int) -> None:
               + (f" (of which before the first kernel {prof['lead_us']:.1f})" if flush else ""))
         for kname, (count, mean) in sorted(prof["kernels"].items(), key=lambda x: -x[1][0] * x[1][1]):
             print(f"      {count:4.1f} x {mean:9.1f} us  {kname}")
+
+
+LAUNCH_FIELDS = ("grid", "block", "registers per thread", "shared memory", "blocks per SM")
+
+
+def launch_shapes(step) -> list[tuple[str, str]]:
+    """(name, launch shape) of each distinct kernel one `step` runs, in start order: the profiler's record of its
+    grid, block, registers a thread, shared memory (bytes, static and dynamic) and blocks an SM."""
+    seen: dict[str, str] = {}
+    for e in gpu_work(trace_events(step, 1)):
+        args = e.get("args", {})
+        if e.get("cat") == "kernel" and e["name"] not in seen:
+            seen[e["name"]] = ", ".join(f"{f} {args[f]}" for f in LAUNCH_FIELDS if f in args)
+    return list(seen.items())
 
 
 def leaderboard(args) -> None:
@@ -256,6 +275,7 @@ def main() -> int:
     p.add_argument("--leaderboard", action="store_true", help="also the leaderboard's exact step (torch.compile)")
     p.add_argument("--events", action="store_true", help="with --leaderboard: forward and backward by CUDA events")
     p.add_argument("--sustain", action="store_true", help="with --leaderboard: short against long timings, clocks")
+    p.add_argument("--launch", action="store_true", help="each kernel's launch shape instead of the timings")
     args = p.parse_args()
     if args.leaderboard:
         leaderboard(args)
@@ -285,6 +305,12 @@ def main() -> int:
                 syncs = [str(w.message)[:160] for w in caught if "prototype" not in str(w.message)]
                 print(f"  sync warnings in one eager fwd+bwd: {len(syncs)} {syncs[:3]}")
             table = modes(fn, q, k, v, do, bool(causal))
+            if args.launch:
+                print(f"\n## D {d} {'causal' if causal else 'full'} N {n} B {b}: {impl}, one forward + backward")
+                for kname, shape in launch_shapes(table["fwd_bwd"]):
+                    print(f"  {kname[:110]}\n      {shape}")
+                del q, k, v, do, table
+                continue
             times = {}
             for name, step in table.items():
                 times[name] = triton.testing.do_bench(step, rep=args.rep, warmup=25, return_mode="median")
