@@ -33,14 +33,16 @@ from scripts.probe_gluon_variants import _load_kernels, _with_kernels, at_least_
 
 
 def variant_spec(spec: str):
-    """argparse type of a one-pass variant written KIND,BLOCK_M,BLOCK_N,NBUF,REGS[,STAGES] (`flash_gluon.Variant`),
-    e.g. one_pass_det,128,128,2,240."""
+    """argparse type of a one-pass variant written KIND,BLOCK_M,BLOCK_N,NBUF,REGS[,STAGES[,ALTERNATE]]
+    (`flash_gluon.Variant`), e.g. one_pass_det,128,128,2,240 or one_pass,128,128,2,240,2,1."""
     from flashsys.ops.attention import flash_gluon
 
     kind, *numbers = spec.split(",")
-    if kind not in ("one_pass", "one_pass_det") or len(numbers) not in (4, 5) or not all(x.isdigit() for x in numbers):
-        raise argparse.ArgumentTypeError(f"{spec!r}: want KIND,BLOCK_M,BLOCK_N,NBUF,REGS[,STAGES] with KIND one_pass "
-                                         "or one_pass_det and whole numbers, e.g. one_pass_det,128,128,2,240")
+    if (kind not in ("one_pass", "one_pass_det") or len(numbers) not in (4, 5, 6)
+            or not all(x.isdigit() for x in numbers)):
+        raise argparse.ArgumentTypeError(f"{spec!r}: want KIND,BLOCK_M,BLOCK_N,NBUF,REGS[,STAGES[,ALTERNATE]] with "
+                                         "KIND one_pass or one_pass_det and whole numbers, e.g. "
+                                         "one_pass_det,128,128,2,240")
     return flash_gluon.Variant(kind, *(int(x) for x in numbers))
 
 
@@ -194,7 +196,7 @@ def main() -> int:
     ap.add_argument("--kinds", nargs="+", default=["one_pass", "one_pass_det"], choices=["one_pass", "one_pass_det"],
                     help="which one passes: the non-deterministic one, the deterministic one")
     ap.add_argument("--extra", nargs="+", default=[], type=variant_spec,
-                    metavar="KIND,BLOCK_M,BLOCK_N,NBUF,REGS[,STAGES]",
+                    metavar="KIND,BLOCK_M,BLOCK_N,NBUF,REGS[,STAGES[,ALTERNATE]]",
                     help="variants outside the tables to check and time as well, e.g. one_pass_det,128,128,2,240")
     ap.add_argument("--against", metavar="FILE", type=kernels_file,
                     help="another version of gluon_kernels.py: its one passes are timed too, interleaved with these")

@@ -114,3 +114,15 @@ def test_the_choice_probe_prints_each_candidates_rounds_and_a_nested_choice_apar
     for variant in outer.candidates():
         rounds = ", ".join(f"{ms['outer', variant] + 0.01 * r:.3f}" for r in range(3))
         assert f"{outer.label(variant)}: {rounds}" in lines[1]
+
+
+def test_extra_takes_a_variant_with_alternation_and_refuses_more_numbers():
+    """--extra KIND,BLOCK_M,BLOCK_N,NBUF,REGS[,STAGES[,ALTERNATE]]: six numbers make an alternating variant; seven
+    are refused naming the form."""
+    spec = importlib.util.spec_from_file_location("probe_one_pass_backward", SCRIPTS / "probe_one_pass_backward.py")
+    one_pass = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(one_pass)
+    variant = one_pass.variant_spec("one_pass_det,128,128,2,240,2,1")
+    assert (variant.stages, variant.alternate) == (2, 1)
+    with pytest.raises(Exception, match=r"REGS\[,STAGES\[,ALTERNATE\]\]"):
+        one_pass.variant_spec("one_pass_det,128,128,2,240,2,1,1")

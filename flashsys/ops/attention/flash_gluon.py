@@ -58,12 +58,14 @@ class Variant(NamedTuple):
     nbuf: int  # K/V buffers in flight
     regs: int = 0
     stages: int = 1  # the one pass's sets of dQ staging boxes
+    alternate: int = 0  # 1: the one pass's consumers take turns at each query tile's whole dQ (needs stages 2)
 
     def label(self) -> str:
         if self.kind == "tl":
             return "tl kernel"
         extra = f" {self.regs} regs" if self.regs else ""
         extra += f" {self.stages} stages" if self.stages > 1 else ""
+        extra += " dQ alternating" if self.alternate else ""
         return f"{self.kind} {self.block_m}x{self.block_n} {self.nbuf}buf{extra}"
 
 
@@ -121,9 +123,12 @@ DQ_VARIANTS: dict[int, tuple[Variant, ...]] = {
 # one under full masks deterministic, 1-4% unordered, and 1-2% slower under causal ones
 # (kernel_configs/probe_one_pass_d128_two_stages_h100.txt): the timed choice takes either. A D 64 128-row kernel
 # with three buffers no longer fits (233,024 bytes with the pairs' buffers); it had timed 5-7% slower than the
-# two-buffer one with two sets (kernel_configs/choice_timings_stop44_h100.txt) and was dropped (stop 45).
+# two-buffer one with two sets (kernel_configs/choice_timings_stop44_h100.txt) and was dropped (stop 45). The D 64
+# 128-row kernel's consumers take turns at each tile's whole dQ product (alternate=1): 1-4% faster than each
+# computing half of it in all six cells of N 2048-16384, here and deterministic (kernel_configs/
+# probe_one_pass_dq_alternating_h100.txt); at D 128 the turns were 7-17% slower and are not candidates.
 ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {
-    64: (TL_KERNEL, Variant("one_pass", 64, 128, 3, 240, 2), Variant("one_pass", 128, 128, 2, 240, 2)),
+    64: (TL_KERNEL, Variant("one_pass", 64, 128, 3, 240, 2), Variant("one_pass", 128, 128, 2, 240, 2, 1)),
     128: (TL_KERNEL, Variant("one_pass", 64, 128, 2, 240), Variant("one_pass", 64, 128, 2, 240, 2),
           Variant("one_pass", 64, 128, 3, 240)),
 }
@@ -134,9 +139,9 @@ ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {
 # (16k tokens, bf16, whole backwards) it ran 0.89-0.98x the two passes' time at D 128 and 1.03-1.10x at D 64 with
 # 64-row query tiles (kernel_configs/probe_one_pass_det_h100.txt); with 128-row ones and dQ split by rows 0.88-0.97x
 # at D 64 (kernel_configs/probe_one_pass_dq_rows_h100.txt), where the choice now takes it; its 128-row two-buffer
-# kernel takes two staging sets, as above.
+# kernel takes two staging sets and alternates at dQ, as above.
 DETERMINISTIC_ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {
-    64: (TL_KERNEL, Variant("one_pass_det", 64, 128, 3, 240, 2), Variant("one_pass_det", 128, 128, 2, 240, 2)),
+    64: (TL_KERNEL, Variant("one_pass_det", 64, 128, 3, 240, 2), Variant("one_pass_det", 128, 128, 2, 240, 2, 1)),
     128: (TL_KERNEL, Variant("one_pass_det", 64, 128, 2, 240), Variant("one_pass_det", 64, 128, 2, 240, 2),
           Variant("one_pass_det", 64, 128, 3, 240)),
 }
@@ -395,10 +400,12 @@ def _one_pass_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor,
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     m, n = variant.block_m, variant.block_n
     deterministic = variant.kind == "one_pass_det"
+    if variant.alternate and variant.stages != 2:
+        raise ValueError(f"{variant.label()}: the consumers take turns at dQ only with two staging sets, one each")
     if deterministic and (semaphores is None or semaphores.numel() < semaphore_count(variant, q4)):
         raise ValueError(f"semaphores: {variant.label()} needs {semaphore_count(variant, q4)} zeroed int32s, got "
                          f"{None if semaphores is None else semaphores.numel()}")
-    dq_rows, dq_cols = (m // 2, d) if m >= 128 else (m, d // 2)
+    dq_rows, dq_cols = (m, d) if variant.alternate else (m // 2, d) if m >= 128 else (m, d // 2)
     gl = _kernels().gl
     dq_desc = _descriptor(dq_acc, dq_rows, dq_cols,
                           gl.NVMMASharedLayout.get_default_for([1, 1, dq_rows, dq_cols], gl.float32))
@@ -412,7 +419,7 @@ def _one_pass_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor,
     kwargs = dict(HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n, BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0,
                   NBUF=variant.nbuf, CONSUMER_REGS=variant.regs, DETERMINISTIC=deterministic,
                   ROTATE=rotates(variant, q4, k4, window), PASS_LATE=passes_turns_late(variant, q4, k4, window),
-                  NSTAGE=variant.stages, num_warps=4)
+                  NSTAGE=variant.stages, DQ_ALTERNATE=bool(variant.alternate), num_warps=4)
     return _kernels().attention_backward_one_pass, (triton.cdiv(n_k, n) * batch * kv_heads,), args, kwargs
 
 

@@ -878,6 +878,7 @@ def _adds_complete_asm(pending: int) -> gl.constexpr:
 
 
 _ALL_ADDS_COMPLETE_ASM: gl.constexpr = _adds_complete_asm(0)
+_ALL_BUT_ONE_ADD_COMPLETE_ASM: gl.constexpr = _adds_complete_asm(1)
 _ALL_BUT_TWO_ADDS_COMPLETE_ASM: gl.constexpr = _adds_complete_asm(2)
 
 
@@ -892,17 +893,27 @@ def _wait_turn(semaphore, turn, layout: gl.constexpr):
 
 
 @gluon.jit
-def _pass_turn(semaphore, BUT_TWO: gl.constexpr, layout: gl.constexpr):
-    """Once this warp's TMA adds (BUT_TWO: all but the last two) have completed, count them as this program's turn
-    at `semaphore` (lane 0, with release semantics), so the next program's adds go after them."""
+def _pass_turn(semaphore, PENDING: gl.constexpr, layout: gl.constexpr):
+    """Once this warp's TMA adds but the last PENDING (0, 1 or 2: a tile's) have completed, count them as this
+    program's turn at `semaphore` (lane 0, with release semantics), so the next program's adds go after them."""
     lane = gl.arange(0, 32, layout=layout)
-    if BUT_TWO:
+    if PENDING == 2:
         gl.inline_asm_elementwise(_ALL_BUT_TWO_ADDS_COMPLETE_ASM, "=r,r", [lane], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+    elif PENDING == 1:
+        gl.inline_asm_elementwise(_ALL_BUT_ONE_ADD_COMPLETE_ASM, "=r,r", [lane], dtype=gl.int32, is_pure=False,
                                   pack=1)
     else:
         gl.inline_asm_elementwise(_ALL_ADDS_COMPLETE_ASM, "=r,r", [lane], dtype=gl.int32, is_pure=False, pack=1)
     _barrier()  # every lane's adds (the one that issued them) complete before lane 0 counts them
     gl.atomic_add(semaphore + lane * 0, lane * 0 + 1, mask=lane == 0, sem="release", scope="gpu")
+
+
+@gluon.constexpr_function
+def _shares(dq_alternate):
+    """dQ's staging boxes per query tile: one where a single consumer computes the tile's dQ (DQ_ALTERNATE), else one
+    per consumer."""
+    return 1 if dq_alternate else 2
 
 
 @gluon.constexpr_function
@@ -968,10 +979,10 @@ def _one_pass_dq_writer(dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv
                         rot, n_m_tiles, n_iter, n_k_tiles, stride, right_offset, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, DQ_ROWS: gl.constexpr, DQ_COLS: gl.constexpr,
                         BOUND_RIGHT: gl.constexpr, DETERMINISTIC: gl.constexpr, ROTATE: gl.constexpr,
-                        NSTAGE: gl.constexpr, PASS_LATE: gl.constexpr):
-    """One warp: each tile's two dQ shares (one per consumer: dQ's row or column halves) from the staging boxes
-    (tile j's in set j % NSTAGE) into dq_desc's float32 sum by TMA reduce-adds, handing each set back once the adds
-    have read it.
+                        NSTAGE: gl.constexpr, PASS_LATE: gl.constexpr, DQ_ALTERNATE: gl.constexpr):
+    """One warp: each tile's two dQ shares (one per consumer: dQ's row or column halves; with DQ_ALTERNATE its one
+    share, the whole tile's) from the staging boxes (tile j's in set j % NSTAGE) into dq_desc's float32 sum by TMA
+    reduce-adds, handing each set back once the adds have read it.
     With DETERMINISTIC it first waits for the program's turn at the tile (before the shares are ready, so the wait
     overlaps their products), and counts the turn as taken once the adds have completed: with PASS_LATE after the
     next tile's adds are issued (their completion overlaps them), else once the staging set has gone back. PASS_LATE
@@ -988,8 +999,8 @@ def _one_pass_dq_writer(dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv
             sem = Sem + (b * n_heads + h).to(gl.int64) * n_q_tiles + m
             _wait_turn(sem, _one_pass_turn(m, pid_n, n_k_tiles, stride, right_offset, BLOCK_M, BLOCK_N, BOUND_RIGHT,
                                            ROTATE), lane_layout)
-        first = (j % NSTAGE) * 2
-        for half in gl.static_range(2):
+        first = (j % NSTAGE) * _shares(DQ_ALTERNATE)
+        for half in gl.static_range(_shares(DQ_ALTERNATE)):
             mbarrier.wait(stage_full.index(first + half), (j // NSTAGE) & 1)
             _tma_add(dq_desc, [b, h, start_m + _dq_share_start(half, BLOCK_M, DQ_ROWS, DQ_COLS, 0),
                                _dq_share_start(half, BLOCK_M, DQ_ROWS, DQ_COLS, 1)], dq_stage.index(first + half))
@@ -997,16 +1008,35 @@ def _one_pass_dq_writer(dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv
             # Before the staging boxes go back: counting the turn after that delayed each hop of the full masks'
             # ring (22% slower at D 64, N 4096; kernel_experiments.md, stop 40).
             if j > 0:
-                _pass_turn(last_sem, True, lane_layout)  # the last tile's two adds, with this tile's two in flight
+                # the last tile's adds, with this tile's in flight
+                _pass_turn(last_sem, _shares(DQ_ALTERNATE), lane_layout)
             last_sem = sem
-        tma.store_wait(0)  # both adds have read their staging boxes
-        for half in gl.static_range(2):
+        tma.store_wait(0)  # the adds have read their staging boxes
+        for half in gl.static_range(_shares(DQ_ALTERNATE)):
             mbarrier.arrive(stage_empty.index(first + half))
         if DETERMINISTIC and not PASS_LATE:
-            _pass_turn(sem, False, lane_layout)
+            _pass_turn(sem, 0, lane_layout)
     if DETERMINISTIC and PASS_LATE:
         if n_iter > 0:
-            _pass_turn(last_sem, False, lane_layout)
+            _pass_turn(last_sem, 0, lane_layout)
+
+
+@gluon.jit
+def _dq_share(ds_box, ds_rows: gl.constexpr, k_dq, dq_zero, dv_tok, dk_tok, slot_empty, dq_stage, stage_full,
+              stage_empty, j, box, NSTAGE: gl.constexpr, DQ_ROWS: gl.constexpr, DQ_COLS: gl.constexpr):
+    """Issue dQ's share of tile j (dS[rows] K[:, cols]), wait for it and dV's and dK's products, release the Q/dO
+    slot, and hand the share to the writer in staging box `box` once the writer has read what it held before.
+    Returns (dV, dK)."""
+    dq_tok = warpgroup_mma(ds_box.slice(ds_rows, DQ_ROWS, dim=1).permute((1, 0)), k_dq, dq_zero, use_acc=False,
+                           is_async=True)
+    dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
+    mbarrier.arrive(slot_empty)
+    mbarrier.wait(stage_empty.index(box), ((j // NSTAGE) & 1) ^ 1, pred=j >= NSTAGE)
+    _tile(dq_stage.index(box), DQ_ROWS, DQ_COLS).store(dq)
+    fence_async_shared()
+    _barrier()
+    mbarrier.arrive(stage_full.index(box))
+    return dv, dk
 
 
 @gluon.jit
@@ -1015,7 +1045,8 @@ def _one_pass_consumer(dk_desc, dv_desc, q_smem, do_smem, pair_smem, q_bar, do_b
                        lo, rot, full_lo, full_hi, n_m_tiles, n_iter, right_offset, left_offset, qk_scale,
                        softmax_scale, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        HALF_N: gl.constexpr, BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr,
-                       NBUF: gl.constexpr, NSTAGE: gl.constexpr, DQ_ROWS: gl.constexpr, DQ_COLS: gl.constexpr):
+                       NBUF: gl.constexpr, NSTAGE: gl.constexpr, DQ_ROWS: gl.constexpr, DQ_COLS: gl.constexpr,
+                       DQ_ALTERNATE: gl.constexpr):
     """One warpgroup: dK and dV of key rows start_n + HALF * HALF_N on, and its share of dQ, over the query tiles
     the producer streams. Per tile as `attention_backward_dkdv` (Sᵀ and dPᵀ issued together, Pᵀ under dPᵀ, dSᵀ under
     dV's product; the tile's -L * log2 e and D read from the producer's copy in shared memory, in the columns of Sᵀ
@@ -1024,7 +1055,9 @@ def _one_pass_consumer(dk_desc, dv_desc, q_smem, do_smem, pair_smem, q_bar, do_b
     D 128), with 128-row ones its 64 rows (DQ_ROWS; dS[rows] K, one product of 64 columns at D 64 where the column
     halves took two of 32). The share goes to the writer warp in this warpgroup's staging box of set j % NSTAGE
     (stage_full; stage_empty: the writer's add has read the share the set held before; with two sets the writer's
-    latency has a tile's slack)."""
+    latency has a tile's slack). With DQ_ALTERNATE the two take turns at the whole tile's dQ (warpgroup HALF at tiles
+    j with j % 2 == HALF, into set HALF of two): dS and K are read once a tile, and the warpgroup without a dQ product
+    starts the next tile's Sᵀ and dPᵀ while the other's runs."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_M)
     acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -1036,9 +1069,14 @@ def _one_pass_consumer(dk_desc, dv_desc, q_smem, do_smem, pair_smem, q_bar, do_b
     v_all = _tile(v_box, 2 * HALF_N, HEAD_DIM)
     k_tile = k_all.slice(HALF * HALF_N, HALF_N)
     v_tile = v_all.slice(HALF * HALF_N, HALF_N)
-    # This warpgroup's query rows of dS (Sᵀ's columns) and all of K, or all of dS and its columns of K
-    ds_rows: gl.constexpr = _dq_share_start(HALF, BLOCK_M, DQ_ROWS, DQ_COLS, 0)
-    k_dq = k_all.slice(_dq_share_start(HALF, BLOCK_M, DQ_ROWS, DQ_COLS, 1), DQ_COLS, dim=1)
+    # dQ's product reads this warpgroup's query rows of dS (Sᵀ's columns) and all of K, or all of dS and its columns
+    # of K; with DQ_ALTERNATE all of both, every other tile
+    if DQ_ALTERNATE:
+        ds_rows: gl.constexpr = 0
+        k_dq = k_all
+    else:
+        ds_rows: gl.constexpr = _dq_share_start(HALF, BLOCK_M, DQ_ROWS, DQ_COLS, 0)
+        k_dq = k_all.slice(_dq_share_start(HALF, BLOCK_M, DQ_ROWS, DQ_COLS, 1), DQ_COLS, dim=1)
     offs_n = my_n + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
     dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=acc_layout)
@@ -1068,23 +1106,30 @@ def _one_pass_consumer(dk_desc, dv_desc, q_smem, do_smem, pair_smem, q_bar, do_b
         mbarrier.arrive(ds_bar.index(j % 2))
         dk_tok = warpgroup_mma(gl.convert_layout(ds, op_layout), q_tile, dk, is_async=True)
         mbarrier.wait(ds_bar.index(j % 2), (j // 2) & 1)
-        dq_tok = warpgroup_mma(ds_box.slice(ds_rows, DQ_ROWS, dim=1).permute((1, 0)), k_dq, dq_zero,
-                               use_acc=False, is_async=True)
-        dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
-        mbarrier.arrive(empty_bar.index(slot))
-        box = (j % NSTAGE) * 2 + HALF
-        # the writer has read the share this box held before
-        mbarrier.wait(stage_empty.index(box), ((j // NSTAGE) & 1) ^ 1, pred=j >= NSTAGE)
-        _tile(dq_stage.index(box), DQ_ROWS, DQ_COLS).store(dq)
-        fence_async_shared()
-        _barrier()
-        mbarrier.arrive(stage_full.index(box))
+        if DQ_ALTERNATE:
+            if j % 2 == HALF:
+                dv, dk = _dq_share(ds_box, ds_rows, k_dq, dq_zero, dv_tok, dk_tok, empty_bar.index(slot), dq_stage,
+                                   stage_full, stage_empty, j, j % NSTAGE, NSTAGE, DQ_ROWS, DQ_COLS)
+            else:
+                dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
+                mbarrier.arrive(empty_bar.index(slot))
+        else:
+            dv, dk = _dq_share(ds_box, ds_rows, k_dq, dq_zero, dv_tok, dk_tok, empty_bar.index(slot), dq_stage,
+                               stage_full, stage_empty, j, (j % NSTAGE) * 2 + HALF, NSTAGE, DQ_ROWS, DQ_COLS)
     # K and V are no longer read by this warpgroup, but may be by the other one's dQ products: dK and dV go out
     # through a staging box instead, once the writer has read the last share (it reads them in order, so every
     # share before it too).
     last = n_iter - 1
-    mbarrier.wait(stage_empty.index((last % NSTAGE) * 2 + HALF), (last // NSTAGE) & 1, pred=n_iter > 0)
-    out = _reinterpret(dq_stage.index(HALF), dtype, [1, 1, HALF_N, HEAD_DIM], dk_desc.layout)
+    if DQ_ALTERNATE:
+        # With two sets, set HALF holds only this warpgroup's shares (tiles j with j % 2 == HALF): its last one read,
+        # the set (as big as two of its dK tiles) stages dK and dV. Waiting on a set the warpgroup does not fill
+        # would be ambiguous: a phase's parity says nothing of phases it never saw complete.
+        mine = HALF + ((last - HALF) // 2) * 2
+        mbarrier.wait(stage_empty.index(HALF), (mine // 2) & 1, pred=n_iter > HALF)
+        out = _reinterpret(dq_stage.index(HALF), dtype, [2, 1, 1, HALF_N, HEAD_DIM], dk_desc.layout).index(0)
+    else:
+        mbarrier.wait(stage_empty.index((last % NSTAGE) * 2 + HALF), (last // NSTAGE) & 1, pred=n_iter > 0)
+        out = _reinterpret(dq_stage.index(HALF), dtype, [1, 1, HALF_N, HEAD_DIM], dk_desc.layout)
     _tile(out, HALF_N, HEAD_DIM).store((dk * softmax_scale).to(dtype))
     fence_async_shared()
     _barrier()
@@ -1104,7 +1149,8 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
                                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                 BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr,
                                 CONSUMER_REGS: gl.constexpr, DETERMINISTIC: gl.constexpr, ROTATE: gl.constexpr,
-                                PASS_LATE: gl.constexpr, NSTAGE: gl.constexpr = 1):
+                                PASS_LATE: gl.constexpr, NSTAGE: gl.constexpr = 1,
+                                DQ_ALTERNATE: gl.constexpr = False):
     """The whole backward in one pass: one program = a key tile of BLOCK_N rows of one (batch, K/V head), held by
     two consumer warpgroups of BLOCK_N // 2 rows each, a producer warp that streams Q and dO through NBUF buffers,
     and a writer warp that adds dQ's shares. Per query tile five products: Sᵀ, dPᵀ, dV += Pᵀ dO, dK += dSᵀ Q, and
@@ -1123,7 +1169,12 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     cdiv(Nk, BLOCK_N) programs per SM) rotates each program's first query tile; PASS_LATE (only where each program's
     predecessor at a tile is two or more tiles ahead of it: `_one_pass_dq_writer`) counts a tile's turn after the
     next tile's adds are issued. Without DETERMINISTIC (Sem unread) dQ's sums run in no fixed order, so their last
-    bits vary from run to run."""
+    bits vary from run to run.
+
+    DQ_ALTERNATE (with NSTAGE 2): the consumers take turns at each query tile's whole dQ product instead of each
+    computing half of it (`_one_pass_consumer`); dq_desc's boxes are then the whole tile. With 128-row query tiles at
+    D 64 that ran 1-4% faster in all 12 cells measured, deterministic or not; at D 128 (64-row tiles) 7-17% slower,
+    the turn's product (m64n128k128) twice the others' (kernel_experiments.md, stop 46)."""
     HALF_N: gl.constexpr = BLOCK_N // 2
     DQ_ROWS: gl.constexpr = dq_desc.block_type.shape[2]  # a consumer's share of dQ: rows or columns halved
     DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]
@@ -1157,7 +1208,8 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
     ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_stage = gl.allocate_shared_memory(gl.float32, [2 * NSTAGE, 1, 1, DQ_ROWS, DQ_COLS], dq_desc.layout)
+    dq_stage = gl.allocate_shared_memory(gl.float32, [_shares(DQ_ALTERNATE) * NSTAGE, 1, 1, DQ_ROWS, DQ_COLS],
+                                         dq_desc.layout)
     stage_full = gl.allocate_shared_memory(gl.int64, [2 * NSTAGE, 1], mbarrier.MBarrierLayout())
     stage_empty = gl.allocate_shared_memory(gl.int64, [2 * NSTAGE, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
@@ -1178,18 +1230,18 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
                                               h_kv, kv_group, n_q, start_n, lo, rot, full_lo, full_hi,
                                               n_m_tiles, n_iter, right_offset, left_offset, qk_scale, softmax_scale, 0,
                                               HEAD_DIM, BLOCK_M, HALF_N, BOUND_RIGHT, BOUND_LEFT, NBUF, NSTAGE, DQ_ROWS,
-                                              DQ_COLS)),
+                                              DQ_COLS, DQ_ALTERNATE)),
                         (_one_pass_consumer, (dk_desc, dv_desc, q_smem, do_smem, pair_smem, q_bar, do_bar, k_box, v_box,
                                               kv_bar, empty_bar, ds_smem, ds_bar, dq_stage, stage_full, stage_empty, b,
                                               h_kv, kv_group, n_q, start_n, lo, rot, full_lo, full_hi,
                                               n_m_tiles, n_iter, right_offset, left_offset, qk_scale, softmax_scale, 1,
                                               HEAD_DIM, BLOCK_M, HALF_N, BOUND_RIGHT, BOUND_LEFT, NBUF, NSTAGE, DQ_ROWS,
-                                              DQ_COLS)),
+                                              DQ_COLS, DQ_ALTERNATE)),
                         (_one_pass_producer, (q_desc, k_desc, v_desc, do_desc, LseDelta, q_smem, do_smem, pair_smem,
                                               q_bar, do_bar, k_box, v_box, kv_bar, empty_bar, b, h_kv, n_heads,
                                               kv_group, n_q, start_n, lo, rot, n_m_tiles, n_iter, BLOCK_M, NBUF)),
                         (_one_pass_dq_writer, (dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv, n_heads,
                                                kv_group, n_q, pid_n, lo, rot, n_m_tiles, n_iter, n_k_tiles, stride,
                                                right_offset, BLOCK_M, BLOCK_N, DQ_ROWS, DQ_COLS, BOUND_RIGHT,
-                                               DETERMINISTIC, ROTATE, NSTAGE, PASS_LATE))],
+                                               DETERMINISTIC, ROTATE, NSTAGE, PASS_LATE, DQ_ALTERNATE))],
                        [4, 1, 1], [CONSUMER_REGS, 24, 24])
