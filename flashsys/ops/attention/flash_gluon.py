@@ -126,7 +126,8 @@ DQ_VARIANTS: dict[int, tuple[Variant, ...]] = {
 # two-buffer one with two sets (kernel_configs/choice_timings_stop44_h100.txt) and was dropped (stop 45). The D 64
 # 128-row kernel's consumers take turns at each tile's whole dQ product (alternate=1): 1-4% faster than each
 # computing half of it in all six cells of N 2048-16384, here and deterministic (kernel_configs/
-# probe_one_pass_dq_alternating_h100.txt); at D 128 the turns were 7-17% slower and are not candidates.
+# probe_one_pass_dq_alternating_h100.txt); at D 128 the turns were 9-18% slower (an H200, kernel_configs/
+# probe_one_pass_dq_alternating_first_h200.txt) and are not candidates.
 ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {
     64: (TL_KERNEL, Variant("one_pass", 64, 128, 3, 240, 2), Variant("one_pass", 128, 128, 2, 240, 2, 1)),
     128: (TL_KERNEL, Variant("one_pass", 64, 128, 2, 240), Variant("one_pass", 64, 128, 2, 240, 2),

@@ -1173,8 +1173,8 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
 
     DQ_ALTERNATE (with NSTAGE 2): the consumers take turns at each query tile's whole dQ product instead of each
     computing half of it (`_one_pass_consumer`); dq_desc's boxes are then the whole tile. With 128-row query tiles at
-    D 64 that ran 1-4% faster in all 12 cells measured, deterministic or not; at D 128 (64-row tiles) 7-17% slower,
-    the turn's product (m64n128k128) twice the others' (kernel_experiments.md, stop 46)."""
+    D 64 that ran 1-4% faster in all 12 cells measured, deterministic or not; at D 128 (64-row tiles) 9-18% slower,
+    where the turn's product (m64n128k128) is twice any other, the likeliest reason (kernel_experiments.md, stop 46)."""
     HALF_N: gl.constexpr = BLOCK_N // 2
     DQ_ROWS: gl.constexpr = dq_desc.block_type.shape[2]  # a consumer's share of dQ: rows or columns halved
     DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]
