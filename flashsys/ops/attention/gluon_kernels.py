@@ -1056,8 +1056,9 @@ def _one_pass_consumer(dk_desc, dv_desc, q_smem, do_smem, pair_smem, q_bar, do_b
     halves took two of 32). The share goes to the writer warp in this warpgroup's staging box of set j % NSTAGE
     (stage_full; stage_empty: the writer's add has read the share the set held before; with two sets the writer's
     latency has a tile's slack). With DQ_ALTERNATE the two take turns at the whole tile's dQ (warpgroup HALF at tiles
-    j with j % 2 == HALF, into set HALF of two): dS and K are read once a tile, and the warpgroup without a dQ product
-    starts the next tile's Sᵀ and dPᵀ while the other's runs."""
+    j with j % 2 == HALF, into set HALF of two): one product a tile where there were two, and the warpgroup without
+    it starts the next tile's Sᵀ and dPᵀ while the other's runs. Its shared-memory reads are those of the two halves
+    at D 64 (each m64 half of a 128-row product reads all of K), 16 KB fewer at D 128 (dS read once)."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_M)
     acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -1070,7 +1071,7 @@ def _one_pass_consumer(dk_desc, dv_desc, q_smem, do_smem, pair_smem, q_bar, do_b
     k_tile = k_all.slice(HALF * HALF_N, HALF_N)
     v_tile = v_all.slice(HALF * HALF_N, HALF_N)
     # dQ's product reads this warpgroup's query rows of dS (Sᵀ's columns) and all of K, or all of dS and its columns
-    # of K; with DQ_ALTERNATE all of both, every other tile
+    # of K; with DQ_ALTERNATE all of both, at every other tile
     if DQ_ALTERNATE:
         ds_rows: gl.constexpr = 0
         k_dq = k_all
