@@ -126,3 +126,23 @@ def test_extra_takes_a_variant_with_alternation_and_refuses_more_numbers():
     assert (variant.stages, variant.alternate) == (2, 1)
     with pytest.raises(Exception, match=r"REGS\[,STAGES\[,ALTERNATE\]\]"):
         one_pass.variant_spec("one_pass_det,128,128,2,240,2,1,1")
+
+
+def test_launch_shapes_lists_each_kernel_once_with_its_launch_fields(monkeypatch):
+    """probe_fwd_bwd_gap --launch: each kernel of a step once, in start order, with the profiler's launch fields it
+    has (a memset or a copy is no kernel, and a repeated kernel is listed at its first launch)."""
+    spec = importlib.util.spec_from_file_location("probe_fwd_bwd_gap", SCRIPTS / "probe_fwd_bwd_gap.py")
+    gap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gap)
+    events = [
+        {"cat": "kernel", "name": "bprop", "ts": 20, "dur": 5,
+         "args": {"grid": [132, 1, 1], "block": [384, 1, 1], "registers per thread": 168, "shared memory": 216064}},
+        {"cat": "gpu_memset", "name": "Memset (Device)", "ts": 1, "dur": 1, "args": {}},
+        {"cat": "kernel", "name": "fprop", "ts": 10, "dur": 5, "args": {"grid": [132, 1, 1], "blocks per SM": 1.0}},
+        {"cat": "kernel", "name": "fprop", "ts": 30, "dur": 5, "args": {"grid": [264, 1, 1]}},
+    ]
+    monkeypatch.setattr(gap, "trace_events", lambda step, iters: events)
+    assert gap.launch_shapes(None) == [
+        ("fprop", "grid [132, 1, 1], blocks per SM 1.0"),
+        ("bprop", "grid [132, 1, 1], block [384, 1, 1], registers per thread 168, shared memory 216064"),
+    ]
