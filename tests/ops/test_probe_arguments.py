@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,15 +54,15 @@ def test_against_takes_kernels_with_the_librarys_parameters_and_refuses_others(t
         pytest.skip("needs a Triton with Gluon's Hopper API")
     assert probe._load_kernels(str(KERNELS)).attention_backward_one_pass.arg_names
     text = KERNELS.read_text()
-    signature_end = "NSTAGE: gl.constexpr = 1):"
-    assert text.count(signature_end) == 1
+    last = re.search(r",\s*(DQ_ALTERNATE: gl.constexpr = False)\):", text)  # the one pass's last parameter
+    assert last and text.count(last.group(0)) == 1
     extra = tmp_path / "extra.py"
-    extra.write_text(text.replace(signature_end, "NSTAGE: gl.constexpr = 1, PAIRED: gl.constexpr = False):"))
+    extra.write_text(text.replace(last.group(0), f", {last.group(1)}, PAIRED: gl.constexpr = False):"))
     with pytest.raises(SystemExit, match=r"--against .*extra\.py: its attention_backward_one_pass takes PAIRED"):
         probe._load_kernels(str(extra))
     lacking = tmp_path / "lacking.py"
-    lacking.write_text(text.replace(", NSTAGE: gl.constexpr = 1):", "):"))
-    with pytest.raises(SystemExit, match=r"its attention_backward_one_pass lacks NSTAGE"):
+    lacking.write_text(text.replace(last.group(0), "):"))
+    with pytest.raises(SystemExit, match=r"its attention_backward_one_pass lacks DQ_ALTERNATE"):
         probe._load_kernels(str(lacking))
 
 
