@@ -96,6 +96,14 @@ def check(variants_by_d, head_dims, case_indices) -> int:
     return failures
 
 
+def same_bits_on_rerun(run, out: torch.Tensor) -> bool:
+    """Run once more: does `out`, which the run writes, keep its bits? (The deterministic kinds' promise.)"""
+    first = out.clone()
+    run()
+    torch.cuda.synchronize()
+    return torch.equal(first, out)
+
+
 def interleaved_times(runs: dict, rounds: int) -> dict[str, list[float]]:
     """Each run's do_bench time (ms) in each of `rounds` rounds, the runs taking turns within a round (the pool's
     clocks drift)."""
@@ -163,10 +171,7 @@ def bench(variants_by_d, head_dims, seqs, rounds, against=None) -> None:
                         torch.cuda.synchronize()
                         rel = ((fb.dq.float() - dq_two.float()).norm() / dq_two.float().norm()).item()
                         relk = ((fb.dk.float() - dk_two.float()).norm() / dk_two.float().norm()).item()
-                        dq_first = fb.dq.clone()
-                        fb()
-                        torch.cuda.synchronize()
-                        same = torch.equal(dq_first, fb.dq)
+                        same = same_bits_on_rerun(fb, fb.dq)
                         print(f"  D={d} N={n} causal={causal} {var.label()}: vs two passes dQ {rel:.1e} dK {relk:.1e};"
                               f" dQ bitwise equal on a rerun: {same}", flush=True)
                     except Exception:  # noqa: BLE001

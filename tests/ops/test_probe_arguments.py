@@ -147,3 +147,17 @@ def test_launch_shapes_lists_each_kernel_once_with_its_launch_fields(monkeypatch
         ("fprop", "grid [132, 1, 1], blocks per SM 1.0"),
         ("bprop", "grid [132, 1, 1], block [384, 1, 1], registers per thread 168, shared memory 216064"),
     ]
+
+
+def test_same_bits_on_rerun_tells_a_run_that_repeats_its_bits_from_one_that_does_not(monkeypatch):
+    """The probes' determinism check (probe_one_pass_backward, ab_pass_late): True only where the rerun writes the
+    very bits the first run left."""
+    import torch
+
+    spec = importlib.util.spec_from_file_location("probe_one_pass_backward", SCRIPTS / "probe_one_pass_backward.py")
+    one_pass = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(one_pass)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    out = torch.ones(4)
+    assert one_pass.same_bits_on_rerun(lambda: out.copy_(torch.ones(4)), out)
+    assert not one_pass.same_bits_on_rerun(lambda: out.add_(torch.full((4,), 1e-7)), out)
