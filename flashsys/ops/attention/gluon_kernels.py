@@ -871,15 +871,11 @@ fence.proxy.async.global;
 
 
 
-def _adds_complete_asm(pending: int) -> gl.constexpr:
+@gluon.constexpr_function
+def _adds_complete_asm(pending):
     """cp.async.bulk.wait_group without .read: this thread's adds but the last `pending` have completed, their
     writes done in global memory (tma.store_wait only waits until they have read their shared-memory source)."""
-    return gl.constexpr(f"cp.async.bulk.wait_group {pending};\nfence.proxy.async.global;\nmov.u32 $0, $1;")
-
-
-_ALL_ADDS_COMPLETE_ASM: gl.constexpr = _adds_complete_asm(0)
-_ALL_BUT_ONE_ADD_COMPLETE_ASM: gl.constexpr = _adds_complete_asm(1)
-_ALL_BUT_TWO_ADDS_COMPLETE_ASM: gl.constexpr = _adds_complete_asm(2)
+    return f"cp.async.bulk.wait_group {pending};\nfence.proxy.async.global;\nmov.u32 $0, $1;"
 
 
 @gluon.jit
@@ -897,14 +893,7 @@ def _pass_turn(semaphore, PENDING: gl.constexpr, layout: gl.constexpr):
     """Once this warp's TMA adds but the last PENDING (0, 1 or 2: a tile's) have completed, count them as this
     program's turn at `semaphore` (lane 0, with release semantics), so the next program's adds go after them."""
     lane = gl.arange(0, 32, layout=layout)
-    if PENDING == 2:
-        gl.inline_asm_elementwise(_ALL_BUT_TWO_ADDS_COMPLETE_ASM, "=r,r", [lane], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-    elif PENDING == 1:
-        gl.inline_asm_elementwise(_ALL_BUT_ONE_ADD_COMPLETE_ASM, "=r,r", [lane], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-    else:
-        gl.inline_asm_elementwise(_ALL_ADDS_COMPLETE_ASM, "=r,r", [lane], dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise(_adds_complete_asm(PENDING), "=r,r", [lane], dtype=gl.int32, is_pure=False, pack=1)
     _barrier()  # every lane's adds (the one that issued them) complete before lane 0 counts them
     gl.atomic_add(semaphore + lane * 0, lane * 0 + 1, mask=lane == 0, sem="release", scope="gpu")
 
@@ -990,6 +979,7 @@ def _one_pass_dq_writer(dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv
     predecessor took before the tile it waits at, where one tile ahead its wait on the predecessor's wait would
     close the ring's circle (a deadlock) and chain a masked order's programs one behind another."""
     lane_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    SHARES: gl.constexpr = _shares(DQ_ALTERNATE)  # staging boxes (adds) a tile
     n_q_tiles = gl.cdiv(n_q, BLOCK_M)
     last_sem = Sem
     for j in range(n_iter):
@@ -999,8 +989,8 @@ def _one_pass_dq_writer(dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv
             sem = Sem + (b * n_heads + h).to(gl.int64) * n_q_tiles + m
             _wait_turn(sem, _one_pass_turn(m, pid_n, n_k_tiles, stride, right_offset, BLOCK_M, BLOCK_N, BOUND_RIGHT,
                                            ROTATE), lane_layout)
-        first = (j % NSTAGE) * _shares(DQ_ALTERNATE)
-        for half in gl.static_range(_shares(DQ_ALTERNATE)):
+        first = (j % NSTAGE) * SHARES
+        for half in gl.static_range(SHARES):
             mbarrier.wait(stage_full.index(first + half), (j // NSTAGE) & 1)
             _tma_add(dq_desc, [b, h, start_m + _dq_share_start(half, BLOCK_M, DQ_ROWS, DQ_COLS, 0),
                                _dq_share_start(half, BLOCK_M, DQ_ROWS, DQ_COLS, 1)], dq_stage.index(first + half))
@@ -1009,10 +999,10 @@ def _one_pass_dq_writer(dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv
             # ring (22% slower at D 64, N 4096; kernel_experiments.md, stop 40).
             if j > 0:
                 # the last tile's adds, with this tile's in flight
-                _pass_turn(last_sem, _shares(DQ_ALTERNATE), lane_layout)
+                _pass_turn(last_sem, SHARES, lane_layout)
             last_sem = sem
         tma.store_wait(0)  # the adds have read their staging boxes
-        for half in gl.static_range(_shares(DQ_ALTERNATE)):
+        for half in gl.static_range(SHARES):
             mbarrier.arrive(stage_empty.index(first + half))
         if DETERMINISTIC and not PASS_LATE:
             _pass_turn(sem, 0, lane_layout)
