@@ -43,6 +43,9 @@ def variant_spec(spec: str):
         raise argparse.ArgumentTypeError(f"{spec!r}: want KIND,BLOCK_M,BLOCK_N,NBUF,REGS[,STAGES[,ALTERNATE]] with "
                                          "KIND one_pass or one_pass_det and whole numbers, e.g. "
                                          "one_pass_det,128,128,2,240")
+    if len(numbers) == 6 and numbers[5] not in ("0", "1"):
+        raise argparse.ArgumentTypeError(f"{spec!r}: ALTERNATE is 0 (each consumer computes half of dQ) or 1 (they "
+                                         "take turns at the whole tile's)")
     return flash_gluon.Variant(kind, *(int(x) for x in numbers))
 
 

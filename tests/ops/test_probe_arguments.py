@@ -127,6 +127,8 @@ def test_extra_takes_a_variant_with_alternation_and_refuses_more_numbers():
     assert (variant.stages, variant.alternate) == (2, 1)
     with pytest.raises(Exception, match=r"REGS\[,STAGES\[,ALTERNATE\]\]"):
         one_pass.variant_spec("one_pass_det,128,128,2,240,2,1,1")
+    with pytest.raises(Exception, match="ALTERNATE is 0 .* or 1"):
+        one_pass.variant_spec("one_pass_det,128,128,2,240,2,2")
 
 
 def test_launch_shapes_lists_each_kernel_once_with_its_launch_fields(monkeypatch):
