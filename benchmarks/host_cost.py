@@ -195,7 +195,7 @@ def _opaque_op_parts(ft, q, k, v, do, scale) -> dict:
     interpreter on a CPU): each op as the graph calls it (the dispatcher, then its body replaying a plan) and its
     body alone, so their difference is the op's own dispatch cost. Empty where the graph would launch the `tl` kernels
     itself (Inductor re-emits them: no flashsys Python runs per call)."""
-    forward_op, backward_op = ft._traced_forward(q, k, v), ft._traced_backward(q, k, v)
+    forward_op, backward_op = ft._traced_forward(q, k, v, CAUSAL), ft._traced_backward(q, k, v, CAUSAL)
     if forward_op not in (ft._gluon_forward_op, ft._interpreted_forward_op):
         return {}
     o, lse = forward_op(q, k, v, *CAUSAL, scale)  # the first calls make the plans

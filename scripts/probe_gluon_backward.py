@@ -107,7 +107,7 @@ def main() -> int:
                 tl = flash_gluon.TL_KERNEL
                 runs = {"SDPA cuDNN backward": cell.cudnn_backward,
                         "flashsys backward, tl kernels": lambda: backward(False)}
-                if flash_gluon.takes_backward(q, k, v, o, do):
+                if flash_gluon.takes_backward(q, k, v, o, do, window):
                     runs["flashsys backward, the library's choices"] = with_choice(choice)
                     for var in [tl, *(var for var in flash_gluon.DKDV_VARIANTS.get(d, ()) if var.kind != "tl")]:
                         runs[f"  dQ tl + dK/dV {var.label()}"] = forced(tl, var)

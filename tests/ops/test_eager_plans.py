@@ -74,7 +74,7 @@ def test_a_forward_without_a_plan_still_replays_its_backward(monkeypatch):
         lse.copy_(lse_ref)
         return flash_gluon.Launched(True)  # ran, no replay
 
-    monkeypatch.setattr(flash_gluon, "takes", lambda q, k, v: True)
+    monkeypatch.setattr(flash_gluon, "takes", lambda q, k, v, window: True)
     monkeypatch.setattr(flash_gluon, "forward", forward_in_place)
     for seed in range(20, 22):  # the first backward may autotune; the second makes the plan
         q, k, v, do = make_qkv(2, 2, 40, 40, 32, DTYPE, DEVICE, seed=seed)

@@ -56,7 +56,7 @@ def test_backward_takes_what_the_forward_takes_and_a_tma_ready_do():
     other condition is the forward's. The dQ choice times the `tl` kernel beside the Gluon ones, and takes it where
     nothing is timed."""
     q = torch.randn(1, 2, 64, 128)
-    assert not flash_gluon.takes_backward(q, q, q, q, q)  # a CPU tensor: the forward's reasons apply
+    assert not flash_gluon.takes_backward(q, q, q, q, q, (-1, 0))  # a CPU tensor: the forward's reasons apply
     key = flash_gluon.ChoiceKey.of(q.to(torch.bfloat16), q, (-1, 0), "dkdv")
     assert key.candidates() == flash_gluon.DKDV_VARIANTS[128] and key.bound_right and not key.bound_left
     assert 64 not in flash_gluon.DKDV_VARIANTS  # there the `tl` dK/dV kernel is faster
@@ -64,8 +64,8 @@ def test_backward_takes_what_the_forward_takes_and_a_tma_ready_do():
         dq_key = flash_gluon.ChoiceKey.of(torch.randn(1, 2, 64, d), q, (-1, -1), "dq")
         assert dq_key.candidates()[0] == flash_gluon.TL_KERNEL and len(dq_key.candidates()) > 1
     assert flash_gluon.TL_KERNEL not in flash_gluon.gluon_variants(64)
-    assert "head dim 96" in flash_gluon.backward_problem(*(torch.randn(1, 2, 64, 96),) * 3)
-    assert flash_gluon.backward_problem(q, q, q) == "not a CUDA tensor"
+    assert "head dim 96" in flash_gluon.backward_problem(*(torch.randn(1, 2, 64, 96),) * 3, (-1, 0))
+    assert flash_gluon.backward_problem(q, q, q, (-1, 0)) == "not a CUDA tensor"
 
 
 def test_dq_choice_of_the_tl_kernel_leaves_the_launch_to_the_caller(monkeypatch):
@@ -106,10 +106,10 @@ def test_compiled_backward_takes_the_gluon_op_at_both_head_dims_gpu(monkeypatch)
     monkeypatch.setattr(flash_gluon, "MIN_WORK", 0)
     for d in (64, 128):
         q = torch.randn(1, 4, 1024, d, device="cuda", dtype=torch.bfloat16)
-        assert flash_triton._traced_forward(q, q, q) is flash_triton._gluon_forward_op
-        assert flash_triton._traced_backward(q, q, q) is flash_triton._gluon_backward_op
+        assert flash_triton._traced_forward(q, q, q, (-1, 0)) is flash_triton._gluon_forward_op
+        assert flash_triton._traced_backward(q, q, q, (-1, 0)) is flash_triton._gluon_backward_op
     q = torch.randn(1, 4, 1024, 32, device="cuda", dtype=torch.bfloat16)
-    assert flash_triton._traced_backward(q, q, q) is flash_triton.flash_attention_backward_op
+    assert flash_triton._traced_backward(q, q, q, (-1, 0)) is flash_triton.flash_attention_backward_op
 
 
 @hopper_only
@@ -203,7 +203,7 @@ def test_compiled_op_runs_the_gluon_backward_bit_for_bit_gpu(monkeypatch):
     torch._dynamo.reset()
     monkeypatch.setattr(flash_gluon, "MIN_WORK", 0)
     q, k, v, _ = make_qkv(1, 16, 4096, 4096, 128, torch.bfloat16, "cuda", seed=6)
-    assert flash_triton._traced_backward(q, k, v) is flash_triton._gluon_backward_op
+    assert flash_triton._traced_backward(q, k, v, (-1, 0)) is flash_triton._gluon_backward_op
     for a, b in zip(*eager_then_compiled(FlashAttention2Triton, q, k, v, True)):
         assert torch.equal(a, b)
 
@@ -218,7 +218,7 @@ def test_stride_zero_do_and_unaligned_do_gpu(monkeypatch):
     monkeypatch.setattr(flash_gluon, "MIN_WORK", 0)
     q, k, v, _ = make_qkv(1, 8, 1024, 1024, 128, torch.bfloat16, "cuda", seed=8)
     unaligned = torch.randn(q.numel() + 1, device="cuda", dtype=q.dtype)[1:].view(q.shape)
-    assert flash_gluon.takes(q, k, v) and not flash_gluon.takes_backward(q, k, v, q, unaligned)
+    assert flash_gluon.takes(q, k, v, (-1, 0)) and not flash_gluon.takes_backward(q, k, v, q, unaligned, (-1, 0))
     stride_zero = torch.ones((), device="cuda", dtype=q.dtype).expand(q.shape)
     assert_matches_reference(FlashAttention2Triton, q, k, v, stride_zero, True, None)
     assert_matches_reference(FlashAttention2Triton, q, k, v, unaligned, True, None)

@@ -12,7 +12,11 @@ import sys
 import pytest
 import torch
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from flashsys.ops.attention import attention_reference
+from flashsys.ops.attention.reference import window_mask
 
 from .attention_checks import (
     FLOOR, assert_matches_reference, compile_without_cache_warnings, eager_then_compiled, make_qkv, rel_err,
@@ -39,12 +43,38 @@ def test_tma_stride_rules():
     assert not flash_gluon._tma_strides_ok(torch.randn(2, 64, 68, dtype=torch.bfloat16)[..., :64])  # 136-byte rows
 
 
+@settings(max_examples=300, deadline=None)
+@given(n_q=st.integers(1, 70), n_k=st.integers(1, 70), left=st.integers(-1, 80), right=st.integers(-1, 80))
+def test_visible_pairs_counts_the_window_masks_true_entries(n_q, n_k, left, right):
+    """The size bar counts the work a mask leaves (B*H*D times the visible pairs), in constant time: it must equal
+    the reference mask's count for every shape and window, rows that see no key (Nq > Nk) included."""
+    expected = int(window_mask(n_q, n_k, left, right).sum())
+    assert flash_gluon.visible_pairs(n_q, n_k, (left, right)) == expected
+
+
+def test_the_size_bar_counts_the_pairs_the_kernels_visit():
+    """Causal calls cross the bar at twice the B*H*N^2*D of full-mask ones; a window with a left bound counts all of
+    N^2 (the `tl` kernels are far slower there, not host-bound). The GPU test below asks `problem` the same."""
+    bar = flash_gluon.MIN_WORK
+    full, causal, window = (-1, -1), (-1, 0), (255, 0)
+    assert flash_gluon.call_work((16, 16, 1024, 64), (16, 16, 1024, 64), full) == bar
+    assert bar // 2 < flash_gluon.call_work((16, 16, 1024, 64), (16, 16, 1024, 64), causal) < bar
+    assert flash_gluon.call_work((16, 16, 1024, 128), (16, 16, 1024, 128), causal) >= bar
+    assert flash_gluon.call_work((8, 16, 1024, 128), (8, 16, 1024, 128), causal) < bar
+    big = (1, 16, 8192, 64)
+    assert flash_gluon.call_work(big, big, window) == 16 * 64 * 8192 ** 2 >= bar
+    assert flash_gluon.call_work(big[1:], big[1:], full) == 16 * 64 * 8192 ** 2  # rank 3: (B*H, N, D)
+    assert flash_gluon.call_work((1, 16, 2048, 64), (1, 16, 2048, 64), full) < bar
+    assert flash_gluon.visible_pairs(16384, 16384, window) == 16384 * 256 - 255 * 256 // 2
+
+
 def test_calls_it_does_not_take_say_why():
     q = torch.randn(1, 2, 64, 64)
-    assert flash_gluon.problem(q, q, q) == "not a CUDA tensor"
+    assert flash_gluon.problem(q, q, q, (-1, -1)) == "not a CUDA tensor"
     if torch.cuda.is_available():
-        assert "dtype" in flash_gluon.problem(q.cuda(), q.cuda(), q.cuda())
-        assert "head dim" in flash_gluon.problem(*(torch.randn(1, 2, 64, 96, device="cuda", dtype=torch.float16),) * 3)
+        assert "dtype" in flash_gluon.problem(q.cuda(), q.cuda(), q.cuda(), (-1, -1))
+        assert "head dim" in flash_gluon.problem(*(torch.randn(1, 2, 64, 96, device="cuda", dtype=torch.float16),) * 3,
+                                                (-1, -1))
 
 
 def test_every_variant_compiles_for_hopper():
@@ -160,7 +190,7 @@ def test_op_takes_gluon_forward_and_trains_gpu(causal, monkeypatch):
 
     monkeypatch.setattr(flash_gluon, "MIN_WORK", 0)  # a shape float64 reference math can check in seconds
     q, k, v, do = make_qkv(1, 16, 2048, 2048, 64, torch.bfloat16, "cuda", seed=3, kv_heads=4)
-    assert flash_gluon.takes(q, k, v)
+    assert flash_gluon.takes(q, k, v, (-1, 0) if causal else (-1, -1))
     flash_gluon._chosen.clear()
     assert_matches_reference(FlashAttention2Triton, q, k, v, do, causal, None)
     assert flash_gluon.chosen_variants(), "the Gluon forward did not run"
@@ -175,7 +205,7 @@ def test_compiled_op_runs_the_gluon_forward_bit_for_bit_gpu(monkeypatch):
     torch._dynamo.reset()
     monkeypatch.setattr(flash_gluon, "MIN_WORK", 0)
     q, k, v, _ = make_qkv(1, 16, 4096, 4096, 128, torch.bfloat16, "cuda", seed=5)
-    assert flash_triton._traced_forward(q, k, v) is flash_triton._gluon_forward_op
+    assert flash_triton._traced_forward(q, k, v, (-1, 0)) is flash_triton._gluon_forward_op
     for a, b in zip(*eager_then_compiled(FlashAttention2Triton, q, k, v, True)):
         assert torch.equal(a, b)
 
@@ -186,17 +216,19 @@ def test_small_switched_off_and_unaligned_calls_take_the_tl_forward_gpu(monkeypa
     """Below MIN_WORK (host-bound calls), for tensors TMA cannot address, once the path turned itself off, and with
     FLASHSYS_GLUON=0, the `tl` forward runs."""
     q = torch.randn(1, 16, 2048, 64, device="cuda", dtype=torch.bfloat16)
-    assert "host-bound" in flash_gluon.problem(q, q, q)
+    full = (-1, -1)
+    assert "host-bound" in flash_gluon.problem(q, q, q, full)
     big = torch.randn(1, 16, 8192, 64, device="cuda", dtype=torch.bfloat16)
-    assert flash_gluon.takes(big, big, big)
+    assert flash_gluon.takes(big, big, big, full) and flash_gluon.takes(big, big, big, (-1, 0))
+    assert flash_gluon.takes(big, big, big, (255, 0))  # a window counts all of N^2 (`call_work`)
     monkeypatch.setattr(flash_gluon, "MIN_WORK", 0)
-    assert flash_gluon.takes(q, q, q)
+    assert flash_gluon.takes(q, q, q, full)
     unaligned = torch.randn(16 * 2048 * 64 + 1, device="cuda", dtype=torch.bfloat16)[1:].view(1, 16, 2048, 64)
-    assert flash_gluon.problem(unaligned, unaligned, unaligned) is None and not flash_gluon.takes(unaligned, q, q)
+    assert flash_gluon.problem(unaligned, unaligned, unaligned, full) is None and not flash_gluon.takes(unaligned, q, q, full)
     monkeypatch.setattr(flash_gluon, "_broken", "no variant ran: (a test)")
-    assert flash_gluon.problem(q, q, q) == "no variant ran: (a test)" and "off" in flash_gluon.status()
+    assert flash_gluon.problem(q, q, q, full) == "no variant ran: (a test)" and "off" in flash_gluon.status()
     monkeypatch.setenv("FLASHSYS_GLUON", "0")
-    assert flash_gluon.problem(q, q, q) == "FLASHSYS_GLUON=0"
+    assert flash_gluon.problem(q, q, q, full) == "FLASHSYS_GLUON=0"
 
 
 def test_choice_takes_the_fastest_median_and_leaves_out_variants_that_fail(monkeypatch):

@@ -10,7 +10,7 @@ Both backward kernels have Gluon versions too, taken where `takes_backward` hold
 the `tl` dQ kernel since neither wins every cell, and dK/dV (D 128 only; at D 64 the `tl` one was faster). Either
 dQ kernel writes the (L, D) pairs that both dK/dV kernels read after it.
 
-`takes(q, k, v)` says whether a forward goes here; `FLASHSYS_GLUON=0` turns the path off (for A/B timings).
+`takes(q, k, v, window)` says whether a forward goes here; `FLASHSYS_GLUON=0` turns the path off (for A/B timings).
 Each (kernel, head dim, dtype, window bounds, length bucket) picks its variant by timing the candidates on its first
 call, as Triton's autotuner does for the `tl` kernels; `FLASHSYS_TRITON_AUTOTUNE=0` takes the first candidate.
 """
@@ -37,13 +37,17 @@ HEAD_DIMS = (64, 128)
 # The shared memory one program may take on sm_90 (227 KB): a variant's kernel must fit it, or its launch fails.
 SM90_SHARED_BYTES = 232_448
 _DTYPES = (torch.float16, torch.bfloat16)
-# The work (B * H * Nq * Nk * D) below which a call keeps the `tl` kernels. Repeated eager calls replay the Gluon
-# launches from plans (GluonReplay): 46-86 µs of host time a forward against the `tl` forward's 14-60, and a forward
-# + backward 214-330 µs at D 64, 401-503 µs at D 128 (its dK/dV replay takes the GIL on the autograd thread), against
-# 133-277 (H100, B 1, H 16: benchmarks/results/kernel_configs/probe_gluon_host_final_h100.txt). At the bar the
-# GPU's forward + backward is ~0.8 ms or more, so the GPU, not the host, sets the pace; lowering it from 2^36 made
-# the D 128 N 1024 cells 5-14% faster and left the D 64 N 2048 ones as they were (probe_min_work_replays_h100.md).
-MIN_WORK = 1 << 35
+# The work (`call_work`: B * H * D * the query-key pairs the call's kernels visit) below which a call keeps the `tl`
+# kernels. Repeated eager calls replay the Gluon launches from plans (GluonReplay): 46-86 µs of host time a forward
+# against the `tl` forward's 14-60, and a forward + backward 214-330 µs at D 64, 401-503 µs at D 128 (its dK/dV replay
+# takes the GIL on the autograd thread), against 133-277 (H100, B 1, H 16:
+# benchmarks/results/kernel_configs/probe_gluon_host_final_h100.txt). The GPU's time follows the pairs visited, not
+# Nq * Nk: the old bar, B*H*Nq*Nk*D >= 2^35, kept full-mask calls of ~0.7 ms of GPU time on the `tl` kernels with
+# causal ones of half that. Counted on the visible pairs at 2^34 the causal calls split where they did, and the
+# full-mask D 64 N 1024 (B 16) and D 128 N 1024 (B 8) calls run the Gluon kernels, 2-5% and 11-16% faster; causal
+# D 128 N 1024 B 8 (2^33), run on them, read 0.90x and 1.47x cuDNN's in two rounds, host-bound, and stays below
+# (kernel_configs/probe_min_work_visible_h100.md).
+MIN_WORK = 1 << 34
 
 
 class Variant(NamedTuple):
@@ -205,7 +209,40 @@ def _tma_strides_ok(t: Tensor) -> bool:
                for size, stride in zip(t.shape[:-1], t.stride()[:-1]))
 
 
-def problem(q: Tensor, k: Tensor, v: Tensor) -> str | None:
+def _ramp_sum(x: int) -> int:
+    """The sum of max(t, 0) over the integers t < x."""
+    return x * (x - 1) // 2 if x > 0 else 0
+
+
+def _keys_below(n_q: int, first: int, n_k: int) -> int:
+    """The sum over rows i < n_q of clamp(first + i, 0, n_k): the keys below a bound that moves down the rows."""
+    return _ramp_sum(first + n_q) - _ramp_sum(first) - _ramp_sum(first + n_q - n_k) + _ramp_sum(first - n_k)
+
+
+def visible_pairs(n_q: int, n_k: int, window: tuple[int, int]) -> int:
+    """How many (query, key) pairs a (left, right) window leaves visible (-1: unbounded; bottom-right aligned, query i
+    sees key j iff i + Nk - Nq - left <= j <= i + Nk - Nq + right), in constant time: row i sees the keys below its
+    right bound but not below its left one."""
+    left, right = window
+    offset = n_k - n_q
+    below_right = n_q * n_k if right < 0 else _keys_below(n_q, offset + right + 1, n_k)
+    below_left = 0 if left < 0 else _keys_below(n_q, offset - left, n_k)
+    return below_right - below_left
+
+
+def call_work(q_shape: tuple[int, ...], k_shape: tuple[int, ...], window: tuple[int, int]) -> int:
+    """B * H * D * the query-key pairs the kernels visit, the size MIN_WORK bars: the visible pairs under a full or
+    causal mask (right bound only), all Nq * Nk under a window with a left bound. Counted on their visible pairs,
+    windowed calls went to the `tl` kernels and ran far slower, not host-bound: 4.9 and 17 ms against 0.46-0.54 at
+    (255, 0), B 1, N 16384, D 64, and 1.03 against 0.86 at (511, 511), B 2, N 8192 (H100; the `tl` time not
+    explained yet). So windows keep the Gluon kernels wherever the whole score matrix would."""
+    heads = q_shape[0] * (q_shape[1] if len(q_shape) == 4 else 1)
+    n_q, n_k = q_shape[-2], k_shape[-2]
+    pairs = n_q * n_k if window[0] >= 0 else visible_pairs(n_q, n_k, window)
+    return heads * q_shape[-1] * pairs
+
+
+def problem(q: Tensor, k: Tensor, v: Tensor, window: tuple[int, int]) -> str | None:
     """None when the Gluon forward takes these (validated, dense) inputs, else why not. Cheapest checks first: an
     eager call on the Python path asks this every time, and most small calls stop at the size bar before any stride
     is read."""
@@ -223,32 +260,33 @@ def problem(q: Tensor, k: Tensor, v: Tensor) -> str | None:
         return _broken
     if any(type(n) is not int for n in (*q.shape, *k.shape)):  # v is shaped like k (validated)
         return "symbolic shapes (torch.compile with dynamic shapes)"
-    work = q.shape[-2] * k.shape[-2] * q.shape[0] * (q.shape[1] if q.dim() == 4 else 1) * q.shape[-1]
+    work = call_work(q.shape, k.shape, window)
     if work < MIN_WORK:
-        return f"B*H*Nq*Nk*D = {work} < {MIN_WORK} (host-bound there: the native launcher's `tl` forward costs less)"
+        return (f"B*H*D*(query-key pairs) = {work} < {MIN_WORK} (host-bound there: the native launcher's `tl` "
+                "forward costs less)")
     if not all(_tma_strides_ok(t) for t in (q, k, v)):
         return "strides TMA cannot address (each must be a multiple of 16 bytes, the last 1)"
     return None
 
 
-def takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
+def takes(q: Tensor, k: Tensor, v: Tensor, window: tuple[int, int]) -> bool:
     """Whether the Gluon forward runs this call (real tensors: their addresses must be 16-byte aligned too)."""
-    return problem(q, k, v) is None and all(t.data_ptr() % 16 == 0 for t in (q, k, v))
+    return problem(q, k, v, window) is None and all(t.data_ptr() % 16 == 0 for t in (q, k, v))
 
 
-def backward_problem(q: Tensor, k: Tensor, v: Tensor) -> str | None:
+def backward_problem(q: Tensor, k: Tensor, v: Tensor, window: tuple[int, int]) -> str | None:
     """As `problem`, for the Gluon backward kernels: the forward's conditions and a head dim one of them has variants
     for (dQ at D 64 and 128, dK/dV at D 128)."""
     if q.shape[-1] not in DKDV_VARIANTS and q.shape[-1] not in DQ_VARIANTS:
         return f"head dim {q.shape[-1]} (the Gluon backward kernels take {tuple(DQ_VARIANTS)})"
-    return problem(q, k, v)
+    return problem(q, k, v, window)
 
 
-def takes_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor) -> bool:
+def takes_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, window: tuple[int, int]) -> bool:
     """Whether the Gluon backward kernels may run this backward (`backward_dq` and `backward_dkdv` then say whether
     each did): where `backward_problem` finds nothing, with 16-byte-aligned tensors and an O and a dO that TMA can
     read."""
-    return (backward_problem(q, k, v) is None and _tma_strides_ok(do) and _tma_strides_ok(o)
+    return (backward_problem(q, k, v, window) is None and _tma_strides_ok(do) and _tma_strides_ok(o)
             and all(t.data_ptr() % 16 == 0 for t in (q, k, v, o, do)))
 
 
@@ -547,7 +585,7 @@ def status() -> str:
     masks = {(True, False): "causal", (False, False): "full", (True, True): "window", (False, True): "window"}
     chosen = "; ".join(f"{k.kernel} D {k.head_dim} {str(k.dtype)[6:]} {masks[k.bound_right, k.bound_left]} "
                        f"N<={k.bucket}: {k.label(v)}" for k, v in sorted(_chosen.items(), key=str))
-    return f"on where B*H*Nq*Nk*D >= 2^{MIN_WORK.bit_length() - 1}" + (f"; chose {chosen}" if chosen else "")
+    return f"on where B*H*D*(query-key pairs, call_work) >= 2^{MIN_WORK.bit_length() - 1}" + (f"; chose {chosen}" if chosen else "")
 
 
 # The choice times every candidate in interleaved rounds and takes each one's median: on an H100 one process's

@@ -938,7 +938,7 @@ def _planned_forward(q: Tensor, k: Tensor, v: Tensor, window: tuple[int, int], s
     Where the Gluon forward takes the call (Hopper, flash_gluon.takes) it runs instead; its plan replays it."""
     o = torch.empty_like(q, memory_format=torch.contiguous_format)  # empty_like: the cheapest allocation call
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    if not traced and flash_gluon.takes(q, k, v) and (
+    if not traced and flash_gluon.takes(q, k, v, window) and (
             launched := flash_gluon.forward(q, k, v, o, lse, window, scale)).ran:
         recorded = [launched.recorded]
     else:
@@ -983,7 +983,7 @@ def _planned_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, d
     g = _geometry_of(q.shape, k.shape, q.dtype) if traced else _cached_geometry(q.shape, k.shape, q.dtype)
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     lse_delta = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device=q.device)
-    gluon = not traced and flash_gluon.takes_backward(q, k, v, o, do)
+    gluon = not traced and flash_gluon.takes_backward(q, k, v, o, do, window)
     recorded, scratch = _launch_backward(g, q, k, v, o, lse, do, dq, dk, dv, lse_delta, q, k, window, scale, traced,
                                          gluon)
     replays = None if traced else eager_plans.replays(recorded, (q, k, v, o, lse, do, dq, dk, dv, lse_delta,
@@ -1266,19 +1266,19 @@ _interpreted_backward_op = _define_opaque_op("flash_attention_backward_interpret
                                              _opaque_backward, _backward_fake)
 
 
-def _traced_forward(q: Tensor, k: Tensor, v: Tensor):
+def _traced_forward(q: Tensor, k: Tensor, v: Tensor, window: tuple[int, int]):
     """The op a traced (torch.compile) forward call runs."""
     if q.device.type != "cuda":
         return _interpreted_forward_op
-    return _gluon_forward_op if flash_gluon.problem(q, k, v) is None else flash_attention_forward_op
+    return _gluon_forward_op if flash_gluon.problem(q, k, v, window) is None else flash_attention_forward_op
 
 
-def _traced_backward(q: Tensor, k: Tensor, v: Tensor):
+def _traced_backward(q: Tensor, k: Tensor, v: Tensor, window: tuple[int, int]):
     """The op a traced backward runs: as `_traced_forward`, for the Gluon backward kernels (the Gluon op's body checks
     O, dO and the addresses, and runs the `tl` kernels where they fail)."""
     if q.device.type != "cuda":
         return _interpreted_backward_op
-    return _gluon_backward_op if flash_gluon.backward_problem(q, k, v) is None else flash_attention_backward_op
+    return _gluon_backward_op if flash_gluon.backward_problem(q, k, v, window) is None else flash_attention_backward_op
 
 
 def _eager(*tensors: Tensor) -> bool:
@@ -1362,7 +1362,7 @@ class _FlashAttention2TritonFunction(torch.autograd.Function):
         elif eager:
             o, lse = _forward(q, k, v, window, scale)
         else:
-            o, lse = _traced_forward(q, k, v)(q, k, v, *window, scale)
+            o, lse = _traced_forward(q, k, v, window)(q, k, v, *window, scale)
         ctx.save_for_backward(q, k, v, o, lse)
         # The backward has plans of its own: it replays one even where this forward has none (the Gluon forward,
         # or a first call that autotuned), so an eager Gluon forward's backward does not take the full path.
@@ -1382,7 +1382,7 @@ class _FlashAttention2TritonFunction(torch.autograd.Function):
             with _on_current_device(q):
                 dq, dk, dv = _backward(q, k, v, o, lse, do, ctx.window, ctx.scale)
         else:
-            dq, dk, dv = _traced_backward(q, k, v)(q, k, v, o, lse, do, *ctx.window, ctx.scale)
+            dq, dk, dv = _traced_backward(q, k, v, ctx.window)(q, k, v, o, lse, do, *ctx.window, ctx.scale)
         return dq, dk, dv, None, None, None
 
 
