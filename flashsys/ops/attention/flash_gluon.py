@@ -585,7 +585,8 @@ def status() -> str:
     masks = {(True, False): "causal", (False, False): "full", (True, True): "window", (False, True): "window"}
     chosen = "; ".join(f"{k.kernel} D {k.head_dim} {str(k.dtype)[6:]} {masks[k.bound_right, k.bound_left]} "
                        f"N<={k.bucket}: {k.label(v)}" for k, v in sorted(_chosen.items(), key=str))
-    return f"on where B*H*D*(query-key pairs, call_work) >= 2^{MIN_WORK.bit_length() - 1}" + (f"; chose {chosen}" if chosen else "")
+    bar = f"on where B*H*D*(query-key pairs, call_work) >= 2^{MIN_WORK.bit_length() - 1}"
+    return bar + (f"; chose {chosen}" if chosen else "")
 
 
 # The choice times every candidate in interleaved rounds and takes each one's median: on an H100 one process's
