@@ -13,9 +13,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
-_spec = importlib.util.spec_from_file_location("probe_gluon_variants", SCRIPTS / "probe_gluon_variants.py")
-probe = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(probe)
+
+
+def _script(name: str):
+    """scripts/<name>.py imported as a module (scripts/ is no package)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+probe = _script("probe_gluon_variants")
 KERNELS = ROOT / "flashsys" / "ops" / "attention" / "gluon_kernels.py"
 
 
@@ -76,9 +84,7 @@ def test_the_choice_probe_prints_each_candidates_rounds_and_a_nested_choice_apar
 
     from flashsys.ops.attention import flash_gluon
 
-    spec = importlib.util.spec_from_file_location("probe_choice_timings", SCRIPTS / "probe_choice_timings.py")
-    choice_probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(choice_probe)
+    choice_probe = _script("probe_choice_timings")
     outer = flash_gluon.ChoiceKey(64, torch.bfloat16, True, False, 4096, "one_pass_det")
     inner = flash_gluon.ChoiceKey(64, torch.bfloat16, True, False, 4096, "dq")
     ms = {}  # (which choice, the variant a run launches) -> its time; every round adds 0.01
@@ -120,9 +126,7 @@ def test_the_choice_probe_prints_each_candidates_rounds_and_a_nested_choice_apar
 def test_extra_takes_a_variant_with_alternation_and_refuses_more_numbers():
     """--extra KIND,BLOCK_M,BLOCK_N,NBUF,REGS[,STAGES[,ALTERNATE]]: six numbers make an alternating variant; seven
     are refused naming the form."""
-    spec = importlib.util.spec_from_file_location("probe_one_pass_backward", SCRIPTS / "probe_one_pass_backward.py")
-    one_pass = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(one_pass)
+    one_pass = _script("probe_one_pass_backward")
     variant = one_pass.variant_spec("one_pass_det,128,128,2,240,2,1")
     assert (variant.stages, variant.alternate) == (2, 1)
     with pytest.raises(Exception, match=r"REGS\[,STAGES\[,ALTERNATE\]\]"):
@@ -134,9 +138,7 @@ def test_extra_takes_a_variant_with_alternation_and_refuses_more_numbers():
 def test_launch_shapes_lists_each_kernel_once_with_its_launch_fields(monkeypatch):
     """probe_fwd_bwd_gap --launch: each kernel of a step once, in start order, with the profiler's launch fields it
     has (a memset or a copy is no kernel, and a repeated kernel is listed at its first launch)."""
-    spec = importlib.util.spec_from_file_location("probe_fwd_bwd_gap", SCRIPTS / "probe_fwd_bwd_gap.py")
-    gap = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gap)
+    gap = _script("probe_fwd_bwd_gap")
     events = [
         {"cat": "kernel", "name": "bprop", "ts": 20, "dur": 5,
          "args": {"grid": [132, 1, 1], "block": [384, 1, 1], "registers per thread": 168, "shared memory": 216064}},
@@ -156,9 +158,7 @@ def test_same_bits_on_rerun_tells_a_run_that_repeats_its_bits_from_one_that_does
     very bits the first run left."""
     import torch
 
-    spec = importlib.util.spec_from_file_location("probe_one_pass_backward", SCRIPTS / "probe_one_pass_backward.py")
-    one_pass = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(one_pass)
+    one_pass = _script("probe_one_pass_backward")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     out = torch.ones(4)
     assert one_pass.same_bits_on_rerun(lambda: out.copy_(torch.ones(4)), out)
