@@ -11,12 +11,10 @@ import sys
 
 import pytest
 import torch
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashsys.ops.attention import attention_reference
-from flashsys.ops.attention.reference import window_mask
+from flashsys.ops.attention import attention_reference, window_mask
 
 from .attention_checks import (
     FLOOR, assert_matches_reference, compile_without_cache_warnings, eager_then_compiled, make_qkv, rel_err,
