@@ -222,7 +222,8 @@ def _keys_below(n_q: int, first: int, n_k: int) -> int:
 def visible_pairs(n_q: int, n_k: int, window: tuple[int, int]) -> int:
     """How many (query, key) pairs a (left, right) window leaves visible (-1: unbounded; bottom-right aligned, query i
     sees key j iff i + Nk - Nq - left <= j <= i + Nk - Nq + right), in constant time: row i sees the keys below its
-    right bound but not below its left one."""
+    right bound but not below its left one. The window is one `validation.normalize_window` returned: the library's
+    callers validated it already, so it is not checked again on this path."""
     left, right = window
     offset = n_k - n_q
     below_right = n_q * n_k if right < 0 else _keys_below(n_q, offset + right + 1, n_k)
