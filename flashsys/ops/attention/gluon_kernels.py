@@ -1201,8 +1201,9 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_stage = gl.allocate_shared_memory(gl.float32, [_shares(DQ_ALTERNATE) * NSTAGE, 1, 1, DQ_ROWS, DQ_COLS],
                                          dq_desc.layout)
-    stage_full = gl.allocate_shared_memory(gl.int64, [2 * NSTAGE, 1], mbarrier.MBarrierLayout())
-    stage_empty = gl.allocate_shared_memory(gl.int64, [2 * NSTAGE, 1], mbarrier.MBarrierLayout())
+    # One full/empty pair per staging box: 2 * NSTAGE, or NSTAGE (never below 2) where the consumers take turns.
+    stage_full = gl.allocate_shared_memory(gl.int64, [_shares(DQ_ALTERNATE) * NSTAGE, 1], mbarrier.MBarrierLayout())
+    stage_empty = gl.allocate_shared_memory(gl.int64, [_shares(DQ_ALTERNATE) * NSTAGE, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(2):
         mbarrier.init(ds_bar.index(i), count=2)
@@ -1210,7 +1211,7 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
         mbarrier.init(stage_empty.index(i), count=1)
     # The second set's in a loop of their own: moving the first set's out of the loop above makes Triton 3.6 add a
     # bar.sync to the prologue (as in the ping-pong forward's).
-    for i in gl.static_range(2, 2 * NSTAGE):
+    for i in gl.static_range(2, _shares(DQ_ALTERNATE) * NSTAGE):
         mbarrier.init(stage_full.index(i), count=1)
         mbarrier.init(stage_empty.index(i), count=1)
     for i in gl.static_range(NBUF):
