@@ -12,6 +12,7 @@ from __future__ import annotations
 import struct
 import types
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -173,14 +174,19 @@ def test_arguments_are_packed_as_the_ptx_declares_them():
         assert native_launch._launch_specs((bad,)) is None
 
 
+def _as_a_new_process(monkeypatch):
+    """The launcher's state as a process starts: nothing built or loaded yet (restored after the test)."""
+    monkeypatch.setattr(native_launch, "_module", None)
+    monkeypatch.setattr(native_launch, "_thread", None)
+    monkeypatch.setattr(native_launch, "_status", "not built")
+
+
 def test_a_failed_build_says_why_and_leaves_the_python_path(monkeypatch, tmp_path):
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
     monkeypatch.setattr(native_launch, "_SOURCE", broken)
     monkeypatch.setattr(native_launch, "_NAME", "flashsys_native_launch_broken_test")
-    monkeypatch.setattr(native_launch, "_module", None)
-    monkeypatch.setattr(native_launch, "_thread", None)
-    monkeypatch.setattr(native_launch, "_status", "not built")
+    _as_a_new_process(monkeypatch)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert not native_launch.wait()
@@ -188,6 +194,48 @@ def test_a_failed_build_says_why_and_leaves_the_python_path(monkeypatch, tmp_pat
     assert any("did not build" in str(w.message) for w in caught)
     q, k, v, do = make_qkv(1, 2, 24, 24, 16, DTYPE, DEVICE, seed=5)
     assert_matches_reference(FlashAttention2Triton, q, k, v, do, True, None)
+
+
+def test_a_build_killed_midway_blocks_no_later_process(monkeypatch):
+    """torch's build lock is a file, which a process killed mid-build (a script stopped in its first minute) left
+    behind: every later process's build then waited on it forever and the launcher never came up again (seen on an
+    H100 host; `wait()` hung). Such a kill leaves a lock file and no completion mark; the next process must build
+    past them, and the one after that import the build directly, without running the compiler or ninja."""
+    directory = native_launch._build_directory()
+    assert (directory / native_launch._BUILT).exists()  # the fixture's wait() built or imported it there
+    (directory / native_launch._BUILT).unlink()
+    (directory / "lock").touch()
+    _as_a_new_process(monkeypatch)
+    assert native_launch.wait(timeout=600), native_launch.status()
+    assert not (directory / "lock").exists() and (directory / native_launch._BUILT).exists()
+
+    import torch.utils.cpp_extension
+
+    def compile_again(*args, **kwargs):
+        raise AssertionError("a completed build was compiled again")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", compile_again)
+    _as_a_new_process(monkeypatch)
+    assert native_launch.wait(timeout=60) and native_launch.status() == "ready", native_launch.status()
+
+
+def test_the_build_directory_names_what_the_library_depends_on(monkeypatch, tmp_path):
+    """A build is reused only by the same source, flags and versions: each names a directory of its own, under the
+    root torch's own builds use."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    assert native_launch._build_directory().parent == Path(get_default_build_root())
+    seen = {native_launch._build_directory()}
+    edited = tmp_path / "native_launch.cpp"
+    edited.write_bytes(native_launch._SOURCE.read_bytes() + b"// edited\n")
+    monkeypatch.setattr(native_launch, "_SOURCE", edited)
+    seen.add(native_launch._build_directory())
+    monkeypatch.setattr(torch, "__version__", "0.0.0")
+    seen.add(native_launch._build_directory())
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    seen.add(native_launch._build_directory())
+    assert len(seen) == 4 and native_launch._build_directory().parent == tmp_path
 
 
 def test_the_switch_takes_only_on_or_off(monkeypatch):

@@ -10,7 +10,9 @@ offers it here.
 
 The extension is compiled on first use (torch.utils.cpp_extension with ninja and a C++ compiler, no CUDA toolkit:
 it opens libcuda with dlopen and takes the driver's types from Triton's bundled cuda.h), in a background thread, so
-no call waits for it: until it is ready, calls take the Python path. `FLASHSYS_NATIVE_LAUNCH=0` turns it off;
+no call waits for it: until it is ready, calls take the Python path. A completed build is imported directly by later
+processes; builders take turns under a lock the OS drops when its holder dies, so a process killed mid-build (a
+script stopped in its first minute) leaves nothing that blocks the next one. `FLASHSYS_NATIVE_LAUNCH=0` turns it off;
 `status()` says where it stands. A kernel whose launch needs anything cuLaunchKernel alone does not give (Triton's
 scratch buffers, clusters, launch hooks set by a profiler) stays with Triton's launcher.
 """
@@ -33,7 +35,7 @@ from . import eager_plans
 from .triton_env import env_switch
 
 _SOURCE = Path(__file__).with_name("csrc") / "native_launch.cpp"
-_NAME = "flashsys_native_launch"  # torch.utils.cpp_extension's build directory and module name
+_NAME = "flashsys_native_launch"  # the module's name, and its build directory's (`_build_directory`)
 ENV = "FLASHSYS_NATIVE_LAUNCH"
 _MAX_SHARED = 227 * 1024  # larger needs a launch attribute cuLaunchKernel does not take
 
@@ -64,17 +66,106 @@ def set_backward_fallback(fn: Callable) -> None:
         _module.set_backward_fallback(fn)
 
 
+_CFLAGS = ["-O2"]
+_BUILT = "built"  # written in the build directory once a build has compiled and imported
+
+
+def _cuda_include() -> Path:
+    """Triton's bundled CUDA headers: the driver API's types, for a build with no CUDA toolkit."""
+    import triton
+
+    include = Path(triton.__file__).parent / "backends" / "nvidia" / "include"
+    if not (include / "cuda.h").exists():
+        raise RuntimeError(f"no cuda.h in {include}")
+    return include
+
+
+def _build_directory() -> Path:
+    """Where this source builds: named by a hash of everything the library depends on (the source, the flags,
+    torch's, Python's and Triton's versions), under torch's extensions root (TORCH_EXTENSIONS_DIR or its default), so
+    a change of any of them builds afresh and nothing else has to compare versions."""
+    import hashlib
+    import sys
+
+    import torch
+    import triton
+
+    key = hashlib.sha256(_SOURCE.read_bytes())
+    for part in (*_CFLAGS, str(_cuda_include()), torch.__version__, str(torch.version.git_version), sys.version,
+                 triton.__version__):
+        key.update(b"\0" + part.encode())
+    return Path(_extensions_root()) / f"{_NAME}_{key.hexdigest()[:16]}"
+
+
+def _extensions_root() -> str:
+    """torch's extensions root: TORCH_EXTENSIONS_DIR, else the per-user cache that
+    `torch.utils.cpp_extension.get_default_build_root` returns, read without importing that module. Its import
+    holds the GIL for ~0.1 s, which stalls the first eager calls of a process whose build is complete."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return os.environ["TORCH_EXTENSIONS_DIR"]
+    try:
+        from torch._appdirs import user_cache_dir  # what get_default_build_root reads
+    except ImportError:  # pragma: no cover - a torch that moved it
+        from torch.utils.cpp_extension import get_default_build_root
+
+        return get_default_build_root()
+    return os.path.realpath(user_cache_dir(appname="torch_extensions"))
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path):
+    """An exclusive lock on `path` across processes that the OS drops when its holder dies (flock). torch's own
+    build lock is a file that a process killed mid-build leaves behind, after which every later build waits on it
+    forever; under this lock no other builder can be running, so such a file is stale and can go."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: torch's lock alone
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # blocks (without the GIL) while another process builds
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _import_built(directory: Path):
+    """The extension a completed build left in `directory`, imported as torch's loader does but without its
+    compiler and ninja checks (subprocesses), or None where no build completed there."""
+    import importlib.util
+
+    library = directory / f"{_NAME}.so"
+    if not (directory / _BUILT).exists() or not library.exists():
+        return None
+    spec = importlib.util.spec_from_file_location(_NAME, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _load_or_build():
+    directory = _build_directory()
+    module = _import_built(directory)
+    if module is not None:
+        return module
+    from torch.utils.cpp_extension import load
+
+    directory.mkdir(parents=True, exist_ok=True)
+    with _exclusive(directory / "flashsys.lock"):
+        module = _import_built(directory)  # another process built it while this one waited
+        if module is None:
+            (directory / "lock").unlink(missing_ok=True)  # torch's, stale (see _exclusive)
+            module = load(name=_NAME, sources=[str(_SOURCE)], extra_include_paths=[str(_cuda_include())],
+                          extra_cflags=_CFLAGS, build_directory=str(directory), verbose=False)
+            (directory / _BUILT).touch()
+    return module
+
+
 def _build() -> None:
     global _module, _status
     try:
-        import triton
-        from torch.utils.cpp_extension import load
-
-        include = Path(triton.__file__).parent / "backends" / "nvidia" / "include"
-        if not (include / "cuda.h").exists():
-            raise RuntimeError(f"no cuda.h in {include}")
-        module = load(name=_NAME, sources=[str(_SOURCE)], extra_include_paths=[str(include)],
-                      extra_cflags=["-O2"], verbose=False)
+        module = _load_or_build()
         if _backward_fallback is not None:
             module.set_backward_fallback(_backward_fallback)
         _module, _status = module, "ready"
