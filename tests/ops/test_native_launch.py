@@ -9,7 +9,11 @@ test_eager_plans.py runs its replay tests with this launcher too.
 
 from __future__ import annotations
 
+import os
 import struct
+import subprocess
+import sys
+import time
 import types
 import warnings
 from pathlib import Path
@@ -17,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashsys.ops.attention import FlashAttention2Triton, eager_plans, native_launch
+from flashsys.ops.attention import FlashAttention2Triton, eager_plans, native_build, native_launch
 
 from .attention_checks import assert_matches_reference, make_qkv, select_launcher
 
@@ -25,6 +29,7 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPE = torch.bfloat16 if CUDA else torch.float32
 NATIVE = "FlashAttention2TritonNativeBackward"
+ROOT = str(Path(__file__).resolve().parents[2])  # the repository, for a child process's `import flashsys`
 
 
 @pytest.fixture(autouse=True)
@@ -200,23 +205,35 @@ def test_a_build_killed_midway_blocks_no_later_process(monkeypatch):
     """torch's build lock is a file, which a process killed mid-build (a script stopped in its first minute) left
     behind: every later process's build then waited on it forever and the launcher never came up again (seen on an
     H100 host; `wait()` hung). Such a kill leaves a lock file and no completion mark; the next process must build
-    past them, and the one after that import the build directly, without running the compiler or ninja."""
+    past them, and the one after that import the build directly, with no builder run."""
     directory = native_launch._build_directory()
-    assert (directory / native_launch._BUILT).exists()  # the fixture's wait() built or imported it there
-    (directory / native_launch._BUILT).unlink()
+    assert native_build.completed(directory, native_launch._NAME)  # the fixture's wait() built or imported it there
+    (directory / native_build.BUILT).unlink()
     (directory / "lock").touch()
     _as_a_new_process(monkeypatch)
     assert native_launch.wait(timeout=600), native_launch.status()
-    assert not (directory / "lock").exists() and (directory / native_launch._BUILT).exists()
+    assert not (directory / "lock").exists() and native_build.completed(directory, native_launch._NAME)
 
-    import torch.utils.cpp_extension
+    def build_again(directory):
+        raise AssertionError(f"a completed build in {directory} was built again")
 
-    def compile_again(*args, **kwargs):
-        raise AssertionError("a completed build was compiled again")
-
-    monkeypatch.setattr(torch.utils.cpp_extension, "load", compile_again)
+    monkeypatch.setattr(native_launch, "_build_elsewhere", build_again)
     _as_a_new_process(monkeypatch)
     assert native_launch.wait(timeout=60) and native_launch.status() == "ready", native_launch.status()
+
+
+def test_the_build_outlives_the_process_that_started_it(monkeypatch, tmp_path):
+    """A process that exits while the build runs (a short script) still leaves a completed build for the next one:
+    the builder runs in a session of its own. Builds from scratch in an empty extensions root."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    script = "from flashsys.ops.attention import native_launch; native_launch.start_build(); import time; time.sleep(1)"
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    directory = native_launch._build_directory()
+    assert directory.parent == tmp_path and not native_build.completed(directory, native_launch._NAME)
+    deadline = time.monotonic() + 600
+    while not native_build.completed(directory, native_launch._NAME) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert native_build.completed(directory, native_launch._NAME), sorted(p.name for p in directory.iterdir())
 
 
 def test_the_build_directory_names_what_the_library_depends_on(monkeypatch, tmp_path):

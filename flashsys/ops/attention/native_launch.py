@@ -10,11 +10,11 @@ offers it here.
 
 The extension is compiled on first use (torch.utils.cpp_extension with ninja and a C++ compiler, no CUDA toolkit:
 it opens libcuda with dlopen and takes the driver's types from Triton's bundled cuda.h), in a background thread, so
-no call waits for it: until it is ready, calls take the Python path. A completed build is imported directly by later
-processes; builders take turns under a lock the OS drops when its holder dies, so a process killed mid-build (a
-script stopped in its first minute) leaves nothing that blocks the next one. `FLASHSYS_NATIVE_LAUNCH=0` turns it off;
-`status()` says where it stands. A kernel whose launch needs anything cuLaunchKernel alone does not give (Triton's
-scratch buffers, clusters, launch hooks set by a profiler) stays with Triton's launcher.
+no call waits for it: until it is ready, calls take the Python path. The build itself runs in a process of its own
+(native_build.py says why) and is reused by every later process, which imports it directly.
+`FLASHSYS_NATIVE_LAUNCH=0` turns it off; `status()` says where it stands. A kernel whose launch needs anything
+cuLaunchKernel alone does not give (Triton's scratch buffers, clusters, launch hooks set by a profiler) stays with
+Triton's launcher.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import functools
 import os
 import re
 import struct
+import subprocess
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -31,7 +33,7 @@ from typing import Callable
 
 from torch import Tensor
 
-from . import eager_plans
+from . import eager_plans, native_build
 from .triton_env import env_switch
 
 _SOURCE = Path(__file__).with_name("csrc") / "native_launch.cpp"
@@ -67,7 +69,6 @@ def set_backward_fallback(fn: Callable) -> None:
 
 
 _CFLAGS = ["-O2"]
-_BUILT = "built"  # written in the build directory once a build has compiled and imported
 
 
 def _cuda_include() -> Path:
@@ -85,7 +86,6 @@ def _build_directory() -> Path:
     torch's, Python's and Triton's versions), under torch's extensions root (TORCH_EXTENSIONS_DIR or its default), so
     a change of any of them builds afresh and nothing else has to compare versions."""
     import hashlib
-    import sys
 
     import torch
     import triton
@@ -112,31 +112,13 @@ def _extensions_root() -> str:
     return os.path.realpath(user_cache_dir(appname="torch_extensions"))
 
 
-@contextlib.contextmanager
-def _exclusive(path: Path):
-    """An exclusive lock on `path` across processes that the OS drops when its holder dies (flock). torch's own
-    build lock is a file that a process killed mid-build leaves behind, after which every later build waits on it
-    forever; under this lock no other builder can be running, so such a file is stale and can go."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX: torch's lock alone
-        yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # blocks (without the GIL) while another process builds
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def _import_built(directory: Path):
-    """The extension a completed build left in `directory`, imported as torch's loader does but without its
-    compiler and ninja checks (subprocesses), or None where no build completed there."""
+    """The extension a completed build left in `directory`, imported as torch's loader imports it, or None where no
+    build completed there."""
     import importlib.util
 
-    library = directory / f"{_NAME}.so"
-    if not (directory / _BUILT).exists() or not library.exists():
+    library = native_build.completed(directory, _NAME)
+    if library is None:
         return None
     spec = importlib.util.spec_from_file_location(_NAME, library)
     module = importlib.util.module_from_spec(spec)
@@ -144,21 +126,24 @@ def _import_built(directory: Path):
     return module
 
 
+def _build_elsewhere(directory: Path) -> None:
+    """Run native_build.py (which says why a process of its own) in a new session and wait for it: the wait
+    releases the GIL. Raises with the builder's message where it failed."""
+    command = [sys.executable, native_build.__file__, "--name", _NAME, "--source", str(_SOURCE),
+               "--include", str(_cuda_include()), "--directory", str(directory), *(f"--cflag={f}" for f in _CFLAGS)]
+    done = subprocess.run(command, capture_output=True, text=True, start_new_session=True)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr.strip() or f"{native_build.__file__} exited with {done.returncode}")
+
+
 def _load_or_build():
     directory = _build_directory()
     module = _import_built(directory)
-    if module is not None:
-        return module
-    from torch.utils.cpp_extension import load
-
-    directory.mkdir(parents=True, exist_ok=True)
-    with _exclusive(directory / "flashsys.lock"):
-        module = _import_built(directory)  # another process built it while this one waited
+    if module is None:
+        _build_elsewhere(directory)
+        module = _import_built(directory)
         if module is None:
-            (directory / "lock").unlink(missing_ok=True)  # torch's, stale (see _exclusive)
-            module = load(name=_NAME, sources=[str(_SOURCE)], extra_include_paths=[str(_cuda_include())],
-                          extra_cflags=_CFLAGS, build_directory=str(directory), verbose=False)
-            (directory / _BUILT).touch()
+            raise RuntimeError(f"the build reported success but left no completed library in {directory}")
     return module
 
 
