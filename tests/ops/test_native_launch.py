@@ -226,11 +226,16 @@ def test_the_build_outlives_the_process_that_started_it(monkeypatch, tmp_path):
     """A process that exits while the build runs (a short script) still leaves a completed build for the next one:
     the builder runs in a session of its own. Builds from scratch in an empty extensions root."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    script = "from flashsys.ops.attention import native_launch; native_launch.start_build(); import time; time.sleep(1)"
-    subprocess.run([sys.executable, "-c", script], check=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    # The script exits as soon as the builder holds its lock: while the build has only just begun.
+    script = "\n".join(["import pathlib, sys, time", "from flashsys.ops.attention import native_launch",
+                        "native_launch.start_build()",
+                        "while not list(pathlib.Path(sys.argv[1]).glob('*/flashsys.lock')): time.sleep(0.01)"])
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, timeout=300,
+                   env={**os.environ, "PYTHONPATH": path})
     directory = native_launch._build_directory()
     assert directory.parent == tmp_path and not native_build.completed(directory, native_launch._NAME)
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + 300  # a build takes 25-40 s
     while not native_build.completed(directory, native_launch._NAME) and time.monotonic() < deadline:
         time.sleep(1)
     assert native_build.completed(directory, native_launch._NAME), sorted(p.name for p in directory.iterdir())

@@ -3,8 +3,8 @@
 `native_launch` runs this file as a script, in a session of its own, and waits for it. So the build:
 - outlives the process that asked for it: a script stopped in its first minute leaves a completed build to the next
   process, not a half-built one;
-- keeps torch.utils.cpp_extension's work (its import, its compiler and ninja checks) off that process's Python
-  thread, whose eager calls ran several times slower while a build shared the process (H100 host, stop 48);
+- keeps torch.utils.cpp_extension's work (its import, ~0.1 s holding the GIL, and its compiler and ninja runs) out
+  of that process, whose eager calls go on meanwhile;
 - takes turns with other builders under an flock, which the OS drops when its holder dies. torch's own build lock
   is a file that a killed build leaves behind, after which every later build waits on it forever; under the flock
   no other builder is running, so such a file is stale and is removed.
