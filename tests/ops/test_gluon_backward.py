@@ -224,6 +224,13 @@ def test_stride_zero_do_and_unaligned_do_gpu(monkeypatch):
     assert_matches_reference(FlashAttention2Triton, q, k, v, unaligned, True, None)
 
 
+def _free_a_nan_block(q: torch.Tensor) -> None:
+    """Allocate and free a NaN-filled float32 block the size of dQ's float32 sum for q, so that the one pass's
+    torch.empty sum, allocated next, is that block (the caching allocator hands a freed block of the size back):
+    a row of the sum its prologue should have zeroed, or its first shares should have stored, then shows as NaN."""
+    torch.full(q.shape, float("nan"), device=q.device, dtype=torch.float32)
+
+
 @hopper_only
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[3]}x{c[4]}-w{c[5]}-{c[6]}-{str(c[7])[6:]}")
@@ -242,6 +249,7 @@ def test_each_one_pass_variant_matches_reference_gpu(variant, case):
     (q, k, v, do, o, lse), grads_tl, pairs_tl = _tl_backward_case(case, d, case[3] + 5 * d, d + 2)
     grads = tuple(torch.full_like(t, float("nan"), memory_format=torch.contiguous_format) for t in (q, k, v))
     pairs = torch.full_like(pairs_tl, float("nan"))
+    _free_a_nan_block(q)
     flash_triton._one_pass_backward(var, q, k, v, o, lse, do, *grads, pairs, window, scale)
     _, _, *refs = run_reference(q, k, v, do, False, scale, torch.float64, window)
     _, _, *plains = run_reference(q, k, v, do, False, scale, dtype, window)
@@ -252,6 +260,7 @@ def test_each_one_pass_variant_matches_reference_gpu(variant, case):
     torch.testing.assert_close(pairs[..., 1], pairs_tl[..., 1], rtol=1e-5, atol=1e-5)
     if var.kind == "one_pass_det":
         again = tuple(torch.full_like(t, float("nan")) for t in grads)
+        _free_a_nan_block(q)
         flash_triton._one_pass_backward(var, q, k, v, o, lse, do, *again, pairs, window, scale)
         assert all(torch.equal(a, b) for a, b in zip(grads, again)), "the deterministic one pass changed its bits"
 
@@ -280,6 +289,7 @@ def test_the_deterministic_one_pass_ring_finishes_and_matches_reference_gpu(vari
     for _ in range(2):
         grads = tuple(torch.full_like(t, float("nan"), memory_format=torch.contiguous_format) for t in (q, k, v))
         pairs = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device=q.device)
+        _free_a_nan_block(q)
         flash_triton._one_pass_backward(var, q, k, v, o, lse, do, *grads, pairs, (-1, -1), scale)
         runs.append(grads)
     for name, ours, ref, tl_result in zip(("dQ", "dK", "dV"), runs[0], refs, grads_tl):

@@ -51,11 +51,31 @@ def test_changing_the_switch_drops_the_launch_plans():
     assert eager_plans.backward_plans.get(("a key",)) is None
 
 
+def _prologue(o4, do4, lse, pairs, acc, sem, n_k, window, zero_all, rows=64, block_d=64):
+    """Run the one pass's prologue kernel (one program per `rows` query rows of each (batch, head))."""
+    batch, heads, n = o4.shape[:3]
+    flash_triton._one_pass_prologue_kernel[(triton.cdiv(n, rows), batch * heads)](
+        o4, do4, lse, pairs, acc, sem, *o4.stride(), *do4.stride(), heads, n, n_k, window[0], window[1],
+        HEAD_DIM=o4.shape[-1], BLOCK_D=block_d, ROWS=rows, ZERO_ALL=zero_all)
+
+
+def _sees_a_key(n_q: int, n_k: int, window: tuple[int, int]) -> torch.Tensor:
+    """Per query row, whether it sees some key under the window (bottom-right aligned, -1 unbounded)."""
+    q = torch.arange(n_q)[:, None]
+    k = torch.arange(n_k)[None, :]
+    seen = torch.ones(n_q, n_k, dtype=torch.bool)
+    if window[1] >= 0:
+        seen &= k <= q + n_k - n_q + window[1]
+    if window[0] >= 0:
+        seen &= k >= q + n_k - n_q - window[0]
+    return seen.any(1)
+
+
 @pytest.mark.parametrize("rank", [3, 4])
 def test_prologue_writes_the_pairs_and_zeroes_dq_and_epilogue_scales_it(rank):
     """The prologue's (-L·log2 e, rowsum(dO·O)) pairs from O and dO with any strides (here (B, N, H, D) ones), L = -inf
-    rows giving 0; every row of dQ's float32 sum zeroed (it held garbage), and every semaphore (one per 64 query
-    rows); the epilogue's dQ = sum · scale, cast."""
+    rows giving 0; every row of dQ's float32 sum zeroed (it held garbage) for the unordered one pass, and every
+    semaphore (one per 64 query rows); the epilogue's dQ = sum · scale, cast."""
     batch, heads, n, d = 2, 3, 77, 40  # a head dim that is no power of two, rows that are no multiple of 64
     g = torch.Generator().manual_seed(11)
     o = torch.randn(batch, n, heads, d, generator=g).to(DEVICE, torch.float16).transpose(1, 2)
@@ -68,8 +88,7 @@ def test_prologue_writes_the_pairs_and_zeroes_dq_and_epilogue_scales_it(rank):
     o4, do4 = (t if t.dim() == 4 else t.unsqueeze(1) for t in (o, do))
     acc = torch.full(o4.shape, float("nan"), device=DEVICE)
     sem = torch.full((batch * heads * triton.cdiv(n, 64),), 7, dtype=torch.int32, device=DEVICE)
-    flash_triton._one_pass_prologue_kernel[(triton.cdiv(n, 64), batch * heads)](
-        o4, do4, lse, pairs, acc, sem, *o4.stride(), *do4.stride(), heads, n, HEAD_DIM=d, BLOCK_D=64, ROWS=64)
+    _prologue(o4, do4, lse, pairs, acc, sem, n, (-1, 0), zero_all=True)
     assert torch.equal(sem, torch.zeros_like(sem))
     want_neg = torch.where(torch.isinf(lse), torch.zeros_like(lse), -lse * flash_triton.LOG2E)
     torch.testing.assert_close(pairs[..., 0], want_neg)
@@ -192,6 +211,36 @@ def test_the_deterministic_one_pass_gives_each_add_its_own_turn_in_visiting_orde
             arrival = sorted(visitors, reverse=True)
             assert visitors == list(range(min(visitors, default=0), max(visitors, default=-1) + 1))
         assert [int(turns[n, m]) for n in arrival] == list(range(len(visitors))), (m, turns[:, m].tolist())
+
+
+@settings(max_examples=30, deadline=None)
+@given(n_q=st.integers(1, 700), n_k=st.integers(1, 700), window=st.sampled_from(_WINDOWS),
+       block_m=st.sampled_from([64, 128]))
+@example(n_q=700, n_k=300, window=(-1, 0), block_m=64)  # the first 400 queries see no key: tiles no program visits
+@example(n_q=300, n_k=700, window=(0, 0), block_m=128)
+def test_the_deterministic_prologue_zeroes_the_rows_no_first_share_stores(n_q, n_k, window, block_m):
+    """The deterministic one pass stores each query tile's first share (turn 0) over the whole tile instead of adding
+    it, so its prologue zeroes only the rows of dQ's sum that see no key: every tile that no program visits (from
+    the kernel's own `_query_tile_range`) must consist of such rows, and every tile some program visits gets its
+    turn 0 there (`_turns`). Rows that see a key are left as they were (NaN here), and the semaphores zeroed."""
+    n_m, n_t, _, _, turns, visits = _turns(n_q, n_k, window, block_m=block_m)
+    d = 16
+    g = torch.Generator().manual_seed(n_q * 1000 + n_k)
+    o, do = (torch.randn(1, 1, n_q, d, generator=g).to(DEVICE, torch.float16) for _ in range(2))
+    lse = torch.randn(1, 1, n_q, generator=g).to(DEVICE)
+    pairs = torch.empty((1, 1, n_q, 2), device=DEVICE)
+    acc = torch.full((1, 1, n_q, d), float("nan"), device=DEVICE)
+    sem = torch.full((n_m,), 7, dtype=torch.int32, device=DEVICE)
+    _prologue(o, do, lse, pairs, acc, sem, n_k, window, zero_all=False, rows=block_m, block_d=d)
+    zeroed = (acc[0, 0] == 0).all(1).cpu()
+    assert torch.equal(zeroed, ~_sees_a_key(n_q, n_k, window)) and not (acc[0, 0] == 0).any(1)[~zeroed].any()
+    assert torch.equal(sem.cpu(), torch.zeros(n_m, dtype=torch.int32))
+    for m in range(n_m):
+        visitors = [n for n in range(n_t) if visits[n, m]]
+        if visitors:
+            assert [n for n in visitors if turns[n, m] == 0], f"tile {m}: no program stores the first share"
+        else:
+            assert zeroed[m * block_m:(m + 1) * block_m].all(), f"tile {m}: no program visits it, not zeroed"
 
 
 def _runs_to_the_end(launches, sms: int, pass_late: bool = False) -> bool:
@@ -367,8 +416,10 @@ def test_the_d64_one_pass_kernels_with_128_row_tiles_alternate_at_dq():
 class _StandInOnePass:
     """Stands in on a CPU for the compiled one-pass Gluon kernel (it needs an H100): called with that kernel's
     arguments (tensors where it takes descriptors), it makes the kernel's writes in float64 from the pairs the
-    prologue wrote: dK, dV, and dQ's unscaled sum added into dq_acc, after checking that the prologue zeroed the sum
-    and the semaphores. GluonReplay indexes a compiled kernel by its grid; indexing gives the stand-in itself."""
+    prologue wrote: dK, dV, and dQ's unscaled sum, after checking that the prologue zeroed the semaphores. As the
+    deterministic kernel, it stores that sum (its first shares are stored, not added) over every query tile, all of
+    which some program visits here (every row sees a key). GluonReplay indexes a compiled kernel by its grid;
+    indexing gives the stand-in itself."""
 
     def __init__(self, causal: bool):
         self.causal, self.calls = causal, 0
@@ -377,14 +428,14 @@ class _StandInOnePass:
         return self
 
     def __call__(self, q, k, v, do, dk, dv, dq_acc, pairs, semaphores, window, scale, stream=None):
-        assert not dq_acc.any() and not semaphores.any(), "the one pass ran without its prologue"
+        assert not semaphores.any(), "the one pass ran without its prologue"
         self.calls += 1
         q, k, v, do = (t.double() for t in (q, k, v, do))
         p = torch.exp2(q @ k.transpose(-1, -2) * (scale * flash_triton.LOG2E) + pairs[..., 0, None].double())
         if self.causal:
             p = p.tril()
         ds = p * (do @ v.transpose(-1, -2) - pairs[..., 1, None].double())
-        dq_acc += (ds @ k).float()
+        dq_acc.copy_(ds @ k)
         dk.copy_(ds.transpose(-1, -2) @ q * scale)
         dv.copy_(p.transpose(-1, -2) @ do)
 

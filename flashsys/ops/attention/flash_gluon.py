@@ -430,8 +430,9 @@ def _usable_sms(t: Tensor) -> int:
 def _one_pass_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, do4: Tensor, dk4: Tensor,
                            dv4: Tensor, dq_acc: Tensor, lse_delta: Tensor, semaphores: Tensor | None,
                            window: tuple[int, int], scale: float) -> tuple:
-    """As `_launch_parts`, for the one-pass backward kernel: dq_acc is dQ's (B, H, Nq, D) float32 sum, zeroed, and
-    `semaphores` `semaphore_count` int32s, zeroed (the other kind reads none: any int32 tensor, or None). Each
+    """As `_launch_parts`, for the one-pass backward kernel: dq_acc is dQ's (B, H, Nq, D) float32 sum, zeroed (for
+    kind "one_pass_det" only its rows that see no key: it stores each tile's first share), and `semaphores`
+    `semaphore_count` int32s, zeroed (the other kind reads none: any int32 tensor, or None). Each
     consumer warpgroup computes half of dQ: with 128-row query tiles half its rows (dq_desc's boxes (64, D)), from
     all of K's tile in shared memory; else half its columns (boxes (block_m, D / 2)), from a column half of K's tile,
     which at D 64 is 64 bytes wide, so K's tile then takes a 64-byte swizzle (the default's 128 bytes would cut a
@@ -699,8 +700,9 @@ def backward_one_pass(variant: Variant, q: Tensor, k: Tensor, v: Tensor, do: Ten
                       dq_acc: Tensor, lse_delta: Tensor, semaphores: Tensor, window: tuple[int, int],
                       scale: float) -> Launched:
     """Launch the one-pass kernel `variant` (after the prologue: dq_acc, (B, H, Nq, D) float32, and `semaphores`
-    zeroed, lse_delta written): dK and dV (dense, shaped like k and v) written, dQ's unscaled float32 sum added
-    into dq_acc."""
+    zeroed, the deterministic kind's dq_acc only where no key is seen, lse_delta written): dK and dV (dense, shaped
+    like k and v) written, dQ's unscaled float32 sum added into dq_acc (the deterministic kind: into what its first
+    shares stored)."""
     q4, k4, v4, do4, dk4, dv4 = (_rank4(t) for t in (q, k, v, do, dk, dv))
     return _launch_recorded(variant, (q, k, v, do, dk, dv, dq_acc, lse_delta, semaphores), q4, k4, v4, do4, dk4,
                             dv4, dq_acc, lse_delta, semaphores, window, scale)

@@ -837,7 +837,8 @@ def attention_backward_dq(q_desc, k_desc, v_desc, do_desc, o_desc, dq_desc, L, L
 # makes the adds, so that the consumers never wait on them: they hand over each tile's share in a staging box.
 # Without DETERMINISTIC the adds go in whatever order the programs get there, so dQ's last bits vary from run to
 # run. With it, a semaphore per (batch, query head, query tile) counts the programs whose adds are done, and each
-# program's writer waits for its turn. The turns follow the order in which the programs reach the tile, so that in
+# program's writer waits for its turn; the first turn stores its shares instead of adding them, so the prologue
+# zeroes only the rows of dQ's sum that no program writes (rows that see no key). The turns follow the order in which the programs reach the tile, so that in
 # the steady state the turn has come before the share is ready, and a program only waits for programs launched
 # before it (CUDA starts programs in launch order), so the waits cannot deadlock:
 # - masked (causal, windows; and full masks that ROTATE cannot take): programs visit their query tiles in order,
@@ -964,6 +965,21 @@ def _one_pass_producer(q_desc, k_desc, v_desc, do_desc, LseDelta, q_smem, do_sme
 
 
 @gluon.jit
+def _write_shares(dq_desc, dq_stage, stage_full, first, j, b, h, start_m, STORE: gl.constexpr, BLOCK_M: gl.constexpr,
+                  DQ_ROWS: gl.constexpr, DQ_COLS: gl.constexpr, NSTAGE: gl.constexpr, SHARES: gl.constexpr):
+    """Tile j's dQ shares (staging boxes first, first + 1, ...), each once its consumer has staged it, into dq_desc's
+    float32 sum: TMA reduce-adds, or with STORE TMA stores."""
+    for half in gl.static_range(SHARES):
+        mbarrier.wait(stage_full.index(first + half), (j // NSTAGE) & 1)
+        coord = [b, h, start_m + _dq_share_start(half, BLOCK_M, DQ_ROWS, DQ_COLS, 0),
+                 _dq_share_start(half, BLOCK_M, DQ_ROWS, DQ_COLS, 1)]
+        if STORE:
+            _tma_store(dq_desc, coord, dq_stage.index(first + half))
+        else:
+            _tma_add(dq_desc, coord, dq_stage.index(first + half))
+
+
+@gluon.jit
 def _one_pass_dq_writer(dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv, n_heads, kv_group, n_q, pid_n, lo,
                         rot, n_m_tiles, n_iter, n_k_tiles, stride, right_offset, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, DQ_ROWS: gl.constexpr, DQ_COLS: gl.constexpr,
@@ -973,7 +989,8 @@ def _one_pass_dq_writer(dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv
     share, the whole tile's) from the staging boxes (tile j's in set j % NSTAGE) into dq_desc's float32 sum by TMA
     reduce-adds, handing each set back once the adds have read it.
     With DETERMINISTIC it first waits for the program's turn at the tile (before the shares are ready, so the wait
-    overlaps their products), and counts the turn as taken once the adds have completed: with PASS_LATE after the
+    overlaps their products), stores the shares instead at turn 0 (the prologue zeroed only the rows no program
+    visits), and counts the turn as taken once the adds (or stores) have completed: with PASS_LATE after the
     next tile's adds are issued (their completion overlaps them), else once the staging set has gone back. PASS_LATE
     needs every program's predecessor at a tile two or more tiles ahead of it: a program then waits on a turn its
     predecessor took before the tile it waits at, where one tile ahead its wait on the predecessor's wait would
@@ -987,13 +1004,19 @@ def _one_pass_dq_writer(dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv
         if DETERMINISTIC:
             m = start_m // BLOCK_M
             sem = Sem + (b * n_heads + h).to(gl.int64) * n_q_tiles + m
-            _wait_turn(sem, _one_pass_turn(m, pid_n, n_k_tiles, stride, right_offset, BLOCK_M, BLOCK_N, BOUND_RIGHT,
-                                           ROTATE), lane_layout)
+            turn = _one_pass_turn(m, pid_n, n_k_tiles, stride, right_offset, BLOCK_M, BLOCK_N, BOUND_RIGHT, ROTATE)
+            _wait_turn(sem, turn, lane_layout)
         first = (j % NSTAGE) * SHARES
-        for half in gl.static_range(SHARES):
-            mbarrier.wait(stage_full.index(first + half), (j // NSTAGE) & 1)
-            _tma_add(dq_desc, [b, h, start_m + _dq_share_start(half, BLOCK_M, DQ_ROWS, DQ_COLS, 0),
-                               _dq_share_start(half, BLOCK_M, DQ_ROWS, DQ_COLS, 1)], dq_stage.index(first + half))
+        if DETERMINISTIC:
+            if turn == 0:  # the tile's first shares: stored, so the prologue need not zero the sum
+                _write_shares(dq_desc, dq_stage, stage_full, first, j, b, h, start_m, True, BLOCK_M, DQ_ROWS,
+                              DQ_COLS, NSTAGE, SHARES)
+            else:
+                _write_shares(dq_desc, dq_stage, stage_full, first, j, b, h, start_m, False, BLOCK_M, DQ_ROWS,
+                              DQ_COLS, NSTAGE, SHARES)
+        else:
+            _write_shares(dq_desc, dq_stage, stage_full, first, j, b, h, start_m, False, BLOCK_M, DQ_ROWS, DQ_COLS,
+                          NSTAGE, SHARES)
         if DETERMINISTIC and PASS_LATE:
             # Before the staging boxes go back: counting the turn after that delayed each hop of the full masks'
             # ring (22% slower at D 64, N 4096; kernel_experiments.md, stop 40).
