@@ -404,37 +404,47 @@ def _pingpong_consumer(o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, e
     _store_out(acc, m_i, l_i, offs_m, L, n_q, o_desc, b, h, my_m, q_box, HALF_M, HEAD_DIM)
 
 
+@gluon.constexpr_function
+def _query_boxes(persistent):
+    """Query boxes per warpgroup: two in a persistent program, so that the producer loads a tile's queries while the
+    tile before it still runs (with one, they were loaded only once that tile's last product had read its box, and
+    each tile's first products waited for the load); one in the ping-pong kernel, which loads its queries once."""
+    return 2 if persistent else 1
+
+
 @gluon.jit
 def _pingpong_buffers(q_desc, k_desc, v_desc, o_desc, HALF_M: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_N: gl.constexpr, NBUF: gl.constexpr, PERSISTENT: gl.constexpr):
     """The ping-pong kernels' shared memory and barriers, initialised, warpgroup 0 holding the first turn: (query
-    boxes, K ring, V ring, query barriers, turn barriers, K, V and slot-free barriers: slot i's (K's with two slots)
-    at i, with two slots V slot i's at NBUF + i, `_v_free_barriers`), and with PERSISTENT after
-    them O's own staging boxes and the query-box-free barriers (the ping-pong kernel stores O through the query box
-    and loads its queries once).
+    boxes (warpgroup h's at h * QBUF + slot, `_query_boxes`), K ring, V ring, query barriers (likewise), turn barriers,
+    K, V and slot-free barriers: slot i's (K's with two slots) at i, with two slots V slot i's at NBUF + i,
+    `_v_free_barriers`), and with PERSISTENT after them O's own staging boxes and the query-box-free barriers (the
+    ping-pong kernel stores O through the query box and loads its queries once).
 
     Their own K/V ring, not `_stream_buffers`: the slots' free barriers are initialised in the same loop, and moving
     them after the ring's reorders the prologue (Triton 3.6 then adds a bar.sync; kernel_experiments.md, stop 35).
     The persistent kernel's two extra allocations sit where it measured them (its PTX is unchanged by this
     helper)."""
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, HALF_M, HEAD_DIM], q_desc.layout)
+    QBUF: gl.constexpr = _query_boxes(PERSISTENT)
+    q_smem = gl.allocate_shared_memory(dtype, [2 * QBUF, 1, 1, HALF_M, HEAD_DIM], q_desc.layout)
     if PERSISTENT:
         o_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, HALF_M, HEAD_DIM], o_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [2 * QBUF, 1], mbarrier.MBarrierLayout())
     if PERSISTENT:
-        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2 * QBUF, 1], mbarrier.MBarrierLayout())
     turn_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     v_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     V_FREE: gl.constexpr = _v_free_barriers(NBUF)
     empty_bar = gl.allocate_shared_memory(gl.int64, [V_FREE + NBUF, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
-        mbarrier.init(q_bar.index(i), count=1)
-        if PERSISTENT:
-            mbarrier.init(q_empty.index(i), count=1)
+        for slot in gl.static_range(QBUF):
+            mbarrier.init(q_bar.index(i * QBUF + slot), count=1)
+            if PERSISTENT:
+                mbarrier.init(q_empty.index(i * QBUF + slot), count=1)
         mbarrier.init(turn_bar.index(i), count=1)
     for i in gl.static_range(NBUF):
         mbarrier.init(k_bar.index(i), count=1)
@@ -514,10 +524,12 @@ def _persistent_producer(q_desc, k_desc, v_desc, q_smem, q_bar, q_empty, k_smem,
                          n_bh, n_heads, kv_group, n_q, n_k, window_left, window_right, n_m_tiles,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr,
                          BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr):
-    """One warp: for each of the program's query tiles, both halves' queries once their warpgroups are done with the
-    last tile's (q_empty), then its K/V tiles through the ring, as `_pingpong_producer`; the ring's slots and phases
-    run on across query tiles, so the next tile's K/V streams in while this one's last products run."""
+    """One warp: for each of the program's query tiles, both halves' queries into the boxes their warpgroups freed
+    QBUF tiles before (q_empty), then its K/V tiles through the ring, as `_pingpong_producer`; the ring's slots and
+    phases run on across query tiles, so the next tile's queries and K/V stream in while this one's last products
+    run."""
     HALF_M: gl.constexpr = BLOCK_M // 2
+    QBUF: gl.constexpr = _query_boxes(True)
     streamed = 0
     i = 0
     for j in range(_persistent_steps(n_m_tiles, n_bh)):
@@ -526,9 +538,10 @@ def _persistent_producer(q_desc, k_desc, v_desc, q_smem, q_bar, q_empty, k_smem,
             BOUND_LEFT)
         if valid:
             for half in gl.static_range(2):
-                mbarrier.wait(q_empty.index(half), (i - 1) & 1, pred=i > 0)
-                mbarrier.expect(q_bar.index(half), q_desc.block_type.nbytes)
-                _tma_load(q_desc, [b, h, start_m + half * HALF_M, 0], q_bar.index(half), q_smem.index(half))
+                box = half * QBUF + i % QBUF
+                mbarrier.wait(q_empty.index(box), ((i // QBUF) - 1) & 1, pred=i >= QBUF)
+                mbarrier.expect(q_bar.index(box), q_desc.block_type.nbytes)
+                _tma_load(q_desc, [b, h, start_m + half * HALF_M, 0], q_bar.index(box), q_smem.index(box))
             n_tiles = gl.cdiv(hi - lo, BLOCK_N)
             for t in range(n_tiles):
                 _produce_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, empty_bar, b, h_kv, lo + t * BLOCK_N,
@@ -547,7 +560,7 @@ def _persistent_consumer(o_desc, L, q_smem, q_bar, q_empty, o_smem, k_smem, v_sm
     its own without waiting for the store (it waits before writing the box again), so the next tile's queries load
     and its first products issue while this tile's output is still on its way out."""
     HALF_M: gl.constexpr = BLOCK_M // 2
-    q_box = q_smem.index(HALF)
+    QBUF: gl.constexpr = _query_boxes(True)
     staging = o_smem.index(HALF)
     streamed = 0
     turns = 0
@@ -560,12 +573,13 @@ def _persistent_consumer(o_desc, L, q_smem, q_bar, q_empty, o_smem, k_smem, v_sm
             n_tiles = gl.cdiv(hi - lo, BLOCK_N)
             my_m = start_m + HALF * HALF_M
             offs_m = my_m + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, _mma_layout(BLOCK_N)))
-            mbarrier.wait(q_bar.index(HALF), i & 1)
-            acc, m_i, l_i = _attend(_tile(q_box, HALF_M, HEAD_DIM), offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles,
+            box = HALF * QBUF + i % QBUF
+            mbarrier.wait(q_bar.index(box), (i // QBUF) & 1)
+            acc, m_i, l_i = _attend(_tile(q_smem.index(box), HALF_M, HEAD_DIM), offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles,
                                     lo, full_lo, full_hi, n_k, right_offset, left_offset, qk_scale, None, None, None,
                                     None, turn_bar, empty_bar, streamed, turns, HALF, HALF_M, HEAD_DIM, BLOCK_N,
                                     NBUF, BOUND_RIGHT, BOUND_LEFT, True)
-            mbarrier.arrive(q_empty.index(HALF))  # every product that read the queries has completed
+            mbarrier.arrive(q_empty.index(box))  # every product that read the queries has completed
             tma.store_wait(0)  # the last tile's output has left the staging box
             _store_out(acc, m_i, l_i, offs_m, L + bh.to(gl.int64) * n_q, n_q, o_desc, b, h, my_m, staging, HALF_M,
                        HEAD_DIM, False)
@@ -583,7 +597,10 @@ def attention_forward_persistent(q_desc, k_desc, v_desc, o_desc, L, n_bh, n_head
     """`attention_forward_pingpong` as a persistent kernel: each program (one per SM) runs its share of the query
     tiles one after another, in pairs (`_persistent_tile`). What a program of that kernel does once per query tile
     (launch, load the queries, wait for the first K/V tiles, store the output) overlaps the previous tile's work here
-    (FlashAttention-3's persistent schedule). O has its own staging boxes (HALF_M rows each)."""
+    (FlashAttention-3's persistent schedule). O has its own staging boxes (HALF_M rows each), and each warpgroup two
+    query boxes, so that the next tile's queries are loaded before this tile ends (0.2-5% faster than one in 18 of
+    24 variant-cells on an H100, the most at N 1024: kernel_experiments.md, stop 49; 229,816 bytes of shared memory
+    at D 128 with two 128-row K/V buffers)."""
     HALF_M: gl.constexpr = BLOCK_M // 2
     n_m_tiles = gl.cdiv(n_q, BLOCK_M)
     q_smem, k_smem, v_smem, q_bar, turn_bar, k_bar, v_bar, empty_bar, o_smem, q_empty = _pingpong_buffers(
