@@ -7,8 +7,8 @@ deterministic `DETERMINISTIC_ONE_PASS_VARIANTS` (the adds into each query tile i
    backward's error on the same inputs.
 2. Fast? Whole backwards in interleaved do_bench rounds (median ms): SDPA's cuDNN backward, the library's two-pass
    backward (its choices), and each one-pass variant with its prologue (the (-L·log2 e, D) pairs, dQ's float32 sum
-   (the deterministic kind: its rows that see no key) and the semaphores zeroed) and epilogue (dQ scaled and cast), both small `tl` kernels. Each one pass runs twice
-   first: is dQ the same bits both times?
+   (the deterministic kind: its rows that see no key) and the semaphores zeroed) and epilogue (dQ scaled and cast),
+   both small `tl` kernels. Each one pass runs twice first: is dQ the same bits both times?
 
     python scripts/probe_one_pass_backward.py --head-dims 64 128 --seqs 4096 16384
     python scripts/probe_one_pass_backward.py --against /tmp/old_gluon_kernels.py --skip-check  # A/B, interleaved

@@ -575,10 +575,10 @@ def _persistent_consumer(o_desc, L, q_smem, q_bar, q_empty, o_smem, k_smem, v_sm
             offs_m = my_m + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, _mma_layout(BLOCK_N)))
             box = HALF * QBUF + i % QBUF
             mbarrier.wait(q_bar.index(box), (i // QBUF) & 1)
-            acc, m_i, l_i = _attend(_tile(q_smem.index(box), HALF_M, HEAD_DIM), offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles,
-                                    lo, full_lo, full_hi, n_k, right_offset, left_offset, qk_scale, None, None, None,
-                                    None, turn_bar, empty_bar, streamed, turns, HALF, HALF_M, HEAD_DIM, BLOCK_N,
-                                    NBUF, BOUND_RIGHT, BOUND_LEFT, True)
+            acc, m_i, l_i = _attend(_tile(q_smem.index(box), HALF_M, HEAD_DIM), offs_m, k_smem, v_smem, k_bar, v_bar,
+                                    n_tiles, lo, full_lo, full_hi, n_k, right_offset, left_offset, qk_scale, None,
+                                    None, None, None, turn_bar, empty_bar, streamed, turns, HALF, HALF_M, HEAD_DIM,
+                                    BLOCK_N, NBUF, BOUND_RIGHT, BOUND_LEFT, True)
             mbarrier.arrive(q_empty.index(box))  # every product that read the queries has completed
             tma.store_wait(0)  # the last tile's output has left the staging box
             _store_out(acc, m_i, l_i, offs_m, L + bh.to(gl.int64) * n_q, n_q, o_desc, b, h, my_m, staging, HALF_M,
@@ -855,9 +855,10 @@ def attention_backward_dq(q_desc, k_desc, v_desc, do_desc, o_desc, dq_desc, L, L
 # Without DETERMINISTIC the adds go in whatever order the programs get there, so dQ's last bits vary from run to
 # run. With it, a semaphore per (batch, query head, query tile) counts the programs whose adds are done, and each
 # program's writer waits for its turn; the first turn stores its shares instead of adding them, so the prologue
-# zeroes only the rows of dQ's sum that no program writes (rows that see no key). The turns follow the order in which the programs reach the tile, so that in
-# the steady state the turn has come before the share is ready, and a program only waits for programs launched
-# before it (CUDA starts programs in launch order), so the waits cannot deadlock:
+# zeroes only the rows of dQ's sum that no program writes (rows that see no key). The turns follow the order in
+# which the programs reach the tile, so that in the steady state the turn has come before the share is ready, and a
+# program only waits for programs launched before it (CUDA starts programs in launch order), so the waits cannot
+# deadlock:
 # - masked (causal, windows; and full masks that ROTATE cannot take): programs visit their query tiles in order,
 #   key tile n reaches tile m later than key tile n + 1 does (it starts lower), so the adds go from the highest key
 #   tile down, and each head's programs launch from the last key tile down (the lightest first under a causal
