@@ -1019,19 +1019,16 @@ def _one_pass_dq_writer(dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv
     last_sem = Sem
     for j in range(n_iter):
         h, start_m = _one_pass_tile(j, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M)
+        turn = 1  # unordered: no share is first, every one is added (a constant: the branch below compiles away)
         if DETERMINISTIC:
             m = start_m // BLOCK_M
             sem = Sem + (b * n_heads + h).to(gl.int64) * n_q_tiles + m
             turn = _one_pass_turn(m, pid_n, n_k_tiles, stride, right_offset, BLOCK_M, BLOCK_N, BOUND_RIGHT, ROTATE)
             _wait_turn(sem, turn, lane_layout)
         first = (j % NSTAGE) * SHARES
-        if DETERMINISTIC:
-            if turn == 0:  # the tile's first shares: stored, so the prologue need not zero the sum
-                _write_shares(dq_desc, dq_stage, stage_full, first, j, b, h, start_m, True, BLOCK_M, DQ_ROWS,
-                              DQ_COLS, NSTAGE, SHARES)
-            else:
-                _write_shares(dq_desc, dq_stage, stage_full, first, j, b, h, start_m, False, BLOCK_M, DQ_ROWS,
-                              DQ_COLS, NSTAGE, SHARES)
+        if turn == 0:  # the tile's first shares: stored, so the prologue need not zero the sum
+            _write_shares(dq_desc, dq_stage, stage_full, first, j, b, h, start_m, True, BLOCK_M, DQ_ROWS, DQ_COLS,
+                          NSTAGE, SHARES)
         else:
             _write_shares(dq_desc, dq_stage, stage_full, first, j, b, h, start_m, False, BLOCK_M, DQ_ROWS, DQ_COLS,
                           NSTAGE, SHARES)
