@@ -51,12 +51,12 @@ def test_changing_the_switch_drops_the_launch_plans():
     assert eager_plans.backward_plans.get(("a key",)) is None
 
 
-def _prologue(o4, do4, lse, pairs, acc, sem, n_k, window, zero_all, rows=64, block_d=64):
+def _prologue(o4, do4, lse, pairs, acc, sem, zero_all, rows=64, block_d=64):
     """Run the one pass's prologue kernel (one program per `rows` query rows of each (batch, head))."""
     batch, heads, n = o4.shape[:3]
     flash_triton._one_pass_prologue_kernel[(triton.cdiv(n, rows), batch * heads)](
-        o4, do4, lse, pairs, acc, sem, *o4.stride(), *do4.stride(), heads, n, n_k, window[0], window[1],
-        HEAD_DIM=o4.shape[-1], BLOCK_D=block_d, ROWS=rows, ZERO_ALL=zero_all)
+        o4, do4, lse, pairs, acc, sem, *o4.stride(), *do4.stride(), heads, n, HEAD_DIM=o4.shape[-1],
+        BLOCK_D=block_d, ROWS=rows, ZERO_ALL=zero_all)
 
 
 @pytest.mark.parametrize("rank", [3, 4])
@@ -76,7 +76,7 @@ def test_prologue_writes_the_pairs_and_zeroes_dq_and_epilogue_scales_it(rank):
     o4, do4 = (t if t.dim() == 4 else t.unsqueeze(1) for t in (o, do))
     acc = torch.full(o4.shape, float("nan"), device=DEVICE)
     sem = torch.full((batch * heads * triton.cdiv(n, 64),), 7, dtype=torch.int32, device=DEVICE)
-    _prologue(o4, do4, lse, pairs, acc, sem, n, (-1, 0), zero_all=True)
+    _prologue(o4, do4, lse, pairs, acc, sem, zero_all=True)
     assert torch.equal(sem, torch.zeros_like(sem))
     want_neg = torch.where(torch.isinf(lse), torch.zeros_like(lse), -lse * flash_triton.LOG2E)
     torch.testing.assert_close(pairs[..., 0], want_neg)
@@ -208,20 +208,22 @@ def test_the_deterministic_one_pass_gives_each_add_its_own_turn_in_visiting_orde
 @example(n_q=300, n_k=700, window=(0, 0), block_m=128)
 def test_the_deterministic_prologue_zeroes_the_rows_no_first_share_stores(n_q, n_k, window, block_m):
     """The deterministic one pass stores each query tile's first share (turn 0) over the whole tile instead of adding
-    it, so its prologue zeroes only the rows of dQ's sum that see no key: every tile that no program visits (from
+    it, so its prologue zeroes only the rows of dQ's sum that see no key, which it reads from L (-inf exactly there,
+    the forward's contract that `attention_checks` holds every forward to): every tile that no program visits (from
     the kernel's own `_query_tile_range`) must consist of such rows, and every tile some program visits gets its
     turn 0 there (`_turns`). Rows that see a key are left as they were (NaN here), and the semaphores zeroed."""
     n_m, n_t, _, _, turns, visits = _turns(n_q, n_k, window, block_m=block_m)
     d = 16
     g = torch.Generator().manual_seed(n_q * 1000 + n_k)
     o, do = (torch.randn(1, 1, n_q, d, generator=g).to(DEVICE, torch.float16) for _ in range(2))
-    lse = torch.randn(1, 1, n_q, generator=g).to(DEVICE)
+    sees_no_key = ~window_mask(n_q, n_k, *window).any(1)
+    lse = torch.randn(1, 1, n_q, generator=g).masked_fill(sees_no_key, float("-inf")).to(DEVICE)
     pairs = torch.empty((1, 1, n_q, 2), device=DEVICE)
     acc = torch.full((1, 1, n_q, d), float("nan"), device=DEVICE)
     sem = torch.full((n_m,), 7, dtype=torch.int32, device=DEVICE)
-    _prologue(o, do, lse, pairs, acc, sem, n_k, window, zero_all=False, rows=block_m, block_d=d)
+    _prologue(o, do, lse, pairs, acc, sem, zero_all=False, rows=block_m, block_d=d)
     zeroed = (acc[0, 0] == 0).all(1).cpu()
-    assert torch.equal(zeroed, ~window_mask(n_q, n_k, *window).any(1)) and not (acc[0, 0] == 0).any(1)[~zeroed].any()
+    assert torch.equal(zeroed, sees_no_key) and not (acc[0, 0] == 0).any(1)[~zeroed].any()
     assert torch.equal(sem.cpu(), torch.zeros(n_m, dtype=torch.int32))
     for m in range(n_m):
         visitors = [n for n in range(n_t) if visits[n, m]]

@@ -464,16 +464,15 @@ def _flash_bwd_dkdv_kernel(
 
 @triton.jit
 def _one_pass_prologue_kernel(O, DO, L, LseDelta, DqAcc, Sem, stride_ob, stride_oh, stride_on, stride_od,
-                              stride_dob, stride_doh, stride_don, stride_dod, n_heads, n_q, n_k, window_left,
-                              window_right, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
-                              ZERO_ALL: tl.constexpr):
+                              stride_dob, stride_doh, stride_don, stride_dod, n_heads, n_q, HEAD_DIM: tl.constexpr,
+                              BLOCK_D: tl.constexpr, ROWS: tl.constexpr, ZERO_ALL: tl.constexpr):
     """Before the one-pass backward, for ROWS rows of one (batch, head): the (-L·log2 e, rowsum(dO * O)) pairs the
     dQ kernels write in the two passes (-L·log2 e = 0 for a row that sees no key, L = -inf), rows of dQ's float32
     sum zeroed, and the semaphore of this query tile (ROWS rows; the deterministic one pass's turns; the other
     ignores it) zeroed. L, LseDelta and DqAcc are dense over (B, H, Nq); O and dO have any strides.
     With ZERO_ALL (the unordered one pass, whose adds come in no fixed order) every row of the sum is zeroed.
-    Without it (the deterministic one pass) only the rows that see no key under the window ((left, right), -1
-    unbounded): there the first program at each query tile stores its share instead of adding it, and a tile that
+    Without it (the deterministic one pass) only the rows that see no key, which the forward's L marks (L = -inf
+    exactly there): the first program at each query tile stores its share instead of adding it, and a tile that
     no program visits has no row that sees a key (a program visits every tile with a pair it sees, or its dK and dV
     would miss them). That saves writing the whole sum once, 4 bytes per element (128 MB at 16k tokens, 16 heads,
     D 128)."""
@@ -490,14 +489,10 @@ def _one_pass_prologue_kernel(O, DO, L, LseDelta, DqAcc, Sem, stride_ob, stride_
                  mask=tile_ok, other=0.0).to(tl.float32)
     flat = bh * n_q + rows
     lse = tl.load(L + flat, mask=ok, other=0.0)
-    tl.store(LseDelta + flat * 2, tl.where(lse == float("-inf"), 0.0, lse * -_LOG2E), mask=ok)
+    sees_no_key = lse == float("-inf")
+    tl.store(LseDelta + flat * 2, tl.where(sees_no_key, 0.0, lse * -_LOG2E), mask=ok)
     tl.store(LseDelta + flat * 2 + 1, tl.sum(o * do, axis=1), mask=ok)
-    if ZERO_ALL:
-        zero = ok
-    else:
-        first_key = tl.where(window_left >= 0, tl.maximum(rows + (n_k - n_q - window_left), 0), 0)
-        last_key = tl.where(window_right >= 0, tl.minimum(rows + (n_k - n_q + window_right), n_k - 1), n_k - 1)
-        zero = ok & (first_key > last_key)
+    zero = ok if ZERO_ALL else ok & sees_no_key
     tl.store(DqAcc + flat[:, None] * HEAD_DIM + cols[None, :], tl.zeros([ROWS, BLOCK_D], tl.float32),
              mask=zero[:, None] & (cols[None, :] < HEAD_DIM))
     tl.store(Sem + bh * tl.num_programs(0) + tl.program_id(0), 0)
@@ -1083,8 +1078,7 @@ def _one_pass_backward(variant: flash_gluon.Variant, q, k, v, o, lse, do, dq, dk
     block_d = triton.next_power_of_2(d)
     prologue = _launch_helper(_one_pass_prologue_kernel, (n_tiles, batch * n_heads, 1),
                               dict(O=o, DO=do, L=lse, LseDelta=lse_delta, DqAcc=dq_acc, Sem=semaphores,
-                                   n_heads=n_heads, n_q=n_q, n_k=k.shape[-2], window_left=window[0],
-                                   window_right=window[1]),
+                                   n_heads=n_heads, n_q=n_q),
                               dict(HEAD_DIM=d, BLOCK_D=block_d, ROWS=variant.block_m,
                                    ZERO_ALL=variant.kind != "one_pass_det"))
     launched = flash_gluon.backward_one_pass(variant, q, k, v, do, dk, dv, dq_acc, lse_delta, semaphores, window,
