@@ -17,6 +17,7 @@ its kernel time, and the table then measures the host as much as the GPU.
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 
@@ -114,6 +115,18 @@ def measure(fn, b, h, n, d, dtype, causal, rep):
             "fwd_bwd_TFLOPs": (f_fwd + f_bwd) / both_ms / 1e9, "peak_mem_MB": mem["peak_mb"]}
 
 
+def median_of_rounds(runs: list[dict], flops: tuple[float, float]) -> dict:
+    """One cell's `measure` results over interleaved rounds as one: each time the median of its rounds (TFLOP/s from
+    the median forward + backward), peak memory from the first round; a round that failed makes the cell's error."""
+    for run in runs:
+        if "error" in run:
+            return run
+    out = {key: statistics.median(run[key] for run in runs) for key in ("fwd_ms", "bwd_ms", "fwd_bwd_ms")}
+    out["fwd_bwd_TFLOPs"] = sum(flops) / out["fwd_bwd_ms"] / 1e9
+    out["peak_mem_MB"] = runs[0]["peak_mem_MB"]
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, "attention")
@@ -130,28 +143,42 @@ def main(argv=None) -> int:
                    help="on GPU without --batch: batch = max(1, tokens // seq_len) for every cell")
     p.add_argument("--heads", type=int, default=16 if ON_GPU else 4)
     p.add_argument("--rep", type=int, default=100, help="do_bench rep in ms per measurement")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="rounds per cell, the implementations interleaved in each; a time is the median over them "
+                        "(a GPU's clocks drift over a sweep, and an order kept fixed would favour whichever goes first)")
     p.add_argument("--max-naive-len", type=int, default=16384, help="skip naive above this length (N^2 memory)")
     p.add_argument("--max-flash-torch-len", type=int, default=4096,
                    help="skip flash-torch above this length (its Python loop over tiles takes minutes there)")
     args = p.parse_args(argv)
     impls = {name: implementation(name) for name in args.impls}
     causals = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
-    cells = [(d, n, dt, c, name) for dt in args.dtypes for c in causals for d in args.head_dims
-             for n in args.seq_lens for name in impls]
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    cells = [(d, n, dt, c) for dt in args.dtypes for c in causals for d in args.head_dims for n in args.seq_lens]
     rows = []
-    for d, n, dt, c, name in progress(cells, "attention", args.no_progress):
+    for d, n, dt, c in progress(cells, "attention", args.no_progress):
         batch = args.batch or (max(1, args.tokens // n) if ON_GPU else 1)
-        row = {"impl": name, "dtype": dt, "causal": c, "head_dim": d, "seq_len": n, "batch": batch}
-        if name.startswith("naive") and n > args.max_naive_len:
-            row["error"] = f"skipped (N > {args.max_naive_len})"
-        elif name == "flash-torch" and n > args.max_flash_torch_len:
-            row["error"] = f"skipped (N > {args.max_flash_torch_len})"
-        elif (why := _backend(name).unavailable_reason("cuda" if ON_GPU else "cpu")) is not None:
-            row["error"] = f"unsupported ({why.split(',')[0]})"
-        else:
-            row.update(run_cell(lambda: measure_impl(name, impls[name], batch, args.heads, n, d, DTYPES[dt], c,
-                                                     args.rep)))
-        rows.append(row)
+        cell_rows, timed = [], {}
+        for name in impls:
+            row = {"impl": name, "dtype": dt, "causal": c, "head_dim": d, "seq_len": n, "batch": batch}
+            if name.startswith("naive") and n > args.max_naive_len:
+                row["error"] = f"skipped (N > {args.max_naive_len})"
+            elif name == "flash-torch" and n > args.max_flash_torch_len:
+                row["error"] = f"skipped (N > {args.max_flash_torch_len})"
+            elif (why := _backend(name).unavailable_reason("cuda" if ON_GPU else "cpu")) is not None:
+                row["error"] = f"unsupported ({why.split(',')[0]})"
+            else:
+                timed[name] = []
+            cell_rows.append(row)
+        for _ in range(args.rounds):
+            for name, runs in timed.items():
+                if not runs or "error" not in runs[-1]:
+                    runs.append(run_cell(lambda: measure_impl(name, impls[name], batch, args.heads, n, d,
+                                                              DTYPES[dt], c, args.rep)))
+        for row in cell_rows:
+            if row["impl"] in timed:
+                row.update(median_of_rounds(timed[row["impl"]], attention_flops(batch, args.heads, n, d, c)))
+        rows.extend(cell_rows)
     # Ratio to the strongest SDPA baseline of the same cell.
     by_cell = {}
     for r in rows:
@@ -163,10 +190,11 @@ def main(argv=None) -> int:
                 r["vs_best_sdpa"] = r["fwd_bwd_ms"] / min(base)
     env = environment()
     tag = "gpu" if ON_GPU else "cpu"
+    rounds_note = f", then the median of {args.rounds} rounds, the implementations interleaved" if args.rounds > 1 else ""
     path = write_table(rows, args.out, f"attention_{tag}", "Attention implementations",
                        [f"heads {args.heads}; batch "
                         + (f"{args.batch}" if args.batch else f"max(1, {args.tokens} // seq_len)" if ON_GPU else "1")
-                        + "; times are medians (do_bench on CUDA); "
+                        + f"; times are medians (do_bench on CUDA){rounds_note}; "
                         "TFLOP/s counts 4·B·H·N²·D per forward (halved when causal) and 2.5× that for backward; "
                         "vs_best_sdpa = fwd_bwd time over the faster SDPA backend's (below 1 is faster)."], env)
     plot_rows(rows, args.out, tag)

@@ -11,7 +11,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 CASES = {
-    "attention": (["--seq-lens", "64", "--head-dims", "16", "--impls", "naive", "flash-torch", "sdpa-math"],
+    "attention": (["--seq-lens", "64", "--head-dims", "16", "--impls", "naive", "flash-torch", "sdpa-math",
+                   "--rounds", "2"],
                   ["attention_cpu.md", "attention_cpu.csv", "attention_cpu_fp32_causal.png"]),
     "end_to_end": (["--presets", "tiny", "--contexts", "32", "--iters", "2", "--warmup", "1"],
                    ["end_to_end_cpu_fp32_flash_w1.md", "end_to_end_cpu_fp32_flash_w1.csv", "end_to_end_cpu_fp32_flash_w1.png"]),
@@ -64,3 +65,17 @@ def test_a_failing_cell_is_recorded_not_fatal():
 
     assert run_cell(boom)["error"] == "OOM"
     assert run_cell(lambda: (_ for _ in ()).throw(NotImplementedError("no")))["error"].startswith("unsupported")
+
+
+def test_attention_rounds_take_each_times_median_and_keep_a_failure():
+    """`benchmarks.attention --rounds`: each time of a cell is the median over its interleaved rounds (not, say, the
+    last round's or the mean), TFLOP/s follows the median forward + backward, and a round that failed fails the cell."""
+    from benchmarks.attention import median_of_rounds
+
+    runs = [{"fwd_ms": f, "bwd_ms": b, "fwd_bwd_ms": fb, "fwd_bwd_TFLOPs": 0.0, "peak_mem_MB": m}
+            for f, b, fb, m in ((1.0, 9.0, 4.0, 10.0), (3.0, 2.0, 100.0, 11.0), (2.0, 1.0, 5.0, 12.0))]
+    out = median_of_rounds(runs, (3e9, 7e9))
+    assert (out["fwd_ms"], out["bwd_ms"], out["fwd_bwd_ms"], out["peak_mem_MB"]) == (2.0, 2.0, 5.0, 10.0)
+    assert out["fwd_bwd_TFLOPs"] == 1e10 / 5.0 / 1e9
+    failed = {"error": "OOM", "detail": "CUDA out of memory"}
+    assert median_of_rounds([runs[0], failed], (1.0, 1.0)) == failed
