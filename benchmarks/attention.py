@@ -6,6 +6,7 @@ On a CPU the default is a reduced sweep of the implementations that run there.
 
     python -m benchmarks.attention                       # default sweep for this machine
     python -m benchmarks.attention --head-dims 64 128 --seq-lens 1024 4096 16384 --dtypes bf16 --causal both
+    python -m benchmarks.attention ... --rounds 3        # each cell's implementations in 3 interleaved rounds
 
 Batch size: by default on a GPU every cell processes the same number of tokens, batch = tokens // N
 (--tokens 16384, the convention of the FlashAttention papers), so short sequences are measured at a size
@@ -145,7 +146,7 @@ def main(argv=None) -> int:
     p.add_argument("--rep", type=int, default=100, help="do_bench rep in ms per measurement")
     p.add_argument("--rounds", type=int, default=1,
                    help="rounds per cell, the implementations interleaved in each; a time is the median over them "
-                        "(a GPU's clocks drift over a sweep, and an order kept fixed would favour whichever goes first)")
+                        "(a GPU's clocks drift over a sweep, and a fixed order would favour whichever goes first)")
     p.add_argument("--max-naive-len", type=int, default=16384, help="skip naive above this length (N^2 memory)")
     p.add_argument("--max-flash-torch-len", type=int, default=4096,
                    help="skip flash-torch above this length (its Python loop over tiles takes minutes there)")
@@ -190,7 +191,8 @@ def main(argv=None) -> int:
                 r["vs_best_sdpa"] = r["fwd_bwd_ms"] / min(base)
     env = environment()
     tag = "gpu" if ON_GPU else "cpu"
-    rounds_note = f", then the median of {args.rounds} rounds, the implementations interleaved" if args.rounds > 1 else ""
+    rounds_note = (f", then the median of {args.rounds} rounds, the implementations interleaved" if args.rounds > 1
+                   else "")
     path = write_table(rows, args.out, f"attention_{tag}", "Attention implementations",
                        [f"heads {args.heads}; batch "
                         + (f"{args.batch}" if args.batch else f"max(1, {args.tokens} // seq_len)" if ON_GPU else "1")
