@@ -23,7 +23,8 @@ import statistics
 import torch
 
 from benchmarks.harness import (
-    ON_GPU, add_common_args, bench_ms, environment, peak_memory, progress, pyplot, run_cell, save_plot, write_table,
+    ON_GPU, add_common_args, at_least_one, bench_ms, environment, peak_memory, progress, pyplot, run_cell, save_plot,
+    write_table,
 )
 from flashsys.ops.attention import ATTENTION_BACKENDS
 
@@ -93,6 +94,8 @@ def attention_flops(b, h, n, d, causal):
 
 
 def measure(fn, b, h, n, d, dtype, causal, rep):
+    """One round of a cell: forward, backward and forward + backward times (ms) and peak memory; TFLOP/s comes from
+    the rounds' median (`median_of_rounds`)."""
     device = "cuda" if ON_GPU else "cpu"
     q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     do = torch.randn(b, h, n, d, device=device, dtype=dtype)
@@ -111,9 +114,7 @@ def measure(fn, b, h, n, d, dtype, causal, rep):
         fn(q, k, v, causal).backward(do)
 
     both_ms = bench_ms(fwd_bwd, rep)
-    f_fwd, f_bwd = attention_flops(b, h, n, d, causal)
-    return {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "fwd_bwd_ms": both_ms,
-            "fwd_bwd_TFLOPs": (f_fwd + f_bwd) / both_ms / 1e9, "peak_mem_MB": mem["peak_mb"]}
+    return {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "fwd_bwd_ms": both_ms, "peak_mem_MB": mem["peak_mb"]}
 
 
 def median_of_rounds(runs: list[dict], flops: tuple[float, float]) -> dict:
@@ -144,7 +145,7 @@ def main(argv=None) -> int:
                    help="on GPU without --batch: batch = max(1, tokens // seq_len) for every cell")
     p.add_argument("--heads", type=int, default=16 if ON_GPU else 4)
     p.add_argument("--rep", type=int, default=100, help="do_bench rep in ms per measurement")
-    p.add_argument("--rounds", type=int, default=1,
+    p.add_argument("--rounds", type=at_least_one, default=1,
                    help="rounds per cell, the implementations interleaved in each; a time is the median over them "
                         "(a GPU's clocks drift over a sweep, and a fixed order would favour whichever goes first)")
     p.add_argument("--max-naive-len", type=int, default=16384, help="skip naive above this length (N^2 memory)")
@@ -153,8 +154,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     impls = {name: implementation(name) for name in args.impls}
     causals = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
-    if args.rounds < 1:
-        p.error("--rounds must be at least 1")
     cells = [(d, n, dt, c) for dt in args.dtypes for c in causals for d in args.head_dims for n in args.seq_lens]
     rows = []
     for d, n, dt, c in progress(cells, "attention", args.no_progress):

@@ -106,6 +106,13 @@ def failure_label(exc: BaseException) -> str:
     return f"unsupported ({type(exc).__name__})"
 
 
+def at_least_one(text: str) -> int:
+    """argparse type of --rounds: a whole number, 1 or more (no rounds would leave no time to take a median of)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: want a whole number of rounds, 1 or more")
+    return int(text)
+
+
 def run_cell(fn: Callable[[], dict]) -> dict:
     """Run one sweep cell; an OOM or unsupported configuration becomes a labelled row, not a crash."""
     try:

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.harness import at_least_one  # noqa: E402  (scripts import it from here too)
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -115,13 +117,6 @@ def kernels_file(path: str) -> str:
     if not path.endswith(".py") or not os.path.isfile(path):
         raise argparse.ArgumentTypeError(f"{path!r}: want an existing .py file, another version of gluon_kernels.py")
     return path
-
-
-def at_least_one(text: str) -> int:
-    """argparse type of --rounds: a whole number, 1 or more (no rounds would leave no time to take a median of)."""
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: want a whole number of rounds, 1 or more")
-    return int(text)
 
 
 def _load_kernels(path: str):

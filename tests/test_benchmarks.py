@@ -79,3 +79,10 @@ def test_attention_rounds_take_each_times_median_and_keep_a_failure():
     assert out["fwd_bwd_TFLOPs"] == 1e10 / 5.0 / 1e9
     failed = {"error": "OOM", "detail": "CUDA out of memory"}
     assert median_of_rounds([runs[0], failed], (1.0, 1.0)) == failed
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "two"])
+def test_attention_rounds_below_one_is_refused_by_name(bad):
+    """`--rounds` takes a whole number, 1 or more: anything else stops before any timing, naming the argument."""
+    r = _run("attention", "--rounds", bad, timeout=120)
+    assert r.returncode == 2 and "argument --rounds" in r.stderr and repr(bad) in r.stderr, r.stderr[-500:]
