@@ -37,7 +37,8 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from flashsys.ops.attention import ATTENTION_BACKENDS  # noqa: E402
+from benchmarks.attention import NONDETERMINISTIC, implementation  # noqa: E402
+from flashsys.ops.attention import ATTENTION_BACKENDS, set_deterministic_backward  # noqa: E402
 
 
 def modes(fn, q, k, v, do, causal) -> dict:
@@ -269,7 +270,8 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--cells", nargs="*", default=["64:0:16384", "64:1:16384", "128:1:16384", "128:0:4096"],
                    help="D:causal:N, batch 16384 // N, 16 heads")
-    p.add_argument("--impls", nargs="+", default=["flash-triton", "sdpa-cudnn"])
+    p.add_argument("--impls", nargs="+", default=["flash-triton", "sdpa-cudnn"],
+                   help=f"backends of the registry, or {NONDETERMINISTIC} (flash-triton, determinism off)")
     p.add_argument("--rep", type=int, default=100)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--leaderboard", action="store_true", help="also the leaderboard's exact step (torch.compile)")
@@ -284,15 +286,17 @@ def main() -> int:
         d, causal, n = (int(x) for x in cell.split(":"))
         b = max(1, 16384 // n)
         for impl in args.impls:
-            backend = ATTENTION_BACKENDS[impl]
-            fn = lambda q, k, v, c: backend(q, k, v, c)  # noqa: E731
+            # flash-triton-nondet: the sweep's flash-triton with determinism off (benchmarks.attention)
+            set_deterministic_backward(impl != NONDETERMINISTIC)
+            fn = implementation(impl)
             q, k, v = (torch.randn(b, 16, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                        for _ in range(3))
             do = torch.randn(b, 16, n, d, device="cuda", dtype=torch.bfloat16)
             for _ in range(3):
                 q.grad = k.grad = v.grad = None
                 fn(q, k, v, bool(causal)).backward(do)
-            if impl == "flash-triton" and not args.launch:  # the sync check times nothing the launch list needs
+            # the sync check times nothing the launch list needs
+            if impl in ("flash-triton", NONDETERMINISTIC) and not args.launch:
                 torch.cuda.synchronize()
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
@@ -324,6 +328,7 @@ def main() -> int:
                 print_profiles(name, step, args.iters)
             del q, k, v, do, table
             torch.cuda.empty_cache()
+    set_deterministic_backward(True)
     return 0
 
 
