@@ -151,6 +151,16 @@ DETERMINISTIC_ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {
           Variant("one_pass_det", 64, 128, 3, 240)),
 }
 
+# Under full masks (the ring of turns) the deterministic D 128 one pass's candidates are the two passes and the
+# kernel with two dQ staging sets alone. On an H100 it ran 2-5% faster than the one-set kernel and 3-6% faster than
+# the three-buffer one in all four full-mask cells of N 2048-16384 (5 interleaved rounds,
+# kernel_configs/probe_one_pass_det_d128_candidates_h100.txt; 5-7% in stop 45's), yet a choice timed among them on
+# a call's first run took the one-set kernel at N 16384 in one of two sweeps (its backward 4% slower than the
+# other sweep's). Under causal masks the three are within 1-2% of each other and the choice times them all.
+DETERMINISTIC_ONE_PASS_FULL_MASK_VARIANTS: dict[int, tuple[Variant, ...]] = {
+    128: (TL_KERNEL, Variant("one_pass_det", 64, 128, 2, 240, 2)),
+}
+
 
 def gluon_variants(head_dim: int) -> tuple[Variant, ...]:
     """Every Gluon kernel variant at this head dim: the forward's, dK/dV's, dQ's and the one pass's (the `tl`
@@ -559,6 +569,10 @@ class ChoiceKey(NamedTuple):
         return cls(q4.shape[3], q4.dtype, window[1] >= 0, window[0] >= 0, bucket, kernel)
 
     def candidates(self) -> tuple[Variant, ...]:
+        if self.kernel == "one_pass_det" and not (self.bound_right or self.bound_left):
+            full = DETERMINISTIC_ONE_PASS_FULL_MASK_VARIANTS.get(self.head_dim)
+            if full is not None:
+                return full
         return {"forward": VARIANTS, "dkdv": DKDV_VARIANTS, "dq": DQ_VARIANTS, "one_pass": ONE_PASS_VARIANTS,
                 "one_pass_det": DETERMINISTIC_ONE_PASS_VARIANTS}[self.kernel][self.head_dim]
 
