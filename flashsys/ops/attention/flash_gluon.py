@@ -152,11 +152,11 @@ DETERMINISTIC_ONE_PASS_VARIANTS: dict[int, tuple[Variant, ...]] = {
 }
 
 # Under full masks (the ring of turns) the deterministic D 128 one pass's candidates are the two passes and the
-# kernel with two dQ staging sets alone. On an H100 it ran 2-5% faster than the one-set kernel and 3-6% faster than
-# the three-buffer one in all four full-mask cells of N 2048-16384 (5 interleaved rounds,
+# kernel with two dQ staging sets alone. On an H100 it ran 2.2-5.3% faster than the one-set kernel and 3.0-6.3%
+# faster than the three-buffer one in all four full-mask cells of N 2048-16384 (5 interleaved rounds,
 # kernel_configs/probe_one_pass_det_d128_candidates_h100.txt; 5-7% in stop 45's), yet a choice timed among them on
 # a call's first run took the one-set kernel at N 16384 in one of two sweeps (its backward 4% slower than the
-# other sweep's). Under causal masks the three are within 1-2% of each other and the choice times them all.
+# other sweep's). Under causal masks the three are within 0.5-2.4% of each other and the choice times them all.
 DETERMINISTIC_ONE_PASS_FULL_MASK_VARIANTS: dict[int, tuple[Variant, ...]] = {
     128: (TL_KERNEL, Variant("one_pass_det", 64, 128, 2, 240, 2)),
 }
