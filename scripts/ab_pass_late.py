@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.probe_gluon_variants import at_least_one  # noqa: E402
+from benchmarks.harness import at_least_one  # noqa: E402
 
 
 def main() -> int:

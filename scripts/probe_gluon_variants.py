@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.harness import at_least_one  # noqa: E402  (scripts import it from here too)
+from benchmarks.harness import at_least_one  # noqa: E402
 
 
 def main() -> int:

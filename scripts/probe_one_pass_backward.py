@@ -29,7 +29,8 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.probe_gluon_variants import _load_kernels, _with_kernels, at_least_one, kernels_file  # noqa: E402
+from benchmarks.harness import at_least_one  # noqa: E402
+from scripts.probe_gluon_variants import _load_kernels, _with_kernels, kernels_file  # noqa: E402
 
 
 def variant_spec(spec: str):
