@@ -90,20 +90,26 @@ def test_prologue_writes_the_pairs_and_zeroes_dq_and_epilogue_scales_it(rank):
     assert torch.equal(dq, (acc * 0.3).to(torch.float16))
 
 
+def _choose_runs_every_candidate(monkeypatch, picked):
+    """Stand in for `flash_gluon._choose`, nothing chosen yet: it runs each of the key's candidates once, in order
+    (what a timing would launch), and returns `picked()`."""
+    monkeypatch.setattr(flash_gluon, "_chosen", {})
+
+    def fake_choose(key, run):
+        for var in key.candidates():
+            run(var)
+        return picked()
+
+    monkeypatch.setattr(flash_gluon, "_choose", fake_choose)
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_one_pass_choice_hands_back_to_the_two_passes(deterministic, monkeypatch):
     """The one-pass choice times the two passes beside its variants (the deterministic ones where determinism is
     asked for) and names the winner; where the two passes win (or the head dim has no one-pass kernel) it names
     none, and the caller runs them."""
-    monkeypatch.setattr(flash_gluon, "_chosen", {})
     timed = []
-
-    def fake_choose(key, run):
-        for var in key.candidates():
-            run(var)
-        return pick[0]
-
-    monkeypatch.setattr(flash_gluon, "_choose", fake_choose)
+    _choose_runs_every_candidate(monkeypatch, lambda: pick[0])
     q = torch.randn(1, 2, 64, 128)
     table = flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS if deterministic else flash_gluon.ONE_PASS_VARIANTS
     assert {v.kind for v in table[128][1:]} == {"one_pass_det" if deterministic else "one_pass"}
@@ -124,15 +130,8 @@ def test_the_deterministic_d128_one_pass_times_only_its_two_set_kernel_under_ful
     """Under a full mask the D 128 deterministic choice times the two passes and the kernel with two dQ staging sets
     (2-6% faster than the others there on an H100); a causal mask or a window, and the unordered kind, time the
     whole table."""
-    monkeypatch.setattr(flash_gluon, "_chosen", {})
     timed = []
-
-    def fake_choose(key, run):
-        for var in key.candidates():
-            run(var)
-        return flash_gluon.TL_KERNEL
-
-    monkeypatch.setattr(flash_gluon, "_choose", fake_choose)
+    _choose_runs_every_candidate(monkeypatch, lambda: flash_gluon.TL_KERNEL)
     q = torch.randn(1, 2, 64, 128)
     two_sets = flash_gluon.Variant("one_pass_det", 64, 128, 2, 240, 2)
     det_table = flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS[128]
