@@ -72,7 +72,7 @@ def test_attention_rounds_take_each_times_median_and_keep_a_failure():
     last round's or the mean), TFLOP/s follows the median forward + backward, and a round that failed fails the cell."""
     from benchmarks.attention import median_of_rounds
 
-    runs = [{"fwd_ms": f, "bwd_ms": b, "fwd_bwd_ms": fb, "fwd_bwd_TFLOPs": 0.0, "peak_mem_MB": m}
+    runs = [{"fwd_ms": f, "bwd_ms": b, "fwd_bwd_ms": fb, "peak_mem_MB": m}  # what `measure` returns
             for f, b, fb, m in ((1.0, 9.0, 4.0, 10.0), (3.0, 2.0, 100.0, 11.0), (2.0, 1.0, 5.0, 12.0))]
     out = median_of_rounds(runs, (3e9, 7e9))
     assert (out["fwd_ms"], out["bwd_ms"], out["fwd_bwd_ms"], out["peak_mem_MB"]) == (2.0, 2.0, 5.0, 10.0)
