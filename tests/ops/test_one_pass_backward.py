@@ -173,7 +173,7 @@ def test_the_backward_offers_the_one_pass_saying_whether_it_must_be_deterministi
 
 
 @triton.jit
-def _turns_kernel(Turns, Visits, n_q, n_k, window_left, window_right, stride, MAX_M: tl.constexpr,
+def _turns_kernel(Turns, Visits, n_q, n_k, window_left, window_right, stride, down, MAX_M: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BOUND_RIGHT: tl.constexpr, BOUND_LEFT: tl.constexpr,
                   ROTATE: tl.constexpr):
     """Turns[n, m]: key tile n's turn at query tile m; Visits[n, m]: whether the one pass's program n visits m (its
@@ -185,28 +185,48 @@ def _turns_kernel(Turns, Visits, n_q, n_k, window_left, window_right, stride, MA
                                                   BOUND_RIGHT, BOUND_LEFT)
     m = tl.arange(0, MAX_M)
     visits = (m * BLOCK_M >= lo) & (m * BLOCK_M < hi)
-    turn = flash_triton._one_pass_turn(m, n, tl.cdiv(n_k, BLOCK_N), stride, right_offset, BLOCK_M, BLOCK_N,
+    turn = flash_triton._one_pass_turn(m, n, tl.cdiv(n_k, BLOCK_N), stride, right_offset, down, BLOCK_M, BLOCK_N,
                                        BOUND_RIGHT, ROTATE)
     tl.store(Turns + n * MAX_M + m, turn, mask=m < tl.cdiv(n_q, BLOCK_M))
     tl.store(Visits + n * MAX_M + m, visits.to(tl.int32), mask=m < tl.cdiv(n_q, BLOCK_M))
 
 
-def _turns(n_q: int, n_k: int, window: tuple[int, int], rotate: bool | None = None, block_m: int = 64):
+def _turns(n_q: int, n_k: int, window: tuple[int, int], rotate: bool | None = None, block_m: int = 64,
+           down: int = 0):
     """(query tiles, key tiles, whether it rotates (by default as the host would on 132 SMs), the rotation's
     stride, Turns, Visits) of the deterministic one pass with `block_m`-row query tiles and 128-row key tiles
-    (`_turns_kernel`)."""
+    (`_turns_kernel`); `down` 1: the turns of programs that visit their query tiles from the last down."""
     block_n = 128
     n_m, n_t = triton.cdiv(n_q, block_m), triton.cdiv(n_k, block_n)
     if rotate is None:
         rotate = window == (-1, -1) and n_m >= n_t
     stride = max(n_m // n_t, 1)
     turns, visits = (torch.empty((n_t, 32), dtype=torch.int32, device=DEVICE) for _ in range(2))
-    _turns_kernel[(n_t,)](turns, visits, n_q, n_k, window[0], window[1], stride, MAX_M=32, BLOCK_M=block_m,
+    _turns_kernel[(n_t,)](turns, visits, n_q, n_k, window[0], window[1], stride, down, MAX_M=32, BLOCK_M=block_m,
                           BLOCK_N=block_n, BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0, ROTATE=rotate)
     return n_m, n_t, rotate, stride, turns.cpu(), visits.cpu()
 
 
 _WINDOWS = [(-1, 0), (-1, -1), (-1, 37), (200, 0), (64, 16), (0, 0), (130, 300), (90, -1)]
+
+
+_RIGHT_BOUND_ONLY = [w for w in _WINDOWS if w[1] >= 0 and w[0] < 0]  # the paired order's masks
+
+
+@settings(max_examples=40)
+@given(n_q=st.integers(1, 1400), n_k=st.integers(1, 1400), window=st.sampled_from(_RIGHT_BOUND_ONLY),
+       block_m=st.sampled_from([64, 128]))
+def test_programs_that_visit_downward_take_turns_from_key_tile_0_up(n_q, n_k, window, block_m):
+    """The paired order's odd groups (`flash_triton._paired_key_program`) launch each head's key tiles from 0 up and
+    visit their query tiles from the last down, so at every query tile key tile n - 1 (launched before n, and
+    starting no later) goes before n: the visitors hold the turns 0 .. V-1 from the lowest key tile up, each once,
+    and key tile 0, whose first share is stored (turn 0), visits every tile that any program visits."""
+    n_m, n_t, rotate, _, turns, visits = _turns(n_q, n_k, window, block_m=block_m, down=1)
+    assert not rotate
+    for m in range(n_m):
+        visitors = [n for n in range(n_t) if visits[n, m]]
+        assert visitors == list(range(len(visitors))), (m, visitors)  # key tiles 0 .. V-1: no left bound
+        assert [int(turns[n, m]) for n in visitors] == visitors, (m, turns[:, m].tolist())
 
 
 @settings(max_examples=40)
@@ -298,11 +318,39 @@ def _runs_to_the_end(launches, sms: int, pass_late: bool = False) -> bool:
     return True
 
 
-def _launches(n_q, n_k, window, heads, rotate, last_first=None, block_m=64):
+@triton.jit
+def _paired_order_kernel(Order, n_bh, n_k_tiles, group_heads):
+    """Order[pid] = (key tile, flat head, down) of program pid in the paired order, from the kernel's own helper."""
+    pid = tl.program_id(0)
+    tile, bh, down = flash_triton._paired_key_program(n_bh, n_k_tiles, group_heads)
+    tl.store(Order + pid * 3, tile)
+    tl.store(Order + pid * 3 + 1, bh)
+    tl.store(Order + pid * 3 + 2, down)
+
+
+def _paired_order(n_bh: int, n_k_tiles: int, group_heads: int) -> list[tuple[int, int, int]]:
+    """(key tile, flat head, down) of every program of the paired order, in launch order."""
+    order = torch.full((n_bh * n_k_tiles, 3), -1, dtype=torch.int32, device=DEVICE)
+    _paired_order_kernel[(n_bh * n_k_tiles,)](order, n_bh, n_k_tiles, group_heads)
+    return [tuple(row) for row in order.cpu().tolist()]
+
+
+def _launches(n_q, n_k, window, heads, rotate, last_first=None, block_m=64, group_heads=0, turns_down=True):
     """The deterministic one pass's programs in launch order (see `_runs_to_the_end`), with the kernel's turns and
     order: heads one after another; with `rotate` the ring, each head's key tiles from 0 up, else the masked order,
-    from the last key tile down (`last_first` overrides that)."""
+    from the last key tile down (`last_first` overrides that); with `group_heads` the paired order
+    (`_paired_order`), whose downward programs take turns from key tile 0 up (unless not `turns_down`)."""
     n_m, n_t, rotate, stride, turns, visits = _turns(n_q, n_k, window, rotate, block_m)
+    if group_heads:
+        down_turns = _turns(n_q, n_k, window, rotate, block_m, down=int(turns_down))[4]
+        launches = []
+        for n, head, down in _paired_order(heads, n_t, group_heads):
+            tiles = [m for m in range(n_m) if visits[n, m]]
+            if down:
+                launches.append((head, [(m, int(down_turns[n, m])) for m in reversed(tiles)]))
+            else:
+                launches.append((head, [(m, int(turns[n, m])) for m in tiles]))
+        return launches
     if last_first is None:
         last_first = not rotate
     programs = []
@@ -323,19 +371,23 @@ def _launches(n_q, n_k, window, heads, rotate, last_first=None, block_m=64):
 @example(n_q=1400, n_k=1400, window=(-1, -1), sms=11, block_m=128)  # the ring, stride 1
 @example(n_q=700, n_k=1400, window=(-1, -1), sms=11, block_m=64)  # the ring, stride 1
 @example(n_q=1400, n_k=1400, window=(-1, 0), sms=1, block_m=64)  # a causal mask on one SM
+@example(n_q=1400, n_k=1400, window=(-1, 0), sms=12, block_m=64)  # paired, one head a group: odd groups
+@example(n_q=1400, n_k=700, window=(-1, 37), sms=13, block_m=128)  # paired, two heads a group, the last one short
 def test_the_deterministic_one_pass_cannot_deadlock_in_the_order_the_host_launches_it(n_q, n_k, window, sms,
                                                                                       block_m):
     """Programs spin until their turn, holding their SM. In the order the host launches them on a GPU of `sms` SMs
-    (the ring where `rotates` says so, else the masked order, each head's key tiles from the last down), and
-    counting turns late where `passes_turns_late` says so, three heads' programs all finish: a simulation with the
-    kernel's own turns."""
+    (the ring where `rotates` says so, the paired order where `paired_heads` does, else the masked order, each
+    head's key tiles from the last down), and counting turns late where `passes_turns_late` says so, five heads'
+    programs all finish: a simulation with the kernel's own turns and paired order."""
     det = flash_gluon.Variant("one_pass_det", block_m, 128, 2, 240)
     q4, k4 = torch.empty(1, 2, n_q, 8), torch.empty(1, 2, n_k, 8)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(flash_gluon, "_usable_sms", lambda t: sms)
         rotate = flash_gluon.rotates(det, q4, k4, window)
         late = flash_gluon.passes_turns_late(det, q4, k4, window)
-    assert _runs_to_the_end(_launches(n_q, n_k, window, 3, rotate, block_m=block_m), sms, late)
+        group_heads = flash_gluon.paired_heads(det, q4, k4, window)
+    launches = _launches(n_q, n_k, window, 5, rotate, block_m=block_m, group_heads=group_heads)
+    assert _runs_to_the_end(launches, sms, late)
 
 
 def test_the_simulation_finds_the_deadlocks_the_host_avoids():
@@ -355,6 +407,10 @@ def test_the_simulation_finds_the_deadlocks_the_host_avoids():
         assert _runs_to_the_end(tight_ring, 11) and not _runs_to_the_end(tight_ring, 40, pass_late=True)
     heaviest_first = _launches(1400, 1400, (-1, 0), 2, rotate=False, last_first=False)
     assert not _runs_to_the_end(heaviest_first, 10) and _runs_to_the_end(heaviest_first, 11)
+    # The paired order's odd groups launch heaviest first too: with the masked order's turns (key tile n + 1 first)
+    # they would deadlock the same way; their own (key tile 0 first) finish on one SM.
+    assert not _runs_to_the_end(_launches(1400, 1400, (-1, 0), 2, False, group_heads=1, turns_down=False), 10)
+    assert _runs_to_the_end(_launches(1400, 1400, (-1, 0), 2, False, group_heads=1), 1)
     for window in ((-1, 0), (-1, -1)):
         for block_m in (64, 128):
             for late in (False, True):
@@ -380,6 +436,39 @@ def test_full_masks_rotate_only_where_one_heads_programs_fit_at_once(monkeypatch
     assert rotates(8192, 8192) and not rotates(16384, 16384)  # 64 and 128 key tiles against 66 SMs
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "most")
     assert not rotates(1024, 1024)
+
+
+def test_the_paired_order_groups_heads_to_about_fill_the_sms_under_causal_masks_only(monkeypatch):
+    """`paired_heads`: causal masks (a right bound, no left one) only, for both kinds of the one pass; as many heads
+    a group as fit their key tiles on the SMs (at least one); 0 (one head after another) for full masks, windows
+    with a left bound and the two-pass kernels."""
+    monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
+
+    def paired(n_k, window=(-1, 0), variant=flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS[128][1]):
+        return flash_gluon.paired_heads(variant, torch.empty(1, 2, 4096, 8), torch.empty(1, 2, n_k, 8), window)
+
+    assert (paired(16384), paired(8192), paired(2048), paired(16384 * 4)) == (1, 2, 8, 1)  # 128, 64, 16, 512 tiles
+    assert paired(8192, (-1, 37)) == 2 and paired(8192, variant=flash_gluon.ONE_PASS_VARIANTS[128][1]) == 2
+    assert paired(8192, (-1, -1)) == paired(8192, (64, 0)) == paired(8192, (64, 64)) == 0
+    assert paired(8192, variant=flash_gluon.DQ_VARIANTS[128][1]) == 0
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "50")
+    assert paired(8192) == 1  # 64 key tiles against 66 SMs
+
+
+@pytest.mark.parametrize("n_bh,n_k_tiles,group_heads", [(5, 4, 2), (3, 7, 1), (4, 3, 4), (2, 5, 3)])
+def test_the_paired_order_launches_each_program_once_alternating_direction_by_group(n_bh, n_k_tiles, group_heads):
+    """The kernel's own `_paired_key_program`: every (head, key tile) once; groups of `group_heads` heads in turn
+    (the last may be short), key tile by key tile across a group's heads; even groups from the last key tile down
+    visiting upward, odd groups from key tile 0 up visiting downward."""
+    order = _paired_order(n_bh, n_k_tiles, group_heads)
+    assert sorted((bh, n) for n, bh, _ in order) == [(bh, n) for bh in range(n_bh) for n in range(n_k_tiles)]
+    pid = 0
+    for group, first in enumerate(range(0, n_bh, group_heads)):
+        heads = list(range(first, min(n_bh, first + group_heads)))
+        tiles = range(n_k_tiles) if group % 2 else range(n_k_tiles - 1, -1, -1)
+        expected = [(n, bh, group % 2) for n in tiles for bh in heads]
+        assert order[pid:pid + len(expected)] == expected, group
+        pid += len(expected)
 
 
 def test_turns_are_counted_late_only_where_each_predecessor_is_two_tiles_ahead(monkeypatch):

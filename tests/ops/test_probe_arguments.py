@@ -65,8 +65,8 @@ def test_against_takes_kernels_with_the_librarys_parameters_and_refuses_others(t
     last = re.search(r",\s*(DQ_ALTERNATE: gl.constexpr = False)\):", text)  # the one pass's last parameter
     assert last and text.count(last.group(0)) == 1
     extra = tmp_path / "extra.py"
-    extra.write_text(text.replace(last.group(0), f", {last.group(1)}, PAIRED: gl.constexpr = False):"))
-    with pytest.raises(SystemExit, match=r"--against .*extra\.py: its attention_backward_one_pass takes PAIRED"):
+    extra.write_text(text.replace(last.group(0), f", {last.group(1)}, EXTRA_FLAG: gl.constexpr = False):"))
+    with pytest.raises(SystemExit, match=r"--against .*extra\.py: its attention_backward_one_pass takes EXTRA_FLAG"):
         probe._load_kernels(str(extra))
     lacking = tmp_path / "lacking.py"
     lacking.write_text(text.replace(last.group(0), "):"))

@@ -415,6 +415,18 @@ def passes_turns_late(variant: Variant, q4: Tensor, k4: Tensor, window: tuple[in
     return variant.block_n >= 2 * variant.block_m
 
 
+def paired_heads(variant: Variant, q4: Tensor, k4: Tensor, window: tuple[int, int]) -> int:
+    """How many (batch, K/V head) pairs make a group of the one pass's paired order (PAIRED,
+    `flash_triton._paired_key_program`), or 0 where it keeps one head after another: masks with a right bound and
+    no left one (causal), whose key tiles' work falls from the first to the last. A group's programs about fill
+    the SMs, one per SM: an odd group's heaviest programs then start as the even group's lightest end, and each
+    SM's two take about the same time. Either kind: the deterministic one's turns are ordered to match
+    (`flash_triton._one_pass_turn`'s `down`), and every program waits only for programs launched before it."""
+    if variant.kind not in ("one_pass", "one_pass_det") or window[1] < 0 or window[0] >= 0:
+        return 0
+    return max(1, _usable_sms(q4) // triton.cdiv(k4.shape[2], variant.block_n))
+
+
 _sm_counts: dict[int, int] = {}
 
 
@@ -457,6 +469,7 @@ def _one_pass_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor,
         raise ValueError(f"semaphores: {variant.label()} needs {semaphore_count(variant, q4)} zeroed int32s, got "
                          f"{None if semaphores is None else semaphores.numel()}")
     dq_rows, dq_cols = (m, d) if variant.alternate else (m // 2, d) if m >= 128 else (m, d // 2)
+    group_heads = paired_heads(variant, q4, k4, window)
     gl = _kernels().gl
     dq_desc = _descriptor(dq_acc, dq_rows, dq_cols,
                           gl.NVMMASharedLayout.get_default_for([1, 1, dq_rows, dq_cols], gl.float32))
@@ -466,10 +479,11 @@ def _one_pass_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor,
     args = (_descriptor(q4, m), _descriptor(k4, n, layout=k_layout), _descriptor(v4, n), _descriptor(do4, m),
             _descriptor(dk4, n // 2), _descriptor(dv4, n // 2), dq_desc, lse_delta,
             semaphores, batch * kv_heads, n_heads, n_heads // kv_heads, n_q, n_k, window[0],
-            window[1], scale * LOG2E, scale)
+            window[1], scale * LOG2E, scale, max(1, group_heads))
     kwargs = dict(HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n, BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0,
                   NBUF=variant.nbuf, CONSUMER_REGS=variant.regs, DETERMINISTIC=deterministic,
                   ROTATE=rotates(variant, q4, k4, window), PASS_LATE=passes_turns_late(variant, q4, k4, window),
+                  PAIRED=group_heads > 0,
                   NSTAGE=variant.stages, DQ_ALTERNATE=bool(variant.alternate), num_warps=4)
     return _kernels().attention_backward_one_pass, (triton.cdiv(n_k, n) * batch * kv_heads,), args, kwargs
 

@@ -98,6 +98,27 @@ def _program_start(n_bh, n_heads, HEAVIEST_LAST: tl.constexpr):
 
 
 @triton.jit
+def _paired_key_program(n_bh, n_k_tiles, group_heads):
+    """(key-tile index, flat batch*head index, down) of a one-pass program in the paired order: the (batch, K/V
+    head) pairs go in groups of `group_heads`, each group's programs key tile by key tile across its heads; even
+    groups from the last key tile down (under a causal mask the lightest first) visiting their query tiles upward,
+    odd groups from key tile 0 up (the heaviest first) visiting theirs downward (down = 1). With a group's
+    group_heads * n_k_tiles programs about filling the SMs, an odd group's programs start as the even group's
+    before it end, the lightest first, so each SM's two programs take about as long as any other's, and no head's
+    heaviest tiles are left to run alone at the end (`flash_gluon.paired_heads`)."""
+    pid = tl.program_id(0)
+    per_group = group_heads * n_k_tiles
+    group = pid // per_group
+    rank = pid - group * per_group
+    heads_here = tl.minimum(group_heads, n_bh - group * group_heads)
+    step = rank // heads_here
+    bh = group * group_heads + rank - step * heads_here
+    down = group % 2
+    tile = step + (1 - down) * (n_k_tiles - 1 - 2 * step)
+    return tile, bh, down
+
+
+@triton.jit
 def _as_fp32(x):
     """A float argument as fp32. Triton types a Python float argument fp32, but Inductor's launch of a kernel it
     re-emits (torch.compile through wrap_triton) types it fp64: the scale would then promote the scores, and with
@@ -227,12 +248,14 @@ def _query_tile_range(start_n, n_q, right_offset, left_offset, BLOCK_M: tl.const
 
 
 @triton.jit
-def _one_pass_turn(m, n, n_k_tiles, stride, right_offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _one_pass_turn(m, n, n_k_tiles, stride, right_offset, down, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BOUND_RIGHT: tl.constexpr, ROTATE: tl.constexpr):
     """Key tile n's turn (0 first) among the key tiles whose dQ shares the deterministic one pass adds into query
     tile m (gluon_kernels.py says why this order): with ROTATE (full masks; program n starts at query tile
     n * stride), the ring from the key tile that starts nearest below m; otherwise from the highest key tile that
-    sees m (`_query_tile_range`'s lo, inverted: the key tile of the last key that m's last row sees) down."""
+    sees m (`_query_tile_range`'s lo, inverted: the key tile of the last key that m's last row sees) down, or with
+    `down` (1: the program visits its query tiles from the last down; masks without a left bound only, where every
+    key tile from 0 to that highest one sees m) from key tile 0 up."""
     if ROTATE:
         first = tl.minimum(n_k_tiles - 1, m // stride)
         turn = (first - n + n_k_tiles) % n_k_tiles
@@ -241,7 +264,7 @@ def _one_pass_turn(m, n, n_k_tiles, stride, right_offset, BLOCK_M: tl.constexpr,
             last = tl.minimum(n_k_tiles - 1, (m * BLOCK_M + BLOCK_M - 1 + right_offset) // BLOCK_N)
         else:
             last = n_k_tiles - 1
-        turn = last - n
+        turn = last - n + down * (2 * n - last)  # down: n
     return turn
 
 

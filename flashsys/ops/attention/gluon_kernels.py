@@ -47,7 +47,8 @@ from triton.experimental.gluon.language._core import builtin
 
 # The grid order, the tile ranges and the mask are the `tl` kernels' own (@triton.jit helpers, which Gluon calls
 # as they are).
-from .flash_triton import _key_tile_range, _one_pass_turn, _program_start, _query_tile_range, _visible
+from .flash_triton import (_key_tile_range, _one_pass_turn, _paired_key_program, _program_start, _query_tile_range,
+                           _visible)
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
@@ -89,6 +90,14 @@ def _program_tile(n_bh, n_heads, kv_group, HEAVIEST_FIRST: gl.constexpr):
     pid_m, bh, b, h = _program_start(n_bh, n_heads, HEAVIEST_FIRST)
     h = h.to(gl.int32)
     return pid_m, bh, b.to(gl.int32), h, h // kv_group
+
+
+@gluon.jit
+def _paired_program_tile(n_bh, n_heads, n_k_tiles, group_heads):
+    """(key-tile index, flat batch*head index, batch, head, down) of a one-pass program in the paired order
+    (`flash_triton._paired_key_program`), with batch and head as int32 for TMA coordinates."""
+    tile, bh, down = _paired_key_program(n_bh, n_k_tiles, group_heads)
+    return tile, bh, (bh // n_heads).to(gl.int32), (bh % n_heads).to(gl.int32), down
 
 
 @gluon.jit
@@ -935,11 +944,12 @@ def _dq_share_start(half, block_m, dq_rows, dq_cols, dim):
 
 
 @gluon.jit
-def _one_pass_tile(j, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M: gl.constexpr):
+def _one_pass_tile(j, n_m_tiles, lo, rot, down, h_kv, kv_group, BLOCK_M: gl.constexpr):
     """(query head, first row) of the j-th query tile a one-pass program visits: `_query_tile`'s, each head's tiles
-    starting at tile `rot` (0 <= rot < n_m_tiles) and wrapping around."""
+    starting at tile `rot` (0 <= rot < n_m_tiles) and wrapping around; with `down` (1, rot 0) from the last down."""
     g = j // n_m_tiles
-    return h_kv * kv_group + g, lo + ((j - g * n_m_tiles + rot) % n_m_tiles) * BLOCK_M
+    i = (j - g * n_m_tiles + rot) % n_m_tiles
+    return h_kv * kv_group + g, lo + (i + down * (n_m_tiles - 1 - 2 * i)) * BLOCK_M
 
 
 @gluon.jit
@@ -966,7 +976,8 @@ def _pair_rows(pair_box, BLOCK_M: gl.constexpr):
 
 @gluon.jit
 def _one_pass_producer(q_desc, k_desc, v_desc, do_desc, LseDelta, q_smem, do_smem, pair_smem, q_bar, do_bar, k_box,
-                       v_box, kv_bar, empty_bar, b, h_kv, n_heads, kv_group, n_q, start_n, lo, rot, n_m_tiles, n_iter,
+                       v_box, kv_bar, empty_bar, b, h_kv, n_heads, kv_group, n_q, start_n, lo, rot, down, n_m_tiles,
+                       n_iter,
                        BLOCK_M: gl.constexpr, NBUF: gl.constexpr):
     """One warp: the program's K and V tile, then query tile j's Q, dO and (-L * log2 e, D) pairs into buffer
     j % NBUF once both consumers released tile j - NBUF (the pairs counted on Q's barrier)."""
@@ -976,7 +987,7 @@ def _one_pass_producer(q_desc, k_desc, v_desc, do_desc, LseDelta, q_smem, do_sme
     for j in range(n_iter):
         slot = j % NBUF
         mbarrier.wait(empty_bar.index(slot), ((j // NBUF) - 1) & 1, pred=j >= NBUF)
-        h, start_m = _one_pass_tile(j, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M)
+        h, start_m = _one_pass_tile(j, n_m_tiles, lo, rot, down, h_kv, kv_group, BLOCK_M)
         # The pairs first: their count on Q's barrier must be in before the TMA's arrival can complete its phase.
         _copy_pairs(LseDelta, pair_smem.index(slot), q_bar.index(slot), b, n_heads, n_q, h, start_m, BLOCK_M)
         _load_pair(q_desc, do_desc, q_smem, do_smem, q_bar, do_bar, b, h, start_m, slot, True)
@@ -999,7 +1010,7 @@ def _write_shares(dq_desc, dq_stage, stage_full, first, j, b, h, start_m, STORE:
 
 @gluon.jit
 def _one_pass_dq_writer(dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv, n_heads, kv_group, n_q, pid_n, lo,
-                        rot, n_m_tiles, n_iter, n_k_tiles, stride, right_offset, BLOCK_M: gl.constexpr,
+                        rot, down, n_m_tiles, n_iter, n_k_tiles, stride, right_offset, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, DQ_ROWS: gl.constexpr, DQ_COLS: gl.constexpr,
                         BOUND_RIGHT: gl.constexpr, DETERMINISTIC: gl.constexpr, ROTATE: gl.constexpr,
                         NSTAGE: gl.constexpr, PASS_LATE: gl.constexpr, DQ_ALTERNATE: gl.constexpr):
@@ -1018,12 +1029,13 @@ def _one_pass_dq_writer(dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv
     n_q_tiles = gl.cdiv(n_q, BLOCK_M)
     last_sem = Sem
     for j in range(n_iter):
-        h, start_m = _one_pass_tile(j, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M)
+        h, start_m = _one_pass_tile(j, n_m_tiles, lo, rot, down, h_kv, kv_group, BLOCK_M)
         turn = 1  # unordered: no share is first, every one is added (a constant: the branch below compiles away)
         if DETERMINISTIC:
             m = start_m // BLOCK_M
             sem = Sem + (b * n_heads + h).to(gl.int64) * n_q_tiles + m
-            turn = _one_pass_turn(m, pid_n, n_k_tiles, stride, right_offset, BLOCK_M, BLOCK_N, BOUND_RIGHT, ROTATE)
+            turn = _one_pass_turn(m, pid_n, n_k_tiles, stride, right_offset, down, BLOCK_M, BLOCK_N, BOUND_RIGHT,
+                                  ROTATE)
             _wait_turn(sem, turn, lane_layout)
         first = (j % NSTAGE) * SHARES
         if turn == 0:  # the tile's first shares: stored, so the prologue need not zero the sum
@@ -1070,7 +1082,7 @@ def _dq_share(ds_box, ds_rows: gl.constexpr, k_dq, dq_zero, dv_tok, dk_tok, slot
 @gluon.jit
 def _one_pass_consumer(dk_desc, dv_desc, q_smem, do_smem, pair_smem, q_bar, do_bar, k_box, v_box, kv_bar, empty_bar,
                        ds_smem, ds_bar, dq_stage, stage_full, stage_empty, b, h_kv, kv_group, n_q, start_n,
-                       lo, rot, full_lo, full_hi, n_m_tiles, n_iter, right_offset, left_offset, qk_scale,
+                       lo, rot, down, full_lo, full_hi, n_m_tiles, n_iter, right_offset, left_offset, qk_scale,
                        softmax_scale, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        HALF_N: gl.constexpr, BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr,
                        NBUF: gl.constexpr, NSTAGE: gl.constexpr, DQ_ROWS: gl.constexpr, DQ_COLS: gl.constexpr,
@@ -1115,7 +1127,7 @@ def _one_pass_consumer(dk_desc, dv_desc, q_smem, do_smem, pair_smem, q_bar, do_b
     for j in range(n_iter):
         slot = j % NBUF
         phase = (j // NBUF) & 1
-        h, start_m = _one_pass_tile(j, n_m_tiles, lo, rot, h_kv, kv_group, BLOCK_M)
+        h, start_m = _one_pass_tile(j, n_m_tiles, lo, rot, down, h_kv, kv_group, BLOCK_M)
         q_tile = _tile(q_smem.index(slot), BLOCK_M, HEAD_DIM)
         do_tile = _tile(do_smem.index(slot), BLOCK_M, HEAD_DIM)
         neg_lse2, delta = _pair_rows(pair_smem.index(slot), BLOCK_M)
@@ -1175,10 +1187,10 @@ def _one_pass_consumer(dk_desc, dv_desc, q_smem, do_smem, pair_smem, q_bar, do_b
 @gluon.jit
 def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LseDelta, Sem, n_bh,
                                 n_heads, kv_group, n_q, n_k, window_left, window_right, qk_scale, softmax_scale,
-                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                group_heads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                 BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr,
                                 CONSUMER_REGS: gl.constexpr, DETERMINISTIC: gl.constexpr, ROTATE: gl.constexpr,
-                                PASS_LATE: gl.constexpr, NSTAGE: gl.constexpr = 1,
+                                PASS_LATE: gl.constexpr, PAIRED: gl.constexpr, NSTAGE: gl.constexpr = 1,
                                 DQ_ALTERNATE: gl.constexpr = False):
     """The whole backward in one pass: one program = a key tile of BLOCK_N rows of one (batch, K/V head), held by
     two consumer warpgroups of BLOCK_N // 2 rows each, a producer warp that streams Q and dO through NBUF buffers,
@@ -1211,10 +1223,15 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     n_kv_heads = n_heads // kv_group
     n_k_tiles = gl.cdiv(n_k, BLOCK_N)
     # One (batch, K/V head) after another, so that the programs running at once share one head's Q and dO in L2
-    # (interleaving the heads made the deterministic causal backward 1.5-1.8x slower: kernel_experiments.md); with
-    # DETERMINISTIC and not ROTATE each head's key tiles from the last down, so that the tiles whose adds go first
-    # start first.
-    pid_n, bh_kv, b, h_kv, _ = _program_tile(n_bh, n_kv_heads, 1, DETERMINISTIC and not ROTATE)
+    # (interleaving all the heads made the deterministic causal backward 1.5-1.8x slower: kernel_experiments.md);
+    # with DETERMINISTIC and not ROTATE each head's key tiles from the last down, so that the tiles whose adds go
+    # first start first. PAIRED (a right bound and no left one): groups of group_heads heads instead
+    # (`flash_triton._paired_key_program`), each group's programs about filling the SMs.
+    if PAIRED:
+        pid_n, bh_kv, b, h_kv, down = _paired_program_tile(n_bh, n_kv_heads, n_k_tiles, group_heads)
+    else:
+        pid_n, bh_kv, b, h_kv, _ = _program_tile(n_bh, n_kv_heads, 1, DETERMINISTIC and not ROTATE)
+        down = 0
     start_n = pid_n * BLOCK_N
     right_offset = n_k - n_q + window_right
     left_offset = n_k - n_q - window_left
@@ -1257,21 +1274,22 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     fence_async_shared()
     gl.warp_specialize([(_one_pass_consumer, (dk_desc, dv_desc, q_smem, do_smem, pair_smem, q_bar, do_bar, k_box, v_box,
                                               kv_bar, empty_bar, ds_smem, ds_bar, dq_stage, stage_full, stage_empty, b,
-                                              h_kv, kv_group, n_q, start_n, lo, rot, full_lo, full_hi,
+                                              h_kv, kv_group, n_q, start_n, lo, rot, down, full_lo, full_hi,
                                               n_m_tiles, n_iter, right_offset, left_offset, qk_scale, softmax_scale, 0,
                                               HEAD_DIM, BLOCK_M, HALF_N, BOUND_RIGHT, BOUND_LEFT, NBUF, NSTAGE, DQ_ROWS,
                                               DQ_COLS, DQ_ALTERNATE)),
                         (_one_pass_consumer, (dk_desc, dv_desc, q_smem, do_smem, pair_smem, q_bar, do_bar, k_box, v_box,
                                               kv_bar, empty_bar, ds_smem, ds_bar, dq_stage, stage_full, stage_empty, b,
-                                              h_kv, kv_group, n_q, start_n, lo, rot, full_lo, full_hi,
+                                              h_kv, kv_group, n_q, start_n, lo, rot, down, full_lo, full_hi,
                                               n_m_tiles, n_iter, right_offset, left_offset, qk_scale, softmax_scale, 1,
                                               HEAD_DIM, BLOCK_M, HALF_N, BOUND_RIGHT, BOUND_LEFT, NBUF, NSTAGE, DQ_ROWS,
                                               DQ_COLS, DQ_ALTERNATE)),
                         (_one_pass_producer, (q_desc, k_desc, v_desc, do_desc, LseDelta, q_smem, do_smem, pair_smem,
                                               q_bar, do_bar, k_box, v_box, kv_bar, empty_bar, b, h_kv, n_heads,
-                                              kv_group, n_q, start_n, lo, rot, n_m_tiles, n_iter, BLOCK_M, NBUF)),
+                                              kv_group, n_q, start_n, lo, rot, down, n_m_tiles, n_iter, BLOCK_M,
+                                              NBUF)),
                         (_one_pass_dq_writer, (dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv, n_heads,
-                                               kv_group, n_q, pid_n, lo, rot, n_m_tiles, n_iter, n_k_tiles, stride,
+                                               kv_group, n_q, pid_n, lo, rot, down, n_m_tiles, n_iter, n_k_tiles, stride,
                                                right_offset, BLOCK_M, BLOCK_N, DQ_ROWS, DQ_COLS, BOUND_RIGHT,
                                                DETERMINISTIC, ROTATE, NSTAGE, PASS_LATE, DQ_ALTERNATE))],
                        [4, 1, 1], [CONSUMER_REGS, 24, 24])
