@@ -873,6 +873,12 @@ def attention_backward_dq(q_desc, k_desc, v_desc, do_desc, o_desc, dq_desc, L, L
 #   tile down, and each head's programs launch from the last key tile down (the lightest first under a causal
 #   mask). Two heaviest-first orders were 1.4-1.6x slower at N 16384: their programs reach each tile together,
 #   so every turn waits a whole hop (kernel_experiments.md, stop 41);
+# - paired (causal masks, both kinds; `flash_triton._paired_key_program`): groups of heads that about fill the
+#   SMs; even groups as the masked order, odd groups launch from key tile 0 up and visit their query tiles from the
+#   last down, so key tile n - 1 (launched before n, on an SM that freed earlier) reaches each tile ahead of n and
+#   the adds go from key tile 0 up (`down`). An odd group's heavy programs start as the even group's light ones
+#   end, so no head's heaviest tiles are left to run alone at the end: the lightest-first order's tail, 5-7% of
+#   the D 128 causal backward at N 8192-16384 (kernel_experiments.md, stop 52);
 # - ROTATE (full masks): every key tile sees every query tile, so each program starts at a different one,
 #   n * stride, and wraps around; tile m's adds go in the order the programs reach it, a ring. The ring's waits
 #   are on programs launched later as well, so the host takes ROTATE only where one head's programs all fit on
@@ -1207,7 +1213,9 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
 
     DETERMINISTIC: dQ's sums are added in a fixed order, ordered by Sem, (B, H, cdiv(Nq, BLOCK_M)) int32 zeroed
     first (see the section's comment); ROTATE (full masks, Nq / BLOCK_M >= Nk / BLOCK_N, and at most one head's
-    cdiv(Nk, BLOCK_N) programs per SM) rotates each program's first query tile; PASS_LATE (only where each program's
+    cdiv(Nk, BLOCK_N) programs per SM) rotates each program's first query tile; PAIRED (a right bound and no left
+    one, either kind) launches in `flash_triton._paired_key_program`'s order, group_heads heads a group, every other
+    group's programs visiting their query tiles downward; PASS_LATE (only where each program's
     predecessor at a tile is two or more tiles ahead of it: `_one_pass_dq_writer`) counts a tile's turn after the
     next tile's adds are issued. Without DETERMINISTIC (Sem unread) dQ's sums run in no fixed order, so their last
     bits vary from run to run.
