@@ -1297,7 +1297,7 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
                                               kv_group, n_q, start_n, lo, rot, down, n_m_tiles, n_iter, BLOCK_M,
                                               NBUF)),
                         (_one_pass_dq_writer, (dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv, n_heads,
-                                               kv_group, n_q, pid_n, lo, rot, down, n_m_tiles, n_iter, n_k_tiles, stride,
-                                               right_offset, BLOCK_M, BLOCK_N, DQ_ROWS, DQ_COLS, BOUND_RIGHT,
+                                               kv_group, n_q, pid_n, lo, rot, down, n_m_tiles, n_iter, n_k_tiles,
+                                               stride, right_offset, BLOCK_M, BLOCK_N, DQ_ROWS, DQ_COLS, BOUND_RIGHT,
                                                DETERMINISTIC, ROTATE, NSTAGE, PASS_LATE, DQ_ALTERNATE))],
                        [4, 1, 1], [CONSUMER_REGS, 24, 24])
