@@ -342,7 +342,7 @@ def _launches(n_q, n_k, window, heads, rotate, last_first=None, block_m=64, grou
     (`_paired_order`), whose downward programs take turns from key tile 0 up (unless not `turns_down`)."""
     n_m, n_t, rotate, stride, turns, visits = _turns(n_q, n_k, window, rotate, block_m)
     if group_heads:
-        down_turns = _turns(n_q, n_k, window, rotate, block_m, down=int(turns_down))[4]
+        down_turns = _turns(n_q, n_k, window, rotate, block_m, down=1)[4] if turns_down else turns
         launches = []
         for n, head, down in _paired_order(heads, n_t, group_heads):
             tiles = [m for m in range(n_m) if visits[n, m]]
