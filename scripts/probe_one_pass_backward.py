@@ -51,7 +51,8 @@ def variant_spec(spec: str):
 
 
 class OnePass:
-    """The library's one-pass backward (prologue, Gluon kernel, epilogue) with one variant, on rank-4 tensors."""
+    """The library's one-pass backward (prologue, Gluon kernel, and the epilogue unless the kernel folds dQ:
+    `flash_gluon.folds_dq`) with one variant, on rank-4 tensors."""
 
     def __init__(self, variant, q, k, v, o, lse, do, window, scale):
         from flashsys.ops.attention import flash_triton

@@ -347,6 +347,40 @@ def test_op_runs_the_one_pass_that_determinism_allows_gpu(d, window, monkeypatch
 
 @hopper_only
 @pytest.mark.gpu
+@hopper_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [(d, v) for d, vs in flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS.items()
+                                     for v in vs if v.kind != "tl"],
+                         ids=lambda dv: f"d{dv[0]}-{dv[1].label().replace(' ', '-')}")
+def test_the_folding_one_pass_writes_every_dq_tile_once_its_sum_is_whole_gpu(variant):
+    """Under a rotated full mask the deterministic one pass writes dQ itself (FOLD_DQ, no epilogue): each program
+    at its start for the (batch, K/V head) fold_lag pairs before its own, and the programs past the last pair for
+    the last fold_lag. 40 pairs against a lag of 33 (8 key tiles) take both ways; GQA, and 1000 queries (a ragged
+    last tile). Every tile of a NaN-filled dQ is written, within the two passes' error of float64, the same bits on
+    a rerun; dK and dV too (the extra programs' stores fall outside them)."""
+    from flashsys.ops.attention import flash_triton
+
+    d, var = variant
+    case = (5, 16, 8, 1000, 1024, (-1, -1), "bhnd", torch.bfloat16)
+    (q, k, v, do, o, lse), grads_tl, _ = _tl_backward_case(case, d, 23, 4)
+    if not flash_gluon.folds_dq(var, q, k, (-1, -1)):
+        pytest.skip(f"{var.label()} does not rotate at 1000 queries: the masked order, with its epilogue")
+    assert 0 < flash_gluon.fold_lag(var, q, k, (-1, -1)) < 5 * 8
+    scale = d ** -0.5
+    _, _, *refs = run_reference(q, k, v, do, False, scale, torch.float64, (-1, -1))
+    runs = []
+    for _ in range(2):
+        grads = tuple(torch.full_like(t, float("nan"), memory_format=torch.contiguous_format) for t in (q, k, v))
+        pairs = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device=q.device)
+        launches = flash_triton._one_pass_backward(var, q, k, v, o, lse, do, *grads, pairs, (-1, -1), scale)
+        assert len(launches.recorded) == 2  # the prologue and the kernel: no epilogue
+        runs.append(grads)
+    for name, ours, ref, tl_result in zip(("dQ", "dK", "dV"), runs[0], refs, grads_tl):
+        err, tl_err = rel_err(ours, ref), rel_err(tl_result, ref)
+        assert err <= 2 * tl_err + FLOOR[torch.bfloat16], f"{name}: {err:.3g} vs the two passes' {tl_err:.3g}"
+    assert all(torch.equal(a, b) for a, b in zip(*runs)), "the deterministic one pass changed its bits"
+
+
 @pytest.mark.parametrize("launcher", ["python", "native"])
 @pytest.mark.parametrize("kind", ["one_pass_det", "one_pass"])
 def test_a_backward_that_ran_the_one_pass_replays_it_from_its_plan_gpu(kind, launcher, request, monkeypatch):

@@ -210,6 +210,36 @@ def _turns(n_q: int, n_k: int, window: tuple[int, int], rotate: bool | None = No
 _WINDOWS = [(-1, 0), (-1, -1), (-1, 37), (200, 0), (64, 16), (0, 0), (130, 300), (90, -1)]
 
 
+@triton.jit
+def _ring_last_kernel(Last, n_k_tiles, n_m_tiles, stride, MAX_M: tl.constexpr):
+    """Last[n, m]: whether key tile n's program writes query tile m's dQ (FOLD_DQ), from `_ring_last_tiles`."""
+    n = tl.program_id(0)
+    m_lo, m_hi = flash_triton._ring_last_tiles(n, n_k_tiles, n_m_tiles, stride)
+    m = tl.arange(0, MAX_M)
+    tl.store(Last + n * MAX_M + m, ((m >= m_lo) & (m < m_hi)).to(tl.int32), mask=m < n_m_tiles)
+
+
+@settings(max_examples=40)
+@given(n_q=st.integers(1, 1400), n_k=st.integers(1, 1400), block_m=st.sampled_from([64, 128]))
+@example(n_q=1024, n_k=1024, block_m=64)  # stride 2
+@example(n_q=1400, n_k=1024, block_m=64)  # 22 query tiles over 8 key tiles: key tile 0 takes the last 8
+@example(n_q=100, n_k=100, block_m=64)  # one key tile, the only turn
+def test_the_ring_folds_each_query_tile_once_where_its_last_turn_is_taken(n_q, n_k, block_m):
+    """Under a rotated full mask each program writes dQ at the query tiles `_ring_last_tiles` gives it, once its adds
+    there complete: every query tile must be written by exactly one program, the one holding its last turn
+    (`_one_pass_turn`'s n_k_tiles - 1), whose add is the last to land; a tile given to another program would be
+    written before its sum is whole, and a tile given to none would leave dQ unwritten."""
+    n_m, n_t, rotate, stride, turns, _ = _turns(n_q, n_k, (-1, -1), block_m=block_m)
+    if not rotate:
+        return
+    last = torch.empty((n_t, 32), dtype=torch.int32, device=DEVICE)
+    _ring_last_kernel[(n_t,)](last, n_t, n_m, stride, MAX_M=32)
+    last = last.cpu()
+    for m in range(n_m):
+        writers = [n for n in range(n_t) if last[n, m]]
+        assert writers == [n for n in range(n_t) if turns[n, m] == n_t - 1] and len(writers) == 1, (m, writers)
+
+
 _RIGHT_BOUND_ONLY = [w for w in _WINDOWS if w[1] >= 0 and w[0] < 0]  # the paired order's masks
 
 
@@ -438,6 +468,32 @@ def test_full_masks_rotate_only_where_one_heads_programs_fit_at_once(monkeypatch
     assert not rotates(1024, 1024)
 
 
+def test_only_the_rotated_full_mask_folds_dq_and_its_grid_holds_the_lagging_pairs(monkeypatch):
+    """FOLD_DQ where the deterministic one pass rotates (full masks): there every key tile takes the last turn at
+    `stride` query tiles, where elsewhere key tile 0 takes it at all of them. Its programs fold pairs fold_lag back,
+    about two waves of the SMs (MPS's share counted), and the grid holds fold_lag pairs' programs more, which fold
+    the last pairs; elsewhere the lag is 0 and the grid one program per key tile and pair."""
+    monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
+    det = flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS[128][1]
+    q, k = (torch.empty(2, h, 1024, 128, dtype=torch.bfloat16) for h in (8, 4))  # 8 key tiles, 8 pairs
+
+    def launch(variant, window):
+        acc, pairs = torch.empty(q.shape), torch.empty(*q.shape[:-1], 2)
+        semaphores = torch.zeros(max(1, flash_gluon.semaphore_count(variant, q)), dtype=torch.int32)
+        kernel, grid, args, kwargs = flash_gluon._one_pass_launch_parts(variant, q, k, k, q, k, k, acc, pairs,
+                                                                        semaphores, q, window, 0.1)
+        return grid, args[kernel.arg_names.index("fold_lag")], kwargs["FOLD_DQ"]
+
+    assert flash_gluon.folds_dq(det, q, k, (-1, -1)) and flash_gluon.fold_lag(det, q, k, (-1, -1)) == 33
+    assert launch(det, (-1, -1)) == ((8 * (8 + 33),), 33, True)
+    for variant, window in ((det, (-1, 0)), (det, (64, 64)), (flash_gluon.ONE_PASS_VARIANTS[128][1], (-1, -1))):
+        assert not flash_gluon.folds_dq(variant, q, k, window)
+        assert launch(variant, window) == ((8 * 8,), 0, False)
+    assert not flash_gluon.folds_dq(det, q[:, :, :256], k, (-1, -1))  # 4 query tiles: not rotated
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "50")
+    assert flash_gluon.fold_lag(det, q, k, (-1, -1)) == 17  # 66 SMs
+
+
 def test_the_paired_order_groups_heads_to_about_fill_the_sms_under_causal_masks_only(monkeypatch):
     """`paired_heads`: causal masks (a right bound, no left one) only, for both kinds of the one pass; as many heads
     a group as fit their key tiles on the SMs (at least one); 0 (one head after another) for full masks, windows
@@ -498,7 +554,7 @@ def test_the_deterministic_one_pass_refuses_missing_or_short_semaphores():
     acc, pairs = torch.empty(q.shape), torch.empty(2, 4, 300, 2)
     for semaphores in (None, torch.zeros(39, dtype=torch.int32)):
         with pytest.raises(ValueError, match="semaphores: .* needs 40 zeroed int32s"):
-            flash_gluon._one_pass_launch_parts(det, q, k, k, q, k, k, acc, pairs, semaphores, (-1, 0), 0.1)
+            flash_gluon._one_pass_launch_parts(det, q, k, k, q, k, k, acc, pairs, semaphores, q, (-1, 0), 0.1)
 
 
 @pytest.mark.parametrize("stages", [1, 3])
@@ -509,7 +565,7 @@ def test_the_consumers_take_turns_at_dq_only_with_a_staging_set_each(stages):
     q = torch.empty(1, 2, 256, 64)
     acc, pairs, semaphores = torch.empty(q.shape), torch.empty(1, 2, 256, 2), torch.zeros(4, dtype=torch.int32)
     with pytest.raises(ValueError, match="take turns at dQ only with two staging sets"):
-        flash_gluon._one_pass_launch_parts(variant, q, q, q, q, q, q, acc, pairs, semaphores, (-1, -1), 0.1)
+        flash_gluon._one_pass_launch_parts(variant, q, q, q, q, q, q, acc, pairs, semaphores, q, (-1, -1), 0.1)
 
 
 def test_the_d64_one_pass_kernels_with_128_row_tiles_alternate_at_dq():
@@ -525,16 +581,17 @@ class _StandInOnePass:
     arguments (tensors where it takes descriptors), it makes the kernel's writes in float64 from the pairs the
     prologue wrote: dK, dV, and dQ's unscaled sum, after checking that the prologue zeroed the semaphores. As the
     deterministic kernel, it stores that sum (its first shares are stored, not added) over every query tile, all of
-    which some program visits here (every row sees a key). GluonReplay indexes a compiled kernel by its grid;
-    indexing gives the stand-in itself."""
+    which some program visits here (every row sees a key); where the launch folds dQ (`flash_gluon.folds_dq`, given
+    as `fold`), it writes dQ from the sum too, as the kernel's last turns do. GluonReplay indexes a compiled kernel
+    by its grid; indexing gives the stand-in itself."""
 
     def __init__(self, causal: bool):
-        self.causal, self.calls = causal, 0
+        self.causal, self.calls, self.fold = causal, 0, None
 
     def __getitem__(self, grid):
         return self
 
-    def __call__(self, q, k, v, do, dk, dv, dq_acc, pairs, semaphores, window, scale, stream=None):
+    def __call__(self, q, k, v, do, dk, dv, dq_acc, pairs, semaphores, dq_sum, dq, window, scale, stream=None):
         assert not semaphores.any(), "the one pass ran without its prologue"
         self.calls += 1
         q, k, v, do = (t.double() for t in (q, k, v, do))
@@ -542,7 +599,10 @@ class _StandInOnePass:
         if self.causal:
             p = p.tril()
         ds = p * (do @ v.transpose(-1, -2) - pairs[..., 1, None].double())
+        assert dq_sum is dq_acc  # FOLD_DQ's pointer to the sum its descriptor adds into
         dq_acc.copy_(ds @ k)
+        if self.fold:
+            dq.copy_(dq_acc * scale)
         dk.copy_(ds.transpose(-1, -2) @ q * scale)
         dv.copy_(p.transpose(-1, -2) @ do)
 
@@ -550,8 +610,9 @@ class _StandInOnePass:
 @pytest.mark.parametrize("launcher", ["python", "native"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_a_one_pass_backward_is_replayed_from_its_plan_with_fresh_scratch(launcher, causal, request, monkeypatch):
-    """A backward that ran the one pass is recorded as a plan: prologue, kernel and epilogue, with the dQ sum and
-    semaphores allocated anew on each replay (the prologue zeroes them: the stand-in kernel checks). Replays, by
+    """A backward that ran the one pass is recorded as a plan: prologue, kernel and epilogue (no epilogue under the
+    full mask, where the kernel folds dQ: `flash_gluon.folds_dq`), with the dQ sum and semaphores allocated anew on
+    each replay (the prologue zeroes them: the stand-in kernel checks). Replays, by
     eager_plans and by the native node, give the first call's bits and the float64 gradients without choosing
     again; a plan made with determinism off is not replayed once torch.use_deterministic_algorithms(True) asks for
     it, and is again once it no longer does."""
@@ -565,8 +626,9 @@ def test_a_one_pass_backward_is_replayed_from_its_plan_with_fresh_scratch(launch
     variant = flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS[64][1]
     stand_in, chosen = _StandInOnePass(causal), []
 
-    def fake_launch(var, q4, k4, v4, do4, dk4, dv4, dq_acc, pairs, semaphores, window, scale):
-        params = (q4, k4, v4, do4, dk4, dv4, dq_acc, pairs, semaphores, window, scale)
+    def fake_launch(var, q4, k4, v4, do4, dk4, dv4, dq_acc, pairs, semaphores, dq4, window, scale):
+        params = (q4, k4, v4, do4, dk4, dv4, dq_acc, pairs, semaphores, dq_acc, dq4, window, scale)
+        stand_in.fold = flash_gluon.folds_dq(var, q4, k4, window)
         stand_in(*params)
         return stand_in, (1,), params
 
@@ -582,6 +644,7 @@ def test_a_one_pass_backward_is_replayed_from_its_plan_with_fresh_scratch(launch
     assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(run, runs[0]))
     (plan,) = eager_plans.backward_plans._plans.values()
     assert plan.scratch == (((batch, heads, n, d), torch.float32), ((batch * heads * 2,), torch.int32))
+    assert stand_in.fold == (not causal) and len(plan.replays) == (3 if causal else 2)
     if launcher == "native":
         assert native_launch.sizes() == (1, 1)
     *_, dq_ref, dk_ref, dv_ref = run_reference(q, k, v, do, causal, d ** -0.5, torch.float64)

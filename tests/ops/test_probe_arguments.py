@@ -62,7 +62,7 @@ def test_against_takes_kernels_with_the_librarys_parameters_and_refuses_others(t
         pytest.skip("needs a Triton with Gluon's Hopper API")
     assert probe._load_kernels(str(KERNELS)).attention_backward_one_pass.arg_names
     text = KERNELS.read_text()
-    last = re.search(r",\s*(DQ_ALTERNATE: gl.constexpr = False)\):", text)  # the one pass's last parameter
+    last = re.search(r",\s*(FOLD_DQ: gl.constexpr = False)\):", text)  # the one pass's last parameter
     assert last and text.count(last.group(0)) == 1
     extra = tmp_path / "extra.py"
     extra.write_text(text.replace(last.group(0), f", {last.group(1)}, EXTRA_FLAG: gl.constexpr = False):"))
@@ -70,7 +70,7 @@ def test_against_takes_kernels_with_the_librarys_parameters_and_refuses_others(t
         probe._load_kernels(str(extra))
     lacking = tmp_path / "lacking.py"
     lacking.write_text(text.replace(last.group(0), "):"))
-    with pytest.raises(SystemExit, match=r"its attention_backward_one_pass lacks DQ_ALTERNATE"):
+    with pytest.raises(SystemExit, match=r"its attention_backward_one_pass lacks FOLD_DQ"):
         probe._load_kernels(str(lacking))
 
 

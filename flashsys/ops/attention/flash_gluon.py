@@ -415,6 +415,26 @@ def passes_turns_late(variant: Variant, q4: Tensor, k4: Tensor, window: tuple[in
     return variant.block_n >= 2 * variant.block_m
 
 
+def folds_dq(variant: Variant, q4: Tensor, k4: Tensor, window: tuple[int, int]) -> bool:
+    """Whether the deterministic one pass writes dQ itself (FOLD_DQ), so that no epilogue kernel reads the whole
+    float32 sum back after it: a program scales and casts the sums at the query tiles where its key tile took the last
+    turn, for a pair `fold_lag` back. Where it rotates (full masks) only: the ring spreads the last turns over every
+    key tile, `stride` query tiles each, where the other orders give key tile 0 the last turn at every tile it visits
+    (a head's whole dQ left to one program, the heaviest under a causal mask), so the epilogue kernel stays there."""
+    return rotates(variant, q4, k4, window)
+
+
+def fold_lag(variant: Variant, q4: Tensor, k4: Tensor, window: tuple[int, int]) -> int:
+    """Where `folds_dq`, how many (batch, K/V head) pairs back a program writes dQ for at its start, while its own K
+    and V load (FOLD_DQ), else 0: enough that those pairs' programs launched two waves of the SMs before it, so that
+    their sums are whole and its wait for them passes at once. At the end of the program the wait for its own adds
+    to complete would lie on its path (and the code after its loop spilled). The grid holds this many pairs' programs
+    more, which only fold the last pairs."""
+    if not folds_dq(variant, q4, k4, window):
+        return 0
+    return triton.cdiv(2 * _usable_sms(q4), triton.cdiv(k4.shape[2], variant.block_n))
+
+
 def paired_heads(variant: Variant, q4: Tensor, k4: Tensor, window: tuple[int, int]) -> int:
     """How many (batch, K/V head) pairs make a group of the one pass's paired order (PAIRED,
     `flash_triton._paired_key_program`), or 0 where it keeps one head after another: masks with a right bound and
@@ -450,7 +470,7 @@ def _usable_sms(t: Tensor) -> int:
 
 
 def _one_pass_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, do4: Tensor, dk4: Tensor,
-                           dv4: Tensor, dq_acc: Tensor, lse_delta: Tensor, semaphores: Tensor | None,
+                           dv4: Tensor, dq_acc: Tensor, lse_delta: Tensor, semaphores: Tensor | None, dq4: Tensor,
                            window: tuple[int, int], scale: float) -> tuple:
     """As `_launch_parts`, for the one-pass backward kernel: dq_acc is dQ's (B, H, Nq, D) float32 sum, zeroed (for
     kind "one_pass_det" only its rows that see no key: it stores each tile's first share), and `semaphores`
@@ -458,7 +478,8 @@ def _one_pass_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor,
     consumer warpgroup computes half of dQ: with 128-row query tiles half its rows (dq_desc's boxes (64, D)), from
     all of K's tile in shared memory; else half its columns (boxes (block_m, D / 2)), from a column half of K's tile,
     which at D 64 is 64 bytes wide, so K's tile then takes a 64-byte swizzle (the default's 128 bytes would cut a
-    swizzle row in two). Kind "one_pass_det" adds in a fixed order."""
+    swizzle row in two). Kind "one_pass_det" adds in a fixed order; where `folds_dq`, it also writes dq4 (dense, shaped
+    like q4) from the sum, else dq4 is not touched (the epilogue kernel writes it)."""
     batch, n_heads, n_q, d = q4.shape
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     m, n = variant.block_m, variant.block_n
@@ -470,6 +491,7 @@ def _one_pass_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor,
                          f"{None if semaphores is None else semaphores.numel()}")
     dq_rows, dq_cols = (m, d) if variant.alternate else (m // 2, d) if m >= 128 else (m, d // 2)
     group_heads = paired_heads(variant, q4, k4, window)
+    lag = fold_lag(variant, q4, k4, window)
     gl = _kernels().gl
     dq_desc = _descriptor(dq_acc, dq_rows, dq_cols,
                           gl.NVMMASharedLayout.get_default_for([1, 1, dq_rows, dq_cols], gl.float32))
@@ -478,14 +500,14 @@ def _one_pass_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor,
                 if half_bytes < 128 else None)
     args = (_descriptor(q4, m), _descriptor(k4, n, layout=k_layout), _descriptor(v4, n), _descriptor(do4, m),
             _descriptor(dk4, n // 2), _descriptor(dv4, n // 2), dq_desc, lse_delta,
-            semaphores, batch * kv_heads, n_heads, n_heads // kv_heads, n_q, n_k, window[0],
-            window[1], scale * LOG2E, scale, max(1, group_heads))
+            semaphores, dq_acc, dq4, batch * kv_heads, n_heads, n_heads // kv_heads, n_q, n_k, window[0],
+            window[1], scale * LOG2E, scale, max(1, group_heads), lag)
     kwargs = dict(HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n, BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0,
                   NBUF=variant.nbuf, CONSUMER_REGS=variant.regs, DETERMINISTIC=deterministic,
                   ROTATE=rotates(variant, q4, k4, window), PASS_LATE=passes_turns_late(variant, q4, k4, window),
-                  PAIRED=group_heads > 0,
-                  NSTAGE=variant.stages, DQ_ALTERNATE=bool(variant.alternate), num_warps=4)
-    return _kernels().attention_backward_one_pass, (triton.cdiv(n_k, n) * batch * kv_heads,), args, kwargs
+                  PAIRED=group_heads > 0, NSTAGE=variant.stages, DQ_ALTERNATE=bool(variant.alternate),
+                  FOLD_DQ=lag > 0, num_warps=4)
+    return _kernels().attention_backward_one_pass, (triton.cdiv(n_k, n) * (batch * kv_heads + lag),), args, kwargs
 
 
 _LAUNCH_PARTS = {"dkdv": _dkdv_launch_parts, "dq": _dq_launch_parts, "one_pass": _one_pass_launch_parts,
@@ -559,7 +581,7 @@ def compile_only(variant: Variant, q: Tensor, k: Tensor, v: Tensor, window: tupl
         dq_acc = torch.empty(_rank4(q).shape, dtype=torch.float32, device=q.device)
         semaphores = torch.empty(semaphore_count(variant, _rank4(q)), dtype=torch.int32, device=q.device)
         kernel, _, args, kwargs = _one_pass_launch_parts(variant, *(_rank4(t) for t in tensors), dq_acc, lse_delta,
-                                                         semaphores, window, scale)
+                                                         semaphores, _rank4(torch.empty_like(q)), window, scale)
     elif variant.kind == "dq":
         tensors = (q, k, v, q, o, torch.empty_like(q))
         kernel, _, args, kwargs = _dq_launch_parts(variant, *(_rank4(t) for t in tensors), lse, lse_delta, window,
@@ -725,15 +747,15 @@ def choose_one_pass(q: Tensor, k: Tensor, window: tuple[int, int], run_one_pass:
 
 
 def backward_one_pass(variant: Variant, q: Tensor, k: Tensor, v: Tensor, do: Tensor, dk: Tensor, dv: Tensor,
-                      dq_acc: Tensor, lse_delta: Tensor, semaphores: Tensor, window: tuple[int, int],
+                      dq_acc: Tensor, lse_delta: Tensor, semaphores: Tensor, dq: Tensor, window: tuple[int, int],
                       scale: float) -> Launched:
     """Launch the one-pass kernel `variant` (after the prologue: dq_acc, (B, H, Nq, D) float32, and `semaphores`
     zeroed, the deterministic kind's dq_acc only where no key is seen, lse_delta written): dK and dV (dense, shaped
     like k and v) written, dQ's unscaled float32 sum added into dq_acc (the deterministic kind: into what its first
-    shares stored)."""
-    q4, k4, v4, do4, dk4, dv4 = (_rank4(t) for t in (q, k, v, do, dk, dv))
-    return _launch_recorded(variant, (q, k, v, do, dk, dv, dq_acc, lse_delta, semaphores), q4, k4, v4, do4, dk4,
-                            dv4, dq_acc, lse_delta, semaphores, window, scale)
+    shares stored), and where `folds_dq` dq (dense, shaped like q) written from it."""
+    q4, k4, v4, do4, dk4, dv4, dq4 = (_rank4(t) for t in (q, k, v, do, dk, dv, dq))
+    return _launch_recorded(variant, (q, k, v, do, dk, dv, dq_acc, lse_delta, semaphores, dq_acc, dq), q4, k4, v4,
+                            do4, dk4, dv4, dq_acc, lse_delta, semaphores, dq4, window, scale)
 
 
 def _run(key: ChoiceKey, tensors: tuple[Tensor, ...], run_tl: Callable[[], object] | None,

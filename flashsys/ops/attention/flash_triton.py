@@ -269,6 +269,20 @@ def _one_pass_turn(m, n, n_k_tiles, stride, right_offset, down, BLOCK_M: tl.cons
 
 
 @triton.jit
+def _ring_last_tiles(n, n_k_tiles, n_m_tiles, stride):
+    """[m_lo, m_hi): the query tiles at which key tile n takes the ring's last turn (`_one_pass_turn` with ROTATE
+    gives it n_k_tiles - 1 exactly there), whose dQ sums are whole once its adds complete: with FOLD_DQ a program of
+    key tile n scales and casts them into dQ (`gluon_kernels._fold_dq`), so no epilogue kernel reads the sum again.
+    Tile m's first turn is key tile f = min(n_k_tiles - 1, m // stride), its last the key tile after f,
+    (f + 1) % n_k_tiles: key tile n >= 1 is last where f = n - 1, key tile 0 where f = n_k_tiles - 1 (with
+    n_k_tiles * stride <= n_m_tiles, as ROTATE has it)."""
+    zero = (n == 0).to(tl.int32)
+    m_lo = (n - 1 + zero * n_k_tiles) * stride
+    m_hi = n * stride + zero * n_m_tiles
+    return m_lo, m_hi
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
     offs_m, offs_n, offs_d, lo, hi, n_k, right_offset, left_offset, qk_scale,
@@ -1092,7 +1106,8 @@ def _one_pass_backward(variant: flash_gluon.Variant, q, k, v, o, lse, do, dq, dk
     """The one-pass backward on rank-3/4 tensors (Hopper, `flash_gluon.choose_one_pass`): the prologue kernel
     writes the (L, D) pairs and zeroes the semaphores and dQ's float32 sum (the deterministic kind: only the rows
     that see no key, as its first share at each tile is stored), the Gluon kernel adds into the sum, the epilogue
-    scales and casts it into dq. Rank-3 tensors go to the `tl` kernels as they are (`_strides4`)."""
+    scales and casts it into dq (or, where `flash_gluon.folds_dq`, the kernel itself: no epilogue). Rank-3 tensors
+    go to the `tl` kernels as they are (`_strides4`)."""
     q4 = flash_gluon._rank4(q)
     batch, n_heads, n_q, d = q4.shape
     dq_acc = torch.empty(q4.shape, dtype=torch.float32, device=q.device)
@@ -1104,8 +1119,10 @@ def _one_pass_backward(variant: flash_gluon.Variant, q, k, v, o, lse, do, dq, dk
                                    n_heads=n_heads, n_q=n_q),
                               dict(HEAD_DIM=d, BLOCK_D=block_d, ROWS=variant.block_m,
                                    ZERO_ALL=variant.kind != "one_pass_det"))
-    launched = flash_gluon.backward_one_pass(variant, q, k, v, do, dk, dv, dq_acc, lse_delta, semaphores, window,
-                                             scale)
+    launched = flash_gluon.backward_one_pass(variant, q, k, v, do, dk, dv, dq_acc, lse_delta, semaphores, dq,
+                                             window, scale)
+    if flash_gluon.folds_dq(variant, q4, flash_gluon._rank4(k), window):
+        return _BackwardLaunches([prologue, launched.recorded], (dq_acc, semaphores))
     n_rows = batch * n_heads * n_q
     epilogue = _launch_helper(_one_pass_epilogue_kernel, (triton.cdiv(n_rows, 64), 1, 1),
                               dict(DqAcc=dq_acc, DQ=dq, n_rows=n_rows, softmax_scale=scale),

@@ -48,7 +48,7 @@ from triton.experimental.gluon.language._core import builtin
 # The grid order, the tile ranges and the mask are the `tl` kernels' own (@triton.jit helpers, which Gluon calls
 # as they are).
 from .flash_triton import (_key_tile_range, _one_pass_turn, _paired_key_program, _program_start, _query_tile_range,
-                           _visible)
+                           _ring_last_tiles, _visible)
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
@@ -913,11 +913,12 @@ def _adds_complete_asm(pending):
 
 
 @gluon.jit
-def _wait_turn(semaphore, turn, layout: gl.constexpr):
-    """Every lane of the (one-warp) partition: spin until `semaphore` counts `turn` programs' adds, then order the
-    TMA adds that follow after them. 2^26 polls without a turn (tens of seconds, an L2 round trip each) trap: a
-    launch error, where a wait that never ends would hang the process."""
-    zeros = gl.zeros([32], gl.int32, layout)
+def _wait_turn(semaphore, turn, layout: gl.constexpr, THREADS: gl.constexpr = 32):
+    """Every thread of the partition (THREADS of them, `layout` one a thread): spin until `semaphore` counts `turn`
+    programs' adds (acquiring what they wrote), then order the TMA adds that follow after them. 2^26 polls without a
+    turn (tens of seconds, an L2 round trip each) trap: a launch error, where a wait that never ends would hang the
+    process."""
+    zeros = gl.zeros([THREADS], gl.int32, layout)
     gl.inline_asm_elementwise(_WAIT_TURN_ASM, "=&r,l,r", [semaphore + zeros, turn + zeros], dtype=gl.int32,
                               is_pure=False, pack=1)
 
@@ -1085,14 +1086,53 @@ def _dq_share(ds_box, ds_rows: gl.constexpr, k_dq, dq_zero, dv_tok, dk_tok, slot
     return dv, dk
 
 
+@gluon.constexpr_function
+def _fold_layout(cols):
+    """Registers of a (rows, cols) float32 block read and written row by row: a 16-byte vector a thread, a warp's
+    lanes across the columns (all `cols` of a row where they fit), the 4 warps down the rows."""
+    lanes = min(32, cols // 4)
+    return gl.BlockedLayout([1, 4], [32 // lanes, lanes], [4, 1], [1, 0])
+
+
 @gluon.jit
-def _one_pass_consumer(dk_desc, dv_desc, q_smem, do_smem, pair_smem, q_bar, do_bar, k_box, v_box, kv_bar, empty_bar,
-                       ds_smem, ds_bar, dq_stage, stage_full, stage_empty, b, h_kv, kv_group, n_q, start_n,
-                       lo, rot, down, full_lo, full_hi, n_m_tiles, n_iter, right_offset, left_offset, qk_scale,
-                       softmax_scale, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                       HALF_N: gl.constexpr, BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr,
-                       NBUF: gl.constexpr, NSTAGE: gl.constexpr, DQ_ROWS: gl.constexpr, DQ_COLS: gl.constexpr,
-                       DQ_ALTERNATE: gl.constexpr):
+def _fold_dq(DqAcc, DQ, Sem, bh_kv, n_kv_heads, kv_group, n_q, pid_n, n_k_tiles, n_m_tiles, stride, softmax_scale,
+             HALF: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """dQ = sum * softmax_scale, in dQ's dtype, at the query tiles where key tile pid_n of (batch, K/V head) bh_kv
+    took the ring's last turn (`_ring_last_tiles`, each query head of the group), each once its semaphore counts
+    all n_k_tiles turns (every turn is counted once its adds have completed): what the epilogue kernel does for the
+    whole sum, without its launch and beside the compute-bound programs instead of after them (kernel_experiments.md,
+    stop 53). DqAcc and DQ are dense (B, H, Nq, D); the two consumers take every other tile (warpgroup HALF from
+    tile HALF)."""
+    layout: gl.constexpr = _fold_layout(HEAD_DIM)
+    wait_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    m_lo, m_hi = _ring_last_tiles(pid_n, n_k_tiles, n_m_tiles, stride)
+    per_head = m_hi - m_lo
+    b = bh_kv // n_kv_heads
+    n_heads = n_kv_heads * kv_group
+    for t in range(HALF, per_head * kv_group, 2):
+        g = t // per_head
+        m = m_lo + t - g * per_head
+        bh = (b * n_heads + (bh_kv - b * n_kv_heads) * kv_group + g).to(gl.int64)
+        _wait_turn(Sem + bh * gl.cdiv(n_q, BLOCK_M) + m, n_k_tiles, wait_layout, 128)
+        row = m * BLOCK_M + rows
+        offs = (bh * n_q + row)[:, None] * HEAD_DIM + cols[None, :]
+        inside = (row < n_q)[:, None] & (cols < HEAD_DIM)[None, :]
+        # .cg: past L1, which is not coherent with the other SMs' TMA adds
+        acc = gl.load(DqAcc + offs, mask=inside, other=0.0, cache_modifier=".cg")
+        gl.store(DQ + offs, (acc * softmax_scale).to(DQ.dtype.element_ty), mask=inside)
+
+
+@gluon.jit
+def _one_pass_consumer(dk_desc, dv_desc, DqAcc, DQ, Sem, q_smem, do_smem, pair_smem, q_bar, do_bar, k_box, v_box,
+                       kv_bar, empty_bar, ds_smem, ds_bar, dq_stage, stage_full, stage_empty, b, h_kv, bh_kv, n_bh,
+                       n_kv_heads, kv_group, n_q, start_n, lo, rot, down, full_lo, full_hi, n_m_tiles, n_iter,
+                       n_k_tiles, stride, fold_lag, right_offset, left_offset, qk_scale, softmax_scale,
+                       HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
+                       BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr,
+                       NSTAGE: gl.constexpr, DQ_ROWS: gl.constexpr, DQ_COLS: gl.constexpr,
+                       DQ_ALTERNATE: gl.constexpr, FOLD_DQ: gl.constexpr):
     """One warpgroup: dK and dV of key rows start_n + HALF * HALF_N on, and its share of dQ, over the query tiles
     the producer streams. Per tile as `attention_backward_dkdv` (Sᵀ and dPᵀ issued together, Pᵀ under dPᵀ, dSᵀ under
     dV's product; the tile's -L * log2 e and D read from the producer's copy in shared memory, in the columns of Sᵀ
@@ -1104,7 +1144,9 @@ def _one_pass_consumer(dk_desc, dv_desc, q_smem, do_smem, pair_smem, q_bar, do_b
     latency has a tile's slack). With DQ_ALTERNATE the two take turns at the whole tile's dQ (warpgroup HALF at tiles
     j with j % 2 == HALF, into set HALF of two): one product a tile where there were two, and the warpgroup without
     it starts the next tile's Sᵀ and dPᵀ while the other's runs. Its shared-memory reads are those of the two halves
-    at D 64 (each m64 half of a 128-row product reads all of K), 16 KB fewer at D 128 (dS read once)."""
+    at D 64 (each m64 half of a 128-row product reads all of K), 16 KB fewer at D 128 (dS read once).
+    With FOLD_DQ, first, while K and V load, it writes dQ where key tile pid_n took the ring's last turn for the
+    (batch, K/V head) fold_lag before its own, whose programs ran about a wave earlier (`_fold_dq`)."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_M)
     acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -1129,6 +1171,11 @@ def _one_pass_consumer(dk_desc, dv_desc, q_smem, do_smem, pair_smem, q_bar, do_b
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=acc_layout)
     s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
     dq_zero = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, layout=dq_layout)
+    pid_n = start_n // (2 * HALF_N)
+    if FOLD_DQ:
+        if bh_kv >= fold_lag:
+            _fold_dq(DqAcc, DQ, Sem, bh_kv - fold_lag, n_kv_heads, kv_group, n_q, pid_n, n_k_tiles, n_m_tiles,
+                     stride, softmax_scale, HALF, BLOCK_M, HEAD_DIM)
     mbarrier.wait(kv_bar, 0)
     for j in range(n_iter):
         slot = j % NBUF
@@ -1191,13 +1238,14 @@ def _one_pass_consumer(dk_desc, dv_desc, q_smem, do_smem, pair_smem, q_bar, do_b
 
 
 @gluon.jit
-def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LseDelta, Sem, n_bh,
-                                n_heads, kv_group, n_q, n_k, window_left, window_right, qk_scale, softmax_scale,
-                                group_heads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr,
-                                CONSUMER_REGS: gl.constexpr, DETERMINISTIC: gl.constexpr, ROTATE: gl.constexpr,
-                                PASS_LATE: gl.constexpr, PAIRED: gl.constexpr, NSTAGE: gl.constexpr = 1,
-                                DQ_ALTERNATE: gl.constexpr = False):
+def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LseDelta, Sem, DqAcc,
+                                DQ, n_bh, n_heads, kv_group, n_q, n_k, window_left, window_right, qk_scale,
+                                softmax_scale, group_heads, fold_lag, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                                BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr,
+                                NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr, DETERMINISTIC: gl.constexpr,
+                                ROTATE: gl.constexpr, PASS_LATE: gl.constexpr, PAIRED: gl.constexpr,
+                                NSTAGE: gl.constexpr = 1, DQ_ALTERNATE: gl.constexpr = False,
+                                FOLD_DQ: gl.constexpr = False):
     """The whole backward in one pass: one program = a key tile of BLOCK_N rows of one (batch, K/V head), held by
     two consumer warpgroups of BLOCK_N // 2 rows each, a producer warp that streams Q and dO through NBUF buffers,
     and a writer warp that adds dQ's shares. Per query tile five products: Sᵀ, dPᵀ, dV += Pᵀ dO, dK += dSᵀ Q, and
@@ -1223,7 +1271,16 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     DQ_ALTERNATE (with NSTAGE 2): the consumers take turns at each query tile's whole dQ product instead of each
     computing half of it (`_one_pass_consumer`); dq_desc's boxes are then the whole tile. With 128-row query tiles at
     D 64 that ran 1-4% faster in all 12 cells measured, deterministic or not; at D 128 (64-row tiles) 9-18% slower,
-    where the turn's product (m64n128k128) is twice any other, the likeliest reason (kernel_experiments.md, stop 46)."""
+    where the turn's product (m64n128k128) is twice any other, the likeliest reason (kernel_experiments.md, stop 46).
+
+    FOLD_DQ (with DETERMINISTIC and ROTATE): the programs write DQ (dense (B, H, Nq, D), q's dtype) = the sum *
+    softmax_scale, so no epilogue kernel reads the sum back after them; DqAcc is dq_desc's tensor. The program of
+    key tile n of (batch, K/V head) pair i writes, at its start while its K and V load, the query tiles where key
+    tile n took the ring's last turn for pair i - fold_lag, whose programs launched fold_lag * cdiv(n_k, BLOCK_N)
+    programs earlier (about two waves: done, or nearly). The grid then holds fold_lag pairs more than n_bh, whose
+    programs do only that for the last fold_lag pairs: they visit no query tile, and their K/V loads and dK/dV stores
+    fall past the batch, where TMA reads zeros and writes nothing (cheaper than a flag kept live through the
+    consumers' loop, which spilled). Without FOLD_DQ, DqAcc, DQ and fold_lag are not read."""
     HALF_N: gl.constexpr = BLOCK_N // 2
     DQ_ROWS: gl.constexpr = dq_desc.block_type.shape[2]  # a consumer's share of dQ: rows or columns halved
     DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]
@@ -1237,9 +1294,13 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     # (`flash_triton._paired_key_program`), each group's programs about filling the SMs.
     if PAIRED:
         pid_n, bh_kv, b, h_kv, down = _paired_program_tile(n_bh, n_kv_heads, n_k_tiles, group_heads)
+    elif FOLD_DQ:
+        pid_n, bh_kv, b, h_kv, _ = _program_tile(n_bh + fold_lag, n_kv_heads, 1, False)
+        down = 0
     else:
         pid_n, bh_kv, b, h_kv, _ = _program_tile(n_bh, n_kv_heads, 1, DETERMINISTIC and not ROTATE)
         down = 0
+    bh_kv = bh_kv.to(gl.int32)
     start_n = pid_n * BLOCK_N
     right_offset = n_k - n_q + window_right
     left_offset = n_k - n_q - window_left
@@ -1247,6 +1308,8 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
                                                  BOUND_RIGHT, BOUND_LEFT)
     n_m_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_M)
     n_iter = n_m_tiles * kv_group
+    if FOLD_DQ:
+        n_iter = gl.where(bh_kv < n_bh, n_iter, 0)  # the programs past the last pair only fold
     stride = gl.maximum(n_m_tiles // n_k_tiles, 1)
     if ROTATE:
         rot = pid_n * stride
@@ -1280,18 +1343,20 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     for i in gl.static_range(NBUF):
         mbarrier.init(empty_bar.index(i), count=2)
     fence_async_shared()
-    gl.warp_specialize([(_one_pass_consumer, (dk_desc, dv_desc, q_smem, do_smem, pair_smem, q_bar, do_bar, k_box, v_box,
-                                              kv_bar, empty_bar, ds_smem, ds_bar, dq_stage, stage_full, stage_empty, b,
-                                              h_kv, kv_group, n_q, start_n, lo, rot, down, full_lo, full_hi,
-                                              n_m_tiles, n_iter, right_offset, left_offset, qk_scale, softmax_scale, 0,
-                                              HEAD_DIM, BLOCK_M, HALF_N, BOUND_RIGHT, BOUND_LEFT, NBUF, NSTAGE, DQ_ROWS,
-                                              DQ_COLS, DQ_ALTERNATE)),
-                        (_one_pass_consumer, (dk_desc, dv_desc, q_smem, do_smem, pair_smem, q_bar, do_bar, k_box, v_box,
-                                              kv_bar, empty_bar, ds_smem, ds_bar, dq_stage, stage_full, stage_empty, b,
-                                              h_kv, kv_group, n_q, start_n, lo, rot, down, full_lo, full_hi,
-                                              n_m_tiles, n_iter, right_offset, left_offset, qk_scale, softmax_scale, 1,
-                                              HEAD_DIM, BLOCK_M, HALF_N, BOUND_RIGHT, BOUND_LEFT, NBUF, NSTAGE, DQ_ROWS,
-                                              DQ_COLS, DQ_ALTERNATE)),
+    gl.warp_specialize([(_one_pass_consumer, (dk_desc, dv_desc, DqAcc, DQ, Sem, q_smem, do_smem, pair_smem, q_bar,
+                                              do_bar, k_box, v_box, kv_bar, empty_bar, ds_smem, ds_bar, dq_stage,
+                                              stage_full, stage_empty, b, h_kv, bh_kv, n_bh, n_kv_heads, kv_group,
+                                              n_q, start_n, lo, rot, down, full_lo, full_hi, n_m_tiles, n_iter,
+                                              n_k_tiles, stride, fold_lag, right_offset, left_offset, qk_scale,
+                                              softmax_scale, 0, HEAD_DIM, BLOCK_M, HALF_N, BOUND_RIGHT,
+                                              BOUND_LEFT, NBUF, NSTAGE, DQ_ROWS, DQ_COLS, DQ_ALTERNATE, FOLD_DQ)),
+                        (_one_pass_consumer, (dk_desc, dv_desc, DqAcc, DQ, Sem, q_smem, do_smem, pair_smem, q_bar,
+                                              do_bar, k_box, v_box, kv_bar, empty_bar, ds_smem, ds_bar, dq_stage,
+                                              stage_full, stage_empty, b, h_kv, bh_kv, n_bh, n_kv_heads, kv_group,
+                                              n_q, start_n, lo, rot, down, full_lo, full_hi, n_m_tiles, n_iter,
+                                              n_k_tiles, stride, fold_lag, right_offset, left_offset, qk_scale,
+                                              softmax_scale, 1, HEAD_DIM, BLOCK_M, HALF_N, BOUND_RIGHT,
+                                              BOUND_LEFT, NBUF, NSTAGE, DQ_ROWS, DQ_COLS, DQ_ALTERNATE, FOLD_DQ)),
                         (_one_pass_producer, (q_desc, k_desc, v_desc, do_desc, LseDelta, q_smem, do_smem, pair_smem,
                                               q_bar, do_bar, k_box, v_box, kv_bar, empty_bar, b, h_kv, n_heads,
                                               kv_group, n_q, start_n, lo, rot, down, n_m_tiles, n_iter, BLOCK_M,
