@@ -735,9 +735,10 @@ def choose_one_pass(q: Tensor, k: Tensor, window: tuple[int, int], run_one_pass:
                     run_two_passes: Callable[[], object], deterministic: bool) -> Variant | None:
     """The one-pass variant to run for this key, where one is the choice (timed on the key's first call against the
     two passes, `run_two_passes()`); None where the two passes are the choice or the head dim has no one-pass
-    kernel (the caller runs them). `run_one_pass(variant)` launches the prologue, the kernel and the epilogue; the
-    caller launches the chosen one (`backward_one_pass`). For inputs `takes_backward` accepted; `deterministic`
-    (`deterministic_backward()`) picks the candidates whose dQ is the same bit for bit from run to run."""
+    kernel (the caller runs them). `run_one_pass(variant)` launches the prologue, the kernel and (unless the kernel
+    folds dQ) the epilogue; the caller launches the chosen one (`backward_one_pass`). For inputs `takes_backward`
+    accepted; `deterministic` (`deterministic_backward()`) picks the candidates whose dQ is the same bit for bit from
+    run to run."""
     table = DETERMINISTIC_ONE_PASS_VARIANTS if deterministic else ONE_PASS_VARIANTS
     if q.shape[-1] not in table:
         return None

@@ -36,7 +36,8 @@ not a multiple of the tile (TMA reads zeros past the end and clips the stores), 
 - `attention_backward_one_pass`: the whole backward in one pass, five products a tile where the two passes do seven,
   warp-specialised as FlashAttention-3's: a writer warp adds dQ's shares into a float32 sum by TMA reduce-adds,
   with DETERMINISTIC in a fixed order (each program waits for its turn at a query tile), without it in no fixed
-  order (only where the caller turned determinism off, `set_deterministic_backward(False)`).
+  order (only where the caller turned determinism off, `set_deterministic_backward(False)`); with FOLD_DQ (the
+  deterministic kind under full masks) it also writes dQ from the sum, where an epilogue kernel does elsewhere.
 """
 
 from __future__ import annotations
