@@ -88,6 +88,14 @@ def plot_rows(rows: list[dict], out, tag: str) -> None:
             plt.close(fig)
 
 
+def add_vs_best_sdpa(cell_rows: list[dict]) -> None:
+    """`vs_best_sdpa` for one cell's rows: fwd_bwd time over the faster SDPA backend's in the same cell."""
+    base = [r["fwd_bwd_ms"] for r in cell_rows if r["impl"].startswith("sdpa") and "fwd_bwd_ms" in r]
+    for r in cell_rows:
+        if base and "fwd_bwd_ms" in r:
+            r["vs_best_sdpa"] = r["fwd_bwd_ms"] / min(base)
+
+
 def attention_flops(b, h, n, d, causal):
     fwd = 4 * b * h * n * n * d / (2 if causal else 1)
     return fwd, 2.5 * fwd
@@ -155,8 +163,16 @@ def main(argv=None) -> int:
     impls = {name: implementation(name) for name in args.impls}
     causals = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
     cells = [(d, n, dt, c) for dt in args.dtypes for c in causals for d in args.head_dims for n in args.seq_lens]
+    tag = "gpu" if ON_GPU else "cpu"
+    rounds_note = (f", then the median of {args.rounds} rounds, the implementations interleaved" if args.rounds > 1
+                   else "")
+    notes = [f"heads {args.heads}; batch "
+             + (f"{args.batch}" if args.batch else f"max(1, {args.tokens} // seq_len)" if ON_GPU else "1")
+             + f"; times are medians (do_bench on CUDA){rounds_note}; "
+             "TFLOP/s counts 4·B·H·N²·D per forward (halved when causal) and 2.5× that for backward; "
+             "vs_best_sdpa = fwd_bwd time over the faster SDPA backend's (below 1 is faster)."]
     rows = []
-    for d, n, dt, c in progress(cells, "attention", args.no_progress):
+    for done, (d, n, dt, c) in enumerate(progress(cells, "attention", args.no_progress), 1):
         batch = args.batch or (max(1, args.tokens // n) if ON_GPU else 1)
         cell_rows, timed = [], {}
         for name in impls:
@@ -178,26 +194,13 @@ def main(argv=None) -> int:
         for row in cell_rows:
             if row["impl"] in timed:
                 row.update(median_of_rounds(timed[row["impl"]], attention_flops(batch, args.heads, n, d, c)))
+        add_vs_best_sdpa(cell_rows)
         rows.extend(cell_rows)
-    # Ratio to the strongest SDPA baseline of the same cell.
-    by_cell = {}
-    for r in rows:
-        by_cell.setdefault((r["dtype"], r["causal"], r["head_dim"], r["seq_len"]), []).append(r)
-    for group in by_cell.values():
-        base = [r["fwd_bwd_ms"] for r in group if r["impl"].startswith("sdpa") and "fwd_bwd_ms" in r]
-        for r in group:
-            if base and "fwd_bwd_ms" in r:
-                r["vs_best_sdpa"] = r["fwd_bwd_ms"] / min(base)
-    env = environment()
-    tag = "gpu" if ON_GPU else "cpu"
-    rounds_note = (f", then the median of {args.rounds} rounds, the implementations interleaved" if args.rounds > 1
-                   else "")
-    path = write_table(rows, args.out, f"attention_{tag}", "Attention implementations",
-                       [f"heads {args.heads}; batch "
-                        + (f"{args.batch}" if args.batch else f"max(1, {args.tokens} // seq_len)" if ON_GPU else "1")
-                        + f"; times are medians (do_bench on CUDA){rounds_note}; "
-                        "TFLOP/s counts 4·B·H·N²·D per forward (halved when causal) and 2.5× that for backward; "
-                        "vs_best_sdpa = fwd_bwd time over the faster SDPA backend's (below 1 is faster)."], env)
+        # Written after every cell: a sweep stopped midway (a timeout kills it) keeps the cells it finished.
+        partial = [] if done == len(cells) else [f"**Partial: {done} of {len(cells)} cells** (the run stopped, or is "
+                                                 "still running, before the rest)."]
+        path = write_table(rows, args.out, f"attention_{tag}", "Attention implementations", notes + partial,
+                           environment())
     plot_rows(rows, args.out, tag)
     print(path.read_text())
     return 0

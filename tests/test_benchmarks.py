@@ -81,6 +81,27 @@ def test_attention_rounds_take_each_times_median_and_keep_a_failure():
     assert median_of_rounds([runs[0], failed], (1.0, 1.0)) == failed
 
 
+def test_an_attention_sweep_stopped_midway_keeps_the_cells_it_finished(tmp_path, monkeypatch):
+    """The sweep writes its table after every cell, marked partial until the last: a run cut off (a timeout's kill,
+    here an interrupt in the second cell's timing) leaves the first cell's rows, ratios included, on disk."""
+    import benchmarks.attention as attention
+
+    def fake_measure(name, fn, batch, heads, n, *rest):
+        if n == 128:
+            raise KeyboardInterrupt  # not an Exception: run_cell lets it through, as a kill would stop the run
+        return {"fwd_ms": 1.0, "bwd_ms": 2.0, "fwd_bwd_ms": 3.0 if name == "naive" else 4.0, "peak_mem_MB": 1.0}
+
+    monkeypatch.setattr(attention, "measure_impl", fake_measure)
+    with pytest.raises(KeyboardInterrupt):
+        attention.main(["--seq-lens", "64", "128", "--head-dims", "16", "--impls", "naive", "sdpa-math",
+                        "--out", str(tmp_path), "--no-progress"])
+    table = (tmp_path / "attention_cpu.md").read_text()
+    assert "**Partial: 1 of 2 cells**" in table
+    rows = (tmp_path / "attention_cpu.csv").read_text().splitlines()
+    assert len(rows) == 3 and all(",64," in r for r in rows[1:])  # the header and the first cell's two rows
+    assert rows[1].endswith(",0.75")  # naive's 3 ms over sdpa-math's 4
+
+
 @pytest.mark.parametrize("bad", ["0", "-1", "two"])
 def test_attention_rounds_below_one_is_refused_by_name(bad):
     """`--rounds` takes a whole number, 1 or more: anything else stops before any timing, naming the argument."""
