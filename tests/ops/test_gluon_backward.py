@@ -347,8 +347,6 @@ def test_op_runs_the_one_pass_that_determinism_allows_gpu(d, window, monkeypatch
 
 @hopper_only
 @pytest.mark.gpu
-@hopper_only
-@pytest.mark.gpu
 @pytest.mark.parametrize("variant", [(d, v) for d, vs in flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS.items()
                                      for v in vs if v.kind != "tl"],
                          ids=lambda dv: f"d{dv[0]}-{dv[1].label().replace(' ', '-')}")
@@ -381,34 +379,45 @@ def test_the_folding_one_pass_writes_every_dq_tile_once_its_sum_is_whole_gpu(var
     assert all(torch.equal(a, b) for a, b in zip(*runs)), "the deterministic one pass changed its bits"
 
 
+@hopper_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("launcher", ["python", "native"])
 @pytest.mark.parametrize("kind", ["one_pass_det", "one_pass"])
-def test_a_backward_that_ran_the_one_pass_replays_it_from_its_plan_gpu(kind, launcher, request, monkeypatch):
-    """Where a one pass is the choice, the backward's plan records it (prologue, Gluon kernel, epilogue; the dQ sum
-    and semaphores allocated anew): later calls replay it, by eager_plans or by the native node, without the full
-    path, with gradients within bf16's error of float64; the deterministic one's replays keep the first call's
-    bits."""
-    from flashsys.ops.attention import FlashAttention2Triton, flash_triton, native_launch, set_deterministic_backward
+def test_a_backward_that_ran_the_one_pass_replays_it_from_its_plan_gpu(kind, launcher, causal, request, monkeypatch):
+    """Where a one pass is the choice, the backward's plan records it (prologue, Gluon kernel, and the epilogue
+    unless the kernel folds dQ, as the deterministic one does under the full mask; the dQ sum and semaphores
+    allocated anew): later calls replay it, by eager_plans or by the native node, without the full path, with
+    gradients within bf16's error of float64; the deterministic one's replays keep the first call's bits."""
+    from flashsys.ops.attention import (FlashAttention2Triton, eager_plans, flash_triton, native_launch,
+                                        set_deterministic_backward)
 
     from .attention_checks import refuse_calls, run_op, select_launcher
 
     select_launcher(launcher, request, monkeypatch)
+    eager_plans.clear()
+    request.addfinalizer(eager_plans.clear)
     monkeypatch.setattr(flash_gluon, "MIN_WORK", 0)
     set_deterministic_backward(kind == "one_pass_det")
     request.addfinalizer(lambda: set_deterministic_backward(True))
     q, k, v, do = make_qkv(2, 8, 1024, 1024, 128, torch.bfloat16, "cuda", seed=31, kv_heads=4)
     table = flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS if kind == "one_pass_det" else flash_gluon.ONE_PASS_VARIANTS
-    flash_gluon._chosen[flash_gluon.ChoiceKey.of(q, k, (-1, 0), kind)] = table[128][1]
-    first = run_op(FlashAttention2Triton, q, k, v, do, True, None)
+    window = (-1, 0) if causal else (-1, -1)
+    flash_gluon._chosen[flash_gluon.ChoiceKey.of(q, k, window, kind)] = table[128][1]
+    first = run_op(FlashAttention2Triton, q, k, v, do, causal, None)
     refuse_calls(monkeypatch, flash_triton, "_launch_backward", "_one_pass_backward")
-    _, _, *refs = run_reference(q, k, v, do, True, None, torch.float64)
-    _, _, *plains = run_reference(q, k, v, do, True, None, torch.bfloat16)
+    _, _, *refs = run_reference(q, k, v, do, causal, None, torch.float64)
+    _, _, *plains = run_reference(q, k, v, do, causal, None, torch.bfloat16)
     for _ in range(3):
-        again = run_op(FlashAttention2Triton, q, k, v, do, True, None)
+        again = run_op(FlashAttention2Triton, q, k, v, do, causal, None)
         if kind == "one_pass_det":
             assert all(torch.equal(a, b) for a, b in zip(first, again)), "a replay changed the bits"
         for name, ours, ref, plain in zip(("dQ", "dK", "dV"), again[2:], refs, plains):
             err, base = rel_err(ours, ref), rel_err(plain, ref)
             assert err <= 2 * base + FLOOR[torch.bfloat16], f"{name}: {err:.3g} vs PyTorch {base:.3g}"
+    (plan,) = eager_plans.backward_plans._plans.values()
+    folds = kind == "one_pass_det" and not causal
+    assert flash_gluon.folds_dq(table[128][1], q, k, window) == folds
+    assert len(plan.replays) == (2 if folds else 3)  # prologue, kernel (and epilogue)
     if launcher == "native":
         assert native_launch.sizes() == (1, 1)
