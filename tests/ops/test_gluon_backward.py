@@ -276,26 +276,36 @@ def test_the_deterministic_one_pass_ring_finishes_and_matches_reference_gpu(vari
     queries in 64-row tiles give a ring of stride 2, where the writer counts its turns late; 600 queries, or
     128-row tiles, one of stride 1, where a late count deadlocked (the GPU trapped). All finish, match float64 and
     repeat their bits (with 128-row tiles 600 queries are 5 tiles, fewer than the key tiles: the masked order)."""
-    from flashsys.ops.attention import flash_triton
-
     d, var = variant
     case = (1, 2, 2, n_q, 1024, (-1, -1), "bhnd", torch.bfloat16)
-    (q, k, v, do, o, lse), grads_tl, _ = _tl_backward_case(case, d, 17, 3)
+    inputs, grads_tl, _ = _tl_backward_case(case, d, 17, 3)
+    q, k = inputs[:2]
     assert flash_gluon.rotates(var, q, k, (-1, -1)) == (triton.cdiv(n_q, var.block_m) >= 8)
     assert flash_gluon.passes_turns_late(var, q, k, (-1, -1)) == (var.block_m == 64 and n_q == 1024)
+    _full_mask_runs_match_reference(var, inputs, grads_tl, d)
+
+
+def _full_mask_runs_match_reference(var, inputs, grads_tl, d):
+    """Two backwards of the deterministic one pass `var` under the full mask, into NaN-filled gradients (and a
+    NaN-filled dQ sum, `_free_a_nan_block`): the first within twice the two passes' error (grads_tl) of float64, the
+    second the same bits. Returns each run's launches (`flash_triton._BackwardLaunches`)."""
+    from flashsys.ops.attention import flash_triton
+
+    q, k, v, do, o, lse = inputs
     scale = d ** -0.5
     _, _, *refs = run_reference(q, k, v, do, False, scale, torch.float64, (-1, -1))
-    runs = []
+    runs, launches = [], []
     for _ in range(2):
         grads = tuple(torch.full_like(t, float("nan"), memory_format=torch.contiguous_format) for t in (q, k, v))
         pairs = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device=q.device)
         _free_a_nan_block(q)
-        flash_triton._one_pass_backward(var, q, k, v, o, lse, do, *grads, pairs, (-1, -1), scale)
+        launches.append(flash_triton._one_pass_backward(var, q, k, v, o, lse, do, *grads, pairs, (-1, -1), scale))
         runs.append(grads)
     for name, ours, ref, tl_result in zip(("dQ", "dK", "dV"), runs[0], refs, grads_tl):
         err, tl_err = rel_err(ours, ref), rel_err(tl_result, ref)
         assert err <= 2 * tl_err + FLOOR[torch.bfloat16], f"{name}: {err:.3g} vs the two passes' {tl_err:.3g}"
     assert all(torch.equal(a, b) for a, b in zip(*runs)), "the deterministic one pass changed its bits"
+    return launches
 
 
 @hopper_only
@@ -356,27 +366,15 @@ def test_the_folding_one_pass_writes_every_dq_tile_once_its_sum_is_whole_gpu(var
     the last fold_lag. 40 pairs against a lag of 33 (8 key tiles) take both ways; GQA, and 1000 queries (a ragged
     last tile). Every tile of a NaN-filled dQ is written, within the two passes' error of float64, the same bits on
     a rerun; dK and dV too (the extra programs' stores fall outside them)."""
-    from flashsys.ops.attention import flash_triton
-
     d, var = variant
     case = (5, 16, 8, 1000, 1024, (-1, -1), "bhnd", torch.bfloat16)
-    (q, k, v, do, o, lse), grads_tl, _ = _tl_backward_case(case, d, 23, 4)
+    inputs, grads_tl, _ = _tl_backward_case(case, d, 23, 4)
+    q, k = inputs[:2]
     if not flash_gluon.folds_dq(var, q, k, (-1, -1)):
         pytest.skip(f"{var.label()} does not rotate at 1000 queries: the masked order, with its epilogue")
     assert 0 < flash_gluon.fold_lag(var, q, k, (-1, -1)) < 5 * 8
-    scale = d ** -0.5
-    _, _, *refs = run_reference(q, k, v, do, False, scale, torch.float64, (-1, -1))
-    runs = []
-    for _ in range(2):
-        grads = tuple(torch.full_like(t, float("nan"), memory_format=torch.contiguous_format) for t in (q, k, v))
-        pairs = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device=q.device)
-        launches = flash_triton._one_pass_backward(var, q, k, v, o, lse, do, *grads, pairs, (-1, -1), scale)
-        assert len(launches.recorded) == 2  # the prologue and the kernel: no epilogue
-        runs.append(grads)
-    for name, ours, ref, tl_result in zip(("dQ", "dK", "dV"), runs[0], refs, grads_tl):
-        err, tl_err = rel_err(ours, ref), rel_err(tl_result, ref)
-        assert err <= 2 * tl_err + FLOOR[torch.bfloat16], f"{name}: {err:.3g} vs the two passes' {tl_err:.3g}"
-    assert all(torch.equal(a, b) for a, b in zip(*runs)), "the deterministic one pass changed its bits"
+    launches = _full_mask_runs_match_reference(var, inputs, grads_tl, d)
+    assert all(len(run.recorded) == 2 for run in launches)  # the prologue and the kernel: no epilogue
 
 
 @hopper_only
