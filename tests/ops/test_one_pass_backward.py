@@ -490,6 +490,10 @@ def test_only_the_rotated_full_mask_folds_dq_and_its_grid_holds_the_lagging_pair
         assert not flash_gluon.folds_dq(variant, q, k, window)
         assert launch(variant, window) == ((8 * 8,), 0, False)
     assert not flash_gluon.folds_dq(det, q[:, :, :256], k, (-1, -1))  # 4 query tiles: not rotated
+    with pytest.raises(ValueError, match="writes dQ from its sum as dense"):  # the kernel indexes dQ densely
+        flash_gluon._one_pass_launch_parts(det, q, k, k, q, k, k, torch.empty(q.shape), torch.empty(*q.shape[:-1], 2),
+                                           torch.zeros(1024, dtype=torch.int32), q.transpose(1, 2).contiguous()
+                                           .transpose(1, 2), (-1, -1), 0.1)
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "50")
     assert flash_gluon.fold_lag(det, q, k, (-1, -1)) == 17  # 66 SMs
 

@@ -492,6 +492,10 @@ def _one_pass_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor,
     dq_rows, dq_cols = (m, d) if variant.alternate else (m // 2, d) if m >= 128 else (m, d // 2)
     group_heads = paired_heads(variant, q4, k4, window)
     lag = fold_lag(variant, q4, k4, window)
+    if lag and (dq4.shape != q4.shape or not dq4.is_contiguous() or not dq_acc.is_contiguous()):
+        raise ValueError(f"{variant.label()} writes dQ from its sum as dense (B, H, Nq, D) tensors: got dq "
+                         f"{tuple(dq4.shape)} strides {dq4.stride()}, the sum strides {dq_acc.stride()}, q "
+                         f"{tuple(q4.shape)}")
     gl = _kernels().gl
     dq_desc = _descriptor(dq_acc, dq_rows, dq_cols,
                           gl.NVMMASharedLayout.get_default_for([1, 1, dq_rows, dq_cols], gl.float32))

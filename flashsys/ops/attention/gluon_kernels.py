@@ -1127,7 +1127,7 @@ def _fold_dq(DqAcc, DQ, Sem, bh_kv, n_kv_heads, kv_group, n_q, pid_n, n_k_tiles,
 
 @gluon.jit
 def _one_pass_consumer(dk_desc, dv_desc, DqAcc, DQ, Sem, q_smem, do_smem, pair_smem, q_bar, do_bar, k_box, v_box,
-                       kv_bar, empty_bar, ds_smem, ds_bar, dq_stage, stage_full, stage_empty, b, h_kv, bh_kv, n_bh,
+                       kv_bar, empty_bar, ds_smem, ds_bar, dq_stage, stage_full, stage_empty, b, h_kv, bh_kv,
                        n_kv_heads, kv_group, n_q, start_n, lo, rot, down, full_lo, full_hi, n_m_tiles, n_iter,
                        n_k_tiles, stride, fold_lag, right_offset, left_offset, qk_scale, softmax_scale,
                        HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
@@ -1147,7 +1147,7 @@ def _one_pass_consumer(dk_desc, dv_desc, DqAcc, DQ, Sem, q_smem, do_smem, pair_s
     it starts the next tile's Sᵀ and dPᵀ while the other's runs. Its shared-memory reads are those of the two halves
     at D 64 (each m64 half of a 128-row product reads all of K), 16 KB fewer at D 128 (dS read once).
     With FOLD_DQ, first, while K and V load, it writes dQ where key tile pid_n took the ring's last turn for the
-    (batch, K/V head) fold_lag before its own, whose programs ran about a wave earlier (`_fold_dq`)."""
+    (batch, K/V head) pair fold_lag before its own, whose programs launched about two waves earlier (`_fold_dq`)."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_M)
     acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -1346,14 +1346,14 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     fence_async_shared()
     gl.warp_specialize([(_one_pass_consumer, (dk_desc, dv_desc, DqAcc, DQ, Sem, q_smem, do_smem, pair_smem, q_bar,
                                               do_bar, k_box, v_box, kv_bar, empty_bar, ds_smem, ds_bar, dq_stage,
-                                              stage_full, stage_empty, b, h_kv, bh_kv, n_bh, n_kv_heads, kv_group,
+                                              stage_full, stage_empty, b, h_kv, bh_kv, n_kv_heads, kv_group,
                                               n_q, start_n, lo, rot, down, full_lo, full_hi, n_m_tiles, n_iter,
                                               n_k_tiles, stride, fold_lag, right_offset, left_offset, qk_scale,
                                               softmax_scale, 0, HEAD_DIM, BLOCK_M, HALF_N, BOUND_RIGHT,
                                               BOUND_LEFT, NBUF, NSTAGE, DQ_ROWS, DQ_COLS, DQ_ALTERNATE, FOLD_DQ)),
                         (_one_pass_consumer, (dk_desc, dv_desc, DqAcc, DQ, Sem, q_smem, do_smem, pair_smem, q_bar,
                                               do_bar, k_box, v_box, kv_bar, empty_bar, ds_smem, ds_bar, dq_stage,
-                                              stage_full, stage_empty, b, h_kv, bh_kv, n_bh, n_kv_heads, kv_group,
+                                              stage_full, stage_empty, b, h_kv, bh_kv, n_kv_heads, kv_group,
                                               n_q, start_n, lo, rot, down, full_lo, full_hi, n_m_tiles, n_iter,
                                               n_k_tiles, stride, fold_lag, right_offset, left_offset, qk_scale,
                                               softmax_scale, 1, HEAD_DIM, BLOCK_M, HALF_N, BOUND_RIGHT,
