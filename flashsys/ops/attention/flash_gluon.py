@@ -584,8 +584,9 @@ def compile_only(variant: Variant, q: Tensor, k: Tensor, v: Tensor, window: tupl
         tensors = (q, k, v, q, torch.empty_like(k), torch.empty_like(v))
         dq_acc = torch.empty(_rank4(q).shape, dtype=torch.float32, device=q.device)
         semaphores = torch.empty(semaphore_count(variant, _rank4(q)), dtype=torch.int32, device=q.device)
+        dq = torch.empty_like(q, memory_format=torch.contiguous_format)  # dense, as the backward allocates it
         kernel, _, args, kwargs = _one_pass_launch_parts(variant, *(_rank4(t) for t in tensors), dq_acc, lse_delta,
-                                                         semaphores, _rank4(torch.empty_like(q)), window, scale)
+                                                         semaphores, _rank4(dq), window, scale)
     elif variant.kind == "dq":
         tensors = (q, k, v, q, o, torch.empty_like(q))
         kernel, _, args, kwargs = _dq_launch_parts(variant, *(_rank4(t) for t in tensors), lse, lse_delta, window,
