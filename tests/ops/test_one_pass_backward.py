@@ -316,8 +316,9 @@ def _runs_to_the_end(launches, sms: int, pass_late: bool = False) -> bool:
     order as SMs free up. `launches`: per program (head, [(query tile, turn), ...] in visiting order). A step adds
     one program's share at one query tile, once as many shares as its turn have been counted there; the writer
     counts it at once, or with `pass_late` (PASS_LATE) only once it has taken its next turn (or has none left).
-    False where every running program waits for a program that has not started or for a count that waits on it
-    (a deadlock on the GPU)."""
+    A step (query tile, turn, head) adds nothing: it waits until `turn` shares have been counted at that head's tile
+    (FOLD_DQ's wait for another pair's whole sum). False where every running program waits for a program that has
+    not started or for a count that waits on it (a deadlock on the GPU)."""
     counted: dict[tuple[int, int], int] = {}
     queue, running = list(launches), []
     while queue or running:
@@ -327,7 +328,10 @@ def _runs_to_the_end(launches, sms: int, pass_late: bool = False) -> bool:
         moved = False
         for program in running:
             head, steps, pending = program
-            while steps and counted.get((head, steps[0][0]), 0) == steps[0][1]:
+            while steps and len(steps[0]) == 3 and counted.get((steps[0][2], steps[0][0]), 0) == steps[0][1]:
+                steps.pop(0)  # a fold's wait, passed
+                moved = True
+            while steps and len(steps[0]) == 2 and counted.get((head, steps[0][0]), 0) == steps[0][1]:
                 if pending is not None:
                     counted[head, pending] += 1
                 tile = steps.pop(0)[0]
@@ -365,12 +369,25 @@ def _paired_order(n_bh: int, n_k_tiles: int, group_heads: int) -> list[tuple[int
     return [tuple(row) for row in order.cpu().tolist()]
 
 
-def _launches(n_q, n_k, window, heads, rotate, last_first=None, block_m=64, group_heads=0, turns_down=True):
+def _launches(n_q, n_k, window, heads, rotate, last_first=None, block_m=64, group_heads=0, turns_down=True,
+              fold_lag=0):
     """The deterministic one pass's programs in launch order (see `_runs_to_the_end`), with the kernel's turns and
     order: heads one after another; with `rotate` the ring, each head's key tiles from 0 up, else the masked order,
     from the last key tile down (`last_first` overrides that); with `group_heads` the paired order
-    (`_paired_order`), whose downward programs take turns from key tile 0 up (unless not `turns_down`)."""
+    (`_paired_order`), whose downward programs take turns from key tile 0 up (unless not `turns_down`); with
+    `fold_lag` (the ring's FOLD_DQ) each program first waits for the whole sums of head - fold_lag at the tiles
+    `_ring_last_tiles` gives its key tile, and fold_lag heads' programs more do only that."""
     n_m, n_t, rotate, stride, turns, visits = _turns(n_q, n_k, window, rotate, block_m)
+    if fold_lag:
+        assert rotate
+        last = torch.empty((n_t, 32), dtype=torch.int32, device=DEVICE)
+        _ring_last_kernel[(n_t,)](last, n_t, n_m, stride, MAX_M=32)
+        last = last.cpu()
+        folds = [[m for m in range(n_m) if last[n, m]] for n in range(n_t)]
+        ring = _launches(n_q, n_k, window, heads, rotate, last_first, block_m)
+        ring += [(head, []) for head in range(heads, heads + fold_lag) for _ in range(n_t)]
+        return [(head, [(m, n_t, head - fold_lag) for m in folds[i % n_t]] * (head >= fold_lag) + steps)
+                for i, (head, steps) in enumerate(ring)]
     if group_heads:
         down_turns = _turns(n_q, n_k, window, rotate, block_m, down=1)[4] if turns_down else turns
         launches = []
@@ -407,8 +424,10 @@ def test_the_deterministic_one_pass_cannot_deadlock_in_the_order_the_host_launch
                                                                                       block_m):
     """Programs spin until their turn, holding their SM. In the order the host launches them on a GPU of `sms` SMs
     (the ring where `rotates` says so, the paired order where `paired_heads` does, else the masked order, each
-    head's key tiles from the last down), and counting turns late where `passes_turns_late` says so, five heads'
-    programs all finish: a simulation with the kernel's own turns and paired order."""
+    head's key tiles from the last down), and counting turns late where `passes_turns_late` says so, and with the
+    ring's fold of dQ (`fold_lag`: each program first waits for an earlier head's whole sums, the extra programs
+    for the last heads'), five heads' programs all finish: a simulation with the kernel's own turns, paired order
+    and fold tiles."""
     det = flash_gluon.Variant("one_pass_det", block_m, 128, 2, 240)
     q4, k4 = torch.empty(1, 2, n_q, 8), torch.empty(1, 2, n_k, 8)
     with pytest.MonkeyPatch.context() as patch:
@@ -416,7 +435,8 @@ def test_the_deterministic_one_pass_cannot_deadlock_in_the_order_the_host_launch
         rotate = flash_gluon.rotates(det, q4, k4, window)
         late = flash_gluon.passes_turns_late(det, q4, k4, window)
         group_heads = flash_gluon.paired_heads(det, q4, k4, window)
-    launches = _launches(n_q, n_k, window, 5, rotate, block_m=block_m, group_heads=group_heads)
+        lag = flash_gluon.fold_lag(det, q4, k4, window)
+    launches = _launches(n_q, n_k, window, 5, rotate, block_m=block_m, group_heads=group_heads, fold_lag=lag)
     assert _runs_to_the_end(launches, sms, late)
 
 
@@ -445,6 +465,13 @@ def test_the_simulation_finds_the_deadlocks_the_host_avoids():
         for block_m in (64, 128):
             for late in (False, True):
                 assert _runs_to_the_end(_launches(1400, 1400, window, 2, rotate=False, block_m=block_m), 1, late)
+    # The fold waits at a program's start for an earlier head's whole sums: for its own head's (a lag of 0) the
+    # ring could not go round, as the program whose adds it waits for includes itself.
+    folding = _launches(1400, 1400, (-1, -1), 5, rotate=True, fold_lag=2)
+    assert _runs_to_the_end(folding, 11, pass_late=True)
+    own = [(head, [(step[0], step[1], head if head < 5 else step[2]) if len(step) == 3 else step for step in steps])
+           for head, steps in folding]
+    assert not _runs_to_the_end(own, 11, pass_late=True)
 
 
 def test_full_masks_rotate_only_where_one_heads_programs_fit_at_once(monkeypatch):
