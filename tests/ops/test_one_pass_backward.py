@@ -219,6 +219,14 @@ def _ring_last_kernel(Last, n_k_tiles, n_m_tiles, stride, MAX_M: tl.constexpr):
     tl.store(Last + n * MAX_M + m, ((m >= m_lo) & (m < m_hi)).to(tl.int32), mask=m < n_m_tiles)
 
 
+def _ring_last(n_t: int, n_m: int, stride: int) -> list[list[int]]:
+    """Per key tile, the query tiles where it takes the ring's last turn (`_ring_last_kernel`)."""
+    last = torch.empty((n_t, 32), dtype=torch.int32, device=DEVICE)
+    _ring_last_kernel[(n_t,)](last, n_t, n_m, stride, MAX_M=32)
+    last = last.cpu()
+    return [[m for m in range(n_m) if last[n, m]] for n in range(n_t)]
+
+
 @settings(max_examples=40)
 @given(n_q=st.integers(1, 1400), n_k=st.integers(1, 1400), block_m=st.sampled_from([64, 128]))
 @example(n_q=1024, n_k=1024, block_m=64)  # stride 2
@@ -232,11 +240,9 @@ def test_the_ring_folds_each_query_tile_once_where_its_last_turn_is_taken(n_q, n
     n_m, n_t, rotate, stride, turns, _ = _turns(n_q, n_k, (-1, -1), block_m=block_m)
     if not rotate:
         return
-    last = torch.empty((n_t, 32), dtype=torch.int32, device=DEVICE)
-    _ring_last_kernel[(n_t,)](last, n_t, n_m, stride, MAX_M=32)
-    last = last.cpu()
+    last = _ring_last(n_t, n_m, stride)
     for m in range(n_m):
-        writers = [n for n in range(n_t) if last[n, m]]
+        writers = [n for n in range(n_t) if m in last[n]]
         assert writers == [n for n in range(n_t) if turns[n, m] == n_t - 1] and len(writers) == 1, (m, writers)
 
 
@@ -380,10 +386,7 @@ def _launches(n_q, n_k, window, heads, rotate, last_first=None, block_m=64, grou
     n_m, n_t, rotate, stride, turns, visits = _turns(n_q, n_k, window, rotate, block_m)
     if fold_lag:
         assert rotate
-        last = torch.empty((n_t, 32), dtype=torch.int32, device=DEVICE)
-        _ring_last_kernel[(n_t,)](last, n_t, n_m, stride, MAX_M=32)
-        last = last.cpu()
-        folds = [[m for m in range(n_m) if last[n, m]] for n in range(n_t)]
+        folds = _ring_last(n_t, n_m, stride)
         ring = _launches(n_q, n_k, window, heads, rotate, last_first, block_m)
         ring += [(head, []) for head in range(heads, heads + fold_lag) for _ in range(n_t)]
         return [(head, [(m, n_t, head - fold_lag) for m in folds[i % n_t]] * (head >= fold_lag) + steps)
