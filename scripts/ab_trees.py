@@ -1,0 +1,253 @@
+"""Two source trees' attention timed against each other in interleaved rounds, one worker process per tree (#16).
+
+A kernel change whose host code changed too (a buffer's shape, a kernel's arguments) cannot be timed against the old
+code in one process: each tree must import its own flashsys. Here each tree gets a worker, a Python started in that
+tree with the tree first on its path, and the driver asks the workers in turn to time each cell, so only one of
+them uses the GPU at a time and the clocks' drift falls on both alike. Each round alternates which tree goes first.
+
+Each worker also returns a digest of the first backward's dQ, dK and dV. Two trees whose deterministic backwards add
+the same sums in the same order must give the same digest; the table says whether they did.
+
+    git worktree add /tmp/main main
+    python scripts/ab_trees.py --trees /tmp/main . --cells 128:full:16384 128:causal:16384 --rounds 5 --baseline
+
+A cell is D:MASK:N (MASK full or causal), with batch = --tokens // N and --heads heads, bf16 on a GPU (float32 on a
+CPU, where the times say nothing about kernels: that is for trying the script). `--what bwd` (the default) times
+the backward alone, `fwd_bwd` a forward and its backward; `--baseline` also times SDPA's cuDNN backend (GPU only)
+in the first tree's worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+REPLY = "AB_TREES "  # a worker's answers start with this; anything else it prints goes to the driver's stderr
+
+
+class Cell(NamedTuple):
+    head_dim: int
+    causal: bool
+    n: int
+
+    def label(self) -> str:
+        return f"D {self.head_dim} {'causal' if self.causal else 'full'} N {self.n}"
+
+
+def cell_spec(text: str) -> Cell:
+    """argparse type of a cell written D:MASK:N, e.g. 128:causal:16384."""
+    parts = text.split(":")
+    if len(parts) != 3 or parts[1] not in ("full", "causal") or not (parts[0].isdigit() and parts[2].isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r}: want D:MASK:N with MASK full or causal, e.g. 128:causal:16384")
+    return Cell(int(parts[0]), parts[1] == "causal", int(parts[2]))
+
+
+def tree_path(text: str) -> Path:
+    """argparse type of a source tree: a folder with a flashsys package in it."""
+    path = Path(text).resolve()
+    if not (path / "flashsys" / "__init__.py").is_file():
+        raise argparse.ArgumentTypeError(f"{text!r}: no flashsys package there (want a source tree's root)")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------- worker
+
+
+def _reply(obj: dict) -> None:
+    sys.stdout.write(REPLY + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _median_ms(fn, on_gpu: bool) -> float:
+    if on_gpu:
+        import triton
+
+        return triton.testing.do_bench(fn, return_mode="median")
+    fn()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def worker(tokens: int, heads: int) -> int:
+    """Serve the driver: one JSON request a line on stdin ({"cell": [D, causal, N], "impl": "flashsys" or
+    "sdpa-cudnn", "what": "bwd" or "fwd_bwd"}), one REPLY line each ({"ms": ..., "digest": ...})."""
+    sys.path.insert(0, os.getcwd())  # this tree's flashsys before any installed one
+    import torch
+    import torch.nn.functional as F
+
+    import flashsys
+    from flashsys.ops import flash_attention
+
+    on_gpu = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
+    _reply({"flashsys": flashsys.__file__, "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if on_gpu else "cpu"})
+    made: dict = {}
+    for line in sys.stdin:
+        request = json.loads(line)
+        d, causal, n = request["cell"]
+        key = (d, causal, n)
+        if key not in made:
+            made.clear()  # one cell's tensors at a time
+            if on_gpu:
+                torch.cuda.empty_cache()
+            g = torch.Generator().manual_seed(1_000_003 * d + 7 * n + causal)  # the same inputs in every tree
+            q, k, v, do = (torch.randn(max(1, tokens // n), heads, n, d, generator=g).to(device, dtype)
+                           for _ in range(4))
+            made[key] = (q, k, v, do)
+        q, k, v, do = made[key]
+        leaves = tuple(t.clone().requires_grad_() for t in (q, k, v))
+        if request["impl"] == "sdpa-cudnn":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            def forward():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return F.scaled_dot_product_attention(*leaves, is_causal=causal)
+        else:
+            def forward():
+                return flash_attention(*leaves, causal=causal)
+        out = forward()
+        grads = torch.autograd.grad(out, leaves, do, retain_graph=True)
+        if request["what"] == "bwd":
+            def step():
+                return torch.autograd.grad(out, leaves, do, retain_graph=True)
+        else:
+            def step():
+                return torch.autograd.grad(forward(), leaves, do)
+        _reply({"ms": _median_ms(step, on_gpu), "digest": _digest(grads)})
+        del out, grads, leaves
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------- driver
+
+
+class Worker:
+    """One tree's worker process."""
+
+    def __init__(self, tree: Path, tokens: int, heads: int):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")])))
+        self.tree = tree
+        self.process = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--worker", "--tokens", str(tokens), "--heads", str(heads)],
+            cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.hello = self._read()
+        imported = Path(self.hello["flashsys"]).resolve()
+        if tree not in imported.parents:
+            self.close()
+            raise SystemExit(f"the worker for {tree} imported flashsys from {imported}, not from that tree")
+
+    def _read(self) -> dict:
+        for line in self.process.stdout:
+            if line.startswith(REPLY):
+                return json.loads(line[len(REPLY):])
+            sys.stderr.write(line)
+        raise SystemExit(f"the worker for {self.tree} exited ({self.process.wait()}) without answering")
+
+    def ask(self, **request) -> dict:
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.process.stdin:
+            self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+def run(trees: list[Path], cells: list[Cell], rounds: int, what: str, baseline: bool, tokens: int,
+        heads: int) -> list[dict]:
+    """Each cell's rows: per tree its times (ms, one a round) and digest; the baseline's times where asked."""
+    workers = [Worker(tree, tokens, heads) for tree in trees]
+    try:
+        for w in workers:
+            print(f"# {w.tree}: flashsys {w.hello['flashsys']}, torch {w.hello['torch']}, {w.hello['device']}",
+                  flush=True)
+        if baseline and workers[0].hello["device"] == "cpu":
+            raise SystemExit("--baseline times SDPA's cuDNN backend: it needs a GPU")
+        results = []
+        for cell in cells:
+            times: dict[str, list[float]] = {}
+            digests: dict[str, str] = {}
+            for r in range(rounds):
+                order = list(enumerate(workers)) if r % 2 == 0 else list(enumerate(workers))[::-1]
+                for i, w in order:
+                    answer = w.ask(cell=list(cell), impl="flashsys", what=what)
+                    times.setdefault(f"tree {i}", []).append(answer["ms"])
+                    digests[f"tree {i}"] = answer["digest"]
+                if baseline:
+                    times.setdefault("sdpa-cudnn", []).append(
+                        workers[0].ask(cell=list(cell), impl="sdpa-cudnn", what=what)["ms"])
+            results.append({"cell": cell, "times": times, "digests": digests})
+        return results
+    finally:
+        for w in workers:
+            w.close()
+
+
+def table(results: list[dict], trees: list[Path]) -> str:
+    """A Markdown table: each cell's median per tree, each tree after the first against the first, the baseline's
+    median and each tree against it, and whether the trees' gradients agreed bit for bit."""
+    others = range(1, len(trees))
+    head = ["cell", *(f"tree {i} ms" for i in range(len(trees))), *(f"tree {i} / tree 0" for i in others)]
+    baseline = any("sdpa-cudnn" in r["times"] for r in results)
+    if baseline:
+        head += ["sdpa-cudnn ms", *(f"tree {i} / cuDNN" for i in range(len(trees)))]
+    head.append("same bits")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        med = {name: statistics.median(ts) for name, ts in r["times"].items()}
+        row = [r["cell"].label(), *(f"{med[f'tree {i}']:.3f}" for i in range(len(trees))),
+               *(f"{med[f'tree {i}'] / med['tree 0']:.3f}" for i in others)]
+        if baseline:
+            row += [f"{med['sdpa-cudnn']:.3f}", *(f"{med[f'tree {i}'] / med['sdpa-cudnn']:.3f}"
+                                                  for i in range(len(trees)))]
+        row.append("yes" if len(set(r["digests"].values())) == 1 else "no")
+        lines.append("| " + " | ".join(row) + " |")
+    legend = [f"tree {i}: {tree}" for i, tree in enumerate(trees)]
+    return "\n".join([*legend, "", *lines])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--trees", type=tree_path, nargs="+", help="two or more source trees; the first is the reference")
+    ap.add_argument("--cells", type=cell_spec, nargs="+", default=[cell_spec("128:full:16384")])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--what", choices=["bwd", "fwd_bwd"], default="bwd")
+    ap.add_argument("--baseline", action="store_true", help="also time SDPA's cuDNN backend (GPU only)")
+    ap.add_argument("--tokens", type=int, default=16384, help="batch x N per cell")
+    ap.add_argument("--heads", type=int, default=16)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args.tokens, args.heads)
+    if not args.trees or len(args.trees) < 2:
+        ap.error("--trees: give two or more source trees")
+    if args.rounds < 1:
+        ap.error("--rounds: at least 1")
+    results = run(args.trees, args.cells, args.rounds, args.what, args.baseline, args.tokens, args.heads)
+    print(table(results, args.trees))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,68 @@
+"""scripts/ab_trees.py, the A/B of two source trees in worker processes: a run on this CPU (the times say nothing
+here; the rows, the digests and each worker's own tree are the point), what its arguments refuse, the guard that a
+worker imported its own tree's flashsys, and the table's verdict on the trees' bits."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "ab_trees.py"
+_spec = importlib.util.spec_from_file_location("ab_trees", SCRIPT)
+ab_trees = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ab_trees)
+
+
+def _run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=cwd, timeout=600)
+
+
+def test_two_trees_are_timed_cell_by_cell_and_their_bits_compared(tmp_path):
+    """The same tree twice (a copy would do as well): a row per cell with both trees' medians, their ratio, and the
+    gradients' digests equal; the legend names each tree, and each worker says which flashsys it imported."""
+    done = _run("--trees", str(ROOT), str(ROOT), "--cells", "32:causal:128", "16:full:64", "--rounds", "2",
+                "--tokens", "128", "--heads", "2", "--what", "fwd_bwd")
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert out.count(f"flashsys {ROOT / 'flashsys' / '__init__.py'}") == 2
+    assert f"tree 0: {ROOT}" in out and f"tree 1: {ROOT}" in out
+    rows = [line for line in out.splitlines() if line.startswith("| D ")]
+    assert [row.split(" | ")[0] for row in rows] == ["| D 32 causal N 128", "| D 16 full N 64"]
+    assert all(row.endswith("| yes |") for row in rows)
+
+
+def test_a_worker_that_imports_another_trees_flashsys_is_refused(tmp_path):
+    """A tree whose `import flashsys` resolves elsewhere (here a package that says it lives in another folder) would
+    time the wrong code: the driver stops and names both paths."""
+    fake = tmp_path / "tree" / "flashsys"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("__file__ = '/somewhere/else/flashsys/__init__.py'\n")
+    (fake / "ops.py").write_text("def flash_attention(*args, **kwargs):\n    raise AssertionError('not timed')\n")
+    done = _run("--trees", str(ROOT), str(tmp_path / "tree"), "--cells", "16:full:64", "--rounds", "1",
+                "--tokens", "64", "--heads", "1")
+    assert done.returncode != 0
+    assert "imported flashsys from /somewhere/else/flashsys/__init__.py, not from that tree" in done.stderr
+
+
+def test_the_arguments_are_refused_by_name(tmp_path):
+    """A folder with no flashsys package, a cell that is not D:MASK:N, one tree alone: argparse's exit 2, naming the
+    argument, before any worker starts."""
+    for args, words in (((str(ROOT), str(tmp_path)), "no flashsys package there"),
+                        ((str(ROOT), str(ROOT), "--cells", "32:dense:128"), "want D:MASK:N"),
+                        ((str(ROOT),), "give two or more source trees")):
+        done = _run("--trees", *args)
+        assert done.returncode == 2 and words in done.stderr, done.stderr
+
+
+def test_the_table_says_no_where_the_trees_bits_differ():
+    """Digests that differ between trees read "no"; ratios are each tree's median over tree 0's (and over the
+    baseline's where it ran)."""
+    cell = ab_trees.Cell(128, False, 4096)
+    results = [{"cell": cell, "times": {"tree 0": [2.0, 4.0, 3.0], "tree 1": [1.5, 1.5, 1.5], "sdpa-cudnn": [2.0]},
+                "digests": {"tree 0": "a", "tree 1": "b"}}]
+    text = ab_trees.table(results, [Path("/a"), Path("/b")])
+    assert "| D 128 full N 4096 | 3.000 | 1.500 | 0.500 | 2.000 | 1.500 | 0.750 | no |" in text
+    assert text.startswith("tree 0: /a\ntree 1: /b")
