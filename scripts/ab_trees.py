@@ -6,7 +6,9 @@ tree with the tree first on its path, and the driver asks the workers in turn to
 them uses the GPU at a time and the clocks' drift falls on both alike. Each round alternates which tree goes first.
 
 Each worker also returns a digest of the first backward's dQ, dK and dV. Two trees whose deterministic backwards add
-the same sums in the same order must give the same digest; the table says whether they did.
+the same sums in the same order must give the same digest; the table says whether they did. Each tree makes its own
+timed kernel choices, which may differ: under FLASHSYS_TRITON_AUTOTUNE=0 both take their tables' first candidates,
+the way to compare bits (not times).
 
     git worktree add /tmp/main main
     python scripts/ab_trees.py --trees /tmp/main . --cells 128:full:16384 128:causal:16384 --rounds 5 --baseline
