@@ -10,13 +10,15 @@ the same sums in the same order must give the same digest; the table says whethe
 timed kernel choices, which may differ: under FLASHSYS_TRITON_AUTOTUNE=0 both take their tables' first candidates,
 the way to compare bits (not times).
 
-    git worktree add /tmp/main main
-    python scripts/ab_trees.py --trees /tmp/main . --cells 128:full:16384 128:causal:16384 --rounds 5 --baseline
+    git worktree add --detach .ab/main main   # untracked, so the device tool carries it
+    python scripts/ab_trees.py --trees .ab/main . --cells 128:full:16384 128:causal:16384 --rounds 5 --baseline
 
 A cell is D:MASK:N (MASK full or causal), with batch = --tokens // N and --heads heads, bf16 on a GPU (float32 on a
-CPU, where the times say nothing about kernels: that is for trying the script). `--what bwd` (the default) times
-the backward alone, `fwd_bwd` a forward and its backward; `--baseline` also times SDPA's cuDNN backend (GPU only)
-in the first tree's worker.
+CPU, where the times say nothing about kernels: that is for trying the script, with `--impl flash-torch`). `--impl`
+names the attention backend of each tree's registry (`flashsys.ops.attention.ATTENTION_BACKENDS`; flash-triton by
+default, as the sweep's), timed with each tree's `benchmarks.harness.bench_ms`. `--what bwd` (the default) times the
+backward alone, `fwd_bwd` a forward and its backward; `--baseline` also times sdpa-cudnn (GPU only) in the first
+tree's worker.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -68,20 +69,6 @@ def _reply(obj: dict) -> None:
     sys.stdout.flush()
 
 
-def _median_ms(fn, on_gpu: bool) -> float:
-    if on_gpu:
-        import triton
-
-        return triton.testing.do_bench(fn, return_mode="median")
-    fn()
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def _digest(tensors) -> str:
     h = hashlib.sha256()
     for t in tensors:
@@ -90,52 +77,50 @@ def _digest(tensors) -> str:
 
 
 def worker(tokens: int, heads: int) -> int:
-    """Serve the driver: one JSON request a line on stdin ({"cell": [D, causal, N], "impl": "flashsys" or
-    "sdpa-cudnn", "what": "bwd" or "fwd_bwd"}), one REPLY line each ({"ms": ..., "digest": ...})."""
-    sys.path.insert(0, os.getcwd())  # this tree's flashsys before any installed one
+    """Serve the driver: one JSON request a line on stdin ({"cell": [D, causal, N], "impl": a registry backend,
+    "what": "bwd" or "fwd_bwd"}), one REPLY line each ({"ms": ..., "digest": ...}, or {"error": ...})."""
+    sys.path.insert(0, os.getcwd())  # this tree's flashsys and benchmarks before any other
     import torch
-    import torch.nn.functional as F
 
     import flashsys
-    from flashsys.ops import flash_attention
 
-    on_gpu = torch.cuda.is_available()
-    device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
-    _reply({"flashsys": flashsys.__file__, "torch": torch.__version__,
-            "device": torch.cuda.get_device_name() if on_gpu else "cpu"})
-    made: dict = {}
+    _reply({"flashsys": flashsys.__file__, "torch": torch.__version__,  # checked before anything else imports
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"})
+    from benchmarks.harness import DEVICE, ON_GPU, bench_ms
+    from flashsys.ops.attention import ATTENTION_BACKENDS
+
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    made_for, tensors = None, ()  # one cell's inputs at a time: the driver asks for a cell's rounds together
     for line in sys.stdin:
         request = json.loads(line)
+        if request["impl"] not in ATTENTION_BACKENDS:
+            _reply({"error": f"--impl {request['impl']!r}: no such backend in this tree's registry (it has "
+                             f"{', '.join(ATTENTION_BACKENDS)})"})
+            continue
+        backend = ATTENTION_BACKENDS[request["impl"]]
         d, causal, n = request["cell"]
-        key = (d, causal, n)
-        if key not in made:
-            made.clear()  # one cell's tensors at a time
-            if on_gpu:
+        if made_for != (d, causal, n):
+            made_for, tensors = (d, causal, n), ()
+            if ON_GPU:
                 torch.cuda.empty_cache()
             g = torch.Generator().manual_seed(1_000_003 * d + 7 * n + causal)  # the same inputs in every tree
-            q, k, v, do = (torch.randn(max(1, tokens // n), heads, n, d, generator=g).to(device, dtype)
-                           for _ in range(4))
-            made[key] = (q, k, v, do)
-        q, k, v, do = made[key]
+            tensors = tuple(torch.randn(max(1, tokens // n), heads, n, d, generator=g).to(DEVICE, dtype)
+                            for _ in range(4))
+        q, k, v, do = tensors
         leaves = tuple(t.clone().requires_grad_() for t in (q, k, v))
-        if request["impl"] == "sdpa-cudnn":
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            def forward():
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    return F.scaled_dot_product_attention(*leaves, is_causal=causal)
-        else:
-            def forward():
-                return flash_attention(*leaves, causal=causal)
-        out = forward()
-        grads = torch.autograd.grad(out, leaves, do, retain_graph=True)
+        try:
+            out = backend(*leaves, causal)
+            grads = torch.autograd.grad(out, leaves, do, retain_graph=True)
+        except Exception as exc:  # noqa: BLE001  the driver stops with it, naming the tree
+            _reply({"error": f"--impl {request['impl']} at D {d}, N {n}: {type(exc).__name__}: {exc}"})
+            continue
         if request["what"] == "bwd":
             def step():
                 return torch.autograd.grad(out, leaves, do, retain_graph=True)
         else:
             def step():
-                return torch.autograd.grad(forward(), leaves, do)
-        _reply({"ms": _median_ms(step, on_gpu), "digest": _digest(grads)})
+                return torch.autograd.grad(backend(*leaves, causal), leaves, do)
+        _reply({"ms": bench_ms(step), "digest": _digest(grads)})
         del out, grads, leaves
     return 0
 
@@ -150,7 +135,7 @@ class Worker:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")])))
         self.tree = tree
         self.process = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--worker", "--tokens", str(tokens), "--heads", str(heads)],
+            [sys.executable, str(Path(__file__).resolve()), "--worker", str(tokens), str(heads)],
             cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.hello = self._read()
         imported = Path(self.hello["flashsys"]).resolve()
@@ -168,7 +153,10 @@ class Worker:
     def ask(self, **request) -> dict:
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
-        return self._read()
+        answer = self._read()
+        if "error" in answer:
+            raise SystemExit(f"{self.tree}: {answer['error']}")
+        return answer
 
     def close(self) -> None:
         if self.process.stdin:
@@ -176,7 +164,7 @@ class Worker:
         self.process.wait(timeout=60)
 
 
-def run(trees: list[Path], cells: list[Cell], rounds: int, what: str, baseline: bool, tokens: int,
+def run(trees: list[Path], cells: list[Cell], rounds: int, impl: str, what: str, baseline: bool, tokens: int,
         heads: int) -> list[dict]:
     """Each cell's rows: per tree its times (ms, one a round) and digest; the baseline's times where asked."""
     workers = [Worker(tree, tokens, heads) for tree in trees]
@@ -193,7 +181,7 @@ def run(trees: list[Path], cells: list[Cell], rounds: int, what: str, baseline: 
             for r in range(rounds):
                 order = list(enumerate(workers)) if r % 2 == 0 else list(enumerate(workers))[::-1]
                 for i, w in order:
-                    answer = w.ask(cell=list(cell), impl="flashsys", what=what)
+                    answer = w.ask(cell=list(cell), impl=impl, what=what)
                     times.setdefault(f"tree {i}", []).append(answer["ms"])
                     digests[f"tree {i}"] = answer["digest"]
                 if baseline:
@@ -230,23 +218,27 @@ def table(results: list[dict], trees: list[Path]) -> str:
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--worker"]:  # started by Worker: TOKENS HEADS; it imports nothing of the driver's tree
+        return worker(int(sys.argv[2]), int(sys.argv[3]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.harness import at_least_one
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--trees", type=tree_path, nargs="+", help="two or more source trees; the first is the reference")
     ap.add_argument("--cells", type=cell_spec, nargs="+", default=[cell_spec("128:full:16384")])
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=at_least_one, default=5)
+    ap.add_argument("--impl", default="flash-triton", help="a backend of the trees' registry (default flash-triton)")
     ap.add_argument("--what", choices=["bwd", "fwd_bwd"], default="bwd")
-    ap.add_argument("--baseline", action="store_true", help="also time SDPA's cuDNN backend (GPU only)")
+    ap.add_argument("--baseline", action="store_true", help="also time sdpa-cudnn (GPU only)")
     ap.add_argument("--tokens", type=int, default=16384, help="batch x N per cell")
     ap.add_argument("--heads", type=int, default=16)
     args = ap.parse_args()
-    if args.worker:
-        return worker(args.tokens, args.heads)
     if not args.trees or len(args.trees) < 2:
         ap.error("--trees: give two or more source trees")
-    if args.rounds < 1:
-        ap.error("--rounds: at least 1")
-    results = run(args.trees, args.cells, args.rounds, args.what, args.baseline, args.tokens, args.heads)
+    for name in ("tokens", "heads"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name}: 1 or more")
+    results = run(args.trees, args.cells, args.rounds, args.impl, args.what, args.baseline, args.tokens, args.heads)
     print(table(results, args.trees))
     return 0
 

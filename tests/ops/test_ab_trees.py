@@ -24,7 +24,7 @@ def test_two_trees_are_timed_cell_by_cell_and_their_bits_compared(tmp_path):
     """The same tree twice (a copy would do as well): a row per cell with both trees' medians, their ratio, and the
     gradients' digests equal; the legend names each tree, and each worker says which flashsys it imported."""
     done = _run("--trees", str(ROOT), str(ROOT), "--cells", "32:causal:128", "16:full:64", "--rounds", "2",
-                "--tokens", "128", "--heads", "2", "--what", "fwd_bwd")
+                "--tokens", "128", "--heads", "2", "--what", "fwd_bwd", "--impl", "flash-torch")
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
     assert out.count(f"flashsys {ROOT / 'flashsys' / '__init__.py'}") == 2
@@ -48,13 +48,25 @@ def test_a_worker_that_imports_another_trees_flashsys_is_refused(tmp_path):
 
 
 def test_the_arguments_are_refused_by_name(tmp_path):
-    """A folder with no flashsys package, a cell that is not D:MASK:N, one tree alone: argparse's exit 2, naming the
-    argument, before any worker starts."""
+    """A folder with no flashsys package, a cell that is not D:MASK:N, one tree alone, no rounds, no heads:
+    argparse's exit 2, naming the argument, before any worker starts."""
     for args, words in (((str(ROOT), str(tmp_path)), "no flashsys package there"),
                         ((str(ROOT), str(ROOT), "--cells", "32:dense:128"), "want D:MASK:N"),
-                        ((str(ROOT),), "give two or more source trees")):
+                        ((str(ROOT),), "give two or more source trees"),
+                        ((str(ROOT), str(ROOT), "--rounds", "0"), "argument --rounds"),
+                        ((str(ROOT), str(ROOT), "--heads", "0"), "--heads: 1 or more")):
         done = _run("--trees", *args)
         assert done.returncode == 2 and words in done.stderr, done.stderr
+
+
+def test_a_backend_the_registry_lacks_is_named():
+    """--impl is looked up in each tree's own registry: a name it lacks stops the run, naming --impl and the
+    backends that tree has."""
+    done = _run("--trees", str(ROOT), str(ROOT), "--cells", "16:full:64", "--rounds", "1", "--tokens", "64",
+                "--heads", "1", "--impl", "flash-cuda")
+    assert done.returncode != 0
+    assert "--impl 'flash-cuda': no such backend in this tree's registry" in done.stderr
+    assert "flash-torch" in done.stderr
 
 
 def test_the_table_says_no_where_the_trees_bits_differ():
