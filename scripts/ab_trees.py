@@ -16,7 +16,8 @@ the way to compare bits (not times).
 A cell is D:MASK:N (MASK full or causal), with batch = --tokens // N and --heads heads, bf16 on a GPU (float32 on a
 CPU, where the times say nothing about kernels: that is for trying the script, with `--impl flash-torch`). `--impl`
 names the attention backend of each tree's registry (`flashsys.ops.attention.ATTENTION_BACKENDS`; flash-triton by
-default, as the sweep's), timed with each tree's `benchmarks.harness.bench_ms`. `--what bwd` (the default) times the
+default, as the sweep's) or the sweep's flash-triton-nondet (determinism off), timed with each tree's
+`benchmarks.harness.bench_ms`. `--what bwd` (the default) times the
 backward alone, `fwd_bwd` a forward and its backward; `--baseline` also times sdpa-cudnn (GPU only) in the first
 tree's worker.
 """
@@ -70,9 +71,11 @@ def _reply(obj: dict) -> None:
 
 
 def _digest(tensors) -> str:
+    import torch
+
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().contiguous().cpu().numpy().tobytes())
+        h.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())  # numpy has no bfloat16
     return h.hexdigest()[:16]
 
 
@@ -86,18 +89,20 @@ def worker(tokens: int, heads: int) -> int:
 
     _reply({"flashsys": flashsys.__file__, "torch": torch.__version__,  # checked before anything else imports
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"})
+    from benchmarks.attention import NONDETERMINISTIC, implementation
     from benchmarks.harness import DEVICE, ON_GPU, bench_ms
-    from flashsys.ops.attention import ATTENTION_BACKENDS
+    from flashsys.ops.attention import ATTENTION_BACKENDS, set_deterministic_backward
 
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     made_for, tensors = None, ()  # one cell's inputs at a time: the driver asks for a cell's rounds together
     for line in sys.stdin:
         request = json.loads(line)
-        if request["impl"] not in ATTENTION_BACKENDS:
+        if request["impl"] not in (*ATTENTION_BACKENDS, NONDETERMINISTIC):
             _reply({"error": f"--impl {request['impl']!r}: no such backend in this tree's registry (it has "
-                             f"{', '.join(ATTENTION_BACKENDS)})"})
+                             f"{', '.join(ATTENTION_BACKENDS)}, and the sweep's {NONDETERMINISTIC})"})
             continue
-        backend = ATTENTION_BACKENDS[request["impl"]]
+        backend = implementation(request["impl"])  # as the sweep times it
+        set_deterministic_backward(request["impl"] != NONDETERMINISTIC)
         d, causal, n = request["cell"]
         if made_for != (d, causal, n):
             made_for, tensors = (d, causal, n), ()
@@ -227,7 +232,7 @@ def main() -> int:
     ap.add_argument("--trees", type=tree_path, nargs="+", help="two or more source trees; the first is the reference")
     ap.add_argument("--cells", type=cell_spec, nargs="+", default=[cell_spec("128:full:16384")])
     ap.add_argument("--rounds", type=at_least_one, default=5)
-    ap.add_argument("--impl", default="flash-triton", help="a backend of the trees' registry (default flash-triton)")
+    ap.add_argument("--impl", default="flash-triton", help="a backend of the trees' registry (default flash-triton), or flash-triton-nondet")
     ap.add_argument("--what", choices=["bwd", "fwd_bwd"], default="bwd")
     ap.add_argument("--baseline", action="store_true", help="also time sdpa-cudnn (GPU only)")
     ap.add_argument("--tokens", type=int, default=16384, help="batch x N per cell")

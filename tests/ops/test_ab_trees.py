@@ -66,7 +66,20 @@ def test_a_backend_the_registry_lacks_is_named():
                 "--heads", "1", "--impl", "flash-cuda")
     assert done.returncode != 0
     assert "--impl 'flash-cuda': no such backend in this tree's registry" in done.stderr
-    assert "flash-torch" in done.stderr
+    assert "flash-torch" in done.stderr and "and the sweep's flash-triton-nondet" in done.stderr
+
+
+def test_the_digest_takes_bfloat16_and_tells_one_bit():
+    """The GPU cells run in bfloat16, which numpy lacks: the digest reads any dtype's bytes, and a gradient one bit
+    away from another digests differently."""
+    import torch
+
+    grads = [torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(5)).to(dtype)
+             for dtype in (torch.bfloat16, torch.float16, torch.float32)]
+    flipped = [g.clone() for g in grads]
+    flipped[0].view(torch.int16)[1, 2, 3] ^= 1
+    assert ab_trees._digest(grads) == ab_trees._digest([g.clone() for g in grads])
+    assert ab_trees._digest(grads) != ab_trees._digest(flipped)
 
 
 def test_the_table_says_no_where_the_trees_bits_differ():
