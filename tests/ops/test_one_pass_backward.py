@@ -55,8 +55,29 @@ def _prologue(o4, do4, lse, pairs, acc, sem, zero_all, rows=64, block_d=64):
     """Run the one pass's prologue kernel (one program per `rows` query rows of each (batch, head))."""
     batch, heads, n = o4.shape[:3]
     flash_triton._one_pass_prologue_kernel[(triton.cdiv(n, rows), batch * heads)](
-        o4, do4, lse, pairs, acc, sem, *o4.stride(), *do4.stride(), heads, n, HEAD_DIM=o4.shape[-1],
+        o4, do4, lse, pairs, acc, sem, *o4.stride(), *do4.stride(), heads, n, acc.shape[2], HEAD_DIM=o4.shape[-1],
         BLOCK_D=block_d, ROWS=rows, ZERO_ALL=zero_all)
+
+
+def _sum_of(n):
+    """Where query rows 0..n-1 lie in the one pass's float32 dQ sum (`flash_gluon.dq_sum_row`), as an index."""
+    return flash_gluon.dq_sum_row(torch.arange(n))
+
+
+def test_the_dq_sum_holds_each_group_of_8_rows_permuted_as_the_kernel_stores_them():
+    """`dq_sum_row` permutes rows within each group of 8 (so padding Nq to a multiple of 8, `dq_sum_rows`, keeps
+    every row inside the sum), and the Gluon kernel's own reshape and permutation of a share (`_sum_order`) put row
+    r at the same place: both sides of the sum (the kernel's stores and adds; the prologue, epilogue and fold) agree."""
+    gluon_kernels = pytest.importorskip("flashsys.ops.attention.gluon_kernels")
+    rows = torch.arange(128)
+    where = flash_gluon.dq_sum_row(rows)
+    assert torch.equal(where // 8, rows // 8) and torch.equal(torch.sort(where).values, rows)
+    assert [flash_gluon.dq_sum_row(r) for r in range(8)] == [0, 2, 4, 6, 1, 3, 5, 7]
+    assert [flash_gluon.dq_sum_rows(n) for n in (1, 8, 77, 80, 1000)] == [8, 8, 80, 80, 1000]
+    for n_rows in (64, 128):
+        grouped, order = gluon_kernels._sum_order(n_rows, 1)
+        stored = torch.arange(n_rows).reshape(grouped).permute(order).reshape(n_rows)  # row held at each place
+        assert torch.equal(flash_gluon.dq_sum_row(stored), torch.arange(n_rows))
 
 
 @pytest.mark.parametrize("rank", [3, 4])
@@ -74,20 +95,22 @@ def test_prologue_writes_the_pairs_and_zeroes_dq_and_epilogue_scales_it(rank):
         o, do, lse, heads = o[:, 0], do[:, 0], lse[:, 0].contiguous(), 1  # L is dense, as the forward writes it
     pairs = torch.full((*lse.shape, 2), float("nan"), device=DEVICE)
     o4, do4 = (t if t.dim() == 4 else t.unsqueeze(1) for t in (o, do))
-    acc = torch.full(o4.shape, float("nan"), device=DEVICE)
+    acc = torch.full((batch, heads, flash_gluon.dq_sum_rows(n), d), float("nan"), device=DEVICE)  # 80 rows
     sem = torch.full((batch * heads * triton.cdiv(n, 64),), 7, dtype=torch.int32, device=DEVICE)
     _prologue(o4, do4, lse, pairs, acc, sem, zero_all=True)
     assert torch.equal(sem, torch.zeros_like(sem))
     want_neg = torch.where(torch.isinf(lse), torch.zeros_like(lse), -lse * flash_triton.LOG2E)
     torch.testing.assert_close(pairs[..., 0], want_neg)
     torch.testing.assert_close(pairs[..., 1], (o.float() * do.float()).sum(-1), rtol=1e-5, atol=1e-5)
-    assert torch.equal(acc, torch.zeros_like(acc))
+    in_sum = _sum_of(n).to(DEVICE)
+    assert torch.equal(acc[:, :, in_sum], torch.zeros_like(o4, dtype=torch.float32))
+    assert acc.isnan().sum() == batch * heads * 3 * d  # the padding's 3 rows a head: no query row's
     acc.normal_(generator=torch.Generator(DEVICE).manual_seed(12))
     dq = torch.full(o4.shape, float("nan"), device=DEVICE, dtype=torch.float16)
-    rows = acc.numel() // d
-    flash_triton._one_pass_epilogue_kernel[(triton.cdiv(rows, 64),)](acc, dq, rows, 0.3, HEAD_DIM=d, BLOCK_D=64,
-                                                                     ROWS=64)
-    assert torch.equal(dq, (acc * 0.3).to(torch.float16))
+    rows = batch * heads * n
+    flash_triton._one_pass_epilogue_kernel[(triton.cdiv(rows, 64),)](acc, dq, rows, n, acc.shape[2], 0.3,
+                                                                     HEAD_DIM=d, BLOCK_D=64, ROWS=64)
+    assert torch.equal(dq, (acc[:, :, in_sum] * 0.3).to(torch.float16))
 
 
 def _choose_runs_every_candidate(monkeypatch, picked):
@@ -303,11 +326,13 @@ def test_the_deterministic_prologue_zeroes_the_rows_no_first_share_stores(n_q, n
     sees_no_key = ~window_mask(n_q, n_k, *window).any(1)
     lse = torch.randn(1, 1, n_q, generator=g).masked_fill(sees_no_key, float("-inf")).to(DEVICE)
     pairs = torch.empty((1, 1, n_q, 2), device=DEVICE)
-    acc = torch.full((1, 1, n_q, d), float("nan"), device=DEVICE)
+    acc = torch.full((1, 1, flash_gluon.dq_sum_rows(n_q), d), float("nan"), device=DEVICE)
     sem = torch.full((n_m,), 7, dtype=torch.int32, device=DEVICE)
     _prologue(o, do, lse, pairs, acc, sem, zero_all=False, rows=block_m, block_d=d)
-    zeroed = (acc[0, 0] == 0).all(1).cpu()
-    assert torch.equal(zeroed, sees_no_key) and not (acc[0, 0] == 0).any(1)[~zeroed].any()
+    by_row = acc[0, 0, _sum_of(n_q).to(DEVICE)]  # query row r's place in the sum, row r
+    zeroed = (by_row == 0).all(1).cpu()
+    assert torch.equal(zeroed, sees_no_key) and not (by_row == 0).any(1)[~zeroed].any()
+    assert (acc[0, 0] == 0).sum() == zeroed.sum() * d  # nothing else, the padding included
     assert torch.equal(sem.cpu(), torch.zeros(n_m, dtype=torch.int32))
     for m in range(n_m):
         visitors = [n for n in range(n_t) if visits[n, m]]
@@ -520,6 +545,12 @@ def test_only_the_rotated_full_mask_folds_dq_and_its_grid_holds_the_lagging_pair
         assert not flash_gluon.folds_dq(variant, q, k, window)
         assert launch(variant, window) == ((8 * 8,), 0, False)
     assert not flash_gluon.folds_dq(det, q[:, :, :256], k, (-1, -1))  # 4 query tiles: not rotated
+    ragged = torch.empty(2, 8, 1001, 128, dtype=torch.bfloat16)  # its sum holds 1008 rows a head
+    for rows in (1001, 1016):  # the sum's rows are dq_sum_rows(Nq): no fewer (the TMA would clip), no more
+        with pytest.raises(ValueError, match="dQ's float32 sum holds"):
+            flash_gluon._one_pass_launch_parts(det, ragged, k, k, ragged, k, k, torch.empty(2, 8, rows, 128),
+                                               torch.empty(2, 8, 1001, 2), torch.zeros(1024, dtype=torch.int32),
+                                               ragged, (-1, -1), 0.1)
     with pytest.raises(ValueError, match="writes dQ from its sum as dense"):  # the kernel indexes dQ densely
         flash_gluon._one_pass_launch_parts(det, q, k, k, q, k, k, torch.empty(q.shape), torch.empty(*q.shape[:-1], 2),
                                            torch.zeros(1024, dtype=torch.int32), q.transpose(1, 2).contiguous()
@@ -634,9 +665,11 @@ class _StandInOnePass:
             p = p.tril()
         ds = p * (do @ v.transpose(-1, -2) - pairs[..., 1, None].double())
         assert dq_sum is dq_acc  # FOLD_DQ's pointer to the sum its descriptor adds into
-        dq_acc.copy_(ds @ k)
+        in_sum = _sum_of(q.shape[2]).to(q.device)
+        assert dq_acc.shape[2] == flash_gluon.dq_sum_rows(q.shape[2])
+        dq_acc[:, :, in_sum] = (ds @ k).to(dq_acc.dtype)  # each row where the kernel's stores put it
         if self.fold:
-            dq.copy_(dq_acc * scale)
+            dq.copy_(dq_acc[:, :, in_sum] * scale)
         dk.copy_(ds.transpose(-1, -2) @ q * scale)
         dv.copy_(p.transpose(-1, -2) @ do)
 

@@ -469,11 +469,28 @@ def _usable_sms(t: Tensor) -> int:
         return 1
 
 
+def dq_sum_rows(n_q: int) -> int:
+    """Rows a (batch, head) of the one pass's float32 dQ sum holds: Nq rounded up to a whole group of 8, the groups
+    its rows are permuted in (`dq_sum_row`). Without the padding a row near a ragged end could be stored past Nq,
+    where the TMA adds clip it."""
+    return triton.cdiv(n_q, 8) * 8
+
+
+def dq_sum_row(r):
+    """Where query row r (int or integer tensor) lies in the one pass's float32 dQ sum: row r of each group of 8 at
+    2 * (r % 4) + (r // 4) % 2. The kernel stores a tile's share straight from its wgmma accumulator, whose half-warps
+    hold rows 0-3 and 4-7 of each 8; in this order those four rows fall in four different phases of the staging
+    box's 128-byte swizzle, where in row order rows r and r ^ 1 took the same banks (a 2-way conflict on every
+    store; kernel_experiments.md, stop 54). `gluon_kernels._in_sum_order` permutes the share so."""
+    return (r & ~7) | ((r & 3) << 1) | ((r >> 2) & 1)
+
+
 def _one_pass_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor, do4: Tensor, dk4: Tensor,
                            dv4: Tensor, dq_acc: Tensor, lse_delta: Tensor, semaphores: Tensor | None, dq4: Tensor,
                            window: tuple[int, int], scale: float) -> tuple:
-    """As `_launch_parts`, for the one-pass backward kernel: dq_acc is dQ's (B, H, Nq, D) float32 sum, zeroed (for
-    kind "one_pass_det" only its rows that see no key: it stores each tile's first share), and `semaphores`
+    """As `_launch_parts`, for the one-pass backward kernel: dq_acc is dQ's float32 sum, (B, H, `dq_sum_rows`(Nq),
+    D) in `dq_sum_row`'s order, zeroed (for kind "one_pass_det" only its rows that see no key: it stores each tile's
+    first share), and `semaphores`
     `semaphore_count` int32s, zeroed (the other kind reads none: any int32 tensor, or None). Each
     consumer warpgroup computes half of dQ: with 128-row query tiles half its rows (dq_desc's boxes (64, D)), from
     all of K's tile in shared memory; else half its columns (boxes (block_m, D / 2)), from a column half of K's tile,
@@ -489,6 +506,10 @@ def _one_pass_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor,
     if deterministic and (semaphores is None or semaphores.numel() < semaphore_count(variant, q4)):
         raise ValueError(f"semaphores: {variant.label()} needs {semaphore_count(variant, q4)} zeroed int32s, got "
                          f"{None if semaphores is None else semaphores.numel()}")
+    if tuple(dq_acc.shape) != (batch, n_heads, dq_sum_rows(n_q), d):
+        raise ValueError(f"dQ's float32 sum holds (B, H, dq_sum_rows(Nq), D) = "
+                         f"{(batch, n_heads, dq_sum_rows(n_q), d)} (rows in dq_sum_row's order), got "
+                         f"{tuple(dq_acc.shape)}")
     dq_rows, dq_cols = (m, d) if variant.alternate else (m // 2, d) if m >= 128 else (m, d // 2)
     group_heads = paired_heads(variant, q4, k4, window)
     lag = fold_lag(variant, q4, k4, window)
@@ -582,7 +603,8 @@ def compile_only(variant: Variant, q: Tensor, k: Tensor, v: Tensor, window: tupl
                                                      scale)
     elif variant.kind.startswith("one_pass"):
         tensors = (q, k, v, q, torch.empty_like(k), torch.empty_like(v))
-        dq_acc = torch.empty(_rank4(q).shape, dtype=torch.float32, device=q.device)
+        batch, n_heads, n_q, d = _rank4(q).shape
+        dq_acc = torch.empty((batch, n_heads, dq_sum_rows(n_q), d), dtype=torch.float32, device=q.device)
         semaphores = torch.empty(semaphore_count(variant, _rank4(q)), dtype=torch.int32, device=q.device)
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)  # dense, as the backward allocates it
         kernel, _, args, kwargs = _one_pass_launch_parts(variant, *(_rank4(t) for t in tensors), dq_acc, lse_delta,
@@ -755,10 +777,10 @@ def choose_one_pass(q: Tensor, k: Tensor, window: tuple[int, int], run_one_pass:
 def backward_one_pass(variant: Variant, q: Tensor, k: Tensor, v: Tensor, do: Tensor, dk: Tensor, dv: Tensor,
                       dq_acc: Tensor, lse_delta: Tensor, semaphores: Tensor, dq: Tensor, window: tuple[int, int],
                       scale: float) -> Launched:
-    """Launch the one-pass kernel `variant` (after the prologue: dq_acc, (B, H, Nq, D) float32, and `semaphores`
-    zeroed, the deterministic kind's dq_acc only where no key is seen, lse_delta written): dK and dV (dense, shaped
-    like k and v) written, dQ's unscaled float32 sum added into dq_acc (the deterministic kind: into what its first
-    shares stored), and where `folds_dq` dq (dense, shaped like q) written from it."""
+    """Launch the one-pass kernel `variant` (after the prologue: dq_acc, `_one_pass_launch_parts`' float32 sum, and
+    `semaphores` zeroed, the deterministic kind's dq_acc only where no key is seen, lse_delta written): dK and dV
+    (dense, shaped like k and v) written, dQ's unscaled float32 sum added into dq_acc (the deterministic kind: into
+    what its first shares stored), and where `folds_dq` dq (dense, shaped like q) written from it."""
     q4, k4, v4, do4, dk4, dv4, dq4 = (_rank4(t) for t in (q, k, v, do, dk, dv, dq))
     return _launch_recorded(variant, (q, k, v, do, dk, dv, dq_acc, lse_delta, semaphores, dq_acc, dq), q4, k4, v4,
                             do4, dk4, dv4, dq_acc, lse_delta, semaphores, dq4, window, scale)

@@ -500,13 +500,21 @@ def _flash_bwd_dkdv_kernel(
 
 
 @triton.jit
+def _dq_sum_row(r):
+    """`flash_gluon.dq_sum_row` in a `tl` kernel."""
+    return (r & ~7) | ((r & 3) << 1) | ((r >> 2) & 1)
+
+
+@triton.jit
 def _one_pass_prologue_kernel(O, DO, L, LseDelta, DqAcc, Sem, stride_ob, stride_oh, stride_on, stride_od,
-                              stride_dob, stride_doh, stride_don, stride_dod, n_heads, n_q, HEAD_DIM: tl.constexpr,
-                              BLOCK_D: tl.constexpr, ROWS: tl.constexpr, ZERO_ALL: tl.constexpr):
+                              stride_dob, stride_doh, stride_don, stride_dod, n_heads, n_q, n_sum,
+                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+                              ZERO_ALL: tl.constexpr):
     """Before the one-pass backward, for ROWS rows of one (batch, head): the (-L·log2 e, rowsum(dO * O)) pairs the
     dQ kernels write in the two passes (-L·log2 e = 0 for a row that sees no key, L = -inf), rows of dQ's float32
     sum zeroed, and the semaphore of this query tile (ROWS rows; the deterministic one pass's turns; the other
-    ignores it) zeroed. L, LseDelta and DqAcc are dense over (B, H, Nq); O and dO have any strides.
+    ignores it) zeroed. L and LseDelta are dense over (B, H, Nq), DqAcc over (B, H, n_sum) in
+    `flash_gluon.dq_sum_row`'s order; O and dO have any strides.
     With ZERO_ALL (the unordered one pass, whose adds come in no fixed order) every row of the sum is zeroed.
     Without it (the deterministic one pass) only the rows that see no key, which the forward's L marks (L = -inf
     exactly there): the first program at each query tile stores its share instead of adding it, and a tile that
@@ -530,21 +538,24 @@ def _one_pass_prologue_kernel(O, DO, L, LseDelta, DqAcc, Sem, stride_ob, stride_
     tl.store(LseDelta + flat * 2, tl.where(sees_no_key, 0.0, lse * -_LOG2E), mask=ok)
     tl.store(LseDelta + flat * 2 + 1, tl.sum(o * do, axis=1), mask=ok)
     zero = ok if ZERO_ALL else ok & sees_no_key
-    tl.store(DqAcc + flat[:, None] * HEAD_DIM + cols[None, :], tl.zeros([ROWS, BLOCK_D], tl.float32),
+    in_sum = bh * n_sum + _dq_sum_row(rows)
+    tl.store(DqAcc + in_sum[:, None] * HEAD_DIM + cols[None, :], tl.zeros([ROWS, BLOCK_D], tl.float32),
              mask=zero[:, None] & (cols[None, :] < HEAD_DIM))
     tl.store(Sem + bh * tl.num_programs(0) + tl.program_id(0), 0)
 
 
 @triton.jit
-def _one_pass_epilogue_kernel(DqAcc, DQ, n_rows, softmax_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                              ROWS: tl.constexpr):
-    """After the one-pass backward: dQ = its float32 sum * softmax_scale, in dQ's dtype (both dense, n_rows rows)."""
+def _one_pass_epilogue_kernel(DqAcc, DQ, n_rows, n_q, n_sum, softmax_scale, HEAD_DIM: tl.constexpr,
+                              BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    """After the one-pass backward: dQ = its float32 sum * softmax_scale, in dQ's dtype. DQ is dense over n_rows =
+    B * H * Nq rows; DqAcc over (B * H, n_sum) rows in `flash_gluon.dq_sum_row`'s order."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     ok = (rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM)
-    offs = rows[:, None] * HEAD_DIM + cols[None, :]
-    acc = tl.load(DqAcc + offs, mask=ok, other=0.0)
-    tl.store(DQ + offs, (acc * softmax_scale).to(DQ.dtype.element_ty), mask=ok)
+    bh = rows // n_q
+    in_sum = bh * n_sum + _dq_sum_row(rows - bh * n_q)
+    acc = tl.load(DqAcc + in_sum[:, None] * HEAD_DIM + cols[None, :], mask=ok, other=0.0)
+    tl.store(DQ + rows[:, None] * HEAD_DIM + cols[None, :], (acc * softmax_scale).to(DQ.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -1104,19 +1115,21 @@ def _launch_backward(g: _Geometry, q, k, v, o, lse, do, dq, dk, dv, lse_delta, c
 def _one_pass_backward(variant: flash_gluon.Variant, q, k, v, o, lse, do, dq, dk, dv, lse_delta, window, scale
                        ) -> _BackwardLaunches:
     """The one-pass backward on rank-3/4 tensors (Hopper, `flash_gluon.choose_one_pass`): the prologue kernel
-    writes the (L, D) pairs and zeroes the semaphores and dQ's float32 sum (the deterministic kind: only the rows
-    that see no key, as its first share at each tile is stored), the Gluon kernel adds into the sum, the epilogue
-    scales and casts it into dq (or, where `flash_gluon.folds_dq`, the kernel itself: no epilogue). Rank-3 tensors
+    writes the (L, D) pairs and zeroes the semaphores and dQ's float32 sum (rows in `flash_gluon.dq_sum_row`'s
+    order, padded to `dq_sum_rows`; the deterministic kind: only the rows that see no key, as its first share at each
+    tile is stored), the Gluon kernel adds into the sum, the epilogue scales and casts it into dq (or, where
+    `flash_gluon.folds_dq`, the kernel itself: no epilogue). Rank-3 tensors
     go to the `tl` kernels as they are (`_strides4`)."""
     q4 = flash_gluon._rank4(q)
     batch, n_heads, n_q, d = q4.shape
-    dq_acc = torch.empty(q4.shape, dtype=torch.float32, device=q.device)
+    n_sum = flash_gluon.dq_sum_rows(n_q)
+    dq_acc = torch.empty((batch, n_heads, n_sum, d), dtype=torch.float32, device=q.device)
     n_tiles = triton.cdiv(n_q, variant.block_m)  # one prologue program per query tile: it zeroes its semaphore
     semaphores = torch.empty(batch * n_heads * n_tiles, dtype=torch.int32, device=q.device)
     block_d = triton.next_power_of_2(d)
     prologue = _launch_helper(_one_pass_prologue_kernel, (n_tiles, batch * n_heads, 1),
                               dict(O=o, DO=do, L=lse, LseDelta=lse_delta, DqAcc=dq_acc, Sem=semaphores,
-                                   n_heads=n_heads, n_q=n_q),
+                                   n_heads=n_heads, n_q=n_q, n_sum=n_sum),
                               dict(HEAD_DIM=d, BLOCK_D=block_d, ROWS=variant.block_m,
                                    ZERO_ALL=variant.kind != "one_pass_det"))
     launched = flash_gluon.backward_one_pass(variant, q, k, v, do, dk, dv, dq_acc, lse_delta, semaphores, dq,
@@ -1125,7 +1138,7 @@ def _one_pass_backward(variant: flash_gluon.Variant, q, k, v, o, lse, do, dq, dk
         return _BackwardLaunches([prologue, launched.recorded], (dq_acc, semaphores))
     n_rows = batch * n_heads * n_q
     epilogue = _launch_helper(_one_pass_epilogue_kernel, (triton.cdiv(n_rows, 64), 1, 1),
-                              dict(DqAcc=dq_acc, DQ=dq, n_rows=n_rows, softmax_scale=scale),
+                              dict(DqAcc=dq_acc, DQ=dq, n_rows=n_rows, n_q=n_q, n_sum=n_sum, softmax_scale=scale),
                               dict(HEAD_DIM=d, BLOCK_D=block_d, ROWS=64))
     return _BackwardLaunches([prologue, launched.recorded, epilogue], (dq_acc, semaphores))
 

@@ -1069,6 +1069,28 @@ def _one_pass_dq_writer(dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv
             _pass_turn(last_sem, 0, lane_layout)
 
 
+@gluon.constexpr_function
+def _sum_order(rows, cols):
+    """The reshape and permutation that put a share's rows in `flash_gluon.dq_sum_row`'s order: row 4h + i of each
+    8 (h < 2, i < 4) to 2i + h."""
+    return [rows // 8, 2, 4, cols], [0, 2, 1, 3]
+
+
+@gluon.jit
+def _in_sum_order(dq, ROWS: gl.constexpr, COLS: gl.constexpr):
+    """dQ's share (ROWS, COLS) with its rows in the float32 sum's order (`flash_gluon.dq_sum_row`): the same
+    registers relabelled, no data moved, and the staging store free of bank conflicts."""
+    grouped: gl.constexpr = _sum_order(ROWS, COLS)[0]
+    order: gl.constexpr = _sum_order(ROWS, COLS)[1]
+    return gl.reshape(gl.permute(gl.reshape(dq, grouped), order), [ROWS, COLS])
+
+
+@gluon.jit
+def _sum_row(r):
+    """`flash_gluon.dq_sum_row` in a Gluon kernel."""
+    return (r & ~7) | ((r & 3) << 1) | ((r >> 2) & 1)
+
+
 @gluon.jit
 def _dq_share(ds_box, ds_rows: gl.constexpr, k_dq, dq_zero, dv_tok, dk_tok, slot_empty, dq_stage, stage_full,
               stage_empty, j, box, NSTAGE: gl.constexpr, DQ_ROWS: gl.constexpr, DQ_COLS: gl.constexpr):
@@ -1080,7 +1102,7 @@ def _dq_share(ds_box, ds_rows: gl.constexpr, k_dq, dq_zero, dv_tok, dk_tok, slot
     dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
     mbarrier.arrive(slot_empty)
     mbarrier.wait(stage_empty.index(box), ((j // NSTAGE) & 1) ^ 1, pred=j >= NSTAGE)
-    _tile(dq_stage.index(box), DQ_ROWS, DQ_COLS).store(dq)
+    _tile(dq_stage.index(box), DQ_ROWS, DQ_COLS).store(_in_sum_order(dq, DQ_ROWS, DQ_COLS))
     fence_async_shared()
     _barrier()
     mbarrier.arrive(stage_full.index(box))
@@ -1102,8 +1124,8 @@ def _fold_dq(DqAcc, DQ, Sem, bh_kv, n_kv_heads, kv_group, n_q, pid_n, n_k_tiles,
     took the ring's last turn (`_ring_last_tiles`, each query head of the group), each once its semaphore counts
     all n_k_tiles turns (every turn is counted once its adds have completed): what the epilogue kernel does for the
     whole sum, without its launch and beside the compute-bound programs instead of after them (kernel_experiments.md,
-    stop 53). DqAcc and DQ are dense (B, H, Nq, D); the two consumers take every other tile (warpgroup HALF from
-    tile HALF)."""
+    stop 53). DQ is dense (B, H, Nq, D), DqAcc (B, H, Nq rounded up to 8, D) in `flash_gluon.dq_sum_row`'s order; the
+    two consumers take every other tile (warpgroup HALF from tile HALF)."""
     layout: gl.constexpr = _fold_layout(HEAD_DIM)
     wait_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
@@ -1112,17 +1134,20 @@ def _fold_dq(DqAcc, DQ, Sem, bh_kv, n_kv_heads, kv_group, n_q, pid_n, n_k_tiles,
     per_head = m_hi - m_lo
     b = bh_kv // n_kv_heads
     n_heads = n_kv_heads * kv_group
+    n_sum = (n_q + 7) // 8 * 8  # the sum's rows a head (`flash_gluon.dq_sum_rows`)
+    in_tile = rows[:, None] * HEAD_DIM + cols[None, :]
+    in_sum = _sum_row(rows)[:, None] * HEAD_DIM + cols[None, :]
     for t in range(HALF, per_head * kv_group, 2):
         g = t // per_head
         m = m_lo + t - g * per_head
         bh = (b * n_heads + (bh_kv - b * n_kv_heads) * kv_group + g).to(gl.int64)
         _wait_turn(Sem + bh * gl.cdiv(n_q, BLOCK_M) + m, n_k_tiles, wait_layout, 128)
-        row = m * BLOCK_M + rows
-        offs = (bh * n_q + row)[:, None] * HEAD_DIM + cols[None, :]
-        inside = (row < n_q)[:, None] & (cols < HEAD_DIM)[None, :]
+        start = m * BLOCK_M  # a multiple of 8: the tile's rows permute among themselves in the sum
+        inside = (start + rows < n_q)[:, None] & (cols < HEAD_DIM)[None, :]
         # .cg: past L1, which is not coherent with the other SMs' TMA adds
-        acc = gl.load(DqAcc + offs, mask=inside, other=0.0, cache_modifier=".cg")
-        gl.store(DQ + offs, (acc * softmax_scale).to(DQ.dtype.element_ty), mask=inside)
+        acc = gl.load(DqAcc + (bh * n_sum + start) * HEAD_DIM + in_sum, mask=inside, other=0.0, cache_modifier=".cg")
+        gl.store(DQ + (bh * n_q + start) * HEAD_DIM + in_tile, (acc * softmax_scale).to(DQ.dtype.element_ty),
+                 mask=inside)
 
 
 @gluon.jit
@@ -1249,14 +1274,14 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
                                 FOLD_DQ: gl.constexpr = False):
     """The whole backward in one pass: one program = a key tile of BLOCK_N rows of one (batch, K/V head), held by
     two consumer warpgroups of BLOCK_N // 2 rows each, a producer warp that streams Q and dO through NBUF buffers,
-    and a writer warp that adds dQ's shares. Per query tile five products: Sᵀ, dPᵀ, dV += Pᵀ dO, dK += dSᵀ Q, and
-    dQ's share dS K, added by TMA reduce-adds into dq_desc's tensor ((B, H, Nq, D) float32, zeroed first;
-    unscaled), half of its rows or columns per consumer. LseDelta holds the (-L * log2 e, rowsum(dO * O)) pairs,
-    written before; the producer copies each query tile's into shared memory beside its Q (`_copy_pairs`). k_desc
-    and v_desc copy BLOCK_N-row boxes; dk_desc and dv_desc BLOCK_N // 2-row boxes; dq_desc a consumer's share,
-    (BLOCK_M, D / 2) or (BLOCK_M / 2, D) boxes (`_one_pass_consumer`). NSTAGE sets of dQ staging boxes (two is
-    16 KB more shared memory at D 64 with 64-row query tiles; at D 128 two fit only with two Q/dO buffers,
-    230,944-230,976 bytes, and ran 5-7% faster deterministic under full masks, 1-2% slower causal,
+    and a writer warp that adds dQ's shares. Per query tile five products: Sᵀ, dPᵀ, dV += Pᵀ dO, dK += dSᵀ Q, and dQ's
+    share dS K, added by TMA reduce-adds into dq_desc's tensor (float32, (B, H, Nq rounded up to 8, D) with its rows in
+    `flash_gluon.dq_sum_row`'s order, zeroed first; unscaled), half of its rows or columns per consumer. LseDelta holds
+    the (-L * log2 e, rowsum(dO * O)) pairs, written before; the producer copies each query tile's into shared memory
+    beside its Q (`_copy_pairs`). k_desc and v_desc copy BLOCK_N-row boxes; dk_desc and dv_desc BLOCK_N // 2-row boxes;
+    dq_desc a consumer's share, (BLOCK_M, D / 2) or (BLOCK_M / 2, D) boxes (`_one_pass_consumer`). NSTAGE sets of dQ
+    staging boxes (two is 16 KB more shared memory at D 64 with 64-row query tiles; at D 128 two fit only with two Q/dO
+    buffers, 230,944-230,976 bytes, and ran 5-7% faster deterministic under full masks, 1-2% slower causal,
     kernel_experiments.md, stop 45; with 128-row tiles at D 64 likewise, 231,968-232,000 bytes, where they ran 0-5%
     faster, stop 44).
 
