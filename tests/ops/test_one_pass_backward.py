@@ -66,17 +66,16 @@ def _sum_of(n):
 
 def test_the_dq_sum_holds_each_group_of_8_rows_permuted_as_the_kernel_stores_them():
     """`dq_sum_row` permutes rows within each group of 8 (so padding Nq to a multiple of 8, `dq_sum_rows`, keeps
-    every row inside the sum), and the Gluon kernel's own reshape and permutation of a share (`_sum_order`) put row
-    r at the same place: both sides of the sum (the kernel's stores and adds; the prologue, epilogue and fold) agree."""
-    gluon_kernels = pytest.importorskip("flashsys.ops.attention.gluon_kernels")
+    every row inside the sum), and the Gluon kernel's reshape and permutation of a share (`_in_sum_order`'s, written
+    here as in the kernel) put row r at the same place: both sides of the sum (the kernel's stores and adds; the
+    prologue, epilogue and fold) agree. The kernel itself is held to it by the GPU tests' dQ."""
     rows = torch.arange(128)
     where = flash_gluon.dq_sum_row(rows)
     assert torch.equal(where // 8, rows // 8) and torch.equal(torch.sort(where).values, rows)
     assert [flash_gluon.dq_sum_row(r) for r in range(8)] == [0, 2, 4, 6, 1, 3, 5, 7]
     assert [flash_gluon.dq_sum_rows(n) for n in (1, 8, 77, 80, 1000)] == [8, 8, 80, 80, 1000]
     for n_rows in (64, 128):
-        grouped, order = gluon_kernels._sum_order(n_rows, 1)
-        stored = torch.arange(n_rows).reshape(grouped).permute(order).reshape(n_rows)  # row held at each place
+        stored = torch.arange(n_rows).reshape(n_rows // 8, 2, 4, 1).permute(0, 2, 1, 3).reshape(n_rows)  # row at each place
         assert torch.equal(flash_gluon.dq_sum_row(stored), torch.arange(n_rows))
 
 

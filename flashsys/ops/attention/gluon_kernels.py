@@ -1069,20 +1069,12 @@ def _one_pass_dq_writer(dq_desc, Sem, dq_stage, stage_full, stage_empty, b, h_kv
             _pass_turn(last_sem, 0, lane_layout)
 
 
-@gluon.constexpr_function
-def _sum_order(rows, cols):
-    """The reshape and permutation that put a share's rows in `flash_gluon.dq_sum_row`'s order: row 4h + i of each
-    8 (h < 2, i < 4) to 2i + h."""
-    return [rows // 8, 2, 4, cols], [0, 2, 1, 3]
-
-
 @gluon.jit
 def _in_sum_order(dq, ROWS: gl.constexpr, COLS: gl.constexpr):
-    """dQ's share (ROWS, COLS) with its rows in the float32 sum's order (`flash_gluon.dq_sum_row`): the same
-    registers relabelled, no data moved, and the staging store free of bank conflicts."""
-    grouped: gl.constexpr = _sum_order(ROWS, COLS)[0]
-    order: gl.constexpr = _sum_order(ROWS, COLS)[1]
-    return gl.reshape(gl.permute(gl.reshape(dq, grouped), order), [ROWS, COLS])
+    """dQ's share (ROWS, COLS) with its rows in the float32 sum's order (`flash_gluon.dq_sum_row`): row 4h + i of
+    each 8 (h < 2, i < 4) to 2i + h, the same registers relabelled, no data moved, and the staging store free of bank
+    conflicts. The shape and order are literals: Triton 3.6's permute refuses them as constexpr values."""
+    return gl.reshape(gl.permute(gl.reshape(dq, [ROWS // 8, 2, 4, COLS]), (0, 2, 1, 3)), [ROWS, COLS])
 
 
 @gluon.jit
