@@ -232,7 +232,8 @@ def main() -> int:
     ap.add_argument("--trees", type=tree_path, nargs="+", help="two or more source trees; the first is the reference")
     ap.add_argument("--cells", type=cell_spec, nargs="+", default=[cell_spec("128:full:16384")])
     ap.add_argument("--rounds", type=at_least_one, default=5)
-    ap.add_argument("--impl", default="flash-triton", help="a backend of the trees' registry (default flash-triton), or flash-triton-nondet")
+    ap.add_argument("--impl", default="flash-triton",
+                    help="a backend of the trees' registry (default flash-triton), or flash-triton-nondet")
     ap.add_argument("--what", choices=["bwd", "fwd_bwd"], default="bwd")
     ap.add_argument("--baseline", action="store_true", help="also time sdpa-cudnn (GPU only)")
     ap.add_argument("--tokens", type=int, default=16384, help="batch x N per cell")

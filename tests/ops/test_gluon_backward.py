@@ -228,10 +228,8 @@ def _free_a_nan_block(q: torch.Tensor) -> None:
     """Allocate and free a NaN-filled float32 block the size of dQ's float32 sum for q, so that the one pass's
     torch.empty sum, allocated next, is that block (the caching allocator hands a freed block of the size back):
     a row of the sum its prologue should have zeroed, or its first shares should have stored, then shows as NaN. The
-    sum holds `flash_gluon.dq_sum_rows` rows a (batch, head)."""
-    q4 = q if q.dim() == 4 else q.unsqueeze(1)
-    torch.full((*q4.shape[:2], flash_gluon.dq_sum_rows(q4.shape[2]), q4.shape[3]), float("nan"), device=q.device,
-               dtype=torch.float32)
+    sum is `flash_gluon.dq_sum_shape`."""
+    torch.full(flash_gluon.dq_sum_shape(flash_gluon._rank4(q)), float("nan"), device=q.device, dtype=torch.float32)
 
 
 @hopper_only

@@ -75,7 +75,8 @@ def test_the_dq_sum_holds_each_group_of_8_rows_permuted_as_the_kernel_stores_the
     assert [flash_gluon.dq_sum_row(r) for r in range(8)] == [0, 2, 4, 6, 1, 3, 5, 7]
     assert [flash_gluon.dq_sum_rows(n) for n in (1, 8, 77, 80, 1000)] == [8, 8, 80, 80, 1000]
     for n_rows in (64, 128):
-        stored = torch.arange(n_rows).reshape(n_rows // 8, 2, 4, 1).permute(0, 2, 1, 3).reshape(n_rows)  # row at each place
+        # the row held at each place of a stored share
+        stored = torch.arange(n_rows).reshape(n_rows // 8, 2, 4, 1).permute(0, 2, 1, 3).reshape(n_rows)
         assert torch.equal(flash_gluon.dq_sum_row(stored), torch.arange(n_rows))
 
 

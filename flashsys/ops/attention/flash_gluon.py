@@ -476,6 +476,13 @@ def dq_sum_rows(n_q: int) -> int:
     return triton.cdiv(n_q, 8) * 8
 
 
+def dq_sum_shape(q4: Tensor) -> tuple[int, int, int, int]:
+    """The one pass's float32 dQ sum for rank-4 q (B, H, Nq, D): (B, H, `dq_sum_rows`(Nq), D), what the backward
+    allocates and the launch checks."""
+    batch, n_heads, n_q, d = q4.shape
+    return batch, n_heads, dq_sum_rows(n_q), d
+
+
 def dq_sum_row(r):
     """Where query row r (int or integer tensor) lies in the one pass's float32 dQ sum: row r of each group of 8 at
     2 * (r % 4) + (r // 4) % 2. The kernel stores a tile's share straight from its wgmma accumulator, whose half-warps
@@ -506,10 +513,9 @@ def _one_pass_launch_parts(variant: Variant, q4: Tensor, k4: Tensor, v4: Tensor,
     if deterministic and (semaphores is None or semaphores.numel() < semaphore_count(variant, q4)):
         raise ValueError(f"semaphores: {variant.label()} needs {semaphore_count(variant, q4)} zeroed int32s, got "
                          f"{None if semaphores is None else semaphores.numel()}")
-    if tuple(dq_acc.shape) != (batch, n_heads, dq_sum_rows(n_q), d):
-        raise ValueError(f"dQ's float32 sum holds (B, H, dq_sum_rows(Nq), D) = "
-                         f"{(batch, n_heads, dq_sum_rows(n_q), d)} (rows in dq_sum_row's order), got "
-                         f"{tuple(dq_acc.shape)}")
+    if tuple(dq_acc.shape) != dq_sum_shape(q4):
+        raise ValueError(f"dQ's float32 sum holds (B, H, dq_sum_rows(Nq), D) = {dq_sum_shape(q4)} (rows in "
+                         f"dq_sum_row's order), got {tuple(dq_acc.shape)}")
     dq_rows, dq_cols = (m, d) if variant.alternate else (m // 2, d) if m >= 128 else (m, d // 2)
     group_heads = paired_heads(variant, q4, k4, window)
     lag = fold_lag(variant, q4, k4, window)
@@ -603,8 +609,7 @@ def compile_only(variant: Variant, q: Tensor, k: Tensor, v: Tensor, window: tupl
                                                      scale)
     elif variant.kind.startswith("one_pass"):
         tensors = (q, k, v, q, torch.empty_like(k), torch.empty_like(v))
-        batch, n_heads, n_q, d = _rank4(q).shape
-        dq_acc = torch.empty((batch, n_heads, dq_sum_rows(n_q), d), dtype=torch.float32, device=q.device)
+        dq_acc = torch.empty(dq_sum_shape(_rank4(q)), dtype=torch.float32, device=q.device)
         semaphores = torch.empty(semaphore_count(variant, _rank4(q)), dtype=torch.int32, device=q.device)
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)  # dense, as the backward allocates it
         kernel, _, args, kwargs = _one_pass_launch_parts(variant, *(_rank4(t) for t in tensors), dq_acc, lse_delta,

@@ -1122,8 +1122,8 @@ def _one_pass_backward(variant: flash_gluon.Variant, q, k, v, o, lse, do, dq, dk
     go to the `tl` kernels as they are (`_strides4`)."""
     q4 = flash_gluon._rank4(q)
     batch, n_heads, n_q, d = q4.shape
-    n_sum = flash_gluon.dq_sum_rows(n_q)
-    dq_acc = torch.empty((batch, n_heads, n_sum, d), dtype=torch.float32, device=q.device)
+    dq_acc = torch.empty(flash_gluon.dq_sum_shape(q4), dtype=torch.float32, device=q.device)
+    n_sum = dq_acc.shape[2]
     n_tiles = triton.cdiv(n_q, variant.block_m)  # one prologue program per query tile: it zeroes its semaphore
     semaphores = torch.empty(batch * n_heads * n_tiles, dtype=torch.int32, device=q.device)
     block_d = triton.next_power_of_2(d)
