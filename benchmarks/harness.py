@@ -36,7 +36,7 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 native_launch = None
 if ON_GPU:  # eager flashsys calls take the native launcher once it is built (in the background on first use): build
     try:    # it before any benchmark times anything, so no row depends on when the build finished
-        from flashsys.ops.attention import native_launch
+        from flashsys.ops.attention.replay import native as native_launch
 
         native_launch.wait()
     except ImportError:  # no Triton: no flashsys Triton op either
@@ -233,9 +233,9 @@ def environment() -> dict[str, str]:
         env["gpus"] = str(torch.cuda.device_count())
         if native_launch is not None:
             env["native launcher"] = native_launch.status()
-            from flashsys.ops.attention import flash_gluon
+            from flashsys.ops.attention import dispatch
 
-            env["gluon kernels"] = flash_gluon.status()
+            env["gluon kernels"] = dispatch.status()
     return env
 
 

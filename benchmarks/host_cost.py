@@ -10,7 +10,7 @@ to SDPA is taken against the SDPA round beside it, and the table reports the med
 `--compiled` adds each backend compiled by torch.compile (a compiled graph launches Inductor's kernels itself,
 but calls the Gluon kernels through opaque ops). `--breakdown` adds where flashsys's microseconds go, part by
 part. On a GPU, flashsys runs twice: with its native launcher (the default: a C++ autograd node launching the
-compiled kernels) and with it suspended (the Python path, eager_plans' replays through Triton's launcher), column
+compiled kernels) and with it suspended (the Python path, the Python plans' replays through Triton's launcher), column
 `launcher`.
 
     python -m benchmarks.host_cost --seqs 128 1024 --breakdown
@@ -26,7 +26,8 @@ import time
 import torch
 
 from benchmarks.harness import DEVICE, ON_GPU, add_common_args, environment, sync, write_table
-from flashsys.ops.attention import ATTENTION_BACKENDS, native_launch
+from flashsys.ops.attention import ATTENTION_BACKENDS
+from flashsys.ops.attention.replay import native as native_launch
 from flashsys.ops.attention.triton_env import interpreter_active
 
 
@@ -114,27 +115,30 @@ def breakdown(args) -> list[dict]:
     """Where one eager flashsys forward + backward spends host time, part by part (flashsys internals). The
     forward + backward is about: forward + the engine's cost for any Function + the backward alone + the rest.
     Where a compiled graph would call opaque ops for these inputs, their parts too (`_opaque_op_parts`)."""
-    from flashsys.ops.attention import eager_plans
-    from flashsys.ops.attention import flash_triton as ft
+    from flashsys.ops.attention import FlashAttention2Triton, launcher
+    from flashsys.ops.attention.replay import plans as eager_plans
+    from flashsys.ops.attention.triton import launch
     from flashsys.ops.attention.validation import check_attention_inputs
 
     dtype = getattr(torch, args.dtype)
     n = min(args.seqs)
     q, k, v, do = _inputs(n, args.heads, args.head_dim, dtype, grad=True)
-    op = ft.FlashAttention2Triton
+    op = FlashAttention2Triton
     for _ in range(3):  # autotune, then make the plans
         op.apply(q, k, v, True).backward(do)
     with torch.no_grad():
-        o_plain, lse = ft.flash_forward_triton(q.detach(), k.detach(), v.detach(), CAUSAL, 0.125)
-    g = ft._cached_geometry(q.shape, k.shape, q.dtype)
+        o_plain, lse, _ = launcher.forward(q.detach(), k.detach(), v.detach(), CAUSAL, 0.125)
+    g = launch.cached_geometry(q.shape, k.shape, q.dtype)
     qd, kd, vd = q.detach(), k.detach(), v.detach()
-    named = ft.forward_arguments(g, qd, kd, vd, o_plain, lse, qd, kd, CAUSAL, 0.125)
+    tensors = launcher.ForwardTensors(qd, kd, vd, o_plain, lse)
+    named = launcher.forward_arguments(g, tensors, launcher.Offsets(qd, kd), CAUSAL, 0.125)
+    tile_grid = launch.tile_grid(g.n_q, "BLOCK_M", g.n_bh)
     # The `tl` forward's parts: where the Gluon forward takes these inputs (Hopper), the `tl` one never ran above, so
     # launch it once here to have its config chosen.
-    ft._launch_eager("fwd", ft._fwd_kernels, g, CAUSAL, ft._tile_grid(g.n_q, "BLOCK_M", g.n_bh), named)
-    prepared = ft._prepare("fwd", ft._fwd_kernels, g, CAUSAL, named)
-    meta = ft._chosen_configs[prepared.key]
-    grid = (-(-g.n_q // meta["BLOCK_M"]) * g.n_bh,)  # the kernels' 1-D grid (flash_triton._tile_grid)
+    launch.run("fwd", g, CAUSAL, tile_grid, named, traced=False)
+    prepared = launch.prepare("fwd", g, CAUSAL, named)
+    meta = launch.chosen_configs()[prepared.key]
+    grid = tile_grid(meta)
     handle = prepared.handle
 
     forward_plan = eager_plans.forward_plans.get(eager_plans.forward_key(q, k, v, True, None, None))
@@ -155,25 +159,25 @@ def breakdown(args) -> list[dict]:
     parts = {
         "autograd.Function.apply of an identity": lambda: _Identity.apply(q),
         "input checks": lambda: check_attention_inputs(q, k, v, True, None, op="x", max_head_dim=256),
-        "geometry, cached": lambda: ft._cached_geometry(q.shape, k.shape, q.dtype),
-        "geometry, computed": lambda: ft._geometry_of(q.shape, k.shape, q.dtype),
+        "geometry, cached": lambda: launch.cached_geometry(q.shape, k.shape, q.dtype),
+        "geometry, computed": lambda: launch.geometry_of(q.shape, k.shape, q.dtype),
         "two output allocations": lambda: (torch.empty_like(q), torch.empty(q.shape[:-1], device=q.device)),
-        "launch arguments by name": lambda: ft._prepare("fwd", ft._fwd_kernels, g, CAUSAL, named),
-        "launch signature (cache key)": lambda: ft._launch_signature(prepared, q.device.index, (*grid, 1, 1)),
+        "launch arguments by name": lambda: launch.prepare("fwd", g, CAUSAL, named),
+        "launch signature (cache key)": lambda: launch._launch_signature(prepared, q.device.index, (*grid, 1, 1)),
         "forward launch: Triton autotuner (Autotuner.run)": lambda: handle[lambda m: grid](*prepared.args,
                                                                                            **prepared.constexprs),
         "forward launch: JITFunction.run, config given": lambda: handle.fn[grid](*prepared.args, **prepared.constexprs,
                                                                                  **meta),
-        "forward launch: compiled kernel (flashsys full path)": lambda: ft._launch_eager(
-            "fwd", ft._fwd_kernels, g, CAUSAL, ft._tile_grid(g.n_q, "BLOCK_M", g.n_bh), named),
+        "forward launch: compiled kernel (flashsys full path)": lambda: launch.run("fwd", g, CAUSAL, tile_grid, named,
+                                                                                   traced=False),
         **replay,
         "flashsys forward, no grad, Python path": lambda: _python_path(_no_grad, op.apply, q, k, v),
         "autograd engine: forward + backward of an identity Function": lambda: _Identity.apply(q).backward(do),
-        "backward, full path: allocations + dQ and dK/dV launches (flash_backward_triton)": lambda: ft.flash_backward_triton(
-            qd, kd, vd, o_plain, lse, do, CAUSAL, 0.125),
+        "backward, full path: allocations + its launches (launcher.backward)": lambda: launcher.backward(
+            qd, kd, vd, o_plain, lse, launcher.dense_do(do, qd.dtype), CAUSAL, 0.125),
         "flashsys forward + backward, Python path": lambda: _python_path(lambda: op.apply(q, k, v, True).backward(do)),
     }
-    parts.update(_opaque_op_parts(ft, qd, kd, vd, do, args.head_dim ** -0.5))
+    parts.update(_opaque_op_parts(qd, kd, vd, do, args.head_dim ** -0.5))
     if native_launch.status() == "ready":
         parts.update({
             "native launcher: signature (C++ key) + look-up, a miss": lambda: native_launch.forward(
@@ -190,23 +194,25 @@ def breakdown(args) -> list[dict]:
     return rows
 
 
-def _opaque_op_parts(ft, q, k, v, do, scale) -> dict:
+def _opaque_op_parts(q, k, v, do, scale) -> dict:
     """The parts of a compiled graph's call where it goes through opaque ops (the Gluon kernels on Hopper, the
     interpreter on a CPU): each op as the graph calls it (the dispatcher, then its body replaying a plan) and its
     body alone, so their difference is the op's own dispatch cost. Empty where the graph would launch the `tl` kernels
     itself (Inductor re-emits them: no flashsys Python runs per call)."""
-    forward_op, backward_op = ft._traced_forward(q, k, v, CAUSAL), ft._traced_backward(q, k, v, CAUSAL)
-    if forward_op not in (ft._gluon_forward_op, ft._interpreted_forward_op):
+    from flashsys.ops.attention import library_ops as ops
+
+    forward_op, backward_op = ops.traced_forward(q, k, v, CAUSAL), ops.traced_backward(q, k, v, CAUSAL)
+    if forward_op not in (ops.gluon_forward_op, ops.interpreted_forward_op):
         return {}
     o, lse = forward_op(q, k, v, *CAUSAL, scale)  # the first calls make the plans
     backward_op(q, k, v, o, lse, do, *CAUSAL, scale)
     return {
         "compiled graph's forward op: dispatch + body (a plan replay)": lambda: forward_op(q, k, v, *CAUSAL, scale),
-        "compiled graph's forward op: its body alone (_opaque_forward)": lambda: ft._opaque_forward(
+        "compiled graph's forward op: its body alone (opaque_forward)": lambda: ops.opaque_forward(
             q, k, v, *CAUSAL, scale),
         "compiled graph's backward op: dispatch + body (a plan replay)": lambda: backward_op(
             q, k, v, o, lse, do, *CAUSAL, scale),
-        "compiled graph's backward op: its body alone (_opaque_backward)": lambda: ft._opaque_backward(
+        "compiled graph's backward op: its body alone (opaque_backward)": lambda: ops.opaque_backward(
             q, k, v, o, lse, do, *CAUSAL, scale),
     }
 

@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import triton
 
-    from flashsys.ops.attention import ATTENTION_BACKENDS, FlashAttention2Triton, set_deterministic_backward
-    from flashsys.ops.attention import flash_gluon, flash_triton
+    from flashsys.ops.attention import ATTENTION_BACKENDS, FlashAttention2Triton, dispatch, set_deterministic_backward
+    from flashsys.ops.attention.triton import launch
 
     torch.manual_seed(0)
     q, k, v = torch.randn(3, args.heads, args.seq, args.head_dim, dtype=torch.bfloat16, device="cuda",
@@ -102,13 +102,13 @@ def main(argv: list[str] | None = None) -> int:
              f"backward; do_bench(rep={args.rep}, warmup={args.warmup}), its default statistic (the mean).", "",
              "Autotuned configs (eager launches):"]
     for kernel, label in (("fwd", "fwd"), ("dkdv", "bwd dK/dV"), ("dq", "bwd dQ")):
-        found = [cfg for key, cfg in flash_triton.chosen_configs().items()
+        found = [cfg for key, cfg in launch.chosen_configs().items()
                  if key.kernel == kernel and key.head_dim == args.head_dim and key.dtype == torch.bfloat16]
         notes.append(f"- {label}: " + (", ".join(f"{k}={v}" for k, v in found[-1].items()) if found else
                                        "no eager launch (the compiled call autotuned over the same configs in Inductor)"))
     for kernel, label in (("forward", "fwd"), ("dkdv", "bwd dK/dV"), ("dq", "bwd dQ"),
                           ("one_pass_det", "bwd, one pass or two"), ("one_pass", "bwd, determinism off")):
-        gluon = [f"{key.label(v)} (N <= {key.bucket})" for key, v in flash_gluon.chosen_variants().items()
+        gluon = [f"{key.label(v)} (N <= {key.bucket})" for key, v in dispatch.chosen_variants().items()
                  if key.kernel == kernel and key.head_dim == args.head_dim and key.dtype == torch.bfloat16
                  and key.bound_right]
         if gluon:  # the compiled graph ran the Gluon op, whose choice this is (a Gluon kernel or the `tl` one)

@@ -39,7 +39,7 @@ def _native_launcher_ready():
     background on first use). Build it before any test, so that each test runs the path a user gets, not whichever
     one the build's timing picks."""
     if torch.cuda.is_available():
-        from flashsys.ops.attention import native_launch
+        from flashsys.ops.attention.replay import native
 
-        native_launch.wait()
+        native.wait()
     yield

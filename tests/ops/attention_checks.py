@@ -101,7 +101,7 @@ def assert_matches_reference(op, q, k, v, do, causal, scale, window=None):
     assert ours[1].dtype in (torch.float32, torch.float64) and ours[1].shape == q.shape[:-1]
     # The floor is for rounding noise where plain PyTorch is exact by structure: with one key, dK is exactly
     # zero there, while ours is the cancellation dP - D summed over the queries, noise that grows like the
-    # square root of the terms (fp32 on an H100: 7e-5 at n_q = 301, d = 256). Scale the floor with it. Under GQA
+    # square root of the terms (fp32: about 7e-5 at n_q = 301, d = 256). Scale the floor with it. Under GQA
     # dK sums over every query of the head group, so the group multiplies the terms. Measured on CPU with one key,
     # scale 1.5 (the largest drawn): up to 4.7e-5 * sqrt(terms) / 128 (n_q 200, group 2, d 128), so the floor is
     # twice that slope.
@@ -124,12 +124,12 @@ def assert_matches_reference(op, q, k, v, do, causal, scale, window=None):
 
 
 def select_launcher(name: str, request, monkeypatch) -> None:
-    """Make eager Triton calls take one launcher for a test: "python" (eager_plans' replays, the native extension
-    out of sight) or "native" (native_launch's C++ node; built on first use, skipped where no C++ compiler exists;
+    """Make eager Triton calls take one launcher for a test: "python" (the Python plans' replays, the native
+    extension out of sight) or "native" (`replay.native`'s C++ node; built on first use, skipped where no C++ compiler exists;
     on a CPU it takes the interpreter's launches too). The native plan tables start empty."""
     import shutil
 
-    from flashsys.ops.attention import native_launch
+    from flashsys.ops.attention.replay import native as native_launch
 
     if name == "python":
         suspension = native_launch.suspended()

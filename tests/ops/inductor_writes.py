@@ -17,8 +17,7 @@ import torch
 
 def _fake_cuda_driver() -> None:
     """TTIR generation asks the active driver for its target, and `JITFunction.warmup` (a compile to SASS, no launch)
-    also for a device and a stream: stand one in on a CPU machine. scripts/sass_mix.py and tests/ops/gluon_compile.py
-    use it too."""
+    also for a device and a stream: stand one in on a CPU machine. tests/ops/kernel_compile.py uses it too."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -46,30 +45,12 @@ def _analysis():
     return lambda kernel, kwargs: sorted(wrap.identify_mutated_tensors(kernel, kwargs, {}))
 
 
-def recorded_launches(run) -> list[tuple[str, tuple]]:
-    """(kernel, prepared launch) for each launch `run()` makes, as `flash_triton._prepare` builds it; nothing is
-    launched (the TTIR or the compiled kernel is all a reader needs). scripts/sass_mix.py uses it too."""
-    from flashsys.ops.attention import flash_triton as ft
-
-    launches = []
-
-    def record(kernel, handles, g, window, grid, named):
-        launches.append((kernel, ft._prepare(kernel, handles, g, window, named)))
-
-    saved = ft._launch_eager, ft._launch_traced
-    ft._launch_eager = ft._launch_traced = record
-    try:
-        run()
-    finally:
-        ft._launch_eager, ft._launch_traced = saved
-    return launches
-
-
 def main() -> None:
     assert not os.environ.get("TRITON_INTERPRET"), "the analysis needs compiled Triton, not the interpreter"
     if not torch.cuda.is_available():
         _fake_cuda_driver()
-    from flashsys.ops.attention import flash_triton as ft
+    from flashsys.ops.attention import launcher
+    from flashsys.ops.attention.triton import launch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     written = {}
@@ -84,16 +65,15 @@ def main() -> None:
         q, k, window, cu = make()
         q, k = q.to(device), k.to(device)
 
-        def run(q=q, k=k, window=window, cu=cu):
+        with launch.recording() as launches:  # nothing runs: each launch is prepared and recorded
             if cu is None:
-                o, lse = ft.flash_forward_triton(q, k, k, window, 0.125, traced=True)
-                ft.flash_backward_triton(q, k, k, o, lse, torch.randn_like(q), window, 0.125, traced=True)
+                o, lse, _ = launcher.forward(q, k, k, window, 0.125, traced=True)
+                launcher.backward(q, k, k, o, lse, torch.randn_like(q), window, 0.125, traced=True)
             else:
-                cu = cu.to(device)
-                o, lse = ft.flash_varlen_forward_triton(q, k, k, cu, cu, 40, 40, window, 0.125)
-                ft.flash_varlen_backward_triton(q, k, k, o, lse, torch.randn_like(q), cu, cu, 40, 40, window, 0.125)
-
-        for kernel, (handle, args, constexprs, _) in recorded_launches(run):
+                offsets = launcher.Offsets(cu.to(device), cu.to(device))
+                o, lse = launcher.varlen_forward(q, k, k, offsets, (40, 40), window, 0.125)
+                launcher.varlen_backward(q, k, k, o, lse, torch.randn_like(q), offsets, (40, 40), window, 0.125)
+        for kernel, (handle, args, constexprs, _) in launches:
             kwargs = {**dict(zip(handle.fn.arg_names, args)), **constexprs}
             written[f"{kernel} ({case})"] = analyse(handle, kwargs)
     print(json.dumps(written))

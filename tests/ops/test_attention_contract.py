@@ -136,30 +136,30 @@ def test_eager_calls_skip_the_custom_ops_and_traced_calls_use_them():
     """Eager calls launch directly (the custom-op dispatch is host time); fake tensors must go through the ops."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from flashsys.ops.attention import flash_triton
+    from flashsys.ops.attention import calls
 
     plain = torch.randn(2, 3)
-    assert flash_triton._eager(plain, torch.nn.Parameter(torch.randn(2)))
+    assert calls.eager(plain, torch.nn.Parameter(torch.randn(2)))
     with FakeTensorMode() as mode:
         fake = mode.from_tensor(plain)
-    assert not flash_triton._eager(plain, fake)
+    assert not calls.eager(plain, fake)
 
 
 def test_launches_after_the_first_reuse_the_chosen_config_bit_for_bit():
     """The first call goes through Triton's autotuner, later ones launch its choice directly: same numbers."""
-    from flashsys.ops.attention import flash_triton
+    from flashsys.ops.attention.triton import launch
 
     q, k, v, do = make_qkv(1, 2, 48, 40, 32, torch.float16, DEVICE, seed=9)
-    flash_triton._chosen_configs.clear()
+    launch.forget_configs()
     results = []
     for _ in range(2):
         qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
         o = FlashAttention2Triton.apply(qq, kk, vv, True)
         o.backward(do)
         results.append((o.detach(), qq.grad, kk.grad, vv.grad))
-        if not flash_triton.chosen_configs():
+        if not launch.chosen_configs():
             pytest.fail("no launch config was recorded after the first call")
-    assert {key[0] for key in flash_triton.chosen_configs()} == {"fwd", "dkdv", "dq"}
+    assert {key[0] for key in launch.chosen_configs()} == {"fwd", "dkdv", "dq"}
     for a, b in zip(*results):
         assert torch.equal(a, b)
 
@@ -265,13 +265,13 @@ def test_repeated_and_misaligned_calls_through_the_fast_launch_gpu():
     """The third call of a shape launches the compiled kernel directly (no JITFunction.run). Fresh inputs each time,
     and then inputs at an address that is not 16-byte aligned: the kernel compiled for aligned pointers must not be
     reused for them (Triton specialises on alignment), so the results must match the reference in every case."""
-    from flashsys.ops.attention import flash_triton
+    from flashsys.ops.attention.triton import launch
 
-    flash_triton._fast_launches.clear()
+    launch.forget_configs()
     for seed in range(4):
         q, k, v, do = make_qkv(2, 3, 72, 72, 64, torch.bfloat16, "cuda", seed=20 + seed)
         assert_matches_reference(FlashAttention2Triton, q, k, v, do, True, None)
-    assert flash_triton._fast_launches, "repeated calls never reached the fast launch"
+    assert launch.fast_launch_count(), "repeated calls never reached the fast launch"
     for batch in (3, 1):  # the same strides as batch 2, other grids: a replay must not keep the first call's grid
         q, k, v, do = make_qkv(batch, 3, 72, 72, 64, torch.bfloat16, "cuda", seed=30 + batch)
         assert_matches_reference(FlashAttention2Triton, q, k, v, do, True, None)
@@ -288,10 +288,10 @@ def test_repeated_and_misaligned_calls_through_the_fast_launch_gpu():
 def test_compiled_call_before_any_eager_call_matches_the_reference_gpu():
     """Compiled first, so no eager config exists for the key: Inductor autotunes the same candidates itself."""
     torch._dynamo.reset()
-    from flashsys.ops.attention import flash_triton
+    from flashsys.ops.attention.triton import launch
 
     q, k, v, do = make_qkv(1, 4, 333, 333, 128, torch.bfloat16, "cuda", seed=31)
-    assert not any(key.bucket == 512 and key.head_dim == 128 for key in flash_triton.chosen_configs())
+    assert not any(key.bucket == 512 and key.head_dim == 128 for key in launch.chosen_configs())
     assert_matches_reference(_Compiled(), q, k, v, do, True, None)
 
 

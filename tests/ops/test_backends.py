@@ -41,19 +41,19 @@ def test_a_compiled_model_traces_the_triton_op_lookup_without_warnings(monkeypat
 def test_the_compiled_graphs_opaque_ops_have_no_python_autograd_layer():
     """The opaque ops a compiled graph calls (the Gluon kernels on Hopper, the interpreter on a CPU) run inside the
     autograd.Function and are never differentiated, so they register no Autograd kernel: a torch.library.custom_op
-    registers a Python one, which with its wrappers cost a compiled call 28-61 µs an op on an H100's host
-    (benchmarks/results/host_cost/opaque_ops_library_h100.md). Their fake kernels still give compile the shapes."""
+    registers a Python one, which with its wrappers costs a compiled call host time on every op. Their fake kernels
+    still give compile the shapes."""
     pytest.importorskip("triton")
-    from flashsys.ops.attention import flash_triton as ft
+    from flashsys.ops.attention import library_ops
 
     for kind in ("forward_gluon", "forward_interpreted", "backward_gluon", "backward_interpreted"):
         name = f"flashsys::flash_attention_{kind}"
         assert not torch._C._dispatch_has_kernel_for_dispatch_key(name, "Autograd"), name
         assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd"), name
     q = torch.randn(1, 2, 40, 16, device="meta")
-    o, lse = ft._interpreted_forward_op(q, q, q, -1, 0, 0.25)
+    o, lse = library_ops.interpreted_forward_op(q, q, q, -1, 0, 0.25)
     assert o.shape == q.shape and lse.shape == q.shape[:-1] and lse.dtype == torch.float32
-    dq, dk, dv = ft._interpreted_backward_op(q, q, q, o, lse, q, -1, 0, 0.25)
+    dq, dk, dv = library_ops.interpreted_backward_op(q, q, q, o, lse, q, -1, 0, 0.25)
     assert dq.shape == dk.shape == dv.shape == q.shape
 
 
@@ -97,18 +97,18 @@ def test_sdpa_backend_aligns_causal_masks_and_windows_bottom_right_and_groups_he
 
 
 def test_launcher_arguments_are_checked_against_the_kernel_signature():
-    from flashsys.ops.attention import flash_triton
+    from flashsys.ops.attention.triton import configs, launch
 
-    kernel = flash_triton._fwd_kernels[64, False, False].fn
+    kernel = configs.HANDLES["fwd"][64, False, False].fn
     q, k = torch.randn(1, 8, 16), torch.randn(2, 1, 8, 16).transpose(1, 2)[0]  # k: rank 3, non-contiguous
     named = dict(Q=q, K=k, V=q, O=q, L=q, CU_Q=q, CU_K=k, n_bh=3, n_heads=1, kv_group=1, n_q=8, n_k=8,
                  window_left=-1, window_right=0, qk_scale=1.0)
-    args = flash_triton._positional(kernel, named)
+    args = launch.positional(kernel, named)
     assert args[:7] == (q, k, q, q, q, q, k) and args[-8:] == (3, 1, 1, 8, 8, -1, 0, 1.0)
     # Strides are derived from each tensor, in the kernel's (batch, head, seq, dim) order.
     assert args[7:15] == (*q.stride()[:1], 0, *q.stride()[1:], k.stride(0), 0, k.stride(1), k.stride(2))
     del named["K"]
     with pytest.raises(TypeError, match=r"missing \['K'\]"):
-        flash_triton._positional(kernel, named)
+        launch.positional(kernel, named)
     with pytest.raises(TypeError, match="unexpected"):
-        flash_triton._positional(kernel, {**named, "K": k, "stride_xx": 3})
+        launch.positional(kernel, {**named, "K": k, "stride_xx": 3})

@@ -1,9 +1,9 @@
-"""Repeated eager calls replay a plan (flashsys.ops.attention.eager_plans): the replays must give the full path's
+"""Repeated eager calls replay a plan (flashsys.ops.attention.replay.plans): the replays must give the full path's
 results for fresh inputs, and anything that changes the launch (shape, strides, alignment, dtype, flags, saved-tensor
 hooks, dO's strides) must reach its own plan or the full path, never another signature's plan.
 
 On a CPU these run under Triton's interpreter in fp32 (the only CPU dtype that is planned); on a GPU in bf16. Every
-test runs with each launcher: eager_plans' Python replays, and native_launch's C++ node, which replays the same plans.
+test runs with each launcher: the Python replays, and the native launcher's C++ node, which replays the same plans.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashsys.ops.attention import FlashAttention2Triton, eager_plans
+from flashsys.ops.attention import FlashAttention2Triton, calls, launcher, replay
 from flashsys.ops.attention import flash_triton as ft
+from flashsys.ops.attention.replay import plans
 
 from .attention_checks import assert_matches_reference, make_qkv, refuse_calls, select_launcher
 
@@ -22,22 +23,26 @@ DTYPE = torch.bfloat16 if CUDA else torch.float32
 
 
 @pytest.fixture(autouse=True, params=["python", "native"])
-def launcher(request, monkeypatch):
+def which_launcher(request, monkeypatch):
     select_launcher(request.param, request, monkeypatch)
     return request.param
 
 
 @pytest.fixture(autouse=True)
-def _fresh_plans(launcher):
-    eager_plans.clear()
+def _fresh_plans(which_launcher):
+    replay.clear()
     yield
-    eager_plans.clear()
+    replay.clear()
 
 
 @pytest.fixture
 def no_full_path(monkeypatch):
     """After this, a call that does not replay a plan fails: the full path's validation raises."""
-    return lambda: refuse_calls(monkeypatch, ft, "check_attention_inputs", "_planned_backward")
+    def refuse():
+        refuse_calls(monkeypatch, ft, "check_attention_inputs")
+        refuse_calls(monkeypatch, launcher, "backward")
+
+    return refuse
 
 
 CASES = {
@@ -54,7 +59,7 @@ def test_replayed_calls_match_the_reference_on_fresh_inputs(case, no_full_path):
     for seed in range(2):  # the first call may autotune; the second makes the plans
         q, k, v, do = make_qkv(batch, heads, n_q, n_k, d, DTYPE, DEVICE, seed=seed, kv_heads=case["kv_heads"])
         assert_matches_reference(FlashAttention2Triton, q, k, v, do, case["causal"], scale, case["window"])
-    assert len(eager_plans.forward_plans) == 1 and len(eager_plans.backward_plans) == 1
+    assert len(plans.forward_plans) == 1 and len(plans.backward_plans) == 1
     no_full_path()
     for seed in range(2, 4):
         q, k, v, do = make_qkv(batch, heads, n_q, n_k, d, DTYPE, DEVICE, seed=seed, kv_heads=case["kv_heads"])
@@ -66,21 +71,23 @@ def test_a_forward_without_a_plan_still_replays_its_backward(monkeypatch):
     whose descriptors it cannot re-base) makes no forward plan. Its backward, the `tl` kernels', must still make and
     replay a plan of its own instead of taking the full path every call. The reference math stands in for the Gluon
     kernel here, writing O and L in place as it does."""
-    from flashsys.ops.attention import attention_reference, flash_gluon
+    from flashsys.ops.attention import attention_reference, dispatch
+    from flashsys.ops.attention.gluon import launch as gluon_launch
 
-    def forward_in_place(q, k, v, o, lse, window, scale):
-        o_ref, lse_ref = attention_reference(q.double(), k.double(), v.double(), True, scale)
-        o.copy_(o_ref)
-        lse.copy_(lse_ref)
-        return flash_gluon.Launched(True)  # ran, no replay
+    def forward_in_place(variant, t, window, scale, record=True):
+        o_ref, lse_ref = attention_reference(t.q.double(), t.k.double(), t.v.double(), True, scale)
+        t.o.copy_(o_ref)
+        t.lse.copy_(lse_ref)
+        return None  # ran, no replay
 
-    monkeypatch.setattr(flash_gluon, "takes", lambda q, k, v, window: True)
-    monkeypatch.setattr(flash_gluon, "forward", forward_in_place)
+    monkeypatch.setattr(dispatch, "takes_forward", lambda q, k, v, window: True)
+    monkeypatch.setattr(dispatch, "chosen", lambda key: dispatch.FORWARD_VARIANTS[64][0])
+    monkeypatch.setattr(gluon_launch, "launch", forward_in_place)
     for seed in range(20, 22):  # the first backward may autotune; the second makes the plan
         q, k, v, do = make_qkv(2, 2, 40, 40, 32, DTYPE, DEVICE, seed=seed)
         assert_matches_reference(FlashAttention2Triton, q, k, v, do, True, None)
-    assert len(eager_plans.forward_plans) == 0 and len(eager_plans.backward_plans) == 1
-    refuse_calls(monkeypatch, ft, "_planned_backward")
+    assert len(plans.forward_plans) == 0 and len(plans.backward_plans) == 1
+    refuse_calls(monkeypatch, launcher, "backward")
     for seed in range(22, 24):
         q, k, v, do = make_qkv(2, 2, 40, 40, 32, DTYPE, DEVICE, seed=seed)
         assert_matches_reference(FlashAttention2Triton, q, k, v, do, True, None)
@@ -109,7 +116,7 @@ def _check_as_given(q, k, v, do, causal, window=None):
 def test_strides_alignment_and_flags_each_get_their_own_plan():
     q, k, v, do = make_qkv(2, 2, 40, 40, 32, DTYPE, DEVICE, seed=5)
     _warm(q, k, v, do)
-    assert len(eager_plans.forward_plans) == 1
+    assert len(plans.forward_plans) == 1
     # the same shapes as (B, N, H, D) storage seen through a transpose: other strides
     qt, kt, vt = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     # inputs at an address that is not 16-byte aligned: Triton specialises kernels on alignment
@@ -122,10 +129,10 @@ def test_strides_alignment_and_flags_each_get_their_own_plan():
     for tensors, causal, window in variants:
         for _ in range(2):  # a first call with new flags may autotune; the second makes the plan
             _check_as_given(*tensors, do, causal, window)
-    assert len(eager_plans.forward_plans) == 1 + len(variants)
+    assert len(plans.forward_plans) == 1 + len(variants)
     for tensors, causal, window in variants:  # every plan replayed once more, interleaved
         _check_as_given(*tensors, do, causal, window)
-    assert len(eager_plans.forward_plans) == 1 + len(variants)
+    assert len(plans.forward_plans) == 1 + len(variants)
 
 
 def test_bad_input_after_a_plan_still_raises():
@@ -155,7 +162,7 @@ def test_saved_tensor_hooks_that_change_strides_reach_another_backward_plan():
         for seed in range(9, 12):
             q, k, v, do = make_qkv(2, 2, 40, 40, 32, DTYPE, DEVICE, seed=seed)
             assert_matches_reference(FlashAttention2Triton, q, k, v, do, True, None)
-    assert len(eager_plans.backward_plans) == 2
+    assert len(plans.backward_plans) == 2
 
 
 def test_a_stride_zero_grad_replays_correctly():
@@ -171,36 +178,34 @@ def test_a_stride_zero_grad_replays_correctly():
     for got in grads:
         for g, r in zip(got, ref):
             torch.testing.assert_close(g.double(), r.grad, rtol=2e-2 if CUDA else 1e-4, atol=2e-2 if CUDA else 1e-4)
-    assert len(eager_plans.backward_plans) == 1
+    assert len(plans.backward_plans) == 1
 
 
 def test_keys_refuse_what_plans_do_not_cover():
     q = torch.randn(1, 2, 8, 16)
-    assert eager_plans.forward_key(q, q, q, True, None, None) is not None
-    assert eager_plans.forward_key(q, q, q, 1, None, None) is None  # a non-bool flag: the full path decides
-    assert eager_plans.forward_key(q, q, q, True, None, [4, 4]) is None
-    assert eager_plans.forward_key(q, q, q, True, torch.tensor(0.5), None) is None
-    assert eager_plans.forward_key(q, q, torch.nn.Parameter(q), True, None, None) is not None
-    table = eager_plans.PlanTable()
-    for i in range(eager_plans._MAX_PLANS + 5):
+    assert plans.forward_key(q, q, q, True, None, None) is not None
+    assert plans.forward_key(q, q, q, 1, None, None) is None  # a non-bool flag: the full path decides
+    assert plans.forward_key(q, q, q, True, None, [4, 4]) is None
+    assert plans.forward_key(q, q, q, True, torch.tensor(0.5), None) is None
+    assert plans.forward_key(q, q, torch.nn.Parameter(q), True, None, None) is not None
+    table = plans.PlanTable()
+    for i in range(plans.MAX_PLANS + 5):
         table.remember(i, object())
-    assert len(table) <= eager_plans._MAX_PLANS
+    assert len(table) <= plans.MAX_PLANS
 
 
-def test_a_compiled_graphs_opaque_ops_replay_plans(launcher, monkeypatch):
+def test_a_compiled_graphs_opaque_ops_replay_plans(which_launcher, monkeypatch):
     """A compiled graph calls its opaque attention ops (the Gluon kernels' on Hopper, the interpreter's on a CPU)
     with one signature every step. From the second call on they replay a plan instead of taking the full path (its
-    checks, TMA descriptors and Triton's dispatch: 150-290 µs a Gluon launch), and give the reference's results on
-    fresh inputs."""
-    from flashsys.ops.attention import flash_gluon
+    checks, TMA descriptors and Triton's dispatch), and give the reference's results on fresh inputs."""
+    from flashsys.ops.attention import dispatch
 
-    if launcher == "native":
+    if which_launcher == "native":
         pytest.skip("a compiled graph's ops replay the Python plans; the native launcher takes eager calls only")
     if CUDA:
-        if not (flash_gluon.enabled() and flash_gluon._hopper(torch.cuda.current_device())
-                and flash_gluon._kernels() is not None):
+        if dispatch.status().startswith("off"):
             pytest.skip("on a GPU only the Gluon ops are opaque (Hopper, a Triton with Gluon's Hopper API)")
-        monkeypatch.setattr(flash_gluon, "MIN_WORK", 0)
+        monkeypatch.setattr(dispatch, "MIN_WORK", 0)
     shape = (1, 4, 256, 256, 64) if CUDA else (1, 2, 40, 40, 16)
 
     class Compiled:
@@ -211,8 +216,9 @@ def test_a_compiled_graphs_opaque_ops_replay_plans(launcher, monkeypatch):
         for seed in range(2):
             q, k, v, do = make_qkv(*shape, DTYPE, DEVICE, seed=seed)
             assert_matches_reference(Compiled, q, k, v, do, True, None)
-        assert len(eager_plans.op_forward_plans) == 1 and len(eager_plans.backward_plans) == 1
-        refuse_calls(monkeypatch, ft, "_planned_forward", "_planned_backward", "_forward", "_backward")
+        assert len(plans.op_forward_plans) == 1 and len(plans.backward_plans) == 1
+        refuse_calls(monkeypatch, launcher, "forward", "backward")
+        refuse_calls(monkeypatch, calls, "forward", "backward")
         for seed in range(2, 4):
             q, k, v, do = make_qkv(*shape, DTYPE, DEVICE, seed=seed)
             assert_matches_reference(Compiled, q, k, v, do, True, None)

@@ -1,6 +1,6 @@
 """The Gluon forward (Hopper): which calls it takes, that every variant compiles (on CPU too, for sm_90), and on an
-H100 that every variant matches float64 reference math for every feature the `tl` forward has, alone and through
-the op, eager and compiled."""
+sm_90 GPU that every variant matches float64 reference math for every feature the `tl` forward has, alone and
+through the op, eager and compiled."""
 
 from __future__ import annotations
 
@@ -17,14 +17,22 @@ from hypothesis import strategies as st
 from flashsys.ops.attention import attention_reference, window_mask
 
 from .attention_checks import (
-    FLOOR, assert_matches_reference, compile_without_cache_warnings, eager_then_compiled, make_qkv, rel_err,
+    FLOOR,
+    assert_matches_reference,
+    compile_without_cache_warnings,
+    eager_then_compiled,
+    make_qkv,
+    rel_err,
 )
 
 pytest.importorskip("triton")
-from flashsys.ops.attention import flash_gluon  # noqa: E402
+from flashsys.ops.attention import dispatch, gluon, launcher, library_ops  # noqa: E402
+from flashsys.ops.attention.gluon import launch as gluon_launch  # noqa: E402
+
+from . import kernel_compile  # noqa: E402
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-hopper_only = pytest.mark.skipif(not HOPPER or flash_gluon._kernels() is None,
+hopper_only = pytest.mark.skipif(not HOPPER or gluon.kernels() is None,
                                  reason="needs an sm_90 GPU and a Triton with Gluon's Hopper API")
 
 
@@ -32,13 +40,13 @@ def test_tma_stride_rules():
     """TMA addresses strides that are positive multiples of 16 bytes with a unit last stride; a dim of size 1 is
     never strided. The common layouts pass, the rest go to the `tl` forward."""
     x = torch.randn(2, 8, 64, 64, dtype=torch.bfloat16)
-    assert flash_gluon._tma_strides_ok(x)
-    assert flash_gluon._tma_strides_ok(torch.randn(2, 64, 8, 64, dtype=torch.bfloat16).transpose(1, 2))  # (B, N, H, D)
-    assert flash_gluon._tma_strides_ok(torch.randn(2, 64, 72, dtype=torch.bfloat16)[..., :64])  # padded rows
-    assert flash_gluon._tma_strides_ok(torch.randn(1, 64, 64, dtype=torch.bfloat16).unsqueeze(1))
-    assert not flash_gluon._tma_strides_ok(x.transpose(-1, -2))  # last stride not 1
-    assert not flash_gluon._tma_strides_ok(x[:, :1].expand(2, 8, 64, 64))  # heads by a stride of 0
-    assert not flash_gluon._tma_strides_ok(torch.randn(2, 64, 68, dtype=torch.bfloat16)[..., :64])  # 136-byte rows
+    assert dispatch.tma_addressable(x)
+    assert dispatch.tma_addressable(torch.randn(2, 64, 8, 64, dtype=torch.bfloat16).transpose(1, 2))  # (B, N, H, D)
+    assert dispatch.tma_addressable(torch.randn(2, 64, 72, dtype=torch.bfloat16)[..., :64])  # padded rows
+    assert dispatch.tma_addressable(torch.randn(1, 64, 64, dtype=torch.bfloat16).unsqueeze(1))
+    assert not dispatch.tma_addressable(x.transpose(-1, -2))  # last stride not 1
+    assert not dispatch.tma_addressable(x[:, :1].expand(2, 8, 64, 64))  # heads by a stride of 0
+    assert not dispatch.tma_addressable(torch.randn(2, 64, 68, dtype=torch.bfloat16)[..., :64])  # 136-byte rows
 
 
 @settings(max_examples=300, deadline=None)
@@ -47,68 +55,87 @@ def test_visible_pairs_counts_the_window_masks_true_entries(n_q, n_k, left, righ
     """The size bar counts the work a mask leaves (B*H*D times the visible pairs), in constant time: it must equal
     the reference mask's count for every shape and window, rows that see no key (Nq > Nk) included."""
     expected = int(window_mask(n_q, n_k, left, right).sum())
-    assert flash_gluon.visible_pairs(n_q, n_k, (left, right)) == expected
+    assert dispatch.visible_pairs(n_q, n_k, (left, right)) == expected
 
 
 def test_the_size_bar_counts_the_pairs_the_kernels_visit():
     """Causal calls cross the bar at twice the B*H*N^2*D of full-mask ones; a window with a left bound counts all of
-    N^2 (the Gluon kernels ran every windowed cell measured 3-30% faster, most of them below the bar by their visible
-    pairs: kernel_configs/probe_window_bar_h100.md). The GPU test below asks `problem` the same."""
-    bar = flash_gluon.MIN_WORK
+    N^2 (the Gluon kernels ran every windowed cell measured faster, most of them below the bar by their visible
+    pairs). The GPU test below asks `forward_problem` the same."""
+    bar = dispatch.MIN_WORK
     full, causal, window = (-1, -1), (-1, 0), (255, 0)
-    assert flash_gluon.call_work((16, 16, 1024, 64), (16, 16, 1024, 64), full) == bar
-    assert bar // 2 < flash_gluon.call_work((16, 16, 1024, 64), (16, 16, 1024, 64), causal) < bar
-    assert flash_gluon.call_work((16, 16, 1024, 128), (16, 16, 1024, 128), causal) >= bar
-    assert flash_gluon.call_work((8, 16, 1024, 128), (8, 16, 1024, 128), causal) < bar
+    assert dispatch.call_work((16, 16, 1024, 64), (16, 16, 1024, 64), full) == bar
+    assert bar // 2 < dispatch.call_work((16, 16, 1024, 64), (16, 16, 1024, 64), causal) < bar
+    assert dispatch.call_work((16, 16, 1024, 128), (16, 16, 1024, 128), causal) >= bar
+    assert dispatch.call_work((8, 16, 1024, 128), (8, 16, 1024, 128), causal) < bar
     big = (1, 16, 8192, 64)
-    assert flash_gluon.call_work(big, big, window) == 16 * 64 * 8192 ** 2 >= bar
-    assert flash_gluon.call_work(big[1:], big[1:], full) == 16 * 64 * 8192 ** 2  # rank 3: (B*H, N, D)
-    assert flash_gluon.call_work((1, 16, 2048, 64), (1, 16, 2048, 64), full) < bar
-    assert flash_gluon.visible_pairs(16384, 16384, window) == 16384 * 256 - 255 * 256 // 2
+    assert dispatch.call_work(big, big, window) == 16 * 64 * 8192 ** 2 >= bar
+    assert dispatch.call_work(big[1:], big[1:], full) == 16 * 64 * 8192 ** 2  # rank 3: (B*H, N, D)
+    assert dispatch.call_work((1, 16, 2048, 64), (1, 16, 2048, 64), full) < bar
+    assert dispatch.visible_pairs(16384, 16384, window) == 16384 * 256 - 255 * 256 // 2
 
 
 def test_calls_it_does_not_take_say_why():
     q = torch.randn(1, 2, 64, 64)
-    assert flash_gluon.problem(q, q, q, (-1, -1)) == "not a CUDA tensor"
+    assert dispatch.forward_problem(q, q, q, (-1, -1)) == "not a CUDA tensor"
     if torch.cuda.is_available():
-        assert "dtype" in flash_gluon.problem(q.cuda(), q.cuda(), q.cuda(), (-1, -1))
-        assert "head dim" in flash_gluon.problem(*(torch.randn(1, 2, 64, 96, device="cuda", dtype=torch.float16),) * 3,
+        assert "dtype" in dispatch.forward_problem(q.cuda(), q.cuda(), q.cuda(), (-1, -1))
+        assert "head dim" in dispatch.forward_problem(*(torch.randn(1, 2, 64, 96, device="cuda", dtype=torch.float16),) * 3,
                                                 (-1, -1))
 
 
-def test_every_variant_compiles_for_hopper():
-    """Every Gluon variant (the forward's, the dK/dV and dQ kernels', the one-pass backward's), causal, full and
-    windowed, with grouped-query K/V and ragged lengths, compiles for sm_90 on this machine's Triton (CI's newest one;
-    a CPU needs no GPU to compile)."""
-    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    if flash_gluon._kernels() is None:
-        pytest.skip("this Triton has no Gluon Hopper API")
+def _compile_group(group: str) -> dict[str, str]:
+    """{label: verdict} of one group of tests/ops/kernel_compile.py, compiled in a subprocess (it installs a stand-in
+    driver for the whole process, and needs Triton's compiler, not the interpreter)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-    r = subprocess.run([sys.executable, "-m", "tests.ops.gluon_compile"], capture_output=True, text=True, timeout=900,
-                       env=env, cwd=root)
+    r = subprocess.run([sys.executable, "-m", "tests.ops.kernel_compile", "--group", group], capture_output=True,
+                       text=True, timeout=600, env=env, cwd=root)
     assert r.returncode == 0, r.stderr[-3000:]
-    compiled = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(compiled) == 3 * sum(len(flash_gluon.gluon_variants(d)) for d in flash_gluon.HEAD_DIMS)
-    assert {label.split()[3] for label in compiled} == {"plain", "pingpong", "persistent", "dkdv", "dq", "one_pass",
-                                                        "one_pass_det"}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("group", [g for g in kernel_compile.groups() if g != "tl"])
+def test_every_gluon_variant_compiles_for_hopper(group):
+    """Every Gluon variant of a (head dim, stage), causal, and the stage's first variant of each kind under a full
+    mask and a window too (the code paths those masks select), with grouped-query K/V and ragged lengths, compiles
+    for sm_90 on this machine's Triton (CI's newest one; a CPU needs no GPU to compile) and fits sm_90's shared
+    memory. One group a test, so that a run shows its progress."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    if gluon.kernels() is None:
+        pytest.skip("this Triton has no Gluon Hopper API")
+    compiled = _compile_group(group)
+    _, d, stage = group.split(" ")
+    variants = [v for v in dispatch.gluon_variants(int(d)) if v.kind in kernel_compile._STAGES[stage]]
+    kinds = {v.kind for v in variants}
+    firsts = [next(v for v in variants if v.kind == kind) for kind in sorted(kinds)]
+    expected = {f"D {d} causal {v.label()}" for v in variants}
+    expected |= {f"D {d} {mask} {v.label()}" for mask in ("full", "window") for v in firsts}
+    assert set(compiled) == expected
     failed = {label: why for label, why in compiled.items() if why != "ok"}
     assert not failed, failed
 
 
+def test_every_variant_is_in_a_compile_group():
+    """The groups cover every stage that has Gluon variants, at every head dim."""
+    covered = {(int(g.split(" ")[1]), kind) for g in kernel_compile.groups() if g != "tl"
+               for kind in kernel_compile._STAGES[g.split(" ")[2]]}
+    assert {(d, v.kind) for d in dispatch.HEAD_DIMS for v in dispatch.gluon_variants(d)} <= covered
+
+
 def test_the_compile_check_fails_a_variant_past_sm90_shared_memory():
     """A kernel can compile for sm_90 and still fail to launch there: one that needs more shared memory than a program
-    gets (stop 45's pairs' buffers took a D 64 one pass to 233,024 bytes). The compile check reports it."""
+    gets (a kernel a few hundred bytes past the limit compiles). The compile check reports it."""
     from types import SimpleNamespace
 
-    from tests.ops.gluon_compile import verdict
+    from tests.ops.kernel_compile import verdict
 
     def kernel(shared):
         return SimpleNamespace(metadata=SimpleNamespace(shared=shared))
 
-    assert verdict(kernel(flash_gluon.SM90_SHARED_BYTES)) == "ok"
-    past = verdict(kernel(flash_gluon.SM90_SHARED_BYTES + 576))
-    assert past == f"needs {flash_gluon.SM90_SHARED_BYTES + 576} bytes of shared memory, sm_90 allows 232448"
+    assert verdict(kernel(gluon_launch.SM90_SHARED_BYTES)) == "ok"
+    past = verdict(kernel(gluon_launch.SM90_SHARED_BYTES + 576))
+    assert past == f"needs {gluon_launch.SM90_SHARED_BYTES + 576} bytes of shared memory, sm_90 allows 232448"
     assert verdict(ValueError("no layout")) == "ValueError: no layout"
 
 
@@ -140,7 +167,7 @@ def _inputs(batch, heads, kv_heads, n_q, n_k, d, layout, dtype, seed):
 @hopper_only
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[3]}x{c[4]}-w{c[5]}-{c[6]}-{str(c[7])[6:]}")
-@pytest.mark.parametrize("variant", [(d, v) for d, vs in flash_gluon.VARIANTS.items() for v in vs],
+@pytest.mark.parametrize("variant", [(d, v) for d, vs in dispatch.FORWARD_VARIANTS.items() for v in vs],
                          ids=lambda dv: f"d{dv[0]}-{dv[1].label().replace(' ', '-')}")
 def test_each_variant_matches_reference_gpu(variant, case):
     _check_variant(*variant, case)
@@ -149,13 +176,13 @@ def test_each_variant_matches_reference_gpu(variant, case):
 @hopper_only
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[3]}x{c[4]}-w{c[5]}-{c[6]}-{str(c[7])[6:]}")
-@pytest.mark.parametrize("variant", [(d, v) for d, vs in flash_gluon.VARIANTS.items() for v in vs
+@pytest.mark.parametrize("variant", [(d, v) for d, vs in dispatch.FORWARD_VARIANTS.items() for v in vs
                                      if v.kind == "persistent"],
                          ids=lambda dv: f"d{dv[0]}-{dv[1].label().replace(' ', '-')}")
 def test_persistent_programs_run_many_query_tiles_each_gpu(variant, case, monkeypatch):
     """The persistent forward with 5 programs: each runs query tiles of several heads (and of both ends of a causal
     head) one after another, its ring of buffers, turns and staging boxes carried from one to the next."""
-    monkeypatch.setattr(flash_gluon, "_usable_sms", lambda t: 5)
+    monkeypatch.setattr(gluon_launch, "usable_sms", lambda t: 5)
     _check_variant(*variant, case)
 
 
@@ -168,7 +195,7 @@ def _check_variant(d, var, case):
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device="cuda")
     o.fill_(float("nan"))
     lse.fill_(float("nan"))
-    flash_gluon._launch(var, *(flash_gluon._rank4(t) for t in (q, k, v, o)), lse, window, scale)
+    gluon_launch.launch(var, gluon_launch.ForwardTensors(q, k, v, o, lse), window, scale)
     o_ref, lse_ref = attention_reference(q.double(), k.double(), v.double(), False, scale, window)  # repeats K/V
     o_plain, _ = attention_reference(q, k, v, False, scale, window)
     err, base = rel_err(o, o_ref), rel_err(o_plain, o_ref)
@@ -187,24 +214,24 @@ def test_op_takes_gluon_forward_and_trains_gpu(causal, monkeypatch):
     and the gradients of the `tl` backward behind it match float64 as every other path must."""
     from flashsys.ops.attention import FlashAttention2Triton
 
-    monkeypatch.setattr(flash_gluon, "MIN_WORK", 0)  # a shape float64 reference math can check in seconds
+    monkeypatch.setattr(dispatch, "MIN_WORK", 0)  # a shape float64 reference math can check in seconds
     q, k, v, do = make_qkv(1, 16, 2048, 2048, 64, torch.bfloat16, "cuda", seed=3, kv_heads=4)
-    assert flash_gluon.takes(q, k, v, (-1, 0) if causal else (-1, -1))
-    flash_gluon._chosen.clear()
+    assert dispatch.takes_forward(q, k, v, (-1, 0) if causal else (-1, -1))
+    dispatch.forget_choices()
     assert_matches_reference(FlashAttention2Triton, q, k, v, do, causal, None)
-    assert flash_gluon.chosen_variants(), "the Gluon forward did not run"
+    assert dispatch.chosen_variants(), "the Gluon forward did not run"
 
 
 @hopper_only
 @pytest.mark.gpu
 def test_compiled_op_runs_the_gluon_forward_bit_for_bit_gpu(monkeypatch):
     """torch.compile's graph calls the Gluon forward through its custom op, with the variant eager chose: equal."""
-    from flashsys.ops.attention import FlashAttention2Triton, flash_triton
+    from flashsys.ops.attention import FlashAttention2Triton
 
     torch._dynamo.reset()
-    monkeypatch.setattr(flash_gluon, "MIN_WORK", 0)
+    monkeypatch.setattr(dispatch, "MIN_WORK", 0)
     q, k, v, _ = make_qkv(1, 16, 4096, 4096, 128, torch.bfloat16, "cuda", seed=5)
-    assert flash_triton._traced_forward(q, k, v, (-1, 0)) is flash_triton._gluon_forward_op
+    assert library_ops.traced_forward(q, k, v, (-1, 0)) is library_ops.gluon_forward_op
     for a, b in zip(*eager_then_compiled(FlashAttention2Triton, q, k, v, True)):
         assert torch.equal(a, b)
 
@@ -216,29 +243,33 @@ def test_small_switched_off_and_unaligned_calls_take_the_tl_forward_gpu(monkeypa
     FLASHSYS_GLUON=0, the `tl` forward runs."""
     q = torch.randn(1, 16, 2048, 64, device="cuda", dtype=torch.bfloat16)
     full = (-1, -1)
-    assert "host-bound" in flash_gluon.problem(q, q, q, full)
+    assert "host-bound" in dispatch.forward_problem(q, q, q, full)
     big = torch.randn(1, 16, 8192, 64, device="cuda", dtype=torch.bfloat16)
-    assert flash_gluon.takes(big, big, big, full) and flash_gluon.takes(big, big, big, (-1, 0))
-    assert flash_gluon.takes(big, big, big, (255, 0))  # a window counts all of N^2 (`call_work`)
-    monkeypatch.setattr(flash_gluon, "MIN_WORK", 0)
-    assert flash_gluon.takes(q, q, q, full)
+    assert dispatch.takes_forward(big, big, big, full) and dispatch.takes_forward(big, big, big, (-1, 0))
+    assert dispatch.takes_forward(big, big, big, (255, 0))  # a window counts all of N^2 (`call_work`)
+    monkeypatch.setattr(dispatch, "MIN_WORK", 0)
+    assert dispatch.takes_forward(q, q, q, full)
     unaligned = torch.randn(16 * 2048 * 64 + 1, device="cuda", dtype=torch.bfloat16)[1:].view(1, 16, 2048, 64)
-    assert flash_gluon.problem(unaligned, unaligned, unaligned, full) is None
-    assert not flash_gluon.takes(unaligned, q, q, full)
-    monkeypatch.setattr(flash_gluon, "_broken", "no variant ran: (a test)")
-    assert flash_gluon.problem(q, q, q, full) == "no variant ran: (a test)" and "off" in flash_gluon.status()
+    assert dispatch.forward_problem(unaligned, unaligned, unaligned, full) is None
+    assert not dispatch.takes_forward(unaligned, q, q, full)
+    with pytest.warns(RuntimeWarning, match="Gluon kernels are off"):
+        dispatch.disable("no variant ran: (a test)")
+    try:
+        assert dispatch.forward_problem(q, q, q, full) == "no variant ran: (a test)" and "off" in dispatch.status()
+    finally:
+        dispatch.forget_choices()
     monkeypatch.setenv("FLASHSYS_GLUON", "0")
-    assert flash_gluon.problem(q, q, q, full) == "FLASHSYS_GLUON=0"
+    assert dispatch.forward_problem(q, q, q, full) == "FLASHSYS_GLUON=0"
 
 
 def test_choice_takes_the_fastest_median_and_leaves_out_variants_that_fail(monkeypatch):
-    """The first call of a key times every candidate in interleaved rounds of 100 ms each (10-ms timings picked
+    """The first call of a key times every candidate in interleaved rounds of 100 ms each (shorter timings picked
     variants that ran slower over longer runs); the lowest median wins (one slow round does not decide), a candidate
     that raises is left out, and where all raise the path turns itself off for the process with a warning naming
     each error (the `tl` forward then runs)."""
     import triton.testing
 
-    d64 = flash_gluon.VARIANTS[64]
+    d64 = dispatch.FORWARD_VARIANTS[64]
     draws = {d64[0]: iter([1.0, 9.0, 1.0, 1.0, 1.0]), d64[1]: iter([2.0, 0.5, 2.0, 2.0, 2.0])}
     current = {}
     reps = []
@@ -256,19 +287,23 @@ def test_choice_takes_the_fastest_median_and_leaves_out_variants_that_fail(monke
 
     monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU builds of torch raise
-    monkeypatch.setattr(flash_gluon, "_chosen", {})
-    monkeypatch.setattr(flash_gluon, "autotune_enabled", lambda: True)  # CPU CI runs the interpreter, which is off
-    key = flash_gluon.ChoiceKey(64, torch.bfloat16, True, False, 16384)
-    assert flash_gluon._choose(key, run) == d64[0]
-    assert flash_gluon.chosen_variants() == {key: d64[0]}
-    # two candidates timed every round, each failing one once (not again)
-    assert len(reps) == 2 * flash_gluon._CHOICE_ROUNDS + len(d64) - 2 and set(reps) == {100}
-    draws.clear()
-    monkeypatch.setattr(flash_gluon, "_broken", None)
-    with pytest.warns(RuntimeWarning, match="Gluon kernels are off.*out of resources"):
-        assert flash_gluon._choose(key._replace(bucket=1024), run) is None
-    assert "no variant ran" in flash_gluon._broken
-    assert "no variant ran" in flash_gluon.status() or "not an sm_90" in flash_gluon.status()
+    monkeypatch.setattr(dispatch, "autotune_enabled", lambda: True)  # CPU CI runs the interpreter, which is off
+    dispatch.forget_choices()
+    try:
+        key = dispatch.ChoiceKey(64, torch.bfloat16, True, False, 16384)
+        assert dispatch.chosen(key) is None  # nothing chosen yet: the caller times the candidates
+        assert launcher.choose_variant(key, run) == d64[0]
+        assert dispatch.chosen_variants() == {key: d64[0]} and dispatch.chosen(key) == d64[0]
+        # two candidates timed every round, each failing one once (not again)
+        assert len(reps) == 2 * dispatch.CHOICE_ROUNDS + len(d64) - 2 and set(reps) == {dispatch.CHOICE_REP_MS}
+        draws.clear()
+        with pytest.warns(RuntimeWarning, match="Gluon kernels are off.*out of resources"):
+            assert launcher.choose_variant(key._replace(bucket=1024), run) is None
+        assert dispatch.unavailable_reason().startswith("no variant ran")
+        with pytest.raises(ValueError, match="cannot run the 'forward' stage"):
+            dispatch.remember(key, dispatch.DQ_VARIANTS[64][1])
+    finally:
+        dispatch.forget_choices()
 
 
 def test_torch_compile_traces_the_path_checks_without_warnings(monkeypatch, recwarn):
@@ -277,15 +312,15 @@ def test_torch_compile_traces_the_path_checks_without_warnings(monkeypatch, recw
     wrapped function ... Silent incorrectness is only a potential risk"). The checks trace without a warning and
     give what they give eagerly."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
-    expected = 1 + 2 * (flash_gluon._kernels() is None)
-    monkeypatch.setattr(flash_gluon, "_is_hopper", {})  # the first calls happen while tracing
-    monkeypatch.setattr(flash_gluon, "_imported", [])
+    expected = 1 + 2 * (gluon.kernels() is None)
+    monkeypatch.setattr(dispatch, "_is_hopper", {})  # the first calls happen while tracing
+    monkeypatch.setattr(gluon, "_loaded", [])
 
     def checks(x):
-        return x + flash_gluon._hopper(0) + 2 * (flash_gluon._kernels() is None)
+        return x + dispatch._hopper(0) + 2 * (gluon.kernels() is None)
 
     assert compile_without_cache_warnings(checks, torch.zeros(2), recwarn).tolist() == [expected] * 2
-    assert flash_gluon._is_hopper == {0: True} and len(flash_gluon._imported) == 1  # cached as eagerly
+    assert dispatch._is_hopper == {0: True} and len(gluon._loaded) == 1  # cached as eagerly
 
 
 def test_switches_take_only_on_or_off(monkeypatch):
@@ -294,12 +329,12 @@ def test_switches_take_only_on_or_off(monkeypatch):
     from flashsys.ops.attention.triton_env import autotune_enabled
 
     monkeypatch.setenv("FLASHSYS_GLUON", "false")
-    assert not flash_gluon.enabled()
+    assert not dispatch.enabled()
     monkeypatch.setenv("FLASHSYS_GLUON", "yes")
-    assert flash_gluon.enabled()
+    assert dispatch.enabled()
     monkeypatch.setenv("FLASHSYS_GLUON", "maybe")
     with pytest.raises(ValueError, match="FLASHSYS_GLUON='maybe'"):
-        flash_gluon.enabled()
+        dispatch.enabled()
     monkeypatch.setenv("FLASHSYS_TRITON_AUTOTUNE", "off")
     assert not autotune_enabled()
     monkeypatch.setenv("FLASHSYS_TRITON_AUTOTUNE", "2")
@@ -313,7 +348,7 @@ def test_a_gluon_replay_launches_copies_of_its_descriptors_on_the_new_tensors(re
     The native launcher takes it as a Python launch (it cannot pass descriptors itself), without a warning."""
     import dataclasses
 
-    from flashsys.ops.attention import eager_plans, native_launch
+    from flashsys.ops.attention.replay import native, plans
 
     @dataclasses.dataclass
     class Descriptor:  # what the replay needs of Triton's: a dataclass with a base tensor
@@ -330,9 +365,9 @@ def test_a_gluon_replay_launches_copies_of_its_descriptors_on_the_new_tensors(re
     templates = (Descriptor(first[0], [1, 1, 8, 16]), Descriptor(first[1].unsqueeze(1), [1, 1, 8, 16]),
                  torch.zeros(3))
     params = (*templates, 7, 0.5, 64)
-    assert flash_gluon.GluonReplay.recordable(params, 3)
-    assert not flash_gluon.GluonReplay.recordable((object(), 1), 1)
-    replay = flash_gluon.GluonReplay(Compiled(), (5,), params, 3)
+    assert gluon_launch.GluonReplay.recordable(params, 3)
+    assert not gluon_launch.GluonReplay.recordable((object(), 1), 1)
+    replay = gluon_launch.GluonReplay(Compiled(), (5,), params, 3)
     new = (torch.randn(2, 4, 8, 16), torch.randn(2, 8, 16), torch.randn(3))
     replay(*new, stream=9)
     (grid, args, stream), = launches
@@ -343,8 +378,8 @@ def test_a_gluon_replay_launches_copies_of_its_descriptors_on_the_new_tensors(re
     # the replay (kept with its plan for the process's life) holds none of the first call's tensors
     assert not any(isinstance(x, torch.Tensor) or getattr(x, "base", None) is not None
                    for x in (*replay._templates, *replay._rest))
-    spec = eager_plans.Replay(replay, (0, 1, 2), (), None, None)
-    assert native_launch._launch_specs((spec,)) == [(replay, [0, 1, 2], ())] and not recwarn.list
+    spec = plans.Replay(replay, (0, 1, 2), (), None, None)
+    assert native.launch_specs((spec,)) == [(replay, [0, 1, 2], ())] and not recwarn.list
 
 
 @hopper_only
@@ -356,31 +391,33 @@ def test_repeated_gluon_calls_replay_plans_gpu(d, monkeypatch):
     on fresh inputs. Rank 3 and a window at D 64 (the replay makes rank-4 views), GQA and causal at D 128. A Gluon dQ
     variant is the only dQ candidate here (the `tl` one may win the timing), and the two passes the only backward
     (the deterministic one pass is not recorded as a plan)."""
-    from flashsys.ops.attention import FlashAttention2Triton, eager_plans, flash_triton
+    from flashsys.ops.attention import FlashAttention2Triton, flash_triton, replay
+    from flashsys.ops.attention.replay import plans
 
     from .attention_checks import assert_matches_reference, make_qkv, refuse_calls
 
-    monkeypatch.setattr(flash_gluon, "MIN_WORK", 0)
-    monkeypatch.setitem(flash_gluon.DQ_VARIANTS, d, flash_gluon.DQ_VARIANTS[d][1:2])
-    monkeypatch.setitem(flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS, d, (flash_gluon.TL_KERNEL,))
-    flash_gluon._chosen.clear()
-    eager_plans.clear()
+    monkeypatch.setattr(dispatch, "MIN_WORK", 0)
+    monkeypatch.setitem(dispatch.DQ_VARIANTS, d, dispatch.DQ_VARIANTS[d][1:2])
+    monkeypatch.setitem(dispatch.DETERMINISTIC_ONE_PASS_VARIANTS, d, (gluon_launch.TL_KERNEL,))
+    dispatch.forget_choices()
+    replay.clear()
     shape, window, kv_heads = ((2, None, 777, 777), (64, 0), None) if d == 64 else ((1, 8, 1024, 1024), None, 4)
     try:
         for seed in range(2):  # the first call chooses variants and autotunes; the second makes the plans
             q, k, v, do = make_qkv(*shape, d, torch.bfloat16, "cuda", seed=seed, kv_heads=kv_heads)
             assert_matches_reference(FlashAttention2Triton, q, k, v, do, window is None, None, window)
-        assert len(eager_plans.forward_plans) == 1 and len(eager_plans.backward_plans) == 1
-        chosen = {key.kernel: var for key, var in flash_gluon.chosen_variants().items()}
-        assert chosen.pop("one_pass_det") == flash_gluon.TL_KERNEL  # the two passes, asked first
+        assert len(plans.forward_plans) == 1 and len(plans.backward_plans) == 1
+        chosen = {key.kernel: var for key, var in dispatch.chosen_variants().items()}
+        assert chosen.pop("one_pass_det") == gluon_launch.TL_KERNEL  # the two passes, asked first
         want = {"forward", "dq"} if d == 64 else {"forward", "dq", "dkdv"}
         assert set(chosen) == want, "the Gluon kernels did not run"
         assert all(var.kind != "tl" for var in chosen.values())
-        refuse_calls(monkeypatch, flash_gluon, "_launch")
-        refuse_calls(monkeypatch, flash_triton, "check_attention_inputs", "_planned_backward")
+        refuse_calls(monkeypatch, gluon_launch, "launch")
+        refuse_calls(monkeypatch, flash_triton, "check_attention_inputs")
+        refuse_calls(monkeypatch, launcher, "backward")
         for seed in range(2, 4):
             q, k, v, do = make_qkv(*shape, d, torch.bfloat16, "cuda", seed=seed, kv_heads=kv_heads)
             assert_matches_reference(FlashAttention2Triton, q, k, v, do, window is None, None, window)
     finally:
-        eager_plans.clear()
-        flash_gluon._chosen.clear()
+        replay.clear()
+        dispatch.forget_choices()

@@ -1,4 +1,4 @@
-"""The native launcher (flashsys.ops.attention.native_launch): repeated eager calls run a C++ autograd node that
+"""The native launcher (flashsys.ops.attention.replay.native): repeated eager calls run a C++ autograd node that
 replays the Python path's plans. It must give the Python path's results bit for bit, keep the op's autograd contract
 (saved tensors, double-backward refusal, in-place checks, hooks), hand back to Python whatever it has no plan for,
 and pack kernel arguments exactly as the kernel's PTX declares them.
@@ -20,7 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashsys.ops.attention import FlashAttention2Triton, eager_plans, native_build, native_launch
+from flashsys.ops.attention import FlashAttention2Triton, replay
+from flashsys.ops.attention.replay import builder as native_build
+from flashsys.ops.attention.replay import native as native_launch
+from flashsys.ops.attention.replay import plans
 
 from .attention_checks import assert_matches_reference, make_qkv, select_launcher
 
@@ -33,9 +36,9 @@ NATIVE = "FlashAttention2TritonNativeBackward"
 @pytest.fixture(autouse=True)
 def native(request, monkeypatch):
     select_launcher("native", request, monkeypatch)
-    eager_plans.clear()
+    replay.clear()
     yield
-    eager_plans.clear()
+    replay.clear()
 
 
 def _call(q, k, v, do, causal=True, scale=None, window=None):
@@ -81,11 +84,11 @@ def _warm(q, k, v, do):
 
 
 def test_forgetting_the_plans_forgets_the_native_copies():
-    """eager_plans.clear() (a test forcing another kernel variant, a change of the determinism switch) must empty
+    """replay.clear() (a test forcing another kernel variant, a change of the determinism switch) must empty
     the native tables too: a native plan left behind would replay the old kernels in eager calls only."""
     q, k, v, do = make_qkv(1, 2, 24, 24, 16, DTYPE, DEVICE, seed=4)
     _warm(q, k, v, do)
-    eager_plans.clear()
+    replay.clear()
     assert native_launch.sizes() == (0, 0)
     assert _call(q, k, v, do)[0] != NATIVE  # the next call takes the Python path again
 
@@ -155,7 +158,7 @@ def test_arguments_are_packed_as_the_ptx_declares_them():
     signature = {"A": "*bf16", "B": "*fp32", "s": "i32", "one": "constexpr", "big": "i64", "scale": "fp32",
                  "BLOCK": "constexpr"}
     kernel = _fake_kernel(signature, ["u64", "u64", "u32", "u64", "f32", "u64", "u64"])
-    replay = eager_plans.Replay(None, (3, 0), (-5, 1, 2**40 + 7, 0.125, 64), kernel, (4, 2, 1))
+    replay = plans.Replay(None, (3, 0), (-5, 1, 2**40 + 7, 0.125, 64), kernel, (4, 2, 1))
     fn, grid, threads, shared, words, pointers, keep_alive = native_launch.cuda_launch_spec(replay)
     assert keep_alive is kernel
     assert (fn, grid, threads, shared) == (0xABC, (4, 2, 1), 128, 1024)
@@ -171,10 +174,10 @@ def test_arguments_are_packed_as_the_ptx_declares_them():
         assert native_launch.cuda_launch_spec(replay._replace(kernel=bad)) is None, why
     bad = replay._replace(kernel=refused["a cluster"])
     with pytest.warns(RuntimeWarning, match="cannot launch"):  # a refused plan stays Python's, and says so once
-        assert native_launch._launch_specs((bad,)) is None
+        assert native_launch.launch_specs((bad,)) is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert native_launch._launch_specs((bad,)) is None
+        assert native_launch.launch_specs((bad,)) is None
 
 
 def _as_a_new_process(monkeypatch):
@@ -187,8 +190,8 @@ def _as_a_new_process(monkeypatch):
 def test_a_failed_build_says_why_and_leaves_the_python_path(monkeypatch, tmp_path):
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(native_launch, "_SOURCE", broken)
-    monkeypatch.setattr(native_launch, "_NAME", "flashsys_native_launch_broken_test")
+    monkeypatch.setattr(native_launch, "SOURCE", broken)
+    monkeypatch.setattr(native_launch, "EXTENSION_NAME", "flashsys_native_launch_broken_test")
     _as_a_new_process(monkeypatch)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -201,16 +204,15 @@ def test_a_failed_build_says_why_and_leaves_the_python_path(monkeypatch, tmp_pat
 
 def test_a_build_killed_midway_blocks_no_later_process(monkeypatch):
     """torch's build lock is a file, which a process killed mid-build (a script stopped in its first minute) left
-    behind: every later process's build then waited on it forever and the launcher never came up again (seen on an
-    H100 host; `wait()` hung). Such a kill leaves a lock file and no completion mark; the next process must build
+    behind: every later process's build would wait on it forever and the launcher never come up (`wait()` hangs). Such a kill leaves a lock file and no completion mark; the next process must build
     past them, and the one after that import the build directly, with no builder run."""
-    directory = native_launch._build_directory()
-    assert native_build.completed(directory, native_launch._NAME)  # the fixture's wait() built or imported it there
+    directory = native_launch.build_directory()
+    assert native_build.completed(directory, native_launch.EXTENSION_NAME)  # the fixture's wait() built or imported it there
     (directory / native_build.BUILT).unlink()
     (directory / "lock").touch()
     _as_a_new_process(monkeypatch)
     assert native_launch.wait(timeout=300), native_launch.status()
-    assert not (directory / "lock").exists() and native_build.completed(directory, native_launch._NAME)
+    assert not (directory / "lock").exists() and native_build.completed(directory, native_launch.EXTENSION_NAME)
 
     def build_again(directory):
         raise AssertionError(f"a completed build in {directory} was built again")
@@ -225,16 +227,16 @@ def test_the_build_outlives_the_process_that_started_it(monkeypatch, tmp_path):
     the builder runs in a session of its own. Builds from scratch in an empty extensions root."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     # The script exits as soon as the builder holds its lock: while the build has only just begun.
-    script = "\n".join(["import pathlib, sys, time", "from flashsys.ops.attention import native_launch",
+    script = "\n".join(["import pathlib, sys, time", "from flashsys.ops.attention.replay import native as native_launch",
                         "native_launch.start_build()",
                         "while not list(pathlib.Path(sys.argv[1]).glob('*/flashsys.lock')): time.sleep(0.01)"])
     subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, timeout=300)
-    directory = native_launch._build_directory()
-    assert directory.parent == tmp_path and not native_build.completed(directory, native_launch._NAME)
+    directory = native_launch.build_directory()
+    assert directory.parent == tmp_path and not native_build.completed(directory, native_launch.EXTENSION_NAME)
     deadline = time.monotonic() + 300  # a build takes 25-40 s
-    while not native_build.completed(directory, native_launch._NAME) and time.monotonic() < deadline:
+    while not native_build.completed(directory, native_launch.EXTENSION_NAME) and time.monotonic() < deadline:
         time.sleep(1)
-    assert native_build.completed(directory, native_launch._NAME), sorted(p.name for p in directory.iterdir())
+    assert native_build.completed(directory, native_launch.EXTENSION_NAME), sorted(p.name for p in directory.iterdir())
 
 
 def test_the_build_directory_names_what_the_library_depends_on(monkeypatch, tmp_path):
@@ -243,17 +245,17 @@ def test_the_build_directory_names_what_the_library_depends_on(monkeypatch, tmp_
     from torch.utils.cpp_extension import get_default_build_root
 
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
-    assert native_launch._build_directory().parent == Path(get_default_build_root())
-    seen = {native_launch._build_directory()}
+    assert native_launch.build_directory().parent == Path(get_default_build_root())
+    seen = {native_launch.build_directory()}
     edited = tmp_path / "native_launch.cpp"
-    edited.write_bytes(native_launch._SOURCE.read_bytes() + b"// edited\n")
-    monkeypatch.setattr(native_launch, "_SOURCE", edited)
-    seen.add(native_launch._build_directory())
+    edited.write_bytes(native_launch.SOURCE.read_bytes() + b"// edited\n")
+    monkeypatch.setattr(native_launch, "SOURCE", edited)
+    seen.add(native_launch.build_directory())
     monkeypatch.setattr(torch, "__version__", "0.0.0")
-    seen.add(native_launch._build_directory())
+    seen.add(native_launch.build_directory())
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    seen.add(native_launch._build_directory())
-    assert len(seen) == 4 and native_launch._build_directory().parent == tmp_path
+    seen.add(native_launch.build_directory())
+    assert len(seen) == 4 and native_launch.build_directory().parent == tmp_path
 
 
 def test_the_switch_takes_only_on_or_off(monkeypatch):

@@ -1,6 +1,6 @@
 """The one-pass backward's switch and its `tl` helper kernels, on any machine (the kernels under Triton's interpreter
-without a GPU); the Gluon kernel itself is checked against float64 on an H100 in test_gluon_backward, and compiled
-for sm_90 on a CPU in test_gluon_forward."""
+without a GPU); the Gluon kernel itself is checked against float64 on an sm_90 GPU in test_gluon_backward, and
+compiled for sm_90 on a CPU in test_gluon_forward."""
 
 from __future__ import annotations
 
@@ -18,7 +18,10 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from flashsys.ops.attention import eager_plans, flash_gluon, flash_triton  # noqa: E402
+from flashsys.ops.attention import dispatch, launcher, replay  # noqa: E402
+from flashsys.ops.attention.gluon import launch as gluon_launch  # noqa: E402
+from flashsys.ops.attention.replay import plans  # noqa: E402
+from flashsys.ops.attention.triton import kernels, tiles  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -44,24 +47,24 @@ def test_the_backward_is_deterministic_unless_asked_and_torch_can_insist():
 
 def test_changing_the_switch_drops_the_launch_plans():
     """A plan made under one setting must not replay under the other: the tables are emptied on a change only."""
-    eager_plans.backward_plans.remember(("a key",), "a plan")
+    plans.backward_plans.remember(("a key",), "a plan")
     ops.set_deterministic_backward(True)  # no change
-    assert eager_plans.backward_plans.get(("a key",)) == "a plan"
+    assert plans.backward_plans.get(("a key",)) == "a plan"
     ops.set_deterministic_backward(False)
-    assert eager_plans.backward_plans.get(("a key",)) is None
+    assert plans.backward_plans.get(("a key",)) is None
 
 
 def _prologue(o4, do4, lse, pairs, acc, sem, zero_all, rows=64, block_d=64):
     """Run the one pass's prologue kernel (one program per `rows` query rows of each (batch, head))."""
     batch, heads, n = o4.shape[:3]
-    flash_triton._one_pass_prologue_kernel[(triton.cdiv(n, rows), batch * heads)](
+    kernels.one_pass_prologue_kernel[(triton.cdiv(n, rows), batch * heads)](
         o4, do4, lse, pairs, acc, sem, *o4.stride(), *do4.stride(), heads, n, acc.shape[2], HEAD_DIM=o4.shape[-1],
         BLOCK_D=block_d, ROWS=rows, ZERO_ALL=zero_all)
 
 
 def _sum_of(n):
-    """Where query rows 0..n-1 lie in the one pass's float32 dQ sum (`flash_gluon.dq_sum_row`), as an index."""
-    return flash_gluon.dq_sum_row(torch.arange(n))
+    """Where query rows 0..n-1 lie in the one pass's float32 dQ sum (`gluon.launch.dq_sum_row`), as an index."""
+    return gluon_launch.dq_sum_row(torch.arange(n))
 
 
 def test_the_dq_sum_holds_each_group_of_8_rows_permuted_as_the_kernel_stores_them():
@@ -70,14 +73,14 @@ def test_the_dq_sum_holds_each_group_of_8_rows_permuted_as_the_kernel_stores_the
     here as in the kernel) put row r at the same place: both sides of the sum (the kernel's stores and adds; the
     prologue, epilogue and fold) agree. The kernel itself is held to it by the GPU tests' dQ."""
     rows = torch.arange(128)
-    where = flash_gluon.dq_sum_row(rows)
+    where = gluon_launch.dq_sum_row(rows)
     assert torch.equal(where // 8, rows // 8) and torch.equal(torch.sort(where).values, rows)
-    assert [flash_gluon.dq_sum_row(r) for r in range(8)] == [0, 2, 4, 6, 1, 3, 5, 7]
-    assert [flash_gluon.dq_sum_rows(n) for n in (1, 8, 77, 80, 1000)] == [8, 8, 80, 80, 1000]
+    assert [gluon_launch.dq_sum_row(r) for r in range(8)] == [0, 2, 4, 6, 1, 3, 5, 7]
+    assert [gluon_launch.dq_sum_rows(n) for n in (1, 8, 77, 80, 1000)] == [8, 8, 80, 80, 1000]
     for n_rows in (64, 128):
         # the row held at each place of a stored share
         stored = torch.arange(n_rows).reshape(n_rows // 8, 2, 4, 1).permute(0, 2, 1, 3).reshape(n_rows)
-        assert torch.equal(flash_gluon.dq_sum_row(stored), torch.arange(n_rows))
+        assert torch.equal(gluon_launch.dq_sum_row(stored), torch.arange(n_rows))
 
 
 @pytest.mark.parametrize("rank", [3, 4])
@@ -95,11 +98,11 @@ def test_prologue_writes_the_pairs_and_zeroes_dq_and_epilogue_scales_it(rank):
         o, do, lse, heads = o[:, 0], do[:, 0], lse[:, 0].contiguous(), 1  # L is dense, as the forward writes it
     pairs = torch.full((*lse.shape, 2), float("nan"), device=DEVICE)
     o4, do4 = (t if t.dim() == 4 else t.unsqueeze(1) for t in (o, do))
-    acc = torch.full((batch, heads, flash_gluon.dq_sum_rows(n), d), float("nan"), device=DEVICE)  # 80 rows
+    acc = torch.full((batch, heads, gluon_launch.dq_sum_rows(n), d), float("nan"), device=DEVICE)  # 80 rows
     sem = torch.full((batch * heads * triton.cdiv(n, 64),), 7, dtype=torch.int32, device=DEVICE)
     _prologue(o4, do4, lse, pairs, acc, sem, zero_all=True)
     assert torch.equal(sem, torch.zeros_like(sem))
-    want_neg = torch.where(torch.isinf(lse), torch.zeros_like(lse), -lse * flash_triton.LOG2E)
+    want_neg = torch.where(torch.isinf(lse), torch.zeros_like(lse), -lse * tiles.LOG2E)
     torch.testing.assert_close(pairs[..., 0], want_neg)
     torch.testing.assert_close(pairs[..., 1], (o.float() * do.float()).sum(-1), rtol=1e-5, atol=1e-5)
     in_sum = _sum_of(n).to(DEVICE)
@@ -108,90 +111,110 @@ def test_prologue_writes_the_pairs_and_zeroes_dq_and_epilogue_scales_it(rank):
     acc.normal_(generator=torch.Generator(DEVICE).manual_seed(12))
     dq = torch.full(o4.shape, float("nan"), device=DEVICE, dtype=torch.float16)
     rows = batch * heads * n
-    flash_triton._one_pass_epilogue_kernel[(triton.cdiv(rows, 64),)](acc, dq, rows, n, acc.shape[2], 0.3,
-                                                                     HEAD_DIM=d, BLOCK_D=64, ROWS=64)
+    kernels.one_pass_epilogue_kernel[(triton.cdiv(rows, 64),)](acc, dq, rows, n, acc.shape[2], 0.3, HEAD_DIM=d,
+                                                               BLOCK_D=64, ROWS=64)
     assert torch.equal(dq, (acc[:, :, in_sum] * 0.3).to(torch.float16))
 
 
-def _choose_runs_every_candidate(monkeypatch, picked):
-    """Stand in for `flash_gluon._choose`, nothing chosen yet: it runs each of the key's candidates once, in order
-    (what a timing would launch), and returns `picked()`."""
-    monkeypatch.setattr(flash_gluon, "_chosen", {})
+def _one_pass_harness(monkeypatch, picked):
+    """Stand in for the one-pass choice's timing, nothing chosen yet (it runs each of the key's candidates once, in
+    order, as a timing would launch them, and picks `picked()`), and for the two backwards it chooses between:
+    returns the list each launch appends to ("two passes", or the one-pass variant)."""
+    from flashsys.ops.attention import dispatch, launcher, timed_choice
 
-    def fake_choose(key, run):
-        for var in key.candidates():
-            run(var)
-        return picked()
+    launched = []
+    monkeypatch.setattr(dispatch, "autotune_enabled", lambda: True)  # CPU CI runs the interpreter, which is off
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU builds of torch raise
+    monkeypatch.setattr(dispatch, "_chosen", {})
 
-    monkeypatch.setattr(flash_gluon, "_choose", fake_choose)
+    def fastest(candidates, run, rounds, rep_ms):
+        for candidate in candidates:
+            run(candidate)
+        return picked(), {}
+
+    monkeypatch.setattr(timed_choice, "fastest", fastest)
+    monkeypatch.setattr(launcher, "two_pass_backward", lambda *a, **kw: launched.append("two passes"))
+    monkeypatch.setattr(launcher, "one_pass_backward", lambda variant, *a: launched.append(variant))
+    return launched
+
+
+def _backward_launches(q, window, deterministic):
+    """The dense backward's launches for q as its own k, v (the Gluon path taken)."""
+    from flashsys.ops.attention import launcher
+    from flashsys.ops.attention.triton import launch
+
+    ops.set_deterministic_backward(deterministic)
+    t = launcher.backward_tensors(q, q, q, q, q[..., 0], q)
+    launcher.backward_launches(launch.geometry_of(q.shape, q.shape, q.dtype), t, window, 0.125, gluon=True)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_one_pass_choice_hands_back_to_the_two_passes(deterministic, monkeypatch):
     """The one-pass choice times the two passes beside its variants (the deterministic ones where determinism is
-    asked for) and names the winner; where the two passes win (or the head dim has no one-pass kernel) it names
-    none, and the caller runs them."""
-    timed = []
-    _choose_runs_every_candidate(monkeypatch, lambda: pick[0])
+    asked for) and runs the winner; where the two passes win (or the head dim has no one-pass kernel) they run."""
+    from flashsys.ops.attention import dispatch
+    from flashsys.ops.attention.gluon.launch import TL_KERNEL
+
+    pick = []
+    launched = _one_pass_harness(monkeypatch, lambda: pick[0])
     q = torch.randn(1, 2, 64, 128)
-    table = flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS if deterministic else flash_gluon.ONE_PASS_VARIANTS
+    table = dispatch.DETERMINISTIC_ONE_PASS_VARIANTS if deterministic else dispatch.ONE_PASS_VARIANTS
     assert {v.kind for v in table[128][1:]} == {"one_pass_det" if deterministic else "one_pass"}
-    for pick in ([flash_gluon.TL_KERNEL], [table[128][1]]):
-        timed.clear()
-        chosen = flash_gluon.choose_one_pass(q, q, (-1, 0), timed.append, lambda: timed.append("two passes"),
-                                             deterministic)
-        assert timed == ["two passes", *table[128][1:]]
-        assert chosen == (None if pick[0].kind == "tl" else pick[0])
-    q96 = torch.randn(1, 2, 64, 96)
-    assert flash_gluon.choose_one_pass(q96, q96, (-1, 0), timed.append, lambda: None, deterministic) is None
-    key = flash_gluon.ChoiceKey.of(q, q, (-1, 0), "one_pass_det" if deterministic else "one_pass")
-    assert key.label(flash_gluon.TL_KERNEL) == "two passes"  # what status lines call the two passes
-    assert key._replace(kernel="dq").label(flash_gluon.TL_KERNEL) == "tl kernel"
+    for choice in (TL_KERNEL, table[128][1]):
+        pick[:] = [choice]
+        launched.clear()
+        dispatch.forget_choices()
+        _backward_launches(q, (-1, 0), deterministic)
+        ran = "two passes" if choice.kind == "tl" else choice
+        assert launched == ["two passes", *table[128][1:], ran]
+    launched.clear()
+    _backward_launches(torch.randn(1, 2, 64, 96), (-1, 0), deterministic)
+    assert launched == ["two passes"]
+    key = dispatch.one_pass_key(q, q, (-1, 0), deterministic)
+    assert key.label(TL_KERNEL) == "two passes"  # what status lines call the two passes
+    assert key._replace(kernel="dq").label(TL_KERNEL) == "tl kernel"
 
 
-def test_the_deterministic_d128_one_pass_times_only_its_two_set_kernel_under_full_masks(monkeypatch):
+def test_the_deterministic_d128_one_pass_times_only_its_two_set_kernel_under_full_masks():
     """Under a full mask the D 128 deterministic choice times the two passes and the kernel with two dQ staging sets
-    (2-6% faster than the others there on an H100); a causal mask or a window, and the unordered kind, time the
-    whole table."""
-    timed = []
-    _choose_runs_every_candidate(monkeypatch, lambda: flash_gluon.TL_KERNEL)
+    (faster than the others there); a causal mask or a window, and the unordered kind, time the whole table."""
+    from flashsys.ops.attention import dispatch
+    from flashsys.ops.attention.gluon.launch import TL_KERNEL, Variant
+
     q = torch.randn(1, 2, 64, 128)
-    two_sets = flash_gluon.Variant("one_pass_det", 64, 128, 2, 240, 2)
-    det_table = flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS[128]
+    two_sets = Variant("one_pass_det", 64, 128, 2, 240, 2)
+    det_table = dispatch.DETERMINISTIC_ONE_PASS_VARIANTS[128]
     assert two_sets in det_table and len(det_table) > 2  # a subset of the table, not a kernel of its own
-    for window, deterministic, want in (((-1, -1), True, [two_sets]), ((-1, 0), True, det_table[1:]),
+    for window, deterministic, want in (((-1, -1), True, (two_sets,)), ((-1, 0), True, det_table[1:]),
                                         ((64, 0), True, det_table[1:]), ((64, -1), True, det_table[1:]),
-                                        ((-1, -1), False, flash_gluon.ONE_PASS_VARIANTS[128][1:])):
-        timed.clear()
-        flash_gluon.choose_one_pass(q, q, window, timed.append, lambda: timed.append("two passes"), deterministic)
-        assert timed == ["two passes", *want], (window, deterministic)
+                                        ((-1, -1), False, dispatch.ONE_PASS_VARIANTS[128][1:])):
+        key = dispatch.one_pass_key(q, q, window, deterministic)
+        assert key.candidates() == (TL_KERNEL, *want), (window, deterministic)
     q64 = torch.randn(1, 2, 64, 64)  # D 64 keeps its table under full masks too
-    timed.clear()
-    flash_gluon.choose_one_pass(q64, q64, (-1, -1), timed.append, lambda: timed.append("two passes"), True)
-    assert timed == ["two passes", *flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS[64][1:]]
+    assert dispatch.one_pass_key(q64, q64, (-1, -1), True).candidates() == dispatch.DETERMINISTIC_ONE_PASS_VARIANTS[64]
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_the_backward_offers_the_one_pass_saying_whether_it_must_be_deterministic(deterministic, monkeypatch):
     """Where the Gluon path takes the call, the backward offers the one pass first, saying whether determinism is
-    asked for (the choice then offers only the deterministic one); where it declines, the two passes give the
-    reference gradients."""
-    monkeypatch.setattr(flash_gluon, "backward_dq", lambda *a: flash_gluon.Launched(False))
-    monkeypatch.setattr(flash_gluon, "backward_dkdv", lambda *a: flash_gluon.Launched(False))
+    asked for (the choice then offers only the deterministic one); where it declines (here a head dim without a
+    one-pass kernel), the two passes give the reference gradients."""
+    from flashsys.ops.attention import dispatch, launcher
+    from flashsys.ops.attention.triton import launch
+
     asked = []
-    monkeypatch.setattr(flash_gluon, "choose_one_pass",
-                        lambda q, k, window, one, two, det: asked.append((window, det)))
+    real = dispatch.one_pass_key
+    monkeypatch.setattr(dispatch, "one_pass_key", lambda q, k, window, det: (asked.append((window, det)),
+                                                                            real(q, k, window, det))[1])
     ops.set_deterministic_backward(deterministic)
     q, k, v, do = make_qkv(1, 2, 48, 48, 32, torch.float32, DEVICE, seed=5)
     scale = 32 ** -0.5
-    o, lse = flash_triton.flash_forward_triton(q, k, v, (-1, 0), scale)
-    g = flash_triton._geometry_of(q.shape, k.shape, q.dtype)
-    grads = tuple(torch.empty_like(t) for t in (q, k, v))
-    pairs = torch.empty((*q.shape[:-1], 2), device=DEVICE)
-    flash_triton._launch_backward(g, q, k, v, o, lse, do, *grads, pairs, q, k, (-1, 0), scale, False, True)
+    o, lse, _ = launcher.forward(q, k, v, (-1, 0), scale)
+    t = launcher.backward_tensors(q, k, v, o, lse, do)
+    launcher.backward_launches(launch.geometry_of(q.shape, k.shape, q.dtype), t, (-1, 0), scale, gluon=True)
     assert asked == [((-1, 0), deterministic)]
     *_, dq_ref, dk_ref, dv_ref = run_reference(q, k, v, do, True, scale, torch.float64)
-    for ours, ref in zip(grads, (dq_ref, dk_ref, dv_ref)):
+    for ours, ref in zip((t.dq, t.dk, t.dv), (dq_ref, dk_ref, dv_ref)):
         torch.testing.assert_close(ours.double(), ref, rtol=1e-4, atol=1e-4)
 
 
@@ -204,12 +227,12 @@ def _turns_kernel(Turns, Visits, n_q, n_k, window_left, window_right, stride, do
     n = tl.program_id(0)
     right_offset = n_k - n_q + window_right
     left_offset = n_k - n_q - window_left
-    lo, _, _, hi = flash_triton._query_tile_range(n * BLOCK_N, n_q, right_offset, left_offset, BLOCK_M, BLOCK_N,
-                                                  BOUND_RIGHT, BOUND_LEFT)
+    lo, _, _, hi = tiles.query_tile_range(n * BLOCK_N, n_q, right_offset, left_offset, BLOCK_M, BLOCK_N, BOUND_RIGHT,
+                                          BOUND_LEFT)
     m = tl.arange(0, MAX_M)
     visits = (m * BLOCK_M >= lo) & (m * BLOCK_M < hi)
-    turn = flash_triton._one_pass_turn(m, n, tl.cdiv(n_k, BLOCK_N), stride, right_offset, down, BLOCK_M, BLOCK_N,
-                                       BOUND_RIGHT, ROTATE)
+    turn = tiles.one_pass_turn(m, n, tl.cdiv(n_k, BLOCK_N), stride, right_offset, down, BLOCK_M, BLOCK_N,
+                               BOUND_RIGHT, ROTATE)
     tl.store(Turns + n * MAX_M + m, turn, mask=m < tl.cdiv(n_q, BLOCK_M))
     tl.store(Visits + n * MAX_M + m, visits.to(tl.int32), mask=m < tl.cdiv(n_q, BLOCK_M))
 
@@ -237,7 +260,7 @@ _WINDOWS = [(-1, 0), (-1, -1), (-1, 37), (200, 0), (64, 16), (0, 0), (130, 300),
 def _ring_last_kernel(Last, n_k_tiles, n_m_tiles, stride, MAX_M: tl.constexpr):
     """Last[n, m]: whether key tile n's program writes query tile m's dQ (FOLD_DQ), from `_ring_last_tiles`."""
     n = tl.program_id(0)
-    m_lo, m_hi = flash_triton._ring_last_tiles(n, n_k_tiles, n_m_tiles, stride)
+    m_lo, m_hi = tiles.ring_last_tiles(n, n_k_tiles, n_m_tiles, stride)
     m = tl.arange(0, MAX_M)
     tl.store(Last + n * MAX_M + m, ((m >= m_lo) & (m < m_hi)).to(tl.int32), mask=m < n_m_tiles)
 
@@ -276,7 +299,7 @@ _RIGHT_BOUND_ONLY = [w for w in _WINDOWS if w[1] >= 0 and w[0] < 0]  # the paire
 @given(n_q=st.integers(1, 1400), n_k=st.integers(1, 1400), window=st.sampled_from(_RIGHT_BOUND_ONLY),
        block_m=st.sampled_from([64, 128]))
 def test_programs_that_visit_downward_take_turns_from_key_tile_0_up(n_q, n_k, window, block_m):
-    """The paired order's odd groups (`flash_triton._paired_key_program`) launch each head's key tiles from 0 up and
+    """The paired order's odd groups (`tiles.paired_key_program`) launch each head's key tiles from 0 up and
     visit their query tiles from the last down, so at every query tile key tile n - 1 (launched before n, and
     starting no later) goes before n: the visitors hold the turns 0 .. V-1 from the lowest key tile up, each once,
     and key tile 0, whose first share is stored (turn 0), visits every tile that any program visits."""
@@ -326,7 +349,7 @@ def test_the_deterministic_prologue_zeroes_the_rows_no_first_share_stores(n_q, n
     sees_no_key = ~window_mask(n_q, n_k, *window).any(1)
     lse = torch.randn(1, 1, n_q, generator=g).masked_fill(sees_no_key, float("-inf")).to(DEVICE)
     pairs = torch.empty((1, 1, n_q, 2), device=DEVICE)
-    acc = torch.full((1, 1, flash_gluon.dq_sum_rows(n_q), d), float("nan"), device=DEVICE)
+    acc = torch.full((1, 1, gluon_launch.dq_sum_rows(n_q), d), float("nan"), device=DEVICE)
     sem = torch.full((n_m,), 7, dtype=torch.int32, device=DEVICE)
     _prologue(o, do, lse, pairs, acc, sem, zero_all=False, rows=block_m, block_d=d)
     by_row = acc[0, 0, _sum_of(n_q).to(DEVICE)]  # query row r's place in the sum, row r
@@ -387,7 +410,7 @@ def _runs_to_the_end(launches, sms: int, pass_late: bool = False) -> bool:
 def _paired_order_kernel(Order, n_bh, n_k_tiles, group_heads):
     """Order[pid] = (key tile, flat head, down) of program pid in the paired order, from the kernel's own helper."""
     pid = tl.program_id(0)
-    tile, bh, down = flash_triton._paired_key_program(n_bh, n_k_tiles, group_heads)
+    tile, bh, down = tiles.paired_key_program(n_bh, n_k_tiles, group_heads)
     tl.store(Order + pid * 3, tile)
     tl.store(Order + pid * 3 + 1, bh)
     tl.store(Order + pid * 3 + 2, down)
@@ -456,14 +479,14 @@ def test_the_deterministic_one_pass_cannot_deadlock_in_the_order_the_host_launch
     ring's fold of dQ (`fold_lag`: each program first waits for an earlier head's whole sums, the extra programs
     for the last heads'), five heads' programs all finish: a simulation with the kernel's own turns, paired order
     and fold tiles."""
-    det = flash_gluon.Variant("one_pass_det", block_m, 128, 2, 240)
+    det = gluon_launch.Variant("one_pass_det", block_m, 128, 2, 240)
     q4, k4 = torch.empty(1, 2, n_q, 8), torch.empty(1, 2, n_k, 8)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(flash_gluon, "_usable_sms", lambda t: sms)
-        rotate = flash_gluon.rotates(det, q4, k4, window)
-        late = flash_gluon.passes_turns_late(det, q4, k4, window)
-        group_heads = flash_gluon.paired_heads(det, q4, k4, window)
-        lag = flash_gluon.fold_lag(det, q4, k4, window)
+        patch.setattr(gluon_launch, "usable_sms", lambda t: sms)
+        rotate = gluon_launch.rotates(det, q4, k4, window)
+        late = gluon_launch.passes_turns_late(det, q4, k4, window)
+        group_heads = gluon_launch.paired_heads(det, q4, k4, window)
+        lag = gluon_launch.fold_lag(det, q4, k4, window)
     launches = _launches(n_q, n_k, window, 5, rotate, block_m=block_m, group_heads=group_heads, fold_lag=lag)
     assert _runs_to_the_end(launches, sms, late)
 
@@ -475,8 +498,8 @@ def test_the_simulation_finds_the_deadlocks_the_host_avoids():
     does not. And why the masked order launches a head's key tiles from the last down,
     where the unordered one pass starts from key tile 0 (the heaviest under a causal mask): from 0 up, 11 causal
     key tiles on 10 SMs each wait for the tile above, which cannot start; from the last down they finish on one SM.
-    (Where a head does fit, the GPU measured heaviest-first orders 1.4-1.6x slower: the programs reach each query
-    tile together and take their turns one after another; kernel_experiments.md, stop 41.)"""
+    (Where a head does fit, heaviest-first orders are slower on the GPU: the programs reach each query tile together
+    and take their turns one after another.)"""
     ring = _launches(1400, 1400, (-1, -1), 2, rotate=True)
     assert not _runs_to_the_end(ring, 10) and _runs_to_the_end(ring, 11)
     assert _runs_to_the_end(ring, 11, pass_late=True)  # stride 2
@@ -506,17 +529,17 @@ def test_full_masks_rotate_only_where_one_heads_programs_fit_at_once(monkeypatch
     """The rotated order's ring waits on programs launched later, so it is taken only where a (batch, K/V head)'s
     key tiles all fit on the SMs this process may use at once (132 stand in for a CPU tensor's GPU; MPS's
     CUDA_MPS_ACTIVE_THREAD_PERCENTAGE cuts them), for full masks with at least as many query tiles as key tiles."""
-    det = flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS[128][1]
+    det = dispatch.DETERMINISTIC_ONE_PASS_VARIANTS[128][1]
     monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
 
     def rotates(n_q, n_k, window=(-1, -1), variant=det):
-        return flash_gluon.rotates(variant, torch.empty(1, 2, n_q, 8), torch.empty(1, 2, n_k, 8), window)
+        return gluon_launch.rotates(variant, torch.empty(1, 2, n_q, 8), torch.empty(1, 2, n_k, 8), window)
 
     assert rotates(16384, 16384)  # 128 key tiles
     assert not rotates(132 * 128 + 1, 132 * 128 + 1)  # 133 key tiles
     assert not rotates(16384, 16384, (-1, 0)) and not rotates(16384, 16384, (64, 64))  # masks go in order
     assert not rotates(512, 4096)  # 8 query tiles, 32 key tiles
-    assert not rotates(16384, 16384, variant=flash_gluon.ONE_PASS_VARIANTS[128][1])  # no turns to order
+    assert not rotates(16384, 16384, variant=dispatch.ONE_PASS_VARIANTS[128][1])  # no turns to order
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "50")
     assert rotates(8192, 8192) and not rotates(16384, 16384)  # 64 and 128 key tiles against 66 SMs
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "most")
@@ -529,34 +552,34 @@ def test_only_the_rotated_full_mask_folds_dq_and_its_grid_holds_the_lagging_pair
     about two waves of the SMs (MPS's share counted), and the grid holds fold_lag pairs' programs more, which fold
     the last pairs; elsewhere the lag is 0 and the grid one program per key tile and pair."""
     monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
-    det = flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS[128][1]
+    det = dispatch.DETERMINISTIC_ONE_PASS_VARIANTS[128][1]
     q, k = (torch.empty(2, h, 1024, 128, dtype=torch.bfloat16) for h in (8, 4))  # 8 key tiles, 8 pairs
 
     def launch(variant, window):
         acc, pairs = torch.empty(q.shape), torch.empty(*q.shape[:-1], 2)
-        semaphores = torch.zeros(max(1, flash_gluon.semaphore_count(variant, q)), dtype=torch.int32)
-        kernel, grid, args, kwargs = flash_gluon._one_pass_launch_parts(variant, q, k, k, q, k, k, acc, pairs,
-                                                                        semaphores, q, window, 0.1)
+        semaphores = torch.zeros(max(1, gluon_launch.semaphore_count(variant, q)), dtype=torch.int32)
+        kernel, grid, args, kwargs, _ = gluon_launch.launch_parts(
+            variant, gluon_launch.OnePassTensors(q, k, k, q, k, k, acc, pairs, semaphores, q), window, 0.1)
         return grid, args[kernel.arg_names.index("fold_lag")], kwargs["FOLD_DQ"]
 
-    assert flash_gluon.folds_dq(det, q, k, (-1, -1)) and flash_gluon.fold_lag(det, q, k, (-1, -1)) == 33
+    assert gluon_launch.folds_dq(det, q, k, (-1, -1)) and gluon_launch.fold_lag(det, q, k, (-1, -1)) == 33
     assert launch(det, (-1, -1)) == ((8 * (8 + 33),), 33, True)
-    for variant, window in ((det, (-1, 0)), (det, (64, 64)), (flash_gluon.ONE_PASS_VARIANTS[128][1], (-1, -1))):
-        assert not flash_gluon.folds_dq(variant, q, k, window)
+    for variant, window in ((det, (-1, 0)), (det, (64, 64)), (dispatch.ONE_PASS_VARIANTS[128][1], (-1, -1))):
+        assert not gluon_launch.folds_dq(variant, q, k, window)
         assert launch(variant, window) == ((8 * 8,), 0, False)
-    assert not flash_gluon.folds_dq(det, q[:, :, :256], k, (-1, -1))  # 4 query tiles: not rotated
+    assert not gluon_launch.folds_dq(det, q[:, :, :256], k, (-1, -1))  # 4 query tiles: not rotated
     ragged = torch.empty(2, 8, 1001, 128, dtype=torch.bfloat16)  # its sum holds 1008 rows a head
     for rows in (1001, 1016):  # the sum's rows are dq_sum_rows(Nq): no fewer (the TMA would clip), no more
         with pytest.raises(ValueError, match="dQ's float32 sum holds"):
-            flash_gluon._one_pass_launch_parts(det, ragged, k, k, ragged, k, k, torch.empty(2, 8, rows, 128),
-                                               torch.empty(2, 8, 1001, 2), torch.zeros(1024, dtype=torch.int32),
-                                               ragged, (-1, -1), 0.1)
+            gluon_launch.launch_parts(det, gluon_launch.OnePassTensors(
+                ragged, k, k, ragged, k, k, torch.empty(2, 8, rows, 128), torch.empty(2, 8, 1001, 2),
+                torch.zeros(1024, dtype=torch.int32), ragged), (-1, -1), 0.1)
     with pytest.raises(ValueError, match="writes dQ from its sum as dense"):  # the kernel indexes dQ densely
-        flash_gluon._one_pass_launch_parts(det, q, k, k, q, k, k, torch.empty(q.shape), torch.empty(*q.shape[:-1], 2),
-                                           torch.zeros(1024, dtype=torch.int32), q.transpose(1, 2).contiguous()
-                                           .transpose(1, 2), (-1, -1), 0.1)
+        gluon_launch.launch_parts(det, gluon_launch.OnePassTensors(
+            q, k, k, q, k, k, torch.empty(q.shape), torch.empty(*q.shape[:-1], 2), torch.zeros(1024, dtype=torch.int32),
+            q.transpose(1, 2).contiguous().transpose(1, 2)), (-1, -1), 0.1)
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "50")
-    assert flash_gluon.fold_lag(det, q, k, (-1, -1)) == 17  # 66 SMs
+    assert gluon_launch.fold_lag(det, q, k, (-1, -1)) == 17  # 66 SMs
 
 
 def test_the_paired_order_groups_heads_to_about_fill_the_sms_under_causal_masks_only(monkeypatch):
@@ -565,13 +588,13 @@ def test_the_paired_order_groups_heads_to_about_fill_the_sms_under_causal_masks_
     with a left bound and the two-pass kernels."""
     monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
 
-    def paired(n_k, window=(-1, 0), variant=flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS[128][1]):
-        return flash_gluon.paired_heads(variant, torch.empty(1, 2, 4096, 8), torch.empty(1, 2, n_k, 8), window)
+    def paired(n_k, window=(-1, 0), variant=dispatch.DETERMINISTIC_ONE_PASS_VARIANTS[128][1]):
+        return gluon_launch.paired_heads(variant, torch.empty(1, 2, 4096, 8), torch.empty(1, 2, n_k, 8), window)
 
     assert (paired(16384), paired(8192), paired(2048), paired(16384 * 4)) == (1, 2, 8, 1)  # 128, 64, 16, 512 tiles
-    assert paired(8192, (-1, 37)) == 2 and paired(8192, variant=flash_gluon.ONE_PASS_VARIANTS[128][1]) == 2
+    assert paired(8192, (-1, 37)) == 2 and paired(8192, variant=dispatch.ONE_PASS_VARIANTS[128][1]) == 2
     assert paired(8192, (-1, -1)) == paired(8192, (64, 0)) == paired(8192, (64, 64)) == 0
-    assert paired(8192, variant=flash_gluon.DQ_VARIANTS[128][1]) == 0
+    assert paired(8192, variant=dispatch.DQ_VARIANTS[128][1]) == 0
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "50")
     assert paired(8192) == 1  # 64 key tiles against 66 SMs
 
@@ -598,8 +621,8 @@ def test_turns_are_counted_late_only_where_each_predecessor_is_two_tiles_ahead(m
     monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
 
     def late(n_q, n_k, window=(-1, -1), block_m=64, kind="one_pass_det"):
-        variant = flash_gluon.Variant(kind, block_m, 128, 2, 240)
-        return flash_gluon.passes_turns_late(variant, torch.empty(1, 2, n_q, 8), torch.empty(1, 2, n_k, 8), window)
+        variant = gluon_launch.Variant(kind, block_m, 128, 2, 240)
+        return gluon_launch.passes_turns_late(variant, torch.empty(1, 2, n_q, 8), torch.empty(1, 2, n_k, 8), window)
 
     assert late(16384, 16384) and late(16384, 16384, (-1, 0)) and late(4096, 16384, (-1, 0))
     assert not late(8192, 16384) and not late(16320, 16384)  # rings of stride 1 (128 and 255 query tiles)
@@ -611,44 +634,49 @@ def test_turns_are_counted_late_only_where_each_predecessor_is_two_tiles_ahead(m
 def test_the_deterministic_one_pass_refuses_missing_or_short_semaphores():
     """Its launch needs one zeroed int32 per (batch, head, query tile): without them, or too few, it says so, naming
     the argument, before anything launches (a short table would let turns read past it and wait forever)."""
-    det = flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS[128][1]
+    det = dispatch.DETERMINISTIC_ONE_PASS_VARIANTS[128][1]
     q = torch.empty(2, 4, 300, 128)
     k = torch.empty(2, 2, 200, 128)
-    assert flash_gluon.semaphore_count(det, q) == 2 * 4 * 5
-    assert flash_gluon.semaphore_count(flash_gluon.ONE_PASS_VARIANTS[128][1], q) == 0
+    assert gluon_launch.semaphore_count(det, q) == 2 * 4 * 5
+    assert gluon_launch.semaphore_count(dispatch.ONE_PASS_VARIANTS[128][1], q) == 0
     acc, pairs = torch.empty(q.shape), torch.empty(2, 4, 300, 2)
     for semaphores in (None, torch.zeros(39, dtype=torch.int32)):
         with pytest.raises(ValueError, match="semaphores: .* needs 40 zeroed int32s"):
-            flash_gluon._one_pass_launch_parts(det, q, k, k, q, k, k, acc, pairs, semaphores, q, (-1, 0), 0.1)
+            gluon_launch.launch_parts(det, gluon_launch.OnePassTensors(q, k, k, q, k, k, acc, pairs, semaphores, q),
+                                      (-1, 0), 0.1)
 
 
 @pytest.mark.parametrize("stages", [1, 3])
 def test_the_consumers_take_turns_at_dq_only_with_a_staging_set_each(stages):
     """Alternating at dQ, each consumer stages its shares in a set of its own, and waits on no other set (a phase's
     parity is ambiguous for a set it does not fill): with one set or three the launch says so before anything runs."""
-    variant = flash_gluon.Variant("one_pass_det", 128, 128, 2, 240, stages, 1)
+    variant = gluon_launch.Variant("one_pass_det", 128, 128, 2, 240, stages, 1)
     q = torch.empty(1, 2, 256, 64)
     acc, pairs, semaphores = torch.empty(q.shape), torch.empty(1, 2, 256, 2), torch.zeros(4, dtype=torch.int32)
     with pytest.raises(ValueError, match="take turns at dQ only with two staging sets"):
-        flash_gluon._one_pass_launch_parts(variant, q, q, q, q, q, q, acc, pairs, semaphores, q, (-1, -1), 0.1)
+        gluon_launch.launch_parts(variant, gluon_launch.OnePassTensors(q, q, q, q, q, q, acc, pairs, semaphores, q),
+                                  (-1, -1), 0.1)
 
 
 def test_the_d64_one_pass_kernels_with_128_row_tiles_alternate_at_dq():
-    """Stop 46 measured them 1-4% faster alternating, in every cell: the tables hold only that form, labelled so."""
-    for table in (flash_gluon.ONE_PASS_VARIANTS, flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS):
+    """They ran faster alternating in every cell measured: the tables hold only that form, labelled so."""
+    for table in (dispatch.ONE_PASS_VARIANTS, dispatch.DETERMINISTIC_ONE_PASS_VARIANTS):
         wide = [v for v in table[64] if v.block_m == 128]
         assert wide and all(v.alternate and v.stages == 2 and v.label().endswith("dQ alternating") for v in wide)
-        assert not any(v.alternate for v in table[128])  # 9-18% slower there
+        assert not any(v.alternate for v in table[128])  # slower there
 
 
 class _StandInOnePass:
-    """Stands in on a CPU for the compiled one-pass Gluon kernel (it needs an H100): called with that kernel's
+    """Stands in on a CPU for the compiled one-pass Gluon kernel (it needs an sm_90 GPU): called with that kernel's
     arguments (tensors where it takes descriptors), it makes the kernel's writes in float64 from the pairs the
     prologue wrote: dK, dV, and dQ's unscaled sum, after checking that the prologue zeroed the semaphores. As the
     deterministic kernel, it stores that sum (its first shares are stored, not added) over every query tile, all of
-    which some program visits here (every row sees a key); where the launch folds dQ (`flash_gluon.folds_dq`, given
-    as `fold`), it writes dQ from the sum too, as the kernel's last turns do. GluonReplay indexes a compiled kernel
-    by its grid; indexing gives the stand-in itself."""
+    which some program visits here (every row sees a key); where the launch folds dQ (`gluon.launch.folds_dq`, given
+    as `fold`), it writes dQ from the sum too, as the kernel's last turns do. A launch indexes the kernel by its grid
+    and a GluonReplay the compiled kernel: indexing and calling give the stand-in itself, whose arguments are all
+    positional (no `arg_names` past them)."""
+
+    arg_names = ()
 
     def __init__(self, causal: bool):
         self.causal, self.calls, self.fold = causal, 0, None
@@ -660,60 +688,66 @@ class _StandInOnePass:
         assert not semaphores.any(), "the one pass ran without its prologue"
         self.calls += 1
         q, k, v, do = (t.double() for t in (q, k, v, do))
-        p = torch.exp2(q @ k.transpose(-1, -2) * (scale * flash_triton.LOG2E) + pairs[..., 0, None].double())
+        p = torch.exp2(q @ k.transpose(-1, -2) * (scale * tiles.LOG2E) + pairs[..., 0, None].double())
         if self.causal:
             p = p.tril()
         ds = p * (do @ v.transpose(-1, -2) - pairs[..., 1, None].double())
         assert dq_sum is dq_acc  # FOLD_DQ's pointer to the sum its descriptor adds into
         in_sum = _sum_of(q.shape[2]).to(q.device)
-        assert dq_acc.shape[2] == flash_gluon.dq_sum_rows(q.shape[2])
+        assert dq_acc.shape[2] == gluon_launch.dq_sum_rows(q.shape[2])
         dq_acc[:, :, in_sum] = (ds @ k).to(dq_acc.dtype)  # each row where the kernel's stores put it
         if self.fold:
             dq.copy_(dq_acc[:, :, in_sum] * scale)
         dk.copy_(ds.transpose(-1, -2) @ q * scale)
         dv.copy_(p.transpose(-1, -2) @ do)
+        return self
 
 
-@pytest.mark.parametrize("launcher", ["python", "native"])
+@pytest.mark.parametrize("which_launcher", ["python", "native"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_a_one_pass_backward_is_replayed_from_its_plan_with_fresh_scratch(launcher, causal, request, monkeypatch):
+def test_a_one_pass_backward_is_replayed_from_its_plan_with_fresh_scratch(which_launcher, causal, request,
+                                                                          monkeypatch):
     """A backward that ran the one pass is recorded as a plan: prologue, kernel and epilogue (no epilogue under the
-    full mask, where the kernel folds dQ: `flash_gluon.folds_dq`), with the dQ sum and semaphores allocated anew on
+    full mask, where the kernel folds dQ: `gluon.launch.folds_dq`), with the dQ sum and semaphores allocated anew on
     each replay (the prologue zeroes them: the stand-in kernel checks). Replays, by
-    eager_plans and by the native node, give the first call's bits and the float64 gradients without choosing
+    the Python plans and by the native node, give the first call's bits and the float64 gradients without choosing
     again; a plan made with determinism off is not replayed once torch.use_deterministic_algorithms(True) asks for
     it, and is again once it no longer does."""
-    from flashsys.ops.attention import FlashAttention2Triton, native_launch
+    from flashsys.ops.attention import FlashAttention2Triton
+    from flashsys.ops.attention.replay import native
 
     from .attention_checks import run_op, select_launcher
 
-    select_launcher(launcher, request, monkeypatch)
-    eager_plans.clear()
-    request.addfinalizer(eager_plans.clear)
-    variant = flash_gluon.DETERMINISTIC_ONE_PASS_VARIANTS[64][1]
+    select_launcher(which_launcher, request, monkeypatch)
+    replay.clear()
+    request.addfinalizer(replay.clear)
+    variant = dispatch.DETERMINISTIC_ONE_PASS_VARIANTS[64][1]
     stand_in, chosen = _StandInOnePass(causal), []
 
-    def fake_launch(var, q4, k4, v4, do4, dk4, dv4, dq_acc, pairs, semaphores, dq4, window, scale):
-        params = (q4, k4, v4, do4, dk4, dv4, dq_acc, pairs, semaphores, dq_acc, dq4, window, scale)
-        stand_in.fold = flash_gluon.folds_dq(var, q4, k4, window)
-        stand_in(*params)
-        return stand_in, (1,), params
+    def fake_parts(var, t, window, scale):
+        q4, k4, v4, do4, dk4, dv4, dq4 = (gluon_launch.rank4(x) for x in (t.q, t.k, t.v, t.do, t.dk, t.dv, t.dq))
+        stand_in.fold = gluon_launch.folds_dq(var, q4, k4, window)
+        params = (q4, k4, v4, do4, dk4, dv4, t.dq_acc, t.lse_delta, t.semaphores, t.dq_acc, dq4, window, scale)
+        sources = (t.q, t.k, t.v, t.do, t.dk, t.dv, t.dq_acc, t.lse_delta, t.semaphores, t.dq_acc, t.dq)
+        return gluon_launch.LaunchParts(stand_in, (1,), params, {}, sources)
 
-    monkeypatch.setattr(flash_gluon, "takes_backward", lambda *a: True)
-    monkeypatch.setattr(flash_gluon, "choose_one_pass", lambda q, k, window, one, two, det: (chosen.append(det),
-                                                                                             variant)[1])
-    monkeypatch.setattr(flash_gluon, "_launch", fake_launch)
+    real_key = dispatch.one_pass_key
+    monkeypatch.setattr(dispatch, "takes_backward", lambda *a: True)
+    monkeypatch.setattr(dispatch, "one_pass_key", lambda q, k, window, det: (chosen.append(det),
+                                                                            real_key(q, k, window, det))[1])
+    monkeypatch.setattr(launcher, "choose_variant", lambda key, run: variant)
+    monkeypatch.setattr(gluon_launch, "launch_parts", fake_parts)
     batch, heads, n, d = 2, 2, 80, 64  # 80 rows: two query tiles of 64, the last ragged
     q, k, v, do = make_qkv(batch, heads, n, n, d, torch.float32, DEVICE, seed=21)
 
     runs = [run_op(FlashAttention2Triton, q, k, v, do, causal, None)[2:] for _ in range(4)]
     assert chosen == [True] and stand_in.calls == 4
     assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(run, runs[0]))
-    (plan,) = eager_plans.backward_plans._plans.values()
+    (plan,) = plans.backward_plans.values()
     assert plan.scratch == (((batch, heads, n, d), torch.float32), ((batch * heads * 2,), torch.int32))
     assert stand_in.fold == (not causal) and len(plan.replays) == (3 if causal else 2)
-    if launcher == "native":
-        assert native_launch.sizes() == (1, 1)
+    if which_launcher == "native":
+        assert native.sizes() == (1, 1)
     *_, dq_ref, dk_ref, dv_ref = run_reference(q, k, v, do, causal, d ** -0.5, torch.float64)
     for ours, ref in zip(runs[-1], (dq_ref, dk_ref, dv_ref)):
         torch.testing.assert_close(ours.double(), ref, rtol=1e-4, atol=1e-4)

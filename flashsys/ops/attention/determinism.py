@@ -2,10 +2,9 @@
 
 The default backward is deterministic: each sum runs in a fixed order, in two passes (dQ, then dK/dV) or, on Hopper
 GPUs where a timed choice finds it faster, in one pass whose dQ adds wait for their turns (five tensor-core products
-a tile where the two passes do seven; on an H100 2-11% less time than the two passes at head dim 128:
-benchmarks/results/kernel_experiments.md, "The deterministic one pass"). Without the turns the one pass is a few
-percent faster again: its dQ is a float32 sum that the key tiles' programs add into as they finish, in no fixed
-order, so dQ's last bits vary from run to run (PyTorch's SDPA documents the same of its fused CUDA kernels'
+a tile where the two passes do seven; docs/attention-kernels.md has the measurements). Without the turns the one
+pass is a little faster again: its dQ is a float32 sum that the key tiles' programs add into as they finish, in no
+fixed order, so dQ's last bits vary from run to run (PyTorch's SDPA documents the same of its fused CUDA kernels'
 backwards). That one runs only where asked for:
 
     import flashsys.ops.attention as fa
@@ -32,11 +31,9 @@ def set_deterministic_backward(deterministic: bool) -> None:
     if deterministic == _state["deterministic"]:
         return
     _state["deterministic"] = deterministic
-    try:
-        from . import eager_plans
-    except ImportError:  # no Triton: no plans to drop
-        return
-    eager_plans.clear()  # the native launcher's too
+    from . import replay
+
+    replay.clear()  # the native launcher's too
 
 
 def deterministic_backward() -> bool:

@@ -1,6 +1,6 @@
-"""Builds the native launcher's extension (native_launch) in a process of its own.
+"""Builds the native launcher's extension (`native`) in a process of its own.
 
-`native_launch` runs this file as a script, in a session of its own, and waits for it. So the build:
+`native` runs this file as a script, in a session of its own, and waits for it. So the build:
 - outlives the process that asked for it: a script stopped in its first minute leaves a completed build to the next
   process, not a half-built one;
 - keeps torch.utils.cpp_extension's work (its import, ~0.1 s holding the GIL, and its compiler and ninja runs) out
@@ -9,7 +9,7 @@
   is a file that a killed build leaves behind, after which every later build waits on it forever; under the flock
   no other builder is running, so such a file is stale and is removed.
 
-A completed build leaves `<name>.so` and the mark BUILT in its directory, which native_launch then imports directly.
+A completed build leaves `<name>.so` and the mark BUILT in its directory, which `native` then imports directly.
 Only the standard library is imported at the top: importing the script costs nothing, running it imports torch.
 """
 

@@ -1,8 +1,7 @@
 """Repeated eager attention calls launched from C++, with a C++ autograd node (csrc/native_launch.cpp).
 
-Why: a planned eager call (eager_plans) still pays for Python's autograd.Function (~86 µs per forward + backward on
-an H100 host, most of it the backward waiting for the GIL on the autograd engine's device thread) and Triton's
-Python launcher (~19 µs per launch). SDPA pays neither. The C++ side looks plans up by the same signature, allocates
+Why: a planned eager call (`plans`) still pays for Python's autograd.Function (most of it the backward waiting for
+the GIL on the autograd engine's device thread) and Triton's Python launcher. SDPA pays neither (docs/host-cost.md). The C++ side looks plans up by the same signature, allocates
 the outputs, launches the kernels with cuLaunchKernel and records a C++ autograd node whose backward does the same
 without the GIL. It replays only what the Python path did for that exact signature; a signature it has no plan for
 returns to the Python path (forward: `forward` gives None; backward: `backward_fallback`), which makes the plan and
@@ -11,7 +10,7 @@ offers it here.
 The extension is compiled on first use (torch.utils.cpp_extension with ninja and a C++ compiler, no CUDA toolkit:
 it opens libcuda with dlopen and takes the driver's types from Triton's bundled cuda.h), in a background thread, so
 no call waits for it: until it is ready, calls take the Python path. The build itself runs in a process of its own
-(native_build.py says why) and is reused by every later process, which imports it directly.
+(`builder` says why) and is reused by every later process, which imports it directly.
 `FLASHSYS_NATIVE_LAUNCH=0` turns it off; `status()` says where it stands. A kernel whose launch needs anything
 cuLaunchKernel alone does not give (Triton's scratch buffers, clusters, launch hooks set by a profiler) stays with
 Triton's launcher.
@@ -33,11 +32,11 @@ from typing import Callable
 
 from torch import Tensor
 
-from . import eager_plans, native_build
-from .triton_env import env_switch
+from ..triton_env import env_switch
+from . import builder, plans
 
-_SOURCE = Path(__file__).with_name("csrc") / "native_launch.cpp"
-_NAME = "flashsys_native_launch"  # the module's name, and its build directory's (`_build_directory`)
+SOURCE = Path(__file__).with_name("csrc") / "native_launch.cpp"
+EXTENSION_NAME = "flashsys_native_launch"  # the module's name, and its build directory's (`build_directory`)
 ENV = "FLASHSYS_NATIVE_LAUNCH"
 _MAX_SHARED = 227 * 1024  # larger needs a launch attribute cuLaunchKernel does not take
 
@@ -61,7 +60,7 @@ def status() -> str:
 
 def set_backward_fallback(fn: Callable) -> None:
     """fn(q, k, v, o, lse, do, window_left, window_right, scale) -> (dq, dk, dv): the backward of a native
-    forward whose backward signature has no plan yet (flash_triton gives its planned backward)."""
+    forward whose backward signature has no plan yet (`flash_triton` gives its planned backward)."""
     global _backward_fallback
     _backward_fallback = fn
     if _module is not None:
@@ -81,7 +80,7 @@ def _cuda_include() -> Path:
     return include
 
 
-def _build_directory() -> Path:
+def build_directory() -> Path:
     """Where this source builds: named by a hash of everything the library depends on (the source, the flags,
     torch's, Python's and Triton's versions), under torch's extensions root (TORCH_EXTENSIONS_DIR or its default), so
     a change of any of them builds afresh and nothing else has to compare versions."""
@@ -90,11 +89,11 @@ def _build_directory() -> Path:
     import torch
     import triton
 
-    key = hashlib.sha256(_SOURCE.read_bytes())
+    key = hashlib.sha256(SOURCE.read_bytes())
     for part in (*_CFLAGS, str(_cuda_include()), torch.__version__, str(torch.version.git_version), sys.version,
                  triton.__version__):
         key.update(b"\0" + part.encode())
-    return Path(_extensions_root()) / f"{_NAME}_{key.hexdigest()[:16]}"
+    return Path(_extensions_root()) / f"{EXTENSION_NAME}_{key.hexdigest()[:16]}"
 
 
 def _extensions_root() -> str:
@@ -117,27 +116,27 @@ def _import_built(directory: Path):
     build completed there."""
     import importlib.util
 
-    library = native_build.completed(directory, _NAME)
+    library = builder.completed(directory, EXTENSION_NAME)
     if library is None:
         return None
-    spec = importlib.util.spec_from_file_location(_NAME, library)
+    spec = importlib.util.spec_from_file_location(EXTENSION_NAME, library)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def _build_elsewhere(directory: Path) -> None:
-    """Run native_build.py (which says why a process of its own) in a new session and wait for it: the wait
+    """Run builder.py (which says why a process of its own) in a new session and wait for it: the wait
     releases the GIL. Raises with the builder's message where it failed."""
-    command = [sys.executable, native_build.__file__, "--name", _NAME, "--source", str(_SOURCE),
+    command = [sys.executable, builder.__file__, "--name", EXTENSION_NAME, "--source", str(SOURCE),
                "--include", str(_cuda_include()), "--directory", str(directory), *(f"--cflag={f}" for f in _CFLAGS)]
     done = subprocess.run(command, capture_output=True, text=True, start_new_session=True)
     if done.returncode != 0:
-        raise RuntimeError(done.stderr.strip() or f"{native_build.__file__} exited with {done.returncode}")
+        raise RuntimeError(done.stderr.strip() or f"{builder.__file__} exited with {done.returncode}")
 
 
 def _load_or_build():
-    directory = _build_directory()
+    directory = build_directory()
     module = _import_built(directory)
     if module is None:
         _build_elsewhere(directory)
@@ -194,7 +193,7 @@ def allow_interpreted(allowed: bool) -> None:
 
 @contextlib.contextmanager
 def suspended():
-    """Calls inside take the Python path (eager_plans' replays), in every thread: to compare the two launchers, or
+    """Calls inside take the Python path (the Python plans' replays), in every thread: to compare the two launchers, or
     to rule this one out. Native nodes made before still run their backward natively."""
     global _suspended
     before, _suspended = _suspended, True
@@ -235,7 +234,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, is_causal, softmax_scale, window_si
     """O from a native plan for this call's signature, or None (no plan, not ready, or a call the Python path
     must take: traced, tensor subclasses, functorch, forward-mode AD, dispatch modes, launch hooks)."""
     module = _module
-    if (module is None or _suspended or not eager_plans.plannable(q, k, v, is_causal, softmax_scale, window_size)
+    if (module is None or _suspended or not plans.plannable(q, k, v, is_causal, softmax_scale, window_size)
             or _launch_hooks_set()):
         return None
     try:
@@ -248,20 +247,20 @@ def _offer(plan, register: Callable[[list], None]) -> None:
     """Convert a plan's launches once and, unless a launch is refused, `register` them with the extension."""
     if _module is None or _suspended or plan is None or plan.native is not None:
         return
-    specs = _launch_specs(plan.replays)
+    specs = launch_specs(plan.replays)
     plan.native = specs is not None
     if specs is not None:
         register(specs)
 
 
-def offer_forward(plan: eager_plans.ForwardPlan | None, q: Tensor, k: Tensor, v: Tensor, is_causal,
+def offer_forward(plan: plans.ForwardPlan | None, q: Tensor, k: Tensor, v: Tensor, is_causal,
                   softmax_scale, window_size) -> None:
     """Give the native side a forward plan the Python path made or replayed (once per plan)."""
     _offer(plan, lambda specs: _module.add_forward(q, k, v, is_causal, softmax_scale, window_size, specs,
                                                     list(plan.lse_shape), *plan.window, float(plan.scale)))
 
 
-def offer_backward(plan: eager_plans.BackwardPlan | None, window: tuple[int, int], scale: float, q: Tensor,
+def offer_backward(plan: plans.BackwardPlan | None, window: tuple[int, int], scale: float, q: Tensor,
                    k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor) -> None:
     """As `offer_forward`, for a backward plan of (q, k, v, O, L as unpacked, the dense dO)."""
     _offer(plan, lambda specs: _module.add_backward(
@@ -272,10 +271,12 @@ def offer_backward(plan: eager_plans.BackwardPlan | None, window: tuple[int, int
 _refused_kernels: set[str] = set()
 
 
-def _launch_specs(replays: tuple[eager_plans.Replay, ...]) -> list[tuple] | None:
+def launch_specs(replays: tuple[plans.Replay, ...]) -> list[tuple] | None:
+    """The native side's launch of each of a plan's replays (a Python launch it calls under the GIL, or
+    `cuda_launch_spec`'s), or None where one needs more than it can give (said once per kernel, as a warning)."""
     specs = []
     for r in replays:
-        # A Python launch: the interpreter's, or a Gluon kernel's (flash_gluon.GluonReplay encodes its TMA
+        # A Python launch: the interpreter's, or a Gluon kernel's (`gluon.launch.GluonReplay` encodes its TMA
         # descriptors); the extension calls it under the GIL.
         spec = (r.run, list(r.slots), tuple(r.tail)) if r.kernel is None else cuda_launch_spec(r)
         if spec is None:
@@ -305,7 +306,7 @@ def ptx_parameters(ptx: str) -> tuple[str, ...] | None:
     return tuple(re.findall(r"\.param\s+\.(\w+)", entries[0]))
 
 
-def cuda_launch_spec(replay: eager_plans.Replay) -> tuple | None:
+def cuda_launch_spec(replay: plans.Replay) -> tuple | None:
     """(function, grid, threads, shared bytes, words, [(parameter, slot)], kernel) for cuLaunchKernel: one 8-byte
     word per PTX parameter, packed from the kernel's Triton signature and the replay's arguments, and the compiled
     kernel (kept alive with the plan: it owns the function); or None where the launch needs more than

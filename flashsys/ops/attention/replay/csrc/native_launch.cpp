@@ -1,9 +1,9 @@
 // The eager attention call in C++: plan look-up, allocation, kernel launches and the autograd node.
 //
-// Why: a Python autograd.Function costs ~86 µs of host time per forward + backward before it does anything (its
-// backward waits for the GIL on the autograd engine's device thread), and Triton's Python launcher ~19 µs per
-// launch; SDPA's whole forward + backward costs less than that. Everything here replays what the Python path
-// (flash_triton.py, eager_plans.py) already did once for the same signature: the kernels it compiled and chose,
+// Why: a Python autograd.Function costs host time per forward + backward before it does anything (its backward
+// waits for the GIL on the autograd engine's device thread), and so does Triton's Python launcher per launch; SDPA's
+// whole forward + backward costs less than the two (docs/host-cost.md). Everything here replays what the Python path
+// (flash_triton.py, replay/plans.py) already did once for the same signature: the kernels it compiled and chose,
 // their grids and their arguments. Nothing here decides anything; a signature it has no plan for goes back to
 // Python (forward: `forward` returns None; backward: the registered fallback).
 //
@@ -42,7 +42,7 @@ using torch::autograd::variable_list;
 namespace {
 
 constexpr size_t kMaxParams = 64;
-constexpr size_t kMaxPlans = 1024;  // per table; a full table is emptied, as eager_plans.PlanTable
+constexpr size_t kMaxPlans = 1024;  // per table; a full table is emptied, as replay/plans.py's PlanTable
 
 using LaunchKernelFn = CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                                     CUstream, void**, void**);
@@ -96,7 +96,7 @@ struct BackwardPlan {
 constexpr int kBackwardTensors = 10;  // q, k, v, O, L, dO, dQ, dK, dV, the (L, D) pairs; then the scratch
 constexpr size_t kMaxScratch = 4;
 
-// Keys: the bytes of what eager_plans keys on (shapes, strides, dtypes, devices, 16-byte alignment, flags).
+// Keys: the bytes of what replay/plans.py keys on (shapes, strides, dtypes, devices, 16-byte alignment, flags).
 void append(std::string& key, int64_t x) { key.append(reinterpret_cast<const char*>(&x), sizeof x); }
 
 void append_tensor(std::string& key, const at::Tensor& t) {
@@ -135,7 +135,7 @@ std::string backward_key(int64_t window_left, int64_t window_right, double scale
   std::string key;
   key.reserve(640);
   // Which one pass a plan replays depends on the determinism setting. flashsys's own switch drops every plan when
-  // it changes; torch.use_deterministic_algorithms does not, so it is in the key (as in eager_plans' key).
+  // it changes; torch.use_deterministic_algorithms does not, so it is in the key (as in replay/plans.py's key).
   append(key, at::globalContext().deterministicAlgorithms());
   append(key, window_left);
   append(key, window_right);

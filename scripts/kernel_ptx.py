@@ -1,16 +1,17 @@
-"""Whether a source change altered the Gluon kernels' machine code, answered without a GPU.
+"""Whether a source change altered the attention kernels' machine code, answered without a GPU.
 
-Compiles every Gluon variant at each head dim and mask kind for sm_90 (as the CPU compile test does, under a stand-in
-driver), writes each kernel's PTX without its debug information (line numbers move with any edit), and compares two
-such dumps:
+Compiles every kernel for sm_90 (`tests/ops/kernel_compile.py`: the `tl` kernels, and every Gluon variant under every
+mask kind; under a stand-in driver on a CPU), writes each kernel's PTX without its debug information (line numbers
+move with any edit), and compares two such dumps:
 
-    python scripts/gluon_ptx.py dump /tmp/before        # at the old code
-    python scripts/gluon_ptx.py dump /tmp/after         # at the new code
-    python scripts/gluon_ptx.py compare /tmp/before /tmp/after
+    python scripts/kernel_ptx.py dump /tmp/before        # at the old code
+    python scripts/kernel_ptx.py dump /tmp/after         # at the new code
+    python scripts/kernel_ptx.py compare /tmp/before /tmp/after
+    python scripts/kernel_ptx.py dump /tmp/after --group "D 128 one_pass"    # one group (kernel_compile --list)
 
 `dump` also prints each kernel's shared memory, its registers and spills from Triton's bundled ptxas (for the
 ping-pong kernels the launch's count; `setmaxnreg` then moves registers from the producer to the consumers), and the
-warpgroup barriers and local loads in its SASS.
+warpgroup barriers, local loads and the instruction mix (FP32, MUFU, tensor-core) in its SASS.
 Each kernel is `identical`, `reordered` (the same instructions, registers renamed, in another order: read the diff
 to see that the order does not matter, e.g. barrier initialisations before a fence; register names are erased, so
 swapped operands read as reordered too) or `differs` (lines changed). The exit status is 0 where every kernel is
@@ -63,23 +64,30 @@ def _ptxas_usage(ptx: Path) -> str:
                                             if spills and spills.group(1) != "0" else "")
 
 
+_COUNTED = ("FFMA", "FMUL", "FADD", "MUFU", "HGMMA")
+
+
 def _sass_counts(sass: str) -> str:
-    """Barriers and local (spill) loads in a kernel's SASS (Triton's cuobjdump), all partitions, prologue and epilogue
-    included: a warpgroup barrier in a tile loop costs every tile (kernel_experiments.md, stops 44 and 45)."""
-    return f"{sass.count('BAR.SYNC')} BAR.SYNC, {sass.count('LDL')} LDL in its SASS"
+    """Barriers, local (spill) loads and the instructions that matter for attention in a kernel's SASS (Triton's
+    cuobjdump), all partitions, prologue and epilogue included: a warpgroup barrier in a tile loop costs every tile,
+    and the softmax runs on the FP32 pipe and the MUFU."""
+    ops = collections.Counter(m.group(1).split(".")[0]
+                              for m in re.finditer(r"^\S+\t(?:@!?U?P\w+\s+)?([A-Z][\w.]*)", sass, re.M))
+    mix = ", ".join(f"{op} {ops[op]}" for op in _COUNTED if ops[op])
+    return f"{sass.count('BAR.SYNC')} BAR.SYNC, {sass.count('LDL')} LDL" + (f", {mix}" if mix else "") + " in its SASS"
 
 
-def dump(out: Path) -> int:
+def dump(out: Path, group: str | None = None) -> int:
     import triton
 
-    from tests.ops.gluon_compile import compiled_variants
+    from tests.ops.kernel_compile import compiled
 
     if out.is_dir() and any(out.glob("*.ptx")):
-        raise SystemExit(f"gluon_ptx dump: {out} already holds .ptx files (an earlier dump's would be compared as "
+        raise SystemExit(f"kernel_ptx dump: {out} already holds .ptx files (an earlier dump's would be compared as "
                          "this one's): give an empty or new folder")
     out.mkdir(parents=True, exist_ok=True)
     failed = 0
-    for label, kernel in compiled_variants():
+    for label, kernel in compiled(group, all_masks=True):
         name = label.replace(" ", "_")
         if isinstance(kernel, Exception):
             failed += 1
@@ -95,7 +103,7 @@ def dump(out: Path) -> int:
 def compare(before: Path, after: Path) -> int:
     for name, folder in (("before", before), ("after", after)):
         if not folder.is_dir() or not any(folder.glob("*.ptx")):
-            raise SystemExit(f"gluon_ptx compare: {name} folder {folder} holds no .ptx files (run `dump` into it "
+            raise SystemExit(f"kernel_ptx compare: {name} folder {folder} holds no .ptx files (run `dump` into it "
                              "first)")
     names = sorted({p.name for p in before.glob("*.ptx")} | {p.name for p in after.glob("*.ptx")})
     verdicts = collections.Counter()
@@ -120,12 +128,14 @@ def compare(before: Path, after: Path) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("dump", help="compile every variant and write <label>.ptx files").add_argument("out", type=Path)
+    dumper = sub.add_parser("dump", help="compile every kernel and write <label>.ptx files")
+    dumper.add_argument("out", type=Path)
+    dumper.add_argument("--group", help="one group of tests/ops/kernel_compile.py (default: all)")
     cmp = sub.add_parser("compare", help="compare two dumps kernel by kernel")
     cmp.add_argument("before", type=Path)
     cmp.add_argument("after", type=Path)
     args = p.parse_args()
-    return dump(args.out) if args.command == "dump" else compare(args.before, args.after)
+    return dump(args.out, args.group) if args.command == "dump" else compare(args.before, args.after)
 
 
 if __name__ == "__main__":

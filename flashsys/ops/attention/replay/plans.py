@@ -7,8 +7,8 @@ Triton's launcher). Once that path has launched compiled kernels, the launches a
 signature; a later call with the same signature allocates its outputs and replays the launches with its own tensors.
 
 Why: at the sizes of a layer in a small model an attention call costs more host time than GPU time, so in an
-eager model its host time is the step's time (benchmarks/results/host_cost). What a plan skips ran, and passed,
-for this exact signature. Plans exist for plain tensors outside torch.compile: CUDA tensors, and CPU tensors under
+eager model its host time is the step's time (docs/host-cost.md). What a plan skips ran, and passed, for this exact
+signature. Plans exist for plain tensors outside torch.compile: CUDA tensors, and CPU tensors under
 Triton's interpreter (except bf16, which the interpreter computes in fp32), so CPU CI runs the same replays.
 """
 
@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 _PLAIN = (Tensor, torch.nn.Parameter)
-_MAX_PLANS = 1024  # per table; a full table is emptied (a model uses a handful of signatures)
+MAX_PLANS = 1024  # per table; a full table is emptied (a model uses a handful of signatures)
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton's launcher asks for itself
 _current_device = getattr(torch._C, "_cuda_getDevice", None)
 
@@ -28,7 +28,7 @@ _current_device = getattr(torch._C, "_cuda_getDevice", None)
 class Recorded(NamedTuple):
     """One launch as the full path made it: the compiled kernel's launcher for its grid, the tensors that lead
     its arguments, and every argument after them (strides, sizes, scale, constexprs) in signature order; on a GPU
-    also the compiled kernel and its grid (what native_launch needs to launch it without Triton's launcher)."""
+    also the compiled kernel and its grid (what `native` needs to launch it without Triton's launcher)."""
 
     run: Callable
     tensors: tuple[Tensor, ...]
@@ -79,7 +79,7 @@ def on_current_device(t: Tensor) -> bool:
 
 class ForwardPlan:
     """The forward of one signature: output shapes, the forward kernel's launch, and the (left, right) window and
-    scale the full path derived (the backward needs them). `native`: whether native_launch holds it too (None:
+    scale the full path derived (the backward needs them). `native`: whether the native launcher holds it too (None:
     not offered yet; False: it refused it)."""
 
     __slots__ = ("window", "scale", "lse_shape", "replays", "native")
@@ -163,12 +163,16 @@ class PlanTable:
     def remember(self, key, plan) -> None:
         if key is None or plan is None:
             return
-        if len(self._plans) >= _MAX_PLANS:
+        if len(self._plans) >= MAX_PLANS:
             self._plans.clear()
         self._plans[key] = plan
 
     def clear(self) -> None:
         self._plans.clear()
+
+    def values(self) -> list:
+        """The plans held, oldest first."""
+        return list(self._plans.values())
 
     def __len__(self) -> int:
         return len(self._plans)
@@ -178,17 +182,6 @@ forward_plans = PlanTable()  # eager forwards, keyed by `forward_key` (the user'
 backward_plans = PlanTable()  # backwards, eager or in a compiled graph's opaque op, keyed by `signature_key`
 # The opaque forward ops a compiled graph calls (the Gluon forward on Hopper, the interpreter on a CPU), keyed by
 # `signature_key`: Inductor launches the `tl` kernels itself, but cannot see into these, so without a plan each
-# call took the full path (150-290 µs a Gluon forward on an H100).
+# call would take the full path (checks, TMA descriptors, Triton's dispatch).
 op_forward_plans = PlanTable()
 
-
-def clear() -> None:
-    """Forget every plan (eager forwards, backwards, compiled graphs' ops, and the native launcher's copies of the
-    eager ones): after a change that plans do not key on, e.g. a test forcing another kernel variant. Clearing these
-    tables alone left the native launcher replaying the old kernels in eager calls while compiled calls chose anew
-    (an H100 test saw their dQ differ in the last bits)."""
-    for table in (forward_plans, backward_plans, op_forward_plans):
-        table.clear()
-    from . import native_launch  # it imports this module
-
-    native_launch.clear()

@@ -1,0 +1,121 @@
+"""The torch.library ops a compiled graph calls: what `torch.compile` sees of the Triton attention op.
+
+- `flashsys::flash_attention_forward` / `_backward`: `torch.library.triton_op`s. Their bodies are traced, not hidden:
+  each `wrap_triton` launch becomes a node that Inductor compiles and launches from its generated code (no Python at
+  run time; CUDA graphs capture it), with the kernel's source re-emitted.
+- Opaque ops, for what Inductor cannot re-emit: the Gluon kernels on Hopper (`*_gluon`) and the interpreter's
+  kernels on a CPU (`*_interpreted`). Their bodies check what a traced call cannot (the tensors' addresses), run the
+  `tl` kernels where the Gluon ones do not take the call, and replay a plan per signature as a repeated eager call
+  does: a compiled graph calls them with one signature every step.
+
+Eager calls skip the op dispatch altogether (`flash_triton`): it costs host time on every call.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.library import triton_op
+
+from . import calls, dispatch, launcher
+from .replay import plans
+
+Window = tuple[int, int]
+
+
+@triton_op("flashsys::flash_attention_forward", mutates_args=())
+def flash_attention_forward_op(q: Tensor, k: Tensor, v: Tensor, window_left: int, window_right: int,
+                               softmax_scale: float) -> tuple[Tensor, Tensor]:
+    return calls.forward(q, k, v, (window_left, window_right), softmax_scale, traced=True)
+
+
+@triton_op("flashsys::flash_attention_backward", mutates_args=())
+def flash_attention_backward_op(
+    q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, window_left: int, window_right: int,
+    softmax_scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return calls.backward(q, k, v, o, lse, do, (window_left, window_right), softmax_scale, traced=True)
+
+
+def opaque_forward(q: Tensor, k: Tensor, v: Tensor, window_left: int, window_right: int, softmax_scale: float
+                    ) -> tuple[Tensor, Tensor]:
+    """An opaque forward op's body (its schema's arguments): replay this signature's plan, or take the full path and
+    make one."""
+    window, scale = (window_left, window_right), softmax_scale
+    key = plans.signature_key(window, scale, q, k, v) if calls.plannable(q) else None
+    plan = plans.op_forward_plans.get(key)
+    if plan is not None and plans.on_current_device(q):
+        return plan.launch(q, k, v)
+    with calls.on_device(q):
+        if key is None:
+            return calls.forward(q, k, v, window, scale)
+        o, lse, plan = launcher.forward(q, k, v, window, scale)
+    plans.op_forward_plans.remember(key, plan)
+    return o, lse
+
+
+def opaque_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, window_left: int,
+                     window_right: int, softmax_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """An opaque backward op's body (its schema's arguments): replay this signature's plan (the eager backward's
+    table), or make one."""
+    window, scale = (window_left, window_right), softmax_scale
+    grads = (calls.planned_backward(q, k, v, o, lse, launcher.dense_do(do, q.dtype), window, scale)
+             if calls.plannable(q) else None)
+    if grads is not None:
+        return grads
+    with calls.on_device(q):
+        return calls.backward(q, k, v, o, lse, do, window, scale)
+
+
+# The opaque ops are defined on a torch.library.Library rather than by torch.library.custom_op: a custom_op's call
+# passes through a Python autograd kernel and wrappers before its body, which cost a compiled graph host time on
+# every call. The ops are called inside the autograd.Function's forward and backward and never differentiated, so
+# they need no autograd kernel. CompositeExplicitAutograd serves CPU and CUDA alike; the fake kernels give
+# torch.compile the output shapes.
+_OPAQUE_OPS = torch.library.Library("flashsys", "FRAGMENT")
+_FORWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, int window_left, int window_right, float softmax_scale) "
+                   "-> (Tensor, Tensor)")
+_BACKWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do, int window_left, "
+                    "int window_right, float softmax_scale) -> (Tensor, Tensor, Tensor)")
+
+
+def _forward_fake(q, k, v, window_left, window_right, softmax_scale):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+def _backward_fake(q, k, v, o, lse, do, window_left, window_right, softmax_scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _define_opaque_op(name: str, schema: str, body, fake):
+    """Define flashsys::`name` with this body (CPU and CUDA) and fake kernel; return its OpOverload."""
+    _OPAQUE_OPS.define(name + schema)
+    _OPAQUE_OPS.impl(name, body, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"flashsys::{name}", fake, lib=_OPAQUE_OPS)
+    return getattr(torch.ops.flashsys, name).default
+
+
+gluon_forward_op = _define_opaque_op("flash_attention_forward_gluon", _FORWARD_SCHEMA, opaque_forward,
+                                     _forward_fake)
+interpreted_forward_op = _define_opaque_op("flash_attention_forward_interpreted", _FORWARD_SCHEMA, opaque_forward,
+                                           _forward_fake)
+gluon_backward_op = _define_opaque_op("flash_attention_backward_gluon", _BACKWARD_SCHEMA, opaque_backward,
+                                      _backward_fake)
+interpreted_backward_op = _define_opaque_op("flash_attention_backward_interpreted", _BACKWARD_SCHEMA,
+                                            opaque_backward, _backward_fake)
+
+
+def traced_forward(q: Tensor, k: Tensor, v: Tensor, window: Window):
+    """The op a traced (torch.compile) forward call runs: the interpreter's on a CPU, the Gluon one where
+    `dispatch.forward_problem` finds nothing, else the triton_op that Inductor re-emits."""
+    if q.device.type != "cuda":
+        return interpreted_forward_op
+    return gluon_forward_op if dispatch.forward_problem(q, k, v, window) is None else flash_attention_forward_op
+
+
+def traced_backward(q: Tensor, k: Tensor, v: Tensor, window: Window):
+    """The op a traced backward runs: as `traced_forward`, for the Gluon backward kernels (the Gluon op's body
+    checks O, dO and the addresses, and runs the `tl` kernels where they fail)."""
+    if q.device.type != "cuda":
+        return interpreted_backward_op
+    return gluon_backward_op if dispatch.backward_problem(q, k, v, window) is None else flash_attention_backward_op

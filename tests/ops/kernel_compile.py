@@ -1,0 +1,166 @@
+"""Compile flashsys's attention kernels for sm_90 without a GPU (a stand-in driver names the target) and say what each
+compiled to. The CPU tests run it per group in subprocesses (`test_gluon_forward`), `scripts/kernel_ptx.py` to compare
+two versions' machine code; by hand:
+
+    python -m tests.ops.kernel_compile                      # every group: {label: "ok" or why not} as JSON
+    python -m tests.ops.kernel_compile --group "D 128 one_pass"
+
+Groups: "tl" (the `tl` kernels: forward, dQ, dK/dV at D 64 and 128, bf16 and fp32, three masks, dense and varlen; the
+one pass's prologue and epilogue), and one per Gluon (head dim, stage). A Gluon group compiles every variant under a
+causal mask, and its stage's first variant of each kind under a full mask and a window too: the masks select code
+paths (the paired order, the rotated ring and its dQ fold, the window's bounds), the variants tile sizes and buffers.
+`--all-masks` compiles every variant under every mask.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable, Iterator
+
+import torch
+
+MASKS = (("causal", (-1, 0)), ("full", (-1, -1)), ("window", (64, 16)))
+_STAGES = {"forward": ("plain", "pingpong", "persistent"), "dkdv": ("dkdv",), "dq": ("dq",),
+           "one_pass": ("one_pass", "one_pass_det")}
+
+
+def _setup() -> str:
+    """The device the kernels compile for: a CUDA GPU, or a CPU under the stand-in sm_90 driver."""
+    assert not os.environ.get("TRITON_INTERPRET"), "compiling needs Triton's compiler, not the interpreter"
+    if torch.cuda.is_available():
+        return "cuda"
+    from tests.ops.inductor_writes import _fake_cuda_driver
+
+    _fake_cuda_driver()
+    return "cpu"
+
+
+def groups() -> list[str]:
+    """Every group's name, "tl" first."""
+    from flashsys.ops.attention import dispatch
+
+    names = ["tl"]
+    for d in dispatch.HEAD_DIMS:
+        kinds = {v.kind for v in dispatch.gluon_variants(d)}
+        names += [f"D {d} {stage}" for stage, members in _STAGES.items() if kinds & set(members)]
+    return names
+
+
+def _jit(handle):
+    """The JITFunction under an autotuner."""
+    while type(handle).__name__ != "JITFunction":
+        handle = handle.fn
+    return handle
+
+
+def _tl_kernels(device: str) -> Iterator[tuple[str, Callable[[], object]]]:
+    from flashsys.ops.attention import launcher
+    from flashsys.ops.attention.gluon.launch import dq_sum_rows
+    from flashsys.ops.attention.triton import kernels, launch
+
+    for d in (64, 128):
+        for dtype in (torch.bfloat16, torch.float32):
+            for mask, window in MASKS[:2] + (("window", (16, 0)),):
+                for varlen in (False, True):
+                    q = torch.randn(2, 4, 100, d, dtype=dtype, device=device)
+                    k = torch.randn(2, 2, 80, d, dtype=dtype, device=device)
+                    with launch.recording() as launches:
+                        if varlen:
+                            qq, kk = (x[0].transpose(0, 1).contiguous() for x in (q, k))
+                            cu = torch.tensor([0, 30, 80], dtype=torch.int32, device=device)
+                            o, lse = launcher.varlen_forward(qq, kk, kk, launcher.Offsets(cu, cu), (50, 50), window,
+                                                             0.125)
+                            launcher.varlen_backward(qq, kk, kk, o, lse, torch.randn_like(qq), launcher.Offsets(cu, cu),
+                                                     (50, 50), window, 0.125)
+                        else:
+                            o, lse, _ = launcher.forward(q, k, k, window, 0.125, traced=True)
+                            launcher.backward(q, k, k, o, lse, torch.randn_like(q), window, 0.125, traced=True)
+                    for kernel, (handle, args, constexprs, _) in launches:
+                        config = handle.configs[0]
+                        meta = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+                        label = f"tl {kernel} D{d} {str(dtype)[6:]} {mask} {'varlen' if varlen else 'dense'}"
+                        yield label, (lambda h=handle, a=args, c=constexprs, m=meta:
+                                      _jit(h).warmup(*a, **c, **m, grid=(1,)))
+        batch, heads, n = 2, 4, 100
+        o = torch.randn(batch, heads, n, d, dtype=torch.bfloat16, device=device)
+        lse = torch.randn(batch, heads, n, device=device)
+        pairs = torch.empty(batch, heads, n, 2, device=device)
+        acc = torch.empty(batch, heads, dq_sum_rows(n), d, device=device)
+        sem = torch.empty(batch * heads * 2, dtype=torch.int32, device=device)
+        for zero_all in (False, True):
+            args = launch.positional(kernels.one_pass_prologue_kernel, dict(
+                O=o, DO=o, L=lse, LseDelta=pairs, DqAcc=acc, Sem=sem, n_heads=heads, n_q=n, n_sum=acc.shape[2]))
+            yield (f"tl prologue D{d} {'all' if zero_all else 'unseen'}",
+                   lambda a=args, z=zero_all, d=d: kernels.one_pass_prologue_kernel.warmup(
+                       *a, HEAD_DIM=d, BLOCK_D=d, ROWS=64, ZERO_ALL=z, grid=(1,)))
+        args = launch.positional(kernels.one_pass_epilogue_kernel, dict(
+            DqAcc=acc, DQ=o, n_rows=batch * heads * n, n_q=n, n_sum=acc.shape[2], softmax_scale=0.125))
+        yield (f"tl epilogue D{d}", lambda a=args, d=d: kernels.one_pass_epilogue_kernel.warmup(
+            *a, HEAD_DIM=d, BLOCK_D=d, ROWS=64, grid=(1,)))
+
+
+def _gluon_kernels(device: str, head_dim: int, stage: str, all_masks: bool
+                   ) -> Iterator[tuple[str, Callable[[], object]]]:
+    """Grouped-query K/V, Nq != Nk and lengths that are no multiple of a tile: the shapes the kernels mask."""
+    from flashsys.ops.attention import dispatch
+    from flashsys.ops.attention.gluon import launch as gluon_launch
+
+    q = torch.randn(2, 4, 300, head_dim, dtype=torch.bfloat16, device=device)
+    k = torch.randn(2, 2, 200, head_dim, dtype=torch.bfloat16, device=device)
+    variants = [v for v in dispatch.gluon_variants(head_dim) if v.kind in _STAGES[stage]]
+    firsts = {next(v for v in variants if v.kind == kind) for kind in {v.kind for v in variants}}
+    for mask, window in MASKS:
+        for variant in variants:
+            if mask == "causal" or all_masks or variant in firsts:
+                yield (f"D {head_dim} {mask} {variant.label()}",
+                       lambda v=variant, w=window: gluon_launch.compile_only(v, q, k, k, w, 0.125))
+
+
+def compiled(group: str | None = None, all_masks: bool = False) -> Iterator[tuple[str, object]]:
+    """(label, compiled kernel or the exception its compile raised) of every kernel of `group` (every group where
+    None)."""
+    device = _setup()
+    for name in groups() if group is None else [group]:
+        if name == "tl":
+            kernels = _tl_kernels(device)
+        else:
+            _, d, stage = name.split(" ")
+            kernels = _gluon_kernels(device, int(d), stage, all_masks)
+        for label, compile_one in kernels:
+            try:
+                result = compile_one()
+            except Exception as exc:  # noqa: BLE001  the caller shows which one failed and why
+                result = exc
+            yield label, result
+
+
+def verdict(kernel: object) -> str:
+    """"ok", or why a kernel cannot run: its compile failed, or it needs more shared memory than sm_90 gives a program
+    (it compiles, and only its launch fails)."""
+    from flashsys.ops.attention.gluon.launch import SM90_SHARED_BYTES
+
+    if isinstance(kernel, Exception):
+        return f"{type(kernel).__name__}: {str(kernel)[-1500:]}"
+    if kernel.metadata.shared > SM90_SHARED_BYTES:
+        return f"needs {kernel.metadata.shared} bytes of shared memory, sm_90 allows {SM90_SHARED_BYTES}"
+    return "ok"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--group", help="one group (`--list` shows them); every group by default")
+    p.add_argument("--all-masks", action="store_true", help="every Gluon variant under every mask")
+    p.add_argument("--list", action="store_true", help="print the groups and exit")
+    args = p.parse_args()
+    if args.list:
+        print("\n".join(groups()))
+        return
+    if args.group is not None and args.group not in groups():
+        p.error(f"--group must be one of {groups()}, got {args.group!r}")
+    print(json.dumps({label: verdict(kernel) for label, kernel in compiled(args.group, args.all_masks)}))
+
+
+if __name__ == "__main__":
+    main()
