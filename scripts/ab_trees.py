@@ -1,4 +1,4 @@
-"""Two source trees' attention timed against each other in interleaved rounds, one worker process per tree (#16).
+"""Two source trees' attention timed against each other in interleaved rounds, one worker process per tree.
 
 A kernel change whose host code changed too (a buffer's shape, a kernel's arguments) cannot be timed against the old
 code in one process: each tree must import its own flashsys. Here each tree gets a worker, a Python started in that

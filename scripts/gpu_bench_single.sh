@@ -4,7 +4,7 @@
 #   bash scripts/gpu_bench_single.sh tests leaderboard attention
 #   bash scripts/gpu_bench_single.sh end_to_end attention_long attention_b1
 #   bash scripts/gpu_bench_single.sh attention_small attention_compiled attention_short
-#   bash scripts/gpu_bench_single.sh host_cost mfu attention_features     # #14 / #15 measurements
+#   bash scripts/gpu_bench_single.sh host_cost mfu attention_features     # host cost, MFU, GQA/window/varlen
 #   E2E_PRESETS=small bash scripts/gpu_bench_single.sh end_to_end_compare   # one preset per call: both presets'
 #   E2E_PRESETS=medium bash scripts/gpu_bench_single.sh end_to_end_compare  # 8 cells ran past 550 s on an H100
 set -uo pipefail
@@ -62,13 +62,13 @@ for s in "${sections[@]}"; do
     timeout -k 10 60 python3 -m benchmarks.end_to_end --no-progress --out "$OUT/end_to_end" --presets small medium \
       --warmup 0 --iters 5 > "$OUT/end_to_end_w0.log" 2>&1  # what skipping warm-up does
     echo "end_to_end w0 exit: $?"; grep -E "^\| " "$OUT/end_to_end/end_to_end_gpu_fp32_flash_w0.md" | cut -c1-150 ;;
-  end_to_end_compare)  # #14: flash vs SDPA inside the model, eager and compiled (the table is written per cell)
+  end_to_end_compare)  # flash vs SDPA inside the model, eager and compiled (the table is written per cell)
     timeout -k 10 ${E2E_TIMEOUT:-540} python3 -m benchmarks.end_to_end --no-progress --out "$OUT/end_to_end" \
       --presets ${E2E_PRESETS:-small medium} --contexts 512 2048 --dtype bf16 --attention flash sdpa \
       --modes eager compiled --warmup 3 --iters 10 > "$OUT/end_to_end_compare.log" 2>&1
     echo "end_to_end_compare exit: $?"; grep -E "^\| " "$OUT"/end_to_end/end_to_end_gpu_bf16_flash-sdpa_eager-compiled_w3.md \
       | cut -d'|' -f2-8,15 ;;
-  host_cost)  # #14: host µs per attention call vs SDPA, and where they go; "before" too when .old/ holds an older
+  host_cost)  # host µs per attention call vs SDPA, and where they go; "before" too when .old/ holds an older
               # tree (git archive <commit> | tar -x -C .old, carried to the device): same machine, same call
     if [ -d .old ]; then
       cp benchmarks/host_cost.py .old/benchmarks/
@@ -77,11 +77,11 @@ for s in "${sections[@]}"; do
     fi
     timeout -k 10 120 python3 -m benchmarks.host_cost --out "$OUT/host_cost" --breakdown > "$OUT/host_cost.log" 2>&1
     echo "host_cost exit: $?"; grep -E "^\| " "$OUT"/host_cost/*.md ;;
-  mfu)  # #14: tokens/s and MFU of the main job on one GPU
+  mfu)  # tokens/s and MFU of the main job on one GPU
     timeout -k 10 200 python3 -m flashsys train --preset small --context-length 1024 --dtype bfloat16 \
       --batch-size ${MFU_BATCH:-64} --steps 25 --out "$OUT/mfu_run" > "$OUT/mfu_run.log" 2>&1
     echo "mfu exit: $?"; grep -E "throughput|peak memory|loss" "$OUT/mfu_run.log" | tail -4 ;;
-  attention_features)  # #15: GQA vs SDPA enable_gqa, sliding window vs causal, varlen vs padded SDPA
+  attention_features)  # GQA vs SDPA enable_gqa, sliding window vs causal, varlen vs padded SDPA
     timeout -k 10 ${FEAT_TIMEOUT:-400} python3 -m benchmarks.attention_features --no-progress \
       --out "$OUT/attention_features" > "$OUT/attention_features.log" 2>&1
     echo "attention_features exit: $?"; grep -E "^\| " "$OUT/attention_features/attention_features_gpu.md" ;;

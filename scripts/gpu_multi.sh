@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Multi-GPU device call (2 or 4 GPUs). Sections run in the order given (default: tests ddp, which fits one
 # 10-minute device call on 2 x H200; the DDP benchmark alone takes ~4 minutes there):
-#   bash scripts/gpu_multi.sh tests ddp          # NCCL parity tests, then the interleaved DDP benchmark (#17)
+#   bash scripts/gpu_multi.sh tests ddp          # NCCL parity tests, then the interleaved DDP benchmark
 #   bash scripts/gpu_multi.sh sharded allreduce  # ZeRO-1 memory/time and the all-reduce sweep
 # The DDP and sharding runs use 2 ranks (the setting) and, with 4 GPUs, 4 ranks too.
 set -uo pipefail
