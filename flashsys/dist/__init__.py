@@ -1,7 +1,7 @@
 """Data-parallel training over torch.distributed (NCCL on GPUs, gloo on CPUs), launched by torchrun or mp.spawn."""
 
 from .base import DataParallelBase, ReduceAfterBackward
-from .bucketed import BucketedDDP
+from .bucketed import Bucket, BucketedDDP
 from .consistency import check_same_model_on_all_ranks, gather_digests, model_signature
 from .cost_model import measure_allreduce_cost, optimal_bucket_bytes, plan_buckets
 from .flat import FlatDDP
@@ -20,6 +20,7 @@ from .process_group import (
 )
 
 __all__ = [
+    "Bucket",
     "BucketedDDP",
     "DataParallelBase",
     "FlatDDP",

@@ -25,8 +25,13 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 
 @dataclass
-class _Bucket:
-    """Parameters that share one flat buffer.
+class Bucket:
+    """Parameters that share one flat buffer: BucketedDDP's unit of communication.
+
+    What a sharded optimizer reads (`ZeRO2Optimizer`, after `BucketedDDP.shard_gradients()`): `params` (in bucket
+    order), `layout` (where each lies in the flat buffers), `params_flat` (the parameters' storage, padded to a
+    multiple of the world size), `grad_shard` (this rank's slice of the averaged gradients, `shard_range`) and
+    `grad_live` (whether that slice holds gradients no step has consumed). The other fields are the wrapper's.
 
     Replicated (all-reduce) mode: `buffer` holds their gradients, then one "used" flag per parameter: after the
     SUM a flag > 0 means some rank had that gradient, so unused parameters need no extra collective and stay None
@@ -71,8 +76,8 @@ class BucketedDDP(DataParallelBase):
     Args:
         module: the model, already on this rank's device.
         bucket_size_mb: bucket cap in MiB, `None` (one bucket per dtype and device) or `"auto"` (measured at
-            construction, the default: a few hundred MB at the xl preset on H200s, where the measurements put it
-            within 2% of torch DDP's best `bucket_cap_mb`; see the README for the numbers).
+            construction, the default: a few hundred MB at the xl preset; docs/data-parallel.md has its measurements
+            against torch DDP's `bucket_cap_mb`).
         process_group: the group to average over (default: the world).
         cross_rank_checks: see DataParallelBase.
         broadcast_buffers: see DataParallelBase.
@@ -128,7 +133,7 @@ class BucketedDDP(DataParallelBase):
         self._next_to_launch = 0
         self._register_grad_hooks(self._on_grad_ready)
 
-    def _build_buckets(self, cap_bytes: float) -> list[_Bucket]:
+    def _build_buckets(self, cap_bytes: float) -> list[Bucket]:
         order = list(reversed(self._grad_params))  # roughly the order backward produces gradients
         groups = plan_buckets([((p.dtype, p.device), p.numel() * p.element_size()) for p in order], cap_bytes)
         buckets = []
@@ -139,7 +144,7 @@ class BucketedDDP(DataParallelBase):
             comm = None
             if self.comm_dtype is not None and self.comm_dtype != buffer.dtype:
                 comm = torch.empty(buffer.numel(), dtype=self.comm_dtype, device=buffer.device)
-            bucket = _Bucket(ps, layout, buffer, comm)
+            bucket = Bucket(ps, layout, buffer, comm)
             if self.gradient_as_bucket_view:  # gradients that exist already move in; the others on first use
                 for p, view in zip(ps, layout.views(buffer)):
                     if p.grad is not None:
@@ -183,7 +188,7 @@ class BucketedDDP(DataParallelBase):
             b.buffer = b.comm = None  # the replicated buffers are no longer needed
         self.sharded = True
 
-    def shard_range(self, bucket: _Bucket) -> tuple[int, int]:
+    def shard_range(self, bucket: Bucket) -> tuple[int, int]:
         """[start, end) of this rank's slice of `bucket`'s flat (padded) buffers."""
         assert bucket.params_flat is not None
         size = bucket.params_flat.numel() // self.world_size
@@ -191,12 +196,30 @@ class BucketedDDP(DataParallelBase):
         return rank * size, (rank + 1) * size
 
     @property
-    def buckets(self) -> list[_Bucket]:
+    def buckets(self) -> list[Bucket]:
         """The buckets, in launch order (read-only use: ZeRO2Optimizer maps its shards onto them)."""
         return self._buckets
 
+    def bucket_of(self, p: nn.Parameter) -> tuple[Bucket, int] | None:
+        """(the bucket holding `p`, its index there), or None for a parameter whose gradient is not reduced (frozen
+        when wrapped, or not the model's)."""
+        return self._where.get(id(p))
+
+    def all_gather_parameters(self, bucket: Bucket, async_op: bool = True) -> dist.Work | None:
+        """Sharded mode: every rank's slice of `bucket`'s flat parameters (`shard_range`) gathered into every rank's
+        `params_flat`, in place (a collective: every rank, bucket by bucket in the same order)."""
+        lo, hi = self.shard_range(bucket)
+        with torch.no_grad():
+            return _all_gather_flat(bucket.params_flat, bucket.params_flat[lo:hi], group=self.process_group,
+                                    async_op=async_op)
+
+    def drop_gradients(self) -> None:
+        """Sharded mode: forget the gradient slices no step has consumed (the next backward starts from zero)."""
+        for bucket in self._buckets:
+            bucket.grad_live = False
+
     # ------------------------------------------------------------------ backward
-    def _grad_view(self, bucket: _Bucket, i: int) -> torch.Tensor:
+    def _grad_view(self, bucket: Bucket, i: int) -> torch.Tensor:
         if self.sharded:
             if bucket.transient is None:
                 bucket.transient = torch.empty(bucket.params_flat.numel(), dtype=self.comm_dtype or bucket.params_flat.dtype,
@@ -205,7 +228,7 @@ class BucketedDDP(DataParallelBase):
             return bucket.layout.view(bucket.transient, i)
         return bucket.layout.view(bucket.buffer, i)
 
-    def _take_gradient(self, bucket: _Bucket, i: int) -> bool:
+    def _take_gradient(self, bucket: Bucket, i: int) -> bool:
         """Put parameter i's gradient (or zeros, when it has none) into the bucket; True when it had one."""
         p = bucket.params[i]
         view = self._grad_view(bucket, i)
@@ -231,7 +254,7 @@ class BucketedDDP(DataParallelBase):
         bucket.ready.add(i)
         self._launch_full_buckets()
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: Bucket) -> None:
         missing = [i for i in range(len(bucket.params)) if i not in bucket.ready]
         if self.sharded:
             # at the end of backward: whatever .grad holds (no_sync accumulation), or zeros
@@ -258,8 +281,8 @@ class BucketedDDP(DataParallelBase):
     @staticmethod
     def _set_used_flags(flags: torch.Tensor, absent: list[int]) -> None:
         """1 for each parameter of the bucket that had a gradient here, 0 for the `absent` ones: one fill, and a
-        write per absent parameter only. (A write per parameter, `flags[i] = 1`, is a host-to-device copy of a
-        scalar: ~100 µs of host time each on an H200 machine, 38 ms per xl backward.)"""
+        write per absent parameter only. (A write per parameter, `flags[i] = 1`, is a host-to-device copy of a scalar
+        each: hundreds of them per backward of a large model, tens of milliseconds of host time.)"""
         flags.fill_(1)
         for i in absent:
             flags[i] = 0
@@ -290,7 +313,7 @@ class BucketedDDP(DataParallelBase):
             bucket.handle = None
         self._next_to_launch = 0
 
-    def _finish_replicated(self, bucket: _Bucket) -> None:
+    def _finish_replicated(self, bucket: Bucket) -> None:
         n = bucket.layout.numel
         if bucket.comm is not None:
             bucket.buffer.copy_(bucket.comm)  # already divided before the cast
@@ -312,7 +335,7 @@ class BucketedDDP(DataParallelBase):
         if targets:  # one multi-tensor copy per bucket instead of a launch per parameter (host time, exposed)
             torch._foreach_copy_(targets, sources)
 
-    def _finish_sharded(self, bucket: _Bucket) -> None:
+    def _finish_sharded(self, bucket: Bucket) -> None:
         _, out = bucket.reduced
         bucket.reduced = ()  # frees the full-size gradient buffer
         bucket.flags_handle.wait()

@@ -22,9 +22,9 @@ def measure_allreduce_cost(device: torch.device, dtype: torch.dtype, group=None,
 
     Both sizes are warmed up before either is timed, and each size's fastest call is kept: a new communicator's
     first collectives (and a neighbour's burst on a shared host) are slow for reasons the model does not describe,
-    and once made a 4 KiB all-reduce look slower than a 16 MiB one, which fitted an infinite bandwidth and put
-    every gradient in one bucket (2 x H200, 2026-11-24). Every rank gets the same numbers (the max over ranks), so
-    every rank builds the same buckets.
+    and can make a 4 KiB all-reduce look slower than a 16 MiB one, which fits an infinite bandwidth and puts every
+    gradient in one bucket. Every rank gets the same numbers (the max over ranks), so every rank builds the same
+    buckets.
     """
     elem = torch.tensor([], dtype=dtype).element_size()
     sizes = (4096, 16 * MB)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dist import FlatLayout, gather_digests
-from .state_dicts import checked_full_state, indexed_param_groups
+from .state_dicts import ConsolidatedStateDict, StatePart, hyperparameters
 
 
 def _group_signature(group: dict[str, Any]) -> str:
@@ -23,7 +23,7 @@ def _group_signature(group: dict[str, Any]) -> str:
     return repr((hyper, shapes))
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(ConsolidatedStateDict, torch.optim.Optimizer):
     """Wrap `optimizer_cls(**kwargs)` so that each rank holds state only for the parameters it owns.
 
     - Ownership is by whole parameters, per param group, largest first to the least-loaded rank (ties to the
@@ -187,59 +187,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _global_index(self) -> dict[nn.Parameter, int]:
         return {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
 
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather every shard's state on rank `to` (a collective: call it on every rank); `state_dict()` on that
-        rank then returns it. States are moved to the CPU on the way."""
+    def _state_group(self):
+        return self.process_group
+
+    def _state_parts(self) -> list[StatePart]:
+        """The inner optimizer's state of each owned parameter, whole."""
         index = self._global_index()
-        inner_sd = self.inner.state_dict()
         inner_params = [p for g in self._local for p in g]
-        mine = {
-            index[inner_params[i]]: {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in s.items()}
-            for i, s in inner_sd["state"].items()
-        }
-        gathered: list[dict | None] | None = [None] * self.world_size if self.rank == to else None
-        dst = dist.get_global_rank(self.process_group, to) if self.process_group is not None else to
-        dist.gather_object(mine, gathered, dst=dst, group=self.process_group)
-        if self.rank == to:
-            state = {}
-            for part in gathered:  # type: ignore[union-attr]
-                state.update(part)
-            self._consolidated = {"state": dict(sorted(state.items()))}
-        else:
-            self._consolidated = None
+        return [StatePart(index[inner_params[i]], 0, inner_params[i].numel(), values)
+                for i, values in self.inner.state_dict()["state"].items()]
 
-    def state_dict(self) -> dict[str, Any]:
-        """The full state in the unsharded optimizer's layout; only on the rank that consolidated it.
-
-        Raises:
-            RuntimeError: on a rank that did not receive the consolidated state.
-        """
-        if self._consolidated is None:
-            raise RuntimeError(
-                "ShardedOptimizer.state_dict(): call consolidate_state_dict(to=rank) on every rank first, "
-                "then state_dict() on that rank"
-            )
-        return {"state": self._consolidated["state"], "param_groups": indexed_param_groups(self.param_groups)}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a full (consolidated, or the unsharded optimizer's) state dict on every rank; each keeps its own
-        shard.
-
-        Raises:
-            ValueError: when the param groups do not match this optimizer's.
-        """
-        saved_state = checked_full_state("ShardedOptimizer", state_dict, self.param_groups)
-        groups = state_dict["param_groups"]
-        for saved, outer in zip(groups, self.param_groups):
-            outer.update({k: v for k, v in saved.items() if k != "params"})
+    def _load_state_parts(self, state: dict[int, dict[str, Any]], groups: list[dict[str, Any]]) -> None:
+        """The inner optimizer takes the state of the parameters this rank owns."""
         index = self._global_index()
         inner_state, inner_groups, n = {}, [], 0
         for saved, owned in zip(groups, self._local):
             ids = []
             for p in owned:
-                if index[p] in saved_state:
-                    inner_state[n] = saved_state[index[p]]
+                if index[p] in state:
+                    inner_state[n] = state[index[p]]
                 ids.append(n)
                 n += 1
-            inner_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
+            inner_groups.append({**hyperparameters(saved), "params": ids})
         self.inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})

@@ -10,20 +10,18 @@ so the gathers overlap the optimizer's own work on the next buckets; `step()` re
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
-
-import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dist import BucketedDDP
+from ..dist import Bucket, BucketedDDP
 from ..dist.base import wrapper_of
-from ..dist.bucketed import _all_gather_flat, _Bucket
-from .state_dicts import checked_full_state, indexed_param_groups
+from .state_dicts import ConsolidatedStateDict, StatePart, hyperparameters
 
 # Optimizers whose update of an element reads only that element's gradient and state: they step a slice of a
 # parameter exactly as they would step the whole one.
@@ -40,14 +38,14 @@ class _Piece:
 
     tensor: nn.Parameter
     param: nn.Parameter
-    bucket: _Bucket
+    bucket: Bucket
     index: int  # the parameter's index in its bucket
     start: int
     end: int
     grad_start: int
 
 
-class ZeRO2Optimizer(torch.optim.Optimizer):
+class ZeRO2Optimizer(ConsolidatedStateDict, torch.optim.Optimizer):
     """Wrap `optimizer_cls(**kwargs)` so that each rank holds gradients and optimizer state only for its slice of
     every bucket of the `BucketedDDP` that wraps `params`.
 
@@ -119,8 +117,8 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
             return hook
 
         for module in ddp.module.modules():
-            buckets = sorted({index[id(ddp._where[id(p)][0])] for p in module.parameters(recurse=False)
-                              if id(p) in ddp._where})
+            buckets = sorted({index[id(where[0])] for p in module.parameters(recurse=False)
+                              if (where := ddp.bucket_of(p)) is not None})
             if buckets:
                 module.register_forward_pre_hook(waiter(buckets))
                 module.register_state_dict_pre_hook(waiter(buckets))
@@ -158,7 +156,7 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
             ddp.shard_gradients()
         pieces = []
         for p in trainable:
-            bucket, i = ddp._where[id(p)]
+            bucket, i = ddp.bucket_of(p)
             lo, hi = ddp.shard_range(bucket)
             offset = bucket.layout.offsets[i]
             start, end = max(offset, lo), min(offset + p.numel(), hi)
@@ -217,10 +215,7 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
                 group.update({k: v for k, v in outer.items() if k != "params"})
             inner.step(**kwargs)
             bucket.grad_live = False
-            lo, hi = ddp.shard_range(bucket)
-            with torch.no_grad():  # launched now: it runs while the next buckets are stepped
-                self._pending[b] = _all_gather_flat(bucket.params_flat, bucket.params_flat[lo:hi],
-                                                    group=ddp.process_group, async_op=True)
+            self._pending[b] = ddp.all_gather_parameters(bucket)  # runs while the next buckets are stepped
         for x in self._all_pieces():
             x.tensor.grad = None
         if not self.overlap_all_gather:
@@ -229,8 +224,7 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients not yet stepped: the shards and any local `.grad` (no_sync accumulation)."""
-        for bucket in self.ddp.buckets:
-            bucket.grad_live = False
+        self.ddp.drop_gradients()
         for g in self.param_groups:
             for p in g["params"]:
                 p.grad = None
@@ -262,78 +256,31 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
     def _global_index(self) -> dict[int, int]:
         return {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
 
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather every rank's slices of the state on rank `to`, reassembled per parameter (a collective: call it
-        on every rank); `state_dict()` on that rank then returns it. States are moved to the CPU on the way."""
+    def _state_group(self):
+        return self.ddp.process_group
+
+    def _state_parts(self) -> list[StatePart]:
+        """The inner optimizers' state of each of this rank's slices."""
         index = self._global_index()
         inner_state = self.inner_state
-        mine = []
-        for x in self._all_pieces():
-            state = inner_state.get(x.tensor)
-            if state:
-                mine.append((index[id(x.param)], x.start, x.end,
-                             {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in state.items()}))
-        rank = dist.get_rank(self.ddp.process_group)
-        world = dist.get_world_size(self.ddp.process_group)
-        gathered: list | None = [None] * world if rank == to else None
-        group = self.ddp.process_group
-        dst = dist.get_global_rank(group, to) if group is not None else to
-        dist.gather_object(mine, gathered, dst=dst, group=group)
-        self._consolidated = None
-        if rank != to:
-            return
-        params = [p for g in self.param_groups for p in g["params"]]
-        state: dict[int, dict[str, Any]] = {}
-        for part in gathered:  # type: ignore[union-attr]
-            for g, start, end, values in part:
-                full = state.setdefault(g, {})
-                for k, v in values.items():
-                    if torch.is_tensor(v) and v.dim() > 0 and v.numel() == end - start:
-                        if k not in full:
-                            full[k] = torch.zeros(params[g].numel(), dtype=v.dtype)
-                        full[k][start:end] = v.reshape(-1)
-                    else:
-                        full[k] = v  # per-parameter scalars (Adam's step): the same on every slice
-        for g, full in state.items():
-            for k, v in full.items():
-                if torch.is_tensor(v) and v.dim() == 1 and v.numel() == params[g].numel() and params[g].dim() != 1:
-                    full[k] = v.view(params[g].shape)
-        self._consolidated = {"state": dict(sorted(state.items()))}
+        return [StatePart(index[id(x.param)], x.start, x.end, inner_state[x.tensor]) for x in self._all_pieces()
+                if inner_state.get(x.tensor)]
 
-    def state_dict(self) -> dict[str, Any]:
-        """The full state in the unsharded optimizer's layout; only on the rank that consolidated it.
-
-        Raises:
-            RuntimeError: on a rank that did not receive the consolidated state.
-        """
-        if self._consolidated is None:
-            raise RuntimeError("ZeRO2Optimizer.state_dict(): call consolidate_state_dict(to=rank) on every rank first, "
-                               "then state_dict() on that rank")
-        return {"state": self._consolidated["state"], "param_groups": indexed_param_groups(self.param_groups)}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a full (consolidated, or an unsharded optimizer's) state dict on every rank; each keeps its slices.
-
-        Raises:
-            ValueError: when the dict is not an optimizer state dict or does not match these parameters.
-        """
-        saved = checked_full_state("ZeRO2Optimizer", state_dict, self.param_groups)
-        groups = state_dict["param_groups"]
-        for outer, s in zip(self.param_groups, groups):
-            outer.update({k: v for k, v in s.items() if k != "params"})
+    def _load_state_parts(self, state: dict[int, dict[str, Any]], groups: list[dict[str, Any]]) -> None:
+        """Each bucket's inner optimizer takes this rank's slices of the state."""
         index = self._global_index()
-        for b, (inner, bucket) in enumerate(zip(self._inners, self.ddp.buckets)):
+        for inner, bucket in zip(self._inners, self.ddp.buckets):
             inner_state, inner_groups, n = {}, [], 0
-            for s, pieces in zip(groups, self._pieces):
+            for saved, pieces in zip(groups, self._pieces):
                 ids = []
                 for x in pieces:
                     if x.bucket is not bucket:
                         continue
-                    values = saved.get(index[id(x.param)])
+                    values = state.get(index[id(x.param)])
                     if values is not None:
                         inner_state[n] = {k: (v.reshape(-1)[x.start : x.end].clone() if torch.is_tensor(v) and v.dim() > 0
                                               else v) for k, v in values.items()}
                     ids.append(n)
                     n += 1
-                inner_groups.append({**{k: v for k, v in s.items() if k != "params"}, "params": ids})
+                inner_groups.append({**hyperparameters(saved), "params": ids})
             inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
