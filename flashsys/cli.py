@@ -25,22 +25,25 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `flashsys train`; defaults come from `TrainConfig` and the "demo" preset."""
     d = TrainConfig()
     p.add_argument("--preset", choices=list(PRESETS), help="model size preset (overrides the four below)")
-    p.add_argument("--d-model", type=int, default=DEMO.d_model)
-    p.add_argument("--layers", type=int, default=DEMO.num_layers)
-    p.add_argument("--heads", type=int, default=DEMO.num_heads)
-    p.add_argument("--d-ff", type=int, default=DEMO.d_ff)
+    p.add_argument("--d-model", type=int, default=DEMO.d_model, help="model width (default %(default)s)")
+    p.add_argument("--layers", type=int, default=DEMO.num_layers, help="transformer blocks (default %(default)s)")
+    p.add_argument("--heads", type=int, default=DEMO.num_heads, help="query heads (default %(default)s)")
+    p.add_argument("--d-ff", type=int, default=DEMO.d_ff, help="SwiGLU hidden width (default %(default)s)")
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (grouped-query attention; default --heads)")
     p.add_argument("--attention-window", type=int, default=None, metavar="W",
                    help="sliding-window attention: each token sees itself and the W tokens before it")
     p.add_argument("--pack-documents", action="store_true",
                    help="documents end at blank lines; attention never crosses one (flash_attention_varlen)")
-    p.add_argument("--context-length", type=int, default=DEMO.context_length)
+    p.add_argument("--context-length", type=int, default=DEMO.context_length,
+                   help="tokens (bytes) per sequence (default %(default)s)")
     p.add_argument("--attention", choices=list(ATTENTION_BACKENDS), default=DEMO.attention_backend,
-                   help="attention implementation inside the model (see `flashsys info`)")
+                   help="attention implementation inside the model (default %(default)s; see `flashsys info`)")
     p.add_argument("--world-size", type=int, default=None, help="processes (default: GPUs, or 2 on a CPU)")
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch, split over ranks")
-    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size,
+                   help="global batch in sequences, split over ranks (default %(default)s)")
+    p.add_argument("--lr", type=float, default=d.lr,
+                   help="peak learning rate of AdamW's warm-up and cosine schedule (default %(default)s)")
     p.add_argument("--bucket-mb", default="auto",
                    help="BucketedDDP bucket size in MB, 'auto' (measured, the default) or 'none'")
     p.add_argument("--no-shard", action="store_true", help="plain AdamW instead of a sharded optimizer")
@@ -49,14 +52,17 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                         "(ShardedOptimizer)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model (default: on a GPU, where it pays; --no-compile for eager)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype,
+                   help="float32, or bfloat16 autocast (default %(default)s)")
     p.add_argument("--data", default=d.data, help="a UTF-8 text file (default: the bundled Alice text)")
-    p.add_argument("--out", default=d.out)
-    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, metavar="K")
+    p.add_argument("--out", default=d.out,
+                   help="output directory: checkpoint, summary.json, loss.png, final_model.pt (default %(default)s)")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, metavar="K",
+                   help="write a checkpoint every K steps; 0: never (default %(default)s)")
     p.add_argument("--stop-after", type=int, default=None, metavar="STEP",
                    help="end this invocation after STEP (as a time-limited job would); --resume continues the schedule")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the weights and batches (default %(default)s)")
     p.add_argument("--timeout", type=float, default=d.timeout_s, metavar="SECONDS",
                    help="a rank that waits longer than this for the others fails (default %(default)s)")
     p.add_argument("--force", action="store_true",
@@ -173,7 +179,8 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
     check_memory(model, a.batch_size // world, world, backend == "nccl")
     return TrainConfig(model=model, data=a.data, out=a.out, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
                        warmup=min(20, max(1, a.steps // 10)), world_size=world, backend=backend,
-                       bucket_mb=_bucket_mb(a.bucket_mb), shard=not a.no_shard, zero_stage=a.zero_stage, compile=cuda if a.compile is None else a.compile, dtype=a.dtype,
+                       bucket_mb=_bucket_mb(a.bucket_mb), shard=not a.no_shard, zero_stage=a.zero_stage,
+                       compile=cuda if a.compile is None else a.compile, dtype=a.dtype,
                        checkpoint_every=a.checkpoint_every, stop_after=a.stop_after, resume=a.resume, seed=a.seed,
                        timeout_s=a.timeout, force=a.force, pack_documents=a.pack_documents)
 
@@ -209,12 +216,15 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import TrainingDiverged
     from .train import run_training
 
-    parser = argparse.ArgumentParser(prog="flashsys", description="FlashAttention-2, data parallel and ZeRO-1 training.")
+    parser = argparse.ArgumentParser(prog="flashsys", description="FlashAttention, data-parallel and ZeRO-2 training of "
+                                                                  "a language model on one or many GPUs (or CPU "
+                                                                  "processes).")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a byte-level language model end to end (the main job)",
                            description="Train a TransformerLM on a text file with FlashAttention, BucketedDDP and "
-                                       "ShardedOptimizer: gloo processes on a CPU, one NCCL process per GPU, "
-                                       "ranks from the environment under torchrun.")
+                                       "ZeRO2Optimizer(AdamW) (--zero-stage 1: ShardedOptimizer; --no-shard: AdamW; "
+                                       "one rank trains the model unwrapped with AdamW): gloo processes on a CPU, one "
+                                       "NCCL process per GPU, ranks from the environment under torchrun.")
     add_train_arguments(train)
     sub.add_parser("info", help="torch/Triton versions, devices, and which attention backends work here")
     args = parser.parse_args(argv)
