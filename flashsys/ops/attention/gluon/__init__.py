@@ -5,6 +5,7 @@
 - `backward`: the two-pass backward's dK/dV and dQ kernels.
 - `one_pass`: the whole backward in one pass (FlashAttention-3's layout), deterministic or not.
 - `launch`: kernel configurations (`Variant`), TMA descriptors, launches and their replays.
+- `kernel_set`: every kernel in one module, what `kernels()` returns.
 
 Which calls take these kernels, and which variant runs, is `..dispatch`'s decision. Importing the kernels needs a
 Triton with Gluon's Hopper API (3.6 or later): `kernels()` imports them on first use and says None where they do not
@@ -13,7 +14,7 @@ import, so the `tl` kernels run instead.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from types import ModuleType
 
 # Plain module state, not functools.cache: Dynamo traces `kernels()` (through `dispatch.forward_problem`) under
 # torch.compile and warns about every functools cache it traces through.
@@ -21,26 +22,18 @@ _loaded: list = []  # [the kernels' namespace, or None], once tried
 _import_error: list[str] = []  # why they do not import here, once tried
 
 
-def kernels() -> SimpleNamespace | None:
-    """The Gluon kernels (`attention_forward`, `attention_forward_pingpong`, `attention_forward_persistent`,
-    `attention_backward_dkdv`, `attention_backward_dq`, `attention_backward_one_pass`) and Gluon's language module
-    `gl`, or None where they do not import with this Triton (`import_error()` says why). Imported once."""
+def kernels() -> ModuleType | None:
+    """The Gluon kernels (`kernel_set`: `attention_forward`, `attention_forward_pingpong`,
+    `attention_forward_persistent`, `attention_backward_dkdv`, `attention_backward_dq`,
+    `attention_backward_one_pass`) and Gluon's language module `gl`, or None where they do not import with this
+    Triton (`import_error()` says why). Imported once."""
     if not _loaded:
         try:
-            from triton.experimental.gluon import language as gl
-
-            from . import backward, forward, one_pass
+            from . import kernel_set
         except (ImportError, AttributeError, TypeError) as exc:  # no Gluon, or an API that moved since Triton 3.9
             _import_error.append(f"the Gluon kernels do not import with this Triton ({type(exc).__name__}: {exc})")
-            _loaded.append(None)
-        else:
-            _loaded.append(SimpleNamespace(
-                gl=gl, attention_forward=forward.attention_forward,
-                attention_forward_pingpong=forward.attention_forward_pingpong,
-                attention_forward_persistent=forward.attention_forward_persistent,
-                attention_backward_dkdv=backward.attention_backward_dkdv,
-                attention_backward_dq=backward.attention_backward_dq,
-                attention_backward_one_pass=one_pass.attention_backward_one_pass))
+            kernel_set = None
+        _loaded.append(kernel_set)
     return _loaded[0]
 
 
