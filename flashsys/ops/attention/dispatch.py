@@ -1,6 +1,8 @@
 """Which kernels run a Triton attention call: the one place that decides.
 
-The chain, forward and backward alike (`forward_problem`, `backward_problem`; each branch says why):
+A dense forward with at most 16 queries per sequence against at least 512 keys (decoding from a cache) takes the
+split-key decode kernels (`takes_decode`, `triton.decode`) on any device. Otherwise the chain, forward and backward
+alike (`forward_problem`, `backward_problem`; each branch says why):
 
     CPU tensors (the interpreter)              -> `tl` kernels: the interpreter runs no Gluon
     not fp16/bf16, head dim not 64/128         -> `tl`: the Gluon kernels' TMA tiles take 16-bit 64/128-wide rows
@@ -33,6 +35,7 @@ from torch import Tensor
 
 from .gluon import import_error, kernels
 from .gluon.launch import TL_KERNEL, Variant, rank4
+from .triton import decode
 from .triton_env import autotune_enabled, env_switch
 
 Window = tuple[int, int]
@@ -86,7 +89,8 @@ _TABLES = {"forward": FORWARD_VARIANTS, "dkdv": DKDV_VARIANTS, "dq": DQ_VARIANTS
            "one_pass_det": DETERMINISTIC_ONE_PASS_VARIANTS}
 # The choice times every candidate in interleaved rounds and takes each one's median, each timing spanning 100 ms
 # as Triton's autotuner's do: one GPU's timings of the same kernel drift within a process by more than the variants
-# differ, and single or shorter timings picked variants measurably slower than the best. The cost: about a second on a key's first call.
+# differ, and single or shorter timings picked variants measurably slower than the best. The cost: about a second on
+# a key's first call.
 CHOICE_ROUNDS = 3
 CHOICE_REP_MS = 100
 
@@ -188,6 +192,13 @@ def forward_problem(q: Tensor, k: Tensor, v: Tensor, window: Window) -> str | No
     if not all(tma_addressable(t) for t in (q, k, v)):
         return "strides TMA cannot address (each must be a multiple of 16 bytes, the last 1)"
     return None
+
+
+def takes_decode(q: Tensor, k: Tensor) -> bool:
+    """Whether the split-key decode kernels (`triton.decode`) run this dense forward: a few queries per sequence
+    against a long cache, on any device the `tl` kernels run on. Checked before the Gluon forward."""
+    kv_group = q.shape[1] // k.shape[1] if q.dim() == 4 and k.shape[1] else 1
+    return decode.takes(q.shape[-2], k.shape[-2], kv_group, varlen=False)
 
 
 def takes_forward(q: Tensor, k: Tensor, v: Tensor, window: Window) -> bool:

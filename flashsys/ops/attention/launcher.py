@@ -26,7 +26,7 @@ from .gluon import launch as gluon_launch
 from .gluon.launch import DkdvTensors, DqTensors, ForwardTensors, OnePassTensors, Variant, rank4
 from .replay import plans
 from .replay.plans import Recorded
-from .triton import launch
+from .triton import decode, launch
 from .triton.kernels import one_pass_epilogue_kernel, one_pass_prologue_kernel
 from .triton.launch import Geometry
 from .triton.tiles import LOG2E
@@ -106,7 +106,9 @@ def forward(q: Tensor, k: Tensor, v: Tensor, window: Window, scale: float, trace
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     t = ForwardTensors(q, k, v, o, lse)
     recorded = None
-    if not traced and dispatch.takes_forward(q, k, v, window):
+    if dispatch.takes_decode(q, k):
+        recorded = decode.forward(q, k, v, o, lse, window, scale, traced)
+    elif not traced and dispatch.takes_forward(q, k, v, window):
         key = dispatch.ChoiceKey.of(q, k, window, "forward")
         variant = choose_variant(key, lambda var: gluon_launch.launch(var, t, window, scale, record=False))
         if variant is not None:

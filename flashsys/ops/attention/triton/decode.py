@@ -1,0 +1,191 @@
+"""The decode forward: a few queries (Nq <= 16) against a long K/V cache, split across the keys (flash-decoding).
+
+A forward kernel program covers a tile of up to 128 query rows of one head; with one query per sequence it fills one
+row of the tile and the grid has only batch * heads programs, too few to read the cache at the memory's speed. The
+decode kernel instead gives each program all the query rows of one K/V head's group (the query heads that share
+the K/V head, times Nq: grouped-query attention reads each cached key once for all of them) and one slice of the
+keys; a second kernel combines the slices' partial results by their logsumexps. Both are `tl` kernels with fixed
+tiles: they run wherever the forward kernel runs, the interpreter included.
+
+The masks are the forward's (bottom-right aligned windows, `tiles.visible`); the output and the saved logsumexp are
+the forward's too, so the backward kernels take them unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.library import wrap_triton
+
+from ..replay.plans import Recorded
+from .launch import positional, run_fixed
+from .tiles import LN2_C, as_fp32, visible
+
+MAX_QUERIES = 16  # query rows per sequence the decode path takes
+MAX_GROUP_ROWS = 64  # query heads per K/V head times Nq: one program's rows
+MIN_KEYS = 512  # below this the forward kernel's grid has enough programs (or the cache is read in no time)
+BLOCK_N = 64
+SPLIT_MIN_KEYS = 256  # the fewest keys a split is given: fewer cost more in partials than they save
+
+
+@triton.jit
+def flash_decode_split_kernel(
+    Q, K, V, PartO, PartL,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    n_heads, kv_group, n_q, n_k, n_splits, split_len, window_left, window_right, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BOUND_RIGHT: tl.constexpr, BOUND_LEFT: tl.constexpr, FP32_IEEE: tl.constexpr,
+):
+    """One program = one (batch, K/V head) and one split of the keys: rows r < kv_group * n_q are query head
+    kv_head * kv_group + r // n_q, query r % n_q. Writes, per row and split, the split's normalised output and its
+    logsumexp (natural log; -inf where the split holds no visible key) to PartO (rows, splits, HEAD_DIM) and
+    PartL (rows, splits) float32, rows in (batch, query head, query) order."""
+    qk_scale = as_fp32(qk_scale)
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    n_kv_heads = n_heads // kv_group
+    b = (pid // n_kv_heads).to(tl.int64)
+    kv_head = (pid % n_kv_heads).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_r < kv_group * n_q
+    head = kv_head * kv_group + offs_r // n_q
+    query = offs_r % n_q
+    q_ptrs = Q + b * stride_qb + head[:, None] * stride_qh + query[:, None] * stride_qn + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    K += b * stride_kb + kv_head * stride_kh
+    V += b * stride_vb + kv_head * stride_vh
+
+    # This split's keys, narrowed to those some query of the group sees.
+    right_offset = n_k - n_q + window_right
+    left_offset = n_k - n_q - window_left
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, n_k)
+    if BOUND_RIGHT:
+        hi = tl.minimum(hi, n_q - 1 + right_offset + 1)
+    if BOUND_LEFT:
+        lo = tl.maximum(lo, left_offset // BLOCK_N * BLOCK_N)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kv_mask = (cols[:, None] < hi) & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(K + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(V + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        if FP32_IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        seen = visible(query[:, None], cols[None, :], cols[None, :], hi, right_offset, left_offset,
+                       BOUND_RIGHT, BOUND_LEFT)
+        qk = tl.where(seen, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if FP32_IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    seen_any = l_i > 0.0
+    l_safe = tl.where(seen_any, l_i, 1.0)
+    lse = tl.where(seen_any, m_i * LN2_C + tl.log(l_safe), float("-inf"))
+    rows = (b * n_heads + head) * n_q + query
+    tl.store(PartL + rows * n_splits + split, lse, mask=row_ok)
+    out_ptrs = PartO + (rows[:, None] * n_splits + split) * HEAD_DIM + offs_d[None, :]
+    tl.store(out_ptrs, acc / l_safe[:, None], mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def flash_decode_combine_kernel(
+    PartO, PartL, O, L,
+    stride_ob, stride_oh, stride_on, stride_od,
+    n_heads, n_q, n_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """One program = one query row (batch, head, query): the splits' outputs weighted by exp(their logsumexp - the
+    row's), written to O (in its dtype) and the row's logsumexp to L (the forward's (B, H, Nq) layout). A row no
+    split saw outputs 0 with logsumexp -inf, as the forward kernel's."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    lse_s = tl.load(PartL + row * n_splits + offs_s, mask=offs_s < n_splits, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_sub = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_sub)
+    total = tl.sum(w, 0)
+    parts = tl.load(PartO + (row * n_splits + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
+                    mask=(offs_s[:, None] < n_splits) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    seen = total > 0.0
+    total_safe = tl.where(seen, total, 1.0)
+    out = tl.sum(parts * w[:, None], 0) / total_safe
+    tl.store(L + row, tl.where(seen, m_sub + tl.log(total_safe), float("-inf")))
+    query = row % n_q
+    bh = row // n_q
+    b = bh // n_heads
+    h = bh % n_heads
+    o_ptrs = O + b * stride_ob + h * stride_oh + query * stride_on + offs_d * stride_od
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def takes(n_q: int, n_k: int, kv_group: int, varlen: bool) -> bool:
+    """Whether a call goes to the decode kernels: a dense batch of at most MAX_QUERIES queries per sequence, its
+    group's rows fitting one program, and a cache of at least MIN_KEYS keys."""
+    return (not varlen and type(n_q) is int and type(n_k) is int and n_q <= MAX_QUERIES
+            and kv_group * n_q <= MAX_GROUP_ROWS and n_k >= MIN_KEYS)
+
+
+def _splits(n_k: int, programs: int, device: torch.device) -> tuple[int, int]:
+    """(number of splits, keys per split, a multiple of BLOCK_N): about two programs per SM (on a CPU, a few
+    splits, so the combine runs), each split at least SPLIT_MIN_KEYS keys."""
+    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    n_splits = max(1, min(triton.cdiv(target, programs), triton.cdiv(n_k, SPLIT_MIN_KEYS)))
+    split_len = triton.cdiv(triton.cdiv(n_k, n_splits), BLOCK_N) * BLOCK_N
+    return triton.cdiv(n_k, split_len), split_len
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, window: tuple[int, int], scale: float,
+            traced: bool) -> list[Recorded | None]:
+    """Write O and L of rank-3/4 q over k, v (the forward's contract) with the two decode kernels. Returns the launches
+    as a plan records them: [None] (never replayed: the partials are scratch a plan does not allocate)."""
+    rank4 = q.dim() == 4
+    batch, n_heads = q.shape[0], q.shape[1] if rank4 else 1
+    kv_heads = k.shape[1] if rank4 else 1
+    n_q, n_k, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    kv_group = n_heads // kv_heads
+    block_d = max(16, triton.next_power_of_2(d))
+    block_m = max(16, triton.next_power_of_2(kv_group * n_q))
+    n_splits, split_len = _splits(n_k, batch * kv_heads, q.device)
+    rows = batch * n_heads * n_q
+    part_o = torch.empty((rows, n_splits, d), dtype=torch.float32, device=q.device)
+    part_l = torch.empty((rows, n_splits), dtype=torch.float32, device=q.device)
+    fp32 = q.dtype == torch.float32
+    split_named = dict(Q=q, K=k, V=v, PartO=part_o, PartL=part_l, n_heads=n_heads, kv_group=kv_group, n_q=n_q,
+                       n_k=n_k, n_splits=n_splits, split_len=split_len, window_left=window[0],
+                       window_right=window[1], qk_scale=scale * 1.4426950408889634)
+    split_constexprs = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=32 if block_d > 128 else BLOCK_N,
+                            BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0, FP32_IEEE=fp32,
+                            num_warps=4, num_stages=3)
+    combine_named = dict(PartO=part_o, PartL=part_l, O=o, L=lse, n_heads=n_heads, n_q=n_q, n_splits=n_splits)
+    combine_constexprs = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(n_splits)),
+                              num_warps=4)
+    split_grid, combine_grid = (batch * kv_heads, n_splits, 1), (rows, 1, 1)
+    if traced:
+        wrap_triton(flash_decode_split_kernel)[split_grid](*positional(flash_decode_split_kernel, split_named),
+                                                           **split_constexprs)
+        wrap_triton(flash_decode_combine_kernel)[combine_grid](
+            *positional(flash_decode_combine_kernel, combine_named), **combine_constexprs)
+    else:
+        run_fixed(flash_decode_split_kernel, split_grid, split_named, split_constexprs)
+        run_fixed(flash_decode_combine_kernel, combine_grid, combine_named, combine_constexprs)
+    return [None]

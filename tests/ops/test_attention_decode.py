@@ -1,0 +1,74 @@
+"""The split-key decode path (a few queries against a long cache): the same O, L and gradients as float64 reference
+math, with GQA, windows and bottom-right causal alignment, and taken only where it should be."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashsys.ops.attention import FlashAttention2Triton
+from flashsys.ops.attention.triton import decode
+
+from .attention_checks import assert_matches_reference, make_qkv
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+@pytest.fixture
+def decode_calls(monkeypatch):
+    """Every decode launch, and (on a CPU, where tests use short caches) the path taken from the first key."""
+    calls = []
+    forward = decode.forward
+    monkeypatch.setattr(decode, "forward", lambda *a, **k: calls.append(a[0].shape) or forward(*a, **k))
+    if not CUDA:
+        monkeypatch.setattr(decode, "MIN_KEYS", 64)
+    return calls
+
+
+CASES = [  # (n_q, n_k, heads, kv_heads, head_dim, window)
+    (1, 300, 4, 2, 64, None),
+    (1, 257, 8, 1, 32, (-1, 0)),
+    (3, 200, 4, 1, 32, (50, 0)),
+    (16, 130, 2, 2, 16, (-1, 0)),
+    (2, 190, 8, 2, 40, (7, 3)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"nq{c[0]}-nk{c[1]}-h{c[2]}/{c[3]}-d{c[4]}-w{c[5]}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_matches_the_reference(case, dtype, decode_calls):
+    n_q, n_k, heads, kv_heads, d, window = case
+    q, k, v, do = make_qkv(2, heads, n_q, n_k, d, dtype, DEVICE, seed=n_k, kv_heads=kv_heads)
+    assert_matches_reference(FlashAttention2Triton, q, k, v, do, False, None, window)
+    assert decode_calls, "the decode kernels did not run"
+
+
+def test_rank3_inputs_and_strided_views(decode_calls):
+    """(batch, seq, head_dim) inputs, and a cache read through a non-contiguous view, as a cache slice is."""
+    q, k, v, do = make_qkv(3, 0, 2, 150, 32, torch.float32, DEVICE, seed=5)
+    assert_matches_reference(FlashAttention2Triton, q, k, v, do, True, 0.3)
+    big_k, big_v = (torch.randn(2, 2, 400, 32, device=DEVICE) for _ in range(2))
+    q, _, _, do = make_qkv(2, 4, 1, 150, 32, torch.float32, DEVICE, seed=6, kv_heads=2)
+    assert_matches_reference(FlashAttention2Triton, q, big_k[:, :, 100:250], big_v[:, :, 100:250], do, True, None)
+    assert len(decode_calls) >= 2
+
+
+def test_the_decode_path_is_taken_only_for_a_few_queries_over_many_keys(decode_calls):
+    for n_q, n_k, taken in ((17, 300, False), (1, 63 if not CUDA else 511, False), (16, 300, True)):
+        decode_calls.clear()
+        q, k, v, _ = make_qkv(1, 2, n_q, n_k, 16, torch.float32, DEVICE, seed=1)
+        FlashAttention2Triton.apply(q, k, v, True)
+        assert bool(decode_calls) == taken, (n_q, n_k)
+    assert not decode.takes(4, 4096, kv_group=32, varlen=False)  # 128 rows: more than one program holds
+    assert not decode.takes(1, 4096, kv_group=1, varlen=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,n_k", [(1, 32768), (16, 4096), (64, 1024)])
+def test_decode_at_serving_sizes_gpu(batch, n_k, decode_calls):
+    q, k, v, do = make_qkv(batch, 32, 1, n_k, 128, torch.bfloat16, DEVICE, seed=batch, kv_heads=8)
+    out = FlashAttention2Triton.apply(q, k, v, True)
+    expected = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True)
+    assert decode_calls
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
