@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install flashsys with its test extra.
+# Create .venv and install flashsys with its test and Hugging Face extras.
 #
 # Why a script: a bare `torch` requirement on a machine with no torch pulls several GB of CUDA wheels.
 # On a machine without a GPU we install the CPU build of torch first, so the later `pip install -e .`
@@ -12,7 +12,7 @@ PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 CPU_TORCH=${FLASHSYS_CPU_TORCH:-torch==2.13.0}
 
-if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import flashsys, torch, pytest, hypothesis" 2>/dev/null \
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import flashsys, torch, pytest, hypothesis, transformers" 2>/dev/null \
    && [ "$VENV/.stamp" -nt pyproject.toml ]; then
   exit 0
 fi
@@ -30,6 +30,6 @@ else
     "$VENV/bin/python" -m pip install -q "$CPU_TORCH"
   fi
 fi
-"$VENV/bin/python" -m pip install -q -e ".[test]"
+"$VENV/bin/python" -m pip install -q -e ".[test,hf]"
 touch "$VENV/.stamp"
 echo "[install] done: $("$VENV/bin/python" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')"

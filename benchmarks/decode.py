@@ -1,0 +1,88 @@
+"""Decoding from a KV cache: one new query per sequence against the cache, grouped-query heads, forward only.
+flashsys (its split-key decode kernels) against SDPA pinned to each of its kernels and compiled FlexAttention, in
+one run. `vs_best` is flashsys' time over the fastest baseline that ran in the cell.
+
+    python -m benchmarks.decode --batches 1 4 16 64 --cache-lens 1024 4096 16384 32768
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.harness import DEVICE, ON_GPU, add_common_args, bench_ms, environment, progress, run_cell, write_table
+from flashsys.ops.attention import ATTENTION_BACKENDS, flash_attention
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _flex():
+    """Compiled FlexAttention with GQA (no mask: one query sees the whole cache); None where it is missing."""
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+    except ImportError:
+        return None
+    compiled = torch.compile(flex_attention, dynamic=False)
+    return lambda q, k, v: compiled(q, k, v, enable_gqa=True)
+
+
+def impls(sdpa: list[str], with_flex: bool) -> dict:
+    out = {"flashsys": lambda q, k, v: flash_attention(q, k, v, causal=True)}
+    for name in sdpa:
+        fn = ATTENTION_BACKENDS[name].fn
+        out[name] = lambda q, k, v, fn=fn: fn(q, k, v, False, None)
+    if with_flex and (flex := _flex()) is not None:
+        out["flex_attention"] = flex
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p, "decode")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16" if ON_GPU else "fp32")
+    p.add_argument("--q-heads", type=int, default=32 if ON_GPU else 4)
+    p.add_argument("--kv-heads", type=int, default=8 if ON_GPU else 2)
+    p.add_argument("--head-dim", type=int, default=128 if ON_GPU else 16)
+    p.add_argument("--queries", type=int, default=1, help="new queries per sequence")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16, 64] if ON_GPU else [1])
+    p.add_argument("--cache-lens", nargs="+", type=int, default=[1024, 4096, 16384, 32768] if ON_GPU else [512])
+    p.add_argument("--sdpa", nargs="+", default=["sdpa-flash", "sdpa-cudnn", "sdpa-efficient"] if ON_GPU
+                   else ["sdpa-math"])
+    p.add_argument("--no-flex", action="store_true", help="leave compiled FlexAttention out")
+    args = p.parse_args(argv)
+    dtype = DTYPES[args.dtype]
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    fns = impls(args.sdpa, with_flex=ON_GPU and not args.no_flex)
+    rows = []
+    cells = [(b, n) for b in args.batches for n in args.cache_lens]
+    for batch, n in progress(cells, "decode", args.no_progress):
+        g = torch.Generator(device="cpu").manual_seed(batch * 100003 + n)
+        q = torch.randn(batch, args.q_heads, args.queries, args.head_dim, generator=g).to(DEVICE, dtype)
+        k, v = (torch.randn(batch, args.kv_heads, n, args.head_dim, generator=g).to(DEVICE, dtype) for _ in range(2))
+        times = {}
+        for name, fn in fns.items():
+            def cell(fn=fn):
+                with torch.no_grad():
+                    fn(q, k, v)  # compile and autotune outside the timing
+                    return {"ms": bench_ms(lambda: fn(q, k, v))}
+            times[name] = run_cell(cell)
+        baselines = [t["ms"] for name, t in times.items() if name != "flashsys" and "ms" in t]
+        ours = times["flashsys"].get("ms")
+        row = {"batch": batch, "cache": n}
+        for name, t in times.items():
+            row[f"{name}_ms"] = t.get("ms", t.get("error"))
+        if ours is not None and baselines:
+            row["vs_best"] = ours / min(baselines)
+        rows.append(row)
+    name = f"decode_{'gpu' if ON_GPU else 'cpu'}"
+    path = write_table(rows, args.out, name, "Decoding: queries against a KV cache, forward only",
+                       [f"{args.dtype}, {args.queries} query per sequence, Hq {args.q_heads}, Hkv {args.kv_heads}, "
+                        f"head_dim {args.head_dim}; median ms per call. vs_best: flashsys / the fastest baseline "
+                        "(< 1 is faster)."], environment())
+    print(path.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

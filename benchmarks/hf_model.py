@@ -1,0 +1,144 @@
+"""A Hugging Face Llama-architecture model (about 1.1B parameters, TinyLlama's shape, random weights) with
+`attn_implementation` flashsys against sdpa (and flex_attention), in one run:
+
+- train: one AdamW step on batch x seq tokens (forward, backward, step), eager and torch.compile'd; median ms;
+- generate: greedy generation of --new-tokens after a --prompt-tokens prompt, at each --gen-batches, eager with
+  transformers' dynamic cache; decode tokens/s (new tokens x batch over the time after the prefill).
+
+    python -m benchmarks.hf_model
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+
+from benchmarks.harness import DEVICE, ON_GPU, add_common_args, bench_ms, environment, run_cell, sync, write_table
+
+SHAPES = {  # TinyLlama-1.1B's shape on a GPU; a toy one on a CPU
+    True: dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+               num_key_value_heads=4, vocab_size=32000, max_position_embeddings=8192),
+    False: dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256, max_position_embeddings=256),
+}
+
+
+def build(implementation: str, dtype: torch.dtype, state: dict | None):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**SHAPES[ON_GPU], attention_dropout=0.0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation=implementation,
+                                          dtype=dtype).to(DEVICE)
+    if state is not None:
+        model.load_state_dict(state)
+    return model
+
+
+def train_ms(model, batch: int, seq: int, compiled: bool) -> float:
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=ON_GPU)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g).to(DEVICE)
+    forward = torch.compile(model) if compiled else model
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        forward(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        opt.step()
+
+    for _ in range(2):  # compile, autotune, allocate the optimizer state
+        step()
+    ms = bench_ms(step, rep_ms=400, warmup_ms=0)
+    return ms
+
+
+def decode_tokens_per_s(model, batch: int, prompt: int, new: int) -> dict:
+    model.eval()
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, model.config.vocab_size, (batch, prompt), generator=g).to(DEVICE)
+    kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kwargs)  # warm-up
+        sync()
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+        sync()
+        prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kwargs)
+        sync()
+        total_s = time.perf_counter() - start
+    decode_s = max(total_s - prefill_s, 1e-9)
+    return {"prefill_ms": prefill_s * 1e3, "decode_tok_per_s": (new - 1) * batch / decode_s,
+            "tokens": out[:, prompt:].cpu()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p, "hf_model")
+    p.add_argument("--impls", nargs="+", default=["fsys", "sdpa", "flex_attention"] if ON_GPU else ["fsys", "sdpa"])
+    p.add_argument("--train-batch", type=int, default=2 if ON_GPU else 2)
+    p.add_argument("--seq", type=int, default=4096 if ON_GPU else 64)
+    p.add_argument("--compiled-impls", nargs="*", default=["fsys", "sdpa"] if ON_GPU else [],
+                   help="implementations whose compiled training step is timed (compiling takes minutes)")
+    p.add_argument("--prompt-tokens", type=int, default=2048 if ON_GPU else 32)
+    p.add_argument("--new-tokens", type=int, default=256 if ON_GPU else 8)
+    p.add_argument("--gen-batches", nargs="+", type=int, default=[1, 16] if ON_GPU else [2])
+    args = p.parse_args(argv)
+    from flashsys.integrations.transformers import register
+
+    register()
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    state = build("sdpa", dtype, None).state_dict()
+    rows, tokens = [], {}
+    for impl in args.impls:
+        model = build(impl, dtype, state)
+        row = {"impl": impl}
+        for compiled in (False, True):
+            if compiled and impl not in args.compiled_impls:
+                continue
+            key = f"train_{'compiled' if compiled else 'eager'}_ms"
+            cell = run_cell(lambda c=compiled: {"ms": train_ms(model, args.train_batch, args.seq, c)})
+            row[key] = cell.get("ms", cell.get("error"))
+            model.load_state_dict(state)  # generation starts from the same weights for every implementation
+        for batch in args.gen_batches:
+            cell = run_cell(lambda b=batch: decode_tokens_per_s(model, b, args.prompt_tokens, args.new_tokens))
+            row[f"prefill_b{batch}_ms"] = cell.get("prefill_ms", cell.get("error"))
+            row[f"decode_b{batch}_tok_s"] = cell.get("decode_tok_per_s")
+            if "tokens" in cell:
+                tokens[(impl, batch)] = cell["tokens"]
+        rows.append(row)
+        model = None
+        if ON_GPU:
+            torch.cuda.empty_cache()
+    base = next((r for r in rows if r["impl"] == "sdpa"), None)
+    for r in rows:
+        if base is None or r is base:
+            continue
+        for key, value in list(r.items()):
+            ref = base.get(key)
+            if isinstance(value, float) and isinstance(ref, float):
+                r[f"{key}_vs_sdpa"] = value / ref
+        for batch in args.gen_batches:
+            if (r["impl"], batch) in tokens and ("sdpa", batch) in tokens:
+                same = (tokens[(r["impl"], batch)] == tokens[("sdpa", batch)]).float().mean().item()
+                r[f"same_tokens_b{batch}"] = same
+    name = f"hf_model_{'gpu' if ON_GPU else 'cpu'}"
+    n_params = sum(t.numel() for t in state.values()) / 1e9
+    path = write_table(rows, args.out, name, "A Llama-architecture transformers model: training step and generation",
+                       [f"{n_params:.2f}B parameters ({SHAPES[ON_GPU]}), random weights, {str(dtype)[6:]}. Train: "
+                        f"batch {args.train_batch} x {args.seq} tokens, AdamW, median ms per step (*_vs_sdpa: "
+                        f"< 1 is faster). Generate: greedy, {args.prompt_tokens}-token prompt, {args.new_tokens} new "
+                        "tokens, dynamic cache; decode tokens/s after the prefill (*_vs_sdpa: > 1 is faster); "
+                        "same_tokens: the fraction of generated tokens equal to sdpa's (bf16 rounding can flip a "
+                        "near-tie)."], environment())
+    print(path.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

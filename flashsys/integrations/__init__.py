@@ -1,0 +1,1 @@
+"""flashsys inside other libraries' models: `transformers` (Hugging Face) as an attention implementation."""

@@ -1,0 +1,240 @@
+"""flashsys as a Hugging Face `transformers` attention implementation.
+
+    from flashsys.integrations.transformers import register
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation=register())
+
+`register()` adds the implementation under the name `"fsys"` (and returns it). The name cannot contain "flash":
+transformers takes any such name as a request for the flash-attn package or a hub kernel and refuses it.
+
+Every attention layer then calls `attention_forward`, which computes what the `sdpa` implementation computes:
+
+- grouped-query and multi-query attention without copying K/V; the layer's `scaling`;
+- per-layer sliding windows (`sliding_window`, None on full layers) exactly as `sdpa` masks them: a causal layer
+  sees the key at its own position and the `sliding_window - 1` before it; a bidirectional one `sliding_window` on
+  each side;
+- 2-D padding masks (left or right padding): the real tokens run through the varlen kernels, pad tokens are never
+  attended to, and their outputs are 0;
+- packed rows: documents found where `position_ids` restart (as `sdpa` finds them), or the collator's
+  `cu_seq_lens_q`/`cu_seq_lens_k` with `max_length_q`/`max_length_k`, through the varlen kernels;
+- KV-cache decoding: the new queries are the last positions of the cache (bottom-right causal alignment); one to 16
+  queries take the split-key decode kernel on a GPU.
+
+What flashsys does not compute is refused with an error that says what and why: attention dropout in training,
+logit softcapping (Gemma 2), attention sinks (`s_aux`, GPT-OSS), position biases (T5), an arbitrary 4-D mask,
+a padding mask with holes, a head dim above 256 or key and value head dims that differ (MLA).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..ops.attention import MAX_HEAD_DIM, flash_attention, flash_attention_varlen
+
+NAME = "fsys"
+
+__all__ = ["NAME", "attention_forward", "padding_mask", "register"]
+
+
+def register(name: str = NAME) -> str:
+    """Make `attn_implementation=name` available to `from_pretrained`, `from_config` and `set_attn_implementation`
+    (an attention function and its mask function). Returns the name.
+
+    Raises:
+        ImportError: where transformers is not installed (`pip install flashsys[hf]`).
+        ValueError: for a name transformers would read as a flash-attn request (one containing "flash").
+    """
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as e:
+        raise ImportError(f"flashsys.integrations.transformers needs transformers ({e}); install it with "
+                          "pip install 'flashsys[hf]'") from e
+    if "flash" in name.lower():
+        raise ValueError(f"register: transformers takes an attn_implementation containing 'flash' ({name!r}) as a "
+                         "request for the flash-attn package and refuses it; choose another name")
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, padding_mask)
+    return name
+
+
+def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                 mask_function: Callable | None = None, attention_mask: Tensor | None = None,
+                 **kwargs: Any) -> Tensor | None:
+    """The mask transformers hands to `attention_forward`: the 2-D (batch, kv_length) boolean padding mask (its last
+    kv_length columns, as a sliding-window cache holds only those keys), or None when nothing is padded. Causality,
+    windows and packing are the attention function's, from its arguments."""
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:]
+    if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+        return None
+    return attention_mask
+
+
+def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                      attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      sliding_window: int | None = None, softcap: float | None = None, is_causal: bool | None = None,
+                      **kwargs: Any) -> tuple[Tensor, None]:
+    """One attention layer: query (B, Hq, Nq, D) over key, value (B, Hkv, Nk, D), the cache's keys included.
+    Returns ((B, Nq, Hq, D), None), as every transformers attention function does.
+
+    Raises:
+        ValueError, TypeError: for what flashsys does not compute (see the module's docstring), naming the model
+            option or argument.
+    """
+    _refuse_what_is_not_computed(module, query, key, value, attention_mask, dropout, softcap, kwargs)
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    window = _window(sliding_window, causal)
+    batch, n_q, n_k = query.shape[0], query.shape[2], key.shape[2]
+    packed = _packed_rows(kwargs, attention_mask, batch, n_q, n_k)
+    if packed is None:
+        out = flash_attention(query, key, value, causal=causal, softmax_scale=scaling, window_size=window)
+        return out.transpose(1, 2).contiguous(), None
+    q, k, v = (t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]) for t in (query, key, value))
+    if packed.rows_q is not None:
+        q, k, v = q[packed.rows_q], k[packed.rows_k], v[packed.rows_k]
+    out = flash_attention_varlen(q, k, v, packed.cu_q, packed.cu_k, packed.max_q, packed.max_k, causal=causal,
+                                 softmax_scale=scaling, window_size=window)
+    if packed.rows_q is not None:
+        out = out.new_zeros(batch * n_q, *out.shape[1:]).index_copy_(0, packed.rows_q, out)
+    return out.view(batch, n_q, *out.shape[1:]), None
+
+
+def _window(sliding_window: int | None, causal: bool) -> tuple[int, int] | None:
+    """flash-attn's (left, right) for transformers' sliding window: `sdpa` lets a causal query see keys
+    kv > q - sliding_window, a bidirectional one |q - kv| <= sliding_window."""
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ValueError(f"flashsys attention: sliding_window must be a positive int or None, got {sliding_window!r}")
+    return (sliding_window - 1, 0) if causal else (sliding_window, sliding_window)
+
+
+def _refuse_what_is_not_computed(module, query, key, value, attention_mask, dropout, softcap, kwargs) -> None:
+    config = getattr(module, "config", None)
+    model = type(config).__name__.removesuffix("Config") if config is not None else type(module).__name__
+    if dropout:
+        raise ValueError(f"flashsys attention ({model}): attention dropout {dropout} (the config's attention_dropout, "
+                         "applied in train mode) is not implemented; set attention_dropout=0.0, or train with "
+                         "attn_implementation='sdpa'")
+    if softcap is not None:
+        raise ValueError(f"flashsys attention ({model}): logit softcapping (attn_logit_softcapping={softcap}) is not "
+                         "implemented; use attn_implementation='eager' or 'flex_attention' for this model")
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise ValueError(f"flashsys attention ({model}): attention sinks (s_aux) are not implemented; use "
+                         "attn_implementation='eager' or 'flex_attention' for this model")
+    if kwargs.get("position_bias") is not None:
+        raise ValueError(f"flashsys attention ({model}): additive position biases (position_bias) are not "
+                         "implemented; use attn_implementation='sdpa' or 'eager' for this model")
+    if attention_mask is not None and (not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2):
+        what = f"a {attention_mask.dim()}-D {attention_mask.dtype} tensor" if isinstance(attention_mask, Tensor) \
+            else type(attention_mask).__name__
+        raise ValueError(f"flashsys attention ({model}): the attention mask is {what}; flashsys takes None or a 2-D "
+                         "padding mask (batch, keys) and computes causality, windows and packing itself. An arbitrary "
+                         "mask needs attn_implementation='sdpa'")
+    head_dim, v_head_dim = query.shape[-1], value.shape[-1]
+    if v_head_dim != head_dim or key.shape[-1] != head_dim:
+        raise ValueError(f"flashsys attention ({model}): query/key head dim {head_dim} and value head dim "
+                         f"{v_head_dim} differ; flashsys needs one head dim")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"flashsys attention ({model}): head_dim {head_dim} is above flashsys' maximum "
+                         f"{MAX_HEAD_DIM}")
+
+
+class _Packed:
+    """Varlen arguments for a batch: offsets of each sequence's queries and keys in the flattened tokens, the longest
+    of each, and (padding) which flattened rows are real tokens (None: all of them)."""
+
+    __slots__ = ("cu_q", "cu_k", "max_q", "max_k", "rows_q", "rows_k")
+
+    def __init__(self, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, rows_q: Tensor | None = None,
+                 rows_k: Tensor | None = None) -> None:
+        self.cu_q, self.cu_k, self.max_q, self.max_k = cu_q, cu_k, max_q, max_k
+        self.rows_q, self.rows_k = rows_q, rows_k
+
+
+# Every layer of a forward gets the same mask and position_ids tensors: reading them back (a device wait) is done
+# once per tensor while it is unchanged, not once per layer. By id, with a weak reference that proves the same live
+# tensor (ids are reused once a tensor dies) and its version counter (bumped by every in-place write).
+_plans: dict[int, tuple[weakref.ref, int, tuple, _Packed | None]] = {}
+
+
+def _cached(t: Tensor, shape: tuple, build: Callable[[], _Packed | None]) -> _Packed | None:
+    known = _plans.get(id(t))
+    if known is not None and known[0]() is t and known[1:3] == (t._version, shape):
+        return known[3]
+    plan = build()
+    if len(_plans) > 256:
+        _plans.clear()
+    _plans[id(t)] = (weakref.ref(t), t._version, shape, plan)
+    return plan
+
+
+@torch.compiler.disable  # reads the mask or positions back: outside a compiled graph
+def _packed_rows(kwargs: dict, attention_mask: Tensor | None, batch: int, n_q: int, n_k: int) -> _Packed | None:
+    """How a batch splits into sequences, or None for whole rows (the dense kernels): the collator's offsets, else
+    the padding mask's real tokens, else documents where `position_ids` restart (without a cache: n_q == n_k)."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None or cu_k is not None:
+        return _from_offsets(cu_q, cu_k, kwargs.get("max_length_q"), kwargs.get("max_length_k"), batch * n_q,
+                             batch * n_k)
+    if attention_mask is not None:
+        return _cached(attention_mask, (batch, n_q, n_k), lambda: _from_padding(attention_mask.bool(), n_q, n_k))
+    positions = kwargs.get("position_ids")
+    if positions is None or n_q != n_k or n_q == 1:
+        return None
+    positions = positions.expand(batch, -1) if positions.shape[0] != batch else positions
+    return _cached(positions, (batch, n_q), lambda: _from_positions(positions))
+
+
+def _from_offsets(cu_q, cu_k, max_q, max_k, total_q: int, total_k: int) -> _Packed:
+    if cu_q is None or cu_k is None:
+        raise ValueError("flashsys attention: pass both cu_seq_lens_q and cu_seq_lens_k (a collator's packed offsets)")
+    cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
+    lengths_q, lengths_k = (cu[1:] - cu[:-1] for cu in (cu_q, cu_k))
+    longest_q = int(lengths_q.max()) if max_q is None else int(max_q)
+    longest_k = int(lengths_k.max()) if max_k is None else int(max_k)
+    if int(cu_q[-1]) != total_q or int(cu_k[-1]) != total_k:
+        raise ValueError(f"flashsys attention: cu_seq_lens_q/k end at {int(cu_q[-1])}/{int(cu_k[-1])}, but the batch "
+                         f"holds {total_q}/{total_k} tokens; packed offsets index the flattened batch")
+    return _Packed(cu_q, cu_k, longest_q, longest_k)
+
+
+def _from_padding(mask: Tensor, n_q: int, n_k: int) -> _Packed:
+    """The real tokens of a (B, n_k) padding mask, whose real keys must form one run per row (left or right
+    padding); the queries are the last n_q positions, so their real ones end where the keys' run ends."""
+    if mask.shape[1] != n_k:
+        raise ValueError(f"flashsys attention: the padding mask covers {mask.shape[1]} keys, the layer has {n_k}")
+    runs = mask[:, 0].int() + (mask[:, 1:] & ~mask[:, :-1]).sum(1)
+    lengths_k = mask.sum(1, dtype=torch.int32)
+    mask_q = mask[:, n_k - n_q:]
+    lengths_q = mask_q.sum(1, dtype=torch.int32)
+    summary = torch.stack([runs.max().to(torch.int32), lengths_q.max(), lengths_k.max()]).tolist()
+    if summary[0] > 1:
+        raise ValueError("flashsys attention: a row of the padding mask has padding between real tokens; flashsys "
+                         "takes left or right padding (one run of real tokens per row)")
+    zero = torch.zeros(1, dtype=torch.int32, device=mask.device)
+    cu_q = torch.cat([zero, lengths_q.cumsum(0, dtype=torch.int32)])
+    cu_k = torch.cat([zero, lengths_k.cumsum(0, dtype=torch.int32)])
+    return _Packed(cu_q, cu_k, summary[1], summary[2], mask_q.reshape(-1).nonzero().view(-1),
+                   mask.reshape(-1).nonzero().view(-1))
+
+
+def _from_positions(positions: Tensor) -> _Packed | None:
+    """Documents where a row's positions do not go on by one (as transformers' `find_packed_sequence_indices`),
+    or None when every row is one sequence."""
+    batch, n = positions.shape
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[:, 1:] = positions[:, 1:] - positions[:, :-1] != 1
+    if not bool(starts[:, 1:].any()):
+        return None
+    flat_starts = starts.reshape(-1).nonzero().view(-1).to(torch.int32)
+    end = torch.tensor([batch * n], dtype=torch.int32, device=positions.device)
+    cu = torch.cat([flat_starts, end])
+    longest = int((cu[1:] - cu[:-1]).max())
+    return _Packed(cu, cu, longest, longest)

@@ -1,0 +1,172 @@
+"""flashsys as a transformers attention implementation, against the `sdpa` implementation on the same weights:
+tiny models built from configs (no downloads), in float64 so any difference is a difference in what is computed."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from flashsys.integrations.transformers import NAME, attention_forward, register  # noqa: E402
+
+SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=128)
+FAMILIES = {
+    "llama-gqa": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2)),
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=1, sliding_window=6)),
+    "qwen2-mixed": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2, use_sliding_window=True,
+                                                            sliding_window=5,
+                                                            layer_types=["sliding_attention", "full_attention"])),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=24)),
+}
+
+
+def _pair(family: str, **changes):
+    """(sdpa model, flashsys model) with the same float64 weights, in eval mode."""
+    config_name, model_name, extra = FAMILIES[family]
+    config = getattr(transformers, config_name)(**{**SMALL, **extra, **changes})
+    model_cls = getattr(transformers, model_name)
+    torch.manual_seed(0)
+    # from_config writes the implementation into the config it is given: each model gets its own copy.
+    ref = model_cls._from_config(copy.deepcopy(config), attn_implementation="sdpa").double().eval()
+    ours = model_cls._from_config(copy.deepcopy(config), attn_implementation=register()).double().eval()
+    ours.load_state_dict(ref.state_dict())
+    assert ours.config._attn_implementation == NAME
+    return ref, ours
+
+
+def _tokens(batch: int, n: int, seed: int = 1) -> torch.Tensor:
+    """Random ids, never 0: generate() takes 0 (the pad id below) in its input for padding."""
+    return torch.randint(1, SMALL["vocab_size"], (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_and_every_gradient_match_sdpa(family):
+    ref, ours = _pair(family)
+    x = _tokens(2, 20)
+    outs = []
+    for model in (ref, ours):
+        model.zero_grad()
+        out = model(x, labels=x, use_cache=False)
+        out.loss.backward()
+        outs.append((out.logits, {n: p.grad for n, p in model.named_parameters()}))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-10, atol=1e-10)
+    for name, grad in outs[0][1].items():
+        torch.testing.assert_close(outs[1][1][name], grad, rtol=1e-9, atol=1e-10, msg=name)
+
+
+def test_the_window_is_applied_where_the_layer_has_one():
+    """The windowed model's logits differ from the same weights without a window (the check above is not vacuous)."""
+    ref, ours = _pair("mistral-window")
+    x = _tokens(1, 20)
+    unwindowed = copy.deepcopy(ours)
+    for layer in unwindowed.model.layers:
+        layer.self_attn.sliding_window = None
+    unwindowed.config.sliding_window = None
+    assert (ours(x).logits - unwindowed(x).logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("family", ["llama-gqa", "qwen2-mixed"])
+def test_packed_rows_match_each_document_run_alone(family):
+    ref, ours = _pair(family)
+    lengths = [7, 9, 4]
+    x = _tokens(1, sum(lengths))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    packed = ours(x, position_ids=positions, use_cache=False).logits
+    torch.testing.assert_close(packed, ref(x, position_ids=positions, use_cache=False).logits, rtol=1e-10, atol=1e-10)
+    start = 0
+    for n in lengths:
+        alone = ours(x[:, start : start + n], use_cache=False).logits
+        torch.testing.assert_close(packed[:, start : start + n], alone, rtol=1e-10, atol=1e-10)
+        start += n
+    # The collator's offsets (DataCollatorWithFlattening) give the same result.
+    cu = torch.tensor([0, 7, 16, 20], dtype=torch.int32)
+    collated = ours(x, position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9,
+                    use_cache=False).logits
+    torch.testing.assert_close(collated, packed, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", ["llama-gqa", "mistral-window"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batches_match_at_every_real_token(family, side):
+    ref, ours = _pair(family)
+    x = _tokens(3, 16)
+    mask = torch.ones(3, 16, dtype=torch.long)
+    if side == "left":
+        mask[0, :5], mask[2, :11] = 0, 0
+    else:
+        mask[0, 12:], mask[1, 3:] = 0, 0
+    real = mask.bool()
+    a, b = ref(x, attention_mask=mask).logits, ours(x, attention_mask=mask).logits
+    torch.testing.assert_close(b[real], a[real], rtol=1e-10, atol=1e-10)
+    assert torch.isfinite(b).all()
+
+
+@pytest.mark.parametrize("family", ["llama-gqa", "mistral-window", "qwen2-mixed"])
+def test_greedy_generation_of_a_left_padded_batch_gives_sdpas_tokens(family):
+    ref, ours = _pair(family)
+    x = _tokens(3, 9, seed=4)
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, :4], mask[2, :2] = 0, 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    torch.testing.assert_close(ours.generate(x, **kwargs), ref.generate(x, **kwargs), rtol=0, atol=0)
+    unpadded = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)  # the dense decode path: no mask at all
+    torch.testing.assert_close(ours.generate(x, **unpadded), ref.generate(x, **unpadded), rtol=0, atol=0)
+
+
+def _layer_call(**kwargs):
+    """One direct call of the attention function on a Llama attention layer, as transformers makes it."""
+    _, ours = _pair("llama-gqa")
+    module = ours.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 10, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 10, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    args = dict(attention_mask=None, scaling=0.25)
+    args.update(kwargs)
+    return module, q, k, v, attention_forward(module, q, k, v, **args)
+
+
+def test_a_non_causal_layer_attends_both_ways_as_sdpa():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module, q, k, v, (out, weights) = _layer_call(is_causal=False)
+    expected, _ = sdpa_attention_forward(module, q, k, v, None, scaling=0.25, is_causal=False)
+    assert weights is None
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(dropout=0.1), "attention dropout 0.1"),
+    (dict(softcap=30.0), "softcapping"),
+    (dict(s_aux=torch.zeros(4)), "attention sinks"),
+    (dict(position_bias=torch.zeros(1, 4, 10, 10)), "position biases"),
+    (dict(attention_mask=torch.zeros(2, 1, 10, 10)), "the attention mask is a 4-D"),
+    (dict(attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1, 1, 1]] * 2, dtype=torch.bool)), "between real tokens"),
+    (dict(sliding_window=0), "sliding_window must be a positive int"),
+], ids=["dropout", "softcap", "sinks", "position-bias", "4d-mask", "mask-with-holes", "window-0"])
+def test_what_flashsys_does_not_compute_is_refused_by_name(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _layer_call(**kwargs)
+
+
+def test_models_flashsys_cannot_run_are_refused_clearly():
+    with pytest.raises(ValueError, match="head_dim 288 is above"):
+        _, ours = _pair("qwen3", head_dim=288)
+        ours(_tokens(1, 4))
+    with pytest.raises(ValueError, match="value head dim 8 differ"):
+        module, q, k, v, _ = _layer_call()
+        attention_forward(module, q, k, v[..., :8], None)
+    _, ours = _pair("llama-gqa", attention_dropout=0.2)
+    ours.eval()(_tokens(1, 4))  # dropout applies in training only
+    with pytest.raises(ValueError, match="attention_dropout=0.0"):
+        ours.train()(_tokens(1, 4))
+    gemma = transformers.Gemma2ForCausalLM._from_config(
+        transformers.Gemma2Config(**SMALL, num_key_value_heads=2, head_dim=16, attn_logit_softcapping=50.0),
+        attn_implementation=register())
+    with pytest.raises(ValueError, match="attn_logit_softcapping=50.0"):
+        gemma(_tokens(1, 4))
+    with pytest.raises(ValueError, match="containing 'flash'"):
+        register("flashsys")
