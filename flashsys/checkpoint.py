@@ -1,7 +1,8 @@
 """Training checkpoints: checksummed, written atomically, validated before a run resumes from one.
 
 File format: one header line `FLASHSYS-CHECKPOINT 1 <sha256 of the payload>`, then the payload, a `torch.save`
-of plain containers and tensors. Both directions stream: memory stays at one checkpoint, as with plain torch.save. A flipped byte anywhere fails the checksum (or the header) and the run refuses
+of plain containers and tensors. Both directions stream: memory stays at one checkpoint, as with plain torch.save.
+A flipped byte anywhere fails the checksum (or the header) and the run refuses
 to resume instead of training on garbage; the payload is loaded with `weights_only=True`, so a checkpoint can
 hold only data, never code.
 """
@@ -22,9 +23,14 @@ MAGIC = b"FLASHSYS-CHECKPOINT 1 "
 # ModelConfig fields that change how the model computes, not what its weights are: a run may resume with others.
 _NOT_SHAPE = ("attention_backend", "checkpoint_blocks")
 # TrainConfig fields that decide the trajectory: resuming with other values is not a continuation of the run.
-TRAJECTORY_FIELDS = ("seed", "batch_size", "lr", "warmup", "data", "dtype", "pack_documents")
+# data_sha256 is the data file's contents: the same path may hold other text.
+TRAJECTORY_FIELDS = ("seed", "batch_size", "lr", "warmup", "data", "data_sha256", "dtype", "pack_documents")
 # The value a checkpoint written before a trajectory field existed had in effect.
 _TRAJECTORY_DEFAULTS = {"pack_documents": False}
+# Fields a checkpoint may lack with no known value: it cannot be compared on them.
+_UNRECORDED = ("data_sha256",)
+# How a difference is named where the field is not a flag of its own.
+_LABELS = {"warmup": "warm-up steps (set by --steps)", "data_sha256": "the data file's contents (sha256)"}
 
 
 def _shape(model_config: dict) -> dict:
@@ -84,15 +90,45 @@ def load_checkpoint(path: Path) -> dict:
             raise UsageError(f"--resume: checkpoint {path} is corrupted or unreadable ({type(e).__name__})") from None
     if not isinstance(ckpt, dict) or not {"model", "optimizer", "step", "config", "history"} <= ckpt.keys():
         raise UsageError(f"--resume: {path} is not a flashsys checkpoint")
+    problem = _contents_problem(ckpt)
+    if problem:
+        raise UsageError(f"--resume: checkpoint {path} is inconsistent ({problem}); it was not written by a "
+                         "flashsys run as it stands. Resume from another copy or start again.")
     return ckpt
+
+
+def _contents_problem(ckpt: dict) -> str | None:
+    """What makes a checksummed checkpoint's contents unusable, or None: a valid checksum only proves the bytes
+    are the ones written, not that a run wrote them (a re-signed file with a negative step or without optimizer
+    state would resume with negative learning rates or fresh moments)."""
+    step, history, opt, config = ckpt["step"], ckpt["history"], ckpt["optimizer"], ckpt["config"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return f"step {step!r} is not a count of steps"
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        return "no run configuration"
+    if not isinstance(ckpt["model"], dict) or not all(isinstance(t, torch.Tensor) for t in ckpt["model"].values()):
+        return "the model weights are not tensors"
+    if (not isinstance(history, list)
+            or not all(isinstance(h, (list, tuple)) and len(h) == 2 for h in history)
+            or (history and history[-1][0] != step)):
+        return f"the loss history does not end at step {step}"
+    if not (isinstance(opt, dict) and isinstance(opt.get("state"), dict) and isinstance(opt.get("param_groups"), list)):
+        return "no optimizer state"
+    n_params = sum(len(g.get("params", ())) for g in opt["param_groups"])
+    if step > 0:
+        if len(opt["state"]) != n_params:
+            return f"optimizer state for {len(opt['state'])} of {n_params} parameters after {step} steps"
+        steps_taken = {float(s["step"]) for s in opt["state"].values() if isinstance(s, dict) and "step" in s}
+        if steps_taken != {float(step)}:
+            return f"the optimizer state counts {sorted(steps_taken)} steps, the checkpoint {step}"
+    return None
 
 
 def read_checkpoint(path: Path, config: dict, force: bool = False) -> dict:
     """Load a checkpoint and check that it can continue a run of `config` (a TrainConfig as a dict): the model's
     shape must match (its attention backend may differ), the checkpoint's step must not be past `steps`, and the
-    settings that decide the trajectory (seed, batch size, lr, warm-up, data, dtype, document packing) must be the
-    same unless
-    `force`.
+    settings that decide the trajectory (seed, batch size, lr, warm-up, the data file and its contents, dtype,
+    document packing) must be the same unless `force`.
 
     Raises:
         UsageError: naming what is wrong or what differs.
@@ -104,8 +140,16 @@ def read_checkpoint(path: Path, config: dict, force: bool = False) -> dict:
     if ckpt["step"] > config["steps"]:
         raise UsageError(f"--resume: checkpoint is at step {ckpt['step']}, beyond --steps {config['steps']}")
     saved = {**_TRAJECTORY_DEFAULTS, **saved}
-    differs = [f"{k} {saved.get(k)!r} -> {config[k]!r}" for k in TRAJECTORY_FIELDS if saved.get(k) != config[k]]
+    differs = [f"{_LABELS.get(k, k)} {_shown(saved.get(k))} -> {_shown(config.get(k))}" for k in TRAJECTORY_FIELDS
+               if (k in saved or k not in _UNRECORDED) and saved.get(k) != config.get(k)]
     if differs and not force:
         raise UsageError(f"--resume: the checkpoint was trained with other settings ({', '.join(differs)}); the "
                          "resumed run would not continue it. Use the same flags, or add --force to resume anyway.")
     return ckpt
+
+
+def _shown(value) -> str:
+    """A setting's value in a message; digests shortened."""
+    if isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value):
+        return value[:12] + "…"
+    return repr(value)

@@ -29,7 +29,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=DEMO.num_layers, help="transformer blocks (default %(default)s)")
     p.add_argument("--heads", type=int, default=DEMO.num_heads, help="query heads (default %(default)s)")
     p.add_argument("--d-ff", type=int, default=DEMO.d_ff, help="SwiGLU hidden width (default %(default)s)")
-    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (grouped-query attention; default --heads)")
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="key/value heads (grouped-query attention; default --heads)")
     p.add_argument("--attention-window", type=int, default=None, metavar="W",
                    help="sliding-window attention: each token sees itself and the W tokens before it")
     p.add_argument("--pack-documents", action="store_true",
@@ -47,7 +48,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bucket-mb", default="auto",
                    help="BucketedDDP bucket size in MB, 'auto' (measured, the default) or 'none'")
     p.add_argument("--no-shard", action="store_true", help="plain AdamW instead of a sharded optimizer")
-    p.add_argument("--zero-stage", type=int, choices=[1, 2], default=2,
+    p.add_argument("--zero-stage", type=int, choices=[1, 2], default=None,
                    help="2: gradients and optimizer state sharded (ZeRO2Optimizer, default); 1: optimizer state only "
                         "(ShardedOptimizer)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -165,6 +166,8 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         raise UsageError(f"--lr must be a positive finite number, got {a.lr}")
     if a.checkpoint_every < 0:
         raise UsageError(f"--checkpoint-every must be 0 (never) or positive, got {a.checkpoint_every}")
+    if a.no_shard and a.zero_stage is not None:
+        raise UsageError(f"--zero-stage {a.zero_stage} shards the optimizer and --no-shard asks for none; give one")
     if a.stop_after is not None and a.stop_after < 1:
         raise UsageError(f"--stop-after must be at least 1, got {a.stop_after}")
     if not a.out.strip():
@@ -172,14 +175,16 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
     if not math.isfinite(a.timeout) or a.timeout <= 0:
         raise UsageError(f"--timeout must be a positive number of seconds, got {a.timeout}")
     if world > a.batch_size:
-        raise UsageError(f"--world-size {world} is larger than --batch-size {a.batch_size}: some ranks would get no data")
+        raise UsageError(f"--world-size {world} is larger than --batch-size {a.batch_size}: some ranks would get "
+                         "no data")
     if a.batch_size % world:
         raise UsageError(f"--batch-size {a.batch_size} must be divisible by the world size {world}")
     backend = "nccl" if cuda and world <= torch.cuda.device_count() else "gloo"
     check_memory(model, a.batch_size // world, world, backend == "nccl")
     return TrainConfig(model=model, data=a.data, out=a.out, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
                        warmup=min(20, max(1, a.steps // 10)), world_size=world, backend=backend,
-                       bucket_mb=_bucket_mb(a.bucket_mb), shard=not a.no_shard, zero_stage=a.zero_stage,
+                       bucket_mb=_bucket_mb(a.bucket_mb), shard=not a.no_shard,
+                       zero_stage=a.zero_stage if a.zero_stage is not None else TrainConfig.zero_stage,
                        compile=cuda if a.compile is None else a.compile, dtype=a.dtype,
                        checkpoint_every=a.checkpoint_every, stop_after=a.stop_after, resume=a.resume, seed=a.seed,
                        timeout_s=a.timeout, force=a.force, pack_documents=a.pack_documents)

@@ -10,6 +10,7 @@ seeded by (seed, s), the learning rate is a function of s, and the checkpoint ho
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -76,6 +77,12 @@ class TrainConfig:
     pack_documents: bool = False  # attention stops at document boundaries (blank lines) inside each context
 
 
+def run_record(cfg: TrainConfig, data: torch.Tensor) -> dict:
+    """What a checkpoint records of its run: the configuration and a digest of the data's contents (the same
+    --data path may hold other text by the time a run resumes)."""
+    return {**asdict(cfg), "data_sha256": hashlib.sha256(data.numpy().tobytes()).hexdigest()}
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warm-up, then cosine decay to 10% of the peak."""
     if step < cfg.warmup:
@@ -113,7 +120,8 @@ def evaluate(model, data: torch.Tensor, cfg: TrainConfig, device, autocast, docs
 
 
 @torch.no_grad()
-def generate(model, prompt: str, length: int, context_length: int, device, temperature: float = 0.8, seed: int = 0) -> str:
+def generate(model, prompt: str, length: int, context_length: int, device, temperature: float = 0.8,
+             seed: int = 0) -> str:
     """Sample `length` bytes after `prompt`, one at a time, at `temperature`."""
     model.eval()
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -147,6 +155,7 @@ class Trainer:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         self.out = Path(cfg.out)
         data = load_corpus(cfg.data, cfg.model.context_length)
+        self.run_record = run_record(cfg, data)
         self.train_data, self.val_data = split_corpus(data, cfg.model.context_length)
         self.train_docs = self.val_docs = None
         if cfg.pack_documents:
@@ -164,7 +173,8 @@ class Trainer:
         adamw = dict(lr=cfg.lr, weight_decay=0.1, betas=(0.9, 0.95))
         if device.type == "cuda":
             adamw["fused"] = True  # one kernel for the whole step instead of a few per parameter
-        if cfg.shard and world > 1:
+        self.sharded = cfg.shard and world > 1  # one rank has nothing to shard: plain AdamW
+        if self.sharded:
             # ZeRO-2 moves the bytes of one all-reduce per step (ZeRO-1: 1.5x) and keeps 1/world of the gradients.
             if zero2:  # eager: each layer waits for its own parameters' all-gather (compiled graphs cannot wait)
                 self.opt = ZeRO2Optimizer(self.net.parameters(), torch.optim.AdamW,
@@ -177,7 +187,7 @@ class Trainer:
         self.autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else nullcontext
         self.start_step, self.history = 0, []
         if cfg.resume:
-            ckpt = read_checkpoint(self.out / CHECKPOINT, asdict(cfg), cfg.force)
+            ckpt = read_checkpoint(self.out / CHECKPOINT, self.run_record, cfg.force)
             self.model.load_state_dict(ckpt["model"])
             self.opt.load_state_dict(ckpt["optimizer"])
             self.start_step, self.history = ckpt["step"], ckpt["history"]
@@ -231,12 +241,12 @@ class Trainer:
 
     def checkpoint(self, step: int) -> None:
         """Save weights, consolidated optimizer state and history after `step` (a collective when sharded)."""
-        if self.cfg.shard:
+        if self.sharded:
             self.opt.consolidate_state_dict(to=0)
         if self.rank == 0:
             save_checkpoint_atomically(
                 {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "step": step,
-                 "history": self.history, "config": asdict(self.cfg)},
+                 "history": self.history, "config": self.run_record},
                 self.out / CHECKPOINT,
             )
 
@@ -254,7 +264,7 @@ class Trainer:
             bar = tqdm(total=cfg.steps, initial=self.start_step, desc="train", unit="step", dynamic_ncols=True,
                        file=sys.stdout, mininterval=0.5 if sys.stdout.isatty() else 10.0)
         end_step = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
-        timed_from = self.start_step + WARMUP_STEPS if end_step - self.start_step > 2 * WARMUP_STEPS else self.start_step
+        timed_from = self.start_step + (WARMUP_STEPS if end_step - self.start_step > 2 * WARMUP_STEPS else 0)
         watch = Stopwatch(self.device)
         pending = None  # (step, loss tensor) not read yet
         for step in range(self.start_step, end_step):
@@ -413,10 +423,10 @@ def run_training(cfg: TrainConfig) -> None:
     process as one rank under torchrun). The launching process holds the run directory's lock throughout."""
     from .dist import init_from_env, launched_by_torchrun, shutdown, spawn
 
-    load_corpus(cfg.data, cfg.model.context_length)
+    data = load_corpus(cfg.data, cfg.model.context_length)
     out = Path(cfg.out)
     if cfg.resume:
-        read_checkpoint(out / CHECKPOINT, asdict(cfg), cfg.force)
+        read_checkpoint(out / CHECKPOINT, run_record(cfg, data), cfg.force)
     if launched_by_torchrun():
         rank, world, device = init_from_env(cfg.backend, timeout_s=cfg.timeout_s)
         try:

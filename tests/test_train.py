@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -180,6 +181,7 @@ def test_a_diverging_run_stops_with_a_clear_error_and_keeps_its_last_good_checkp
     (["--kv-heads", "3"], "--kv-heads must divide --heads 2"),
     (["--attention-window", "-1"], "--attention-window must be 0 or more"),
     (["--pack-documents", "--attention", "sdpa"], "--pack-documents needs a flash attention backend"),
+    (["--zero-stage", "1", "--no-shard"], "--zero-stage 1 shards the optimizer and --no-shard asks for none"),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(v))
 def test_bad_flags_are_refused_before_training(tmp_path, capsys, flags, message):
     assert _train(tmp_path / "out", *flags) == 2
@@ -292,3 +294,60 @@ def test_packed_document_run_trains_and_resumes_bit_identically(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     summary = json.loads((straight / "summary.json").read_text())
     assert summary["final_train_loss"] < summary["first_train_loss"]
+
+
+def test_one_rank_runs_write_checkpoints_and_resume_two_rank_ones(tmp_path):
+    """One rank trains with plain AdamW: its checkpoints need no consolidation. It resumes its own checkpoint, and
+    a 2-rank run's (ZeRO-2, consolidated) one: the global batch and its order do not depend on the world size."""
+    one = [*TINY[:-2], "--world-size", "1"]
+    assert main(["train", *one, "--steps", "4", "--checkpoint-every", "2", "--stop-after", "2",
+                 "--out", str(tmp_path / "one")]) == 0
+    assert main(["train", *one, "--steps", "4", "--checkpoint-every", "2", "--resume",
+                 "--out", str(tmp_path / "one")]) == 0
+    assert _train(tmp_path / "two", "--steps", "4", "--checkpoint-every", "2", "--stop-after", "2") == 0
+    assert main(["train", *one, "--steps", "4", "--resume", "--out", str(tmp_path / "two")]) == 0
+    assert (tmp_path / "two" / "final_model.pt").is_file()
+
+
+def test_resume_refuses_a_data_file_whose_contents_changed(tmp_path, capsys):
+    from flashsys.corpus import DEFAULT_DATA
+
+    data = tmp_path / "data.txt"
+    text = Path(DEFAULT_DATA).read_text()
+    data.write_text(text)
+    out = tmp_path / "out"
+    assert _train(out, "--steps", "4", "--data", str(data), "--checkpoint-every", "2", "--stop-after", "2") == 0
+    data.write_text(text.upper())  # the same path, other text
+    capsys.readouterr()
+    assert _train(out, "--steps", "4", "--data", str(data), "--resume") == 2
+    assert "the data file's contents (sha256)" in capsys.readouterr().err
+    data.write_text(text)
+    assert _train(out, "--steps", "4", "--data", str(data), "--resume") == 0
+
+
+def test_a_changed_step_count_names_the_flag_that_set_the_warm_up(tmp_path, capsys):
+    assert _train(tmp_path, "--steps", "10", "--checkpoint-every", "2", "--stop-after", "2") == 0
+    capsys.readouterr()
+    assert _train(tmp_path, "--steps", "20", "--resume") == 2
+    assert "warm-up steps (set by --steps) 1 -> 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage,match", [
+    (lambda c: c.update(step=-2), "step -2 is not a count of steps"),
+    (lambda c: c["optimizer"].update(state={}), "optimizer state for 0 of"),
+    (lambda c: c.update(step=1, history=c["history"][:1]), "counts \\[2.0\\] steps, the checkpoint 1"),
+    (lambda c: c.update(history=[(5, 1.0)]), "does not end at step 2"),
+    (lambda c: c["model"].update(extra="code"), "not tensors"),
+], ids=["negative-step", "no-optimizer-state", "step-behind-optimizer", "history", "non-tensor"])
+def test_a_re_signed_checkpoint_with_inconsistent_contents_is_refused(tmp_path, capsys, damage, match):
+    """A valid checksum proves the bytes are the ones written, not that a run wrote them."""
+    from flashsys.checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint_atomically
+
+    assert _train(tmp_path, "--steps", "4", "--checkpoint-every", "2", "--stop-after", "2") == 0
+    ckpt = load_checkpoint(tmp_path / CHECKPOINT)
+    damage(ckpt)
+    save_checkpoint_atomically(ckpt, tmp_path / CHECKPOINT)  # re-signed: the checksum matches the new payload
+    capsys.readouterr()
+    assert _train(tmp_path, "--steps", "4", "--resume") == 2
+    err = capsys.readouterr().err
+    assert "inconsistent" in err and re.search(match, err), err

@@ -17,16 +17,34 @@ from torch import nn
 
 from .consistency import check_same_model_on_all_ranks
 from .flat_layout import FlatLayout
+from .side_channel import control_group, group_timeout
 
 # The live wrapper of each parameter, by id: a second wrapper on the same parameters would reduce every gradient
 # twice. A live wrapper holds its model, so the ids it registered cannot be reused while it is alive.
 _WRAPPER_OF: weakref.WeakValueDictionary[int, DataParallelBase] = weakref.WeakValueDictionary()
+# The gradient hook each parameter carries, by id: (the parameter, weakly; the hook's handle). A wrapper that is
+# dropped leaves its hooks behind; they raise, and a new wrapper of the same model removes them.
+_HOOK_OF: dict[int, tuple[weakref.ref, torch.utils.hooks.RemovableHandle]] = {}
 
 
 def wrapper_of(p: torch.Tensor) -> DataParallelBase | None:
     """The live data-parallel wrapper whose hooks act on `p`'s gradient, or None."""
     wrapper = _WRAPPER_OF.get(id(p))
     return wrapper if wrapper is not None and wrapper._hook_handles else None
+
+
+def dropped_wrapper(p: torch.Tensor) -> bool:
+    """Whether `p` still carries the hook of a wrapper that was garbage-collected (wrapped, but not kept)."""
+    entry = _HOOK_OF.get(id(p))
+    return entry is not None and entry[0]() is p and _WRAPPER_OF.get(id(p)) is None
+
+
+def _dropped_wrapper_error(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"data parallel: the {name} that wrapped this model was garbage-collected, so gradients are no longer averaged "
+        f"across ranks and the replicas would drift apart. Keep a reference to it (ddp = {name}(model)) for as long "
+        "as the model trains, or wrap the model again."
+    )
 
 
 class DataParallelBase(nn.Module, metaclass=abc.ABCMeta):
@@ -63,6 +81,8 @@ class DataParallelBase(nn.Module, metaclass=abc.ABCMeta):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(f"{type(self).__name__} needs an initialised torch.distributed process group")
         for p in module.parameters():
+            if dropped_wrapper(p):  # its wrapper is gone: this one takes over
+                _HOOK_OF.pop(id(p))[1].remove()
             other = wrapper_of(p)
             if other is not None:
                 raise RuntimeError(
@@ -90,33 +110,41 @@ class DataParallelBase(nn.Module, metaclass=abc.ABCMeta):
         self._trainable = [p.requires_grad for p in self._all_params]
         # A side channel for cross-rank checks at each synchronisation. On its own group, a check never pairs
         # with a gradient collective still pending on the main group, whatever went wrong there.
-        ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
         checks = cross_rank_checks and self.world_size > 1
-        self._control_group = dist.new_group(ranks=ranks, backend="gloo") if checks else None
+        self._control_group = control_group(process_group) if checks else None
 
     def _register_grad_hooks(self, method: Callable[[torch.Tensor], None]) -> None:
         """A post-accumulate-grad hook on every parameter that gets a gradient (frozen ones get none).
 
-        The hook holds only a weak reference to the wrapper: a wrapper that is dropped, or whose hooks were
-        removed, no longer acts when the same model is wrapped again.
+        The hook holds only a weak reference to the wrapper. A wrapper whose hooks were removed no longer acts; one
+        that was dropped without that makes its hooks raise (training on would silently stop averaging), until the
+        model is wrapped again, which removes them.
         """
         ref = weakref.WeakMethod(method)
+        name = type(self).__name__
 
         def hook(p: torch.Tensor) -> None:
             bound = ref()
-            if bound is not None:
-                bound(p)
-                bound.__self__._finish_at_end_of_backward()
+            if bound is None:
+                raise _dropped_wrapper_error(name)
+            bound(p)
+            bound.__self__._finish_at_end_of_backward()
 
-        self._hook_handles += [p.register_post_accumulate_grad_hook(hook) for p in self._grad_params]
+        for key in [key for key, (param, _) in _HOOK_OF.items() if param() is None]:
+            del _HOOK_OF[key]  # parameters that are gone
         for p in self._grad_params:
+            handle = p.register_post_accumulate_grad_hook(hook)
+            self._hook_handles.append(handle)
             _WRAPPER_OF[id(p)] = self
+            _HOOK_OF[id(p)] = (weakref.ref(p), handle)
 
     def remove_hooks(self) -> None:
         """Detach this wrapper from the model's parameters (to wrap the same model again, say)."""
         for h in self._hook_handles:
             h.remove()
         self._hook_handles.clear()
+        for p in self._grad_params:
+            _HOOK_OF.pop(id(p), None)
 
     def _finish_at_end_of_backward(self) -> None:
         """Queue synchronisation once per synchronised backward, to run when the autograd engine has finished it
@@ -197,9 +225,16 @@ class DataParallelBase(nn.Module, metaclass=abc.ABCMeta):
         digest = int.from_bytes(hashlib.blake2b(array("q", launched).tobytes(), digest_size=7).digest(), "little")
         mine = torch.tensor([int(ran_backward), digest], dtype=torch.int64)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(gathered, mine, group=self._control_group)
-        ran = [bool(g[0]) for g in gathered]
         name = type(self).__name__
+        try:
+            dist.all_gather(gathered, mine, group=self._control_group)
+        except RuntimeError as e:  # gloo's transport error says only that a recv timed out
+            raise RuntimeError(
+                f"{name}: not every rank reached the end of backward within the process group's timeout of "
+                f"{group_timeout(self.process_group).total_seconds():g} s (a rank is stuck, died, or skipped the "
+                f"step): {str(e).splitlines()[0][:200]}"
+            ) from None
+        ran = [bool(g[0]) for g in gathered]
         if len(set(ran)) > 1:
             raise RuntimeError(
                 f"{name}: backward ran on ranks {[r for r, x in enumerate(ran) if x]} but not on ranks "

@@ -8,16 +8,20 @@ ends with the averaged gradients of its own slice only.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import sharded_guards
 from .base import DataParallelBase
 from .consistency import gather_digests
 from .cost_model import MB, measure_allreduce_cost, optimal_bucket_bytes, plan_buckets
 from .flat_layout import FlatLayout
+
+COMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # torch >= 2.12 names the flat collectives *_single; older releases only have the *_tensor names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -97,10 +101,11 @@ class BucketedDDP(DataParallelBase):
     def __init__(self, module: nn.Module, bucket_size_mb: float | str | None = "auto", process_group=None,
                  cross_rank_checks: bool = True, broadcast_buffers: bool = True, gradient_as_bucket_view: bool = False,
                  comm_dtype: torch.dtype | None = None) -> None:
-        if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
-            raise ValueError(f"BucketedDDP: comm_dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, "
+        if comm_dtype is not None and comm_dtype not in COMM_DTYPES:  # gloo and NCCL reduce no float8
+            raise ValueError(f"BucketedDDP: comm_dtype must be one of {', '.join(map(str, COMM_DTYPES))} or None, "
                              f"got {comm_dtype!r}")
-        if not (bucket_size_mb in ("auto", None) or (isinstance(bucket_size_mb, (int, float)) and bucket_size_mb > 0)):
+        if not (bucket_size_mb in ("auto", None) or (isinstance(bucket_size_mb, (int, float))
+                                                     and not isinstance(bucket_size_mb, bool) and bucket_size_mb > 0)):
             raise ValueError(f"bucket_size_mb must be a positive number, None or 'auto', got {bucket_size_mb!r}")
         super().__init__(module, process_group, cross_rank_checks, broadcast_buffers)
         self.comm_dtype = comm_dtype
@@ -111,6 +116,8 @@ class BucketedDDP(DataParallelBase):
         self._average_in_collective = comm_dtype is None and dist.get_backend(process_group) == "nccl"
         self._reduce_op = dist.ReduceOp.AVG if self._average_in_collective else dist.ReduceOp.SUM
         self.sharded = False  # set by shard_gradients(): ZeRO-2
+        self._homes: list[tuple[nn.Parameter, int, torch.dtype]] = []  # sharded: where each parameter must live
+        self._zero_grad_routed: list[nn.Module] = []
         total_bytes = sum(p.numel() * p.element_size() for p in self._grad_params)
         if bucket_size_mb == "auto":
             if self._grad_params:
@@ -126,7 +133,8 @@ class BucketedDDP(DataParallelBase):
         layout = [(len(b.params), b.layout.numel, str(b.buffer.dtype)) for b in self._buckets]
         gathered = gather_digests(repr(layout), (len(layout), bucket_size_mb), process_group)
         if len({digest for digest, _ in gathered}) != 1:
-            detail = ", ".join(f"rank {r}: {n} buckets (bucket_size_mb={mb!r})" for r, (_, (n, mb)) in enumerate(gathered))
+            detail = ", ".join(f"rank {r}: {n} buckets (bucket_size_mb={mb!r})"
+                               for r, (_, (n, mb)) in enumerate(gathered))
             raise ValueError(f"BucketedDDP: the bucket layout differs between ranks ({detail}); every rank must use "
                              "the same bucket_size_mb")
         self._where = {id(p): (b, i) for b in self._buckets for i, p in enumerate(b.params)}
@@ -165,6 +173,11 @@ class BucketedDDP(DataParallelBase):
         updated slices can be all-gathered in place. Called by `ZeRO2Optimizer`; `.grad` stays None on every
         parameter from then on (the gradients are in the shards).
 
+        What would silently do nothing from then on is made to work or refused: the model's own `zero_grad()` drops
+        the shards too; another optimizer's `step()` over these parameters, and `torch.nn.utils.clip_grad_norm_`
+        on them, raise (`flashsys.dist.sharded_guards`); a parameter moved out of its bucket (`model.to(...)`) is
+        reported by `moved_parameters()`, which the optimizer checks at each step.
+
         Raises:
             RuntimeError: when called twice, or with `gradient_as_bucket_view` (the full buckets no longer persist).
         """
@@ -186,7 +199,43 @@ class BucketedDDP(DataParallelBase):
             b.grad_shard = torch.zeros(padded // world, dtype=dtype, device=device)
             b.flags = torch.zeros(len(b.params), dtype=torch.float32, device=device)
             b.buffer = b.comm = None  # the replicated buffers are no longer needed
+        self._homes = [(p, p.data_ptr(), p.dtype) for b in self._buckets for p in b.params]
         self.sharded = True
+        self._route_module_zero_grad()
+        sharded_guards.install()
+
+    def _route_module_zero_grad(self) -> None:
+        """Make the model's own `zero_grad()` (and a compiled wrapper's) drop the shards as well: with the gradients
+        out of `.grad`, nn.Module's version would leave the discarded batch to be stepped. The override is an
+        instance attribute, held weakly, removed by `remove_hooks()`."""
+        ref = weakref.ref(self)
+        modules = (self.module, getattr(self.module, "_orig_mod", None))  # the model, and under torch.compile's
+        for module in {id(m): m for m in modules if m is not None}.values():
+            def zero_grad(set_to_none: bool = True, _module=module) -> None:
+                ddp = ref()
+                if ddp is not None and ddp.sharded:
+                    ddp.drop_gradients()
+                nn.Module.zero_grad(_module, set_to_none)
+
+            module.zero_grad = zero_grad
+            self._zero_grad_routed.append(module)
+
+    def remove_hooks(self) -> None:
+        """Detach this wrapper from the model's parameters (and the model's `zero_grad` from the shards)."""
+        super().remove_hooks()
+        for module in self._zero_grad_routed:
+            module.__dict__.pop("zero_grad", None)
+        self._zero_grad_routed.clear()
+
+    def moved_parameters(self) -> list[str]:
+        """Sharded mode: the names of the parameters that no longer live in their bucket's flat buffer (or changed
+        dtype): `model.to(dtype or device)` or `p.data = ...` after sharding. A step would update the bucket, not
+        them."""
+        moved = [p for p, ptr, dtype in self._homes if p.data_ptr() != ptr or p.dtype != dtype]
+        if not moved:
+            return []
+        names = {id(q): n for n, q in self.module.named_parameters()}
+        return [names.get(id(p), str(tuple(p.shape))) for p in moved]
 
     def shard_range(self, bucket: Bucket) -> tuple[int, int]:
         """[start, end) of this rank's slice of `bucket`'s flat (padded) buffers."""
@@ -222,8 +271,8 @@ class BucketedDDP(DataParallelBase):
     def _grad_view(self, bucket: Bucket, i: int) -> torch.Tensor:
         if self.sharded:
             if bucket.transient is None:
-                bucket.transient = torch.empty(bucket.params_flat.numel(), dtype=self.comm_dtype or bucket.params_flat.dtype,
-                                               device=bucket.params_flat.device)
+                flat = bucket.params_flat
+                bucket.transient = torch.empty(flat.numel(), dtype=self.comm_dtype or flat.dtype, device=flat.device)
                 bucket.transient[bucket.layout.numel :].zero_()  # the padding
             return bucket.layout.view(bucket.transient, i)
         return bucket.layout.view(bucket.buffer, i)
@@ -368,7 +417,10 @@ class BucketedDDP(DataParallelBase):
     # ------------------------------------------------------------------ zero_grad
     def zero_grad(self, set_to_none: bool = True) -> None:
         """With `gradient_as_bucket_view`, zero every bucket in one fill each and keep the views (`set_to_none` is
-        ignored: a None `.grad` would cost a copy per gradient on the next backward). Otherwise as nn.Module."""
+        ignored: a None `.grad` would cost a copy per gradient on the next backward). Sharded (ZeRO-2): drop the
+        gradient shards no step has consumed, and any local `.grad`. Otherwise as nn.Module."""
+        if self.sharded:
+            self.drop_gradients()
         if not self.gradient_as_bucket_view or self.sharded:
             super().zero_grad(set_to_none)
             return

@@ -40,7 +40,8 @@ class FlashAttention(nn.Module):
     """Drop-in for `F.scaled_dot_product_attention` on (B, H, N, D) tensors: the same call, the same results for
     everything it supports, FlashAttention-2 underneath.
 
-    `module(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False)`.
+    `module(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=None, scale=None, enable_gqa=False)`.
+    A call's explicit `is_causal` (True or False) and `scale` win over the constructor's defaults.
     Under `torch.autocast`, q, k and v are cast to the autocast dtype first (the kernels take one dtype).
 
     Args:
@@ -66,13 +67,14 @@ class FlashAttention(nn.Module):
         value: Float[Tensor, "B Hkv Nk D"],
         attn_mask: Tensor | None = None,
         dropout_p: float = 0.0,
-        is_causal: bool = False,
+        is_causal: bool | None = None,
         scale: float | None = None,
         enable_gqa: bool = False,
     ) -> Float[Tensor, "B Hq Nq D"]:
         """Attention output of query over key, value, shaped like query (in the autocast dtype under autocast).
 
         Raises:
+            TypeError: for an is_causal that is not a bool (as SDPA) or a scale that is not a number.
             ValueError: for an attn_mask or dropout (not supported: the message says what to use instead), for
                 is_causal with Nq != Nk (SDPA aligns that mask top-left, flashsys bottom-right: construct the module
                 with causal=True to mean bottom-right), and for differing head counts without enable_gqa=True.
@@ -83,6 +85,18 @@ class FlashAttention(nn.Module):
         if dropout_p != 0.0:
             raise ValueError(f"FlashAttention: dropout_p={dropout_p} is not supported (attention dropout is not "
                              "implemented); apply dropout to the output instead, or use 0.0")
+        if is_causal is None:
+            causal = self.causal
+        elif isinstance(is_causal, bool):
+            causal = is_causal
+        else:  # SDPA refuses a non-bool too; bool("False") would silently mean causal
+            raise TypeError(f"FlashAttention: is_causal must be True, False or None (the module's default), got "
+                            f"{type(is_causal).__name__} {is_causal!r}")
+        if scale is not None:
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+                raise TypeError(f"FlashAttention: scale must be a float or None, got {type(scale).__name__} {scale!r}")
+            if not math.isfinite(scale) or scale <= 0:
+                raise ValueError(f"FlashAttention: scale must be a positive finite number, got {scale}")
         if is_causal and query.shape[-2] != key.shape[-2]:
             raise ValueError("FlashAttention: is_causal=True with Nq != Nk is aligned top-left by SDPA and "
                              "bottom-right by FlashAttention-2; construct FlashAttention(causal=True) for the latter")
@@ -93,7 +107,7 @@ class FlashAttention(nn.Module):
         if torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
             query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-        return flash_attention(query, key, value, causal=self.causal or bool(is_causal),
+        return flash_attention(query, key, value, causal=causal,
                                softmax_scale=self.softmax_scale if scale is None else scale,
                                window_size=self.window_size, backend=self.backend)
 

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ..ops.attention import get_backend
+from ..ops.attention.validation import check_offsets
 from .attention import MultiHeadSelfAttention, PackedSequences
 from .config import ModelConfig, preset
 
@@ -154,8 +155,10 @@ class TransformerLM(nn.Module):
         """
         if token_ids.dim() != 2:
             raise ValueError(f"token_ids must have shape (batch, seq), got {tuple(token_ids.shape)}")
-        if token_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
             raise TypeError(f"token_ids must be an integer tensor, got {token_ids.dtype}")
+        if token_ids.dtype not in (torch.int64, torch.int32):  # the embedding takes only these index types
+            token_ids = token_ids.long()
         n = token_ids.shape[1]
         if n > self.context_length:
             raise ValueError(f"sequence length {n} exceeds context_length {self.context_length}")
@@ -165,6 +168,9 @@ class TransformerLM(nn.Module):
         if cu_seqlens is not None:
             if max_seqlen is None:
                 raise ValueError("cu_seqlens needs max_seqlen, the longest segment")
+            if not torch.compiler.is_compiling():  # the offsets sized below must be valid; the check is cached
+                check_offsets(cu_seqlens, token_ids.numel(), max_seqlen, token_ids.device, name="cu_seqlens",
+                              op="TransformerLM")
             packed = PackedSequences.from_offsets(cu_seqlens, max_seqlen, token_ids.numel())
         x = self.token_embeddings(token_ids)
         for layer in self.layers:

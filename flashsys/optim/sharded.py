@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dist import FlatLayout, gather_digests
+from ..dist.side_channel import Arrivals
 from .state_dicts import ConsolidatedStateDict, StatePart, hyperparameters
 
 
@@ -40,6 +41,9 @@ class ShardedOptimizer(ConsolidatedStateDict, torch.optim.Optimizer):
         params: parameters or param-group dicts, as for any optimizer (a one-shot generator is fine).
         optimizer_cls: the optimizer to shard, e.g. `torch.optim.AdamW`.
         process_group: the group to shard over (default: the world).
+        cross_rank_checks: every rank meets before each `step()` and `consolidate_state_dict()` (through the
+            rendezvous store, bounded by the group's timeout), so a rank that does not call one is named in an
+            error on the others instead of a hang. A few small round trips per step; False turns it off.
         **kwargs: the inner optimizer's arguments (lr, betas, ...).
 
     Raises:
@@ -48,9 +52,10 @@ class ShardedOptimizer(ConsolidatedStateDict, torch.optim.Optimizer):
     """
 
     def __init__(self, params: Iterable[nn.Parameter] | Iterable[dict], optimizer_cls: type[torch.optim.Optimizer],
-                 process_group=None, **kwargs: Any) -> None:
+                 process_group=None, cross_rank_checks: bool = True, **kwargs: Any) -> None:
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
-            raise TypeError(f"ShardedOptimizer: optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}")
+            raise TypeError(f"ShardedOptimizer: optimizer_cls must be a torch.optim.Optimizer subclass, got "
+                            f"{optimizer_cls!r}")
         if not dist.is_initialized():
             raise RuntimeError("ShardedOptimizer needs an initialised torch.distributed process group")
         self.process_group = process_group
@@ -64,6 +69,7 @@ class ShardedOptimizer(ConsolidatedStateDict, torch.optim.Optimizer):
         self._consolidated: dict[str, Any] | None = None
         self.broadcast_chunk_bytes = 128 * 2**20
         self._plan: tuple | None = None
+        self._arrivals = Arrivals(type(self).__name__, process_group) if cross_rank_checks else None
         super().__init__(params, defaults=kwargs)
 
     # ------------------------------------------------------------------ partition
@@ -102,7 +108,8 @@ class ShardedOptimizer(ConsolidatedStateDict, torch.optim.Optimizer):
         if len({digest for digest, _ in gathered}) != 1:
             raise ValueError(
                 f"ShardedOptimizer: param group {len(self.param_groups) - 1} differs between ranks "
-                "(parameter shapes, dtypes or hyper-parameters); add_param_group must be called with the same group everywhere"
+                "(parameter shapes, dtypes or hyper-parameters); add_param_group must be called with the same group "
+                "everywhere"
             )
 
     def owner_of(self, p: nn.Parameter) -> int:
@@ -178,6 +185,8 @@ class ShardedOptimizer(ConsolidatedStateDict, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._arrivals is not None:
+            self._arrivals.check("step")
         self._sync_hyperparameters()
         self.inner.step(**kwargs)
         self._broadcast_parameters()

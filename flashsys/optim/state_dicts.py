@@ -9,6 +9,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from ..dist.side_channel import Arrivals
+
 
 def indexed_param_groups(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The groups as `torch.optim.Optimizer.state_dict()` writes them: hyper-parameters, and each parameter as its
@@ -66,6 +68,7 @@ class ConsolidatedStateDict:
 
     param_groups: list[dict[str, Any]]
     _consolidated: dict[str, Any] | None = None
+    _arrivals: Arrivals | None = None  # set by a subclass that checks that every rank reaches its collectives
 
     def _state_group(self):
         """The process group the state is sharded over (None: the world)."""
@@ -81,7 +84,13 @@ class ConsolidatedStateDict:
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's parts of the state on rank `to` (a collective: call it on every rank), reassembled per
-        parameter; `state_dict()` on that rank then returns it. States are moved to the CPU on the way."""
+        parameter; `state_dict()` on that rank then returns it. States are moved to the CPU on the way.
+
+        Raises:
+            RuntimeError: naming the ranks that did not call it within the group's timeout (with cross-rank checks).
+        """
+        if self._arrivals is not None:
+            self._arrivals.check("consolidate_state_dict")
         group = self._state_group()
         mine = [part._replace(values={k: (v.detach().cpu() if torch.is_tensor(v) else v)
                                       for k, v in part.values.items()})
@@ -117,8 +126,8 @@ class ConsolidatedStateDict:
             RuntimeError: on a rank that did not receive the consolidated state.
         """
         if self._consolidated is None:
-            raise RuntimeError(f"{type(self).__name__}.state_dict(): call consolidate_state_dict(to=rank) on every rank "
-                               "first, then state_dict() on that rank")
+            raise RuntimeError(f"{type(self).__name__}.state_dict(): call consolidate_state_dict(to=rank) on every "
+                               "rank first, then state_dict() on that rank")
         return {"state": self._consolidated["state"], "param_groups": indexed_param_groups(self.param_groups)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

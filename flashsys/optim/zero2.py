@@ -20,11 +20,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dist import Bucket, BucketedDDP
-from ..dist.base import wrapper_of
+from ..dist.base import dropped_wrapper, wrapper_of
+from ..dist.sharded_guards import STEPS_SHARDS
+from ..dist.side_channel import Arrivals
 from .state_dicts import ConsolidatedStateDict, StatePart, hyperparameters
 
 # Optimizers whose update of an element reads only that element's gradient and state: they step a slice of a
-# parameter exactly as they would step the whole one.
+# parameter exactly as they would step the whole one. Exactly these classes: a subclass may change the update
+# (LARS subclasses SGD and scales by whole-parameter norms), so it needs elementwise=True.
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.Adagrad,
     torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam, torch.optim.ASGD, torch.optim.Rprop,
@@ -54,9 +57,12 @@ class ZeRO2Optimizer(ConsolidatedStateDict, torch.optim.Optimizer):
     buckets fill, `step()` steps the local slices and all-gathers the parameters (a collective: every rank).
 
     - `.grad` stays None on the model's parameters: the averaged gradients are in the shards. Clip with
-      `clip_grad_norm_()` here, not `torch.nn.utils.clip_grad_norm_` (which would see no gradients).
+      `clip_grad_norm_()` here: `torch.nn.utils.clip_grad_norm_` would see no gradients, so it raises on these
+      parameters, as does any other optimizer's `step()` over them.
     - Gradients accumulate from one `step()` to the next (several backwards, or `no_sync()` micro-batches) and
-      `step()` consumes them; `zero_grad()` drops what was not stepped.
+      `step()` consumes them; `zero_grad()` here, on the wrapper or on the model drops what was not stepped.
+    - The parameters live in the buckets: move or convert the model before wrapping it. A parameter moved out
+      (`model.to(torch.float64)` afterwards) makes `step()` raise instead of updating a bucket nothing reads.
     - Results equal the unsharded optimizer's on the averaged gradients, bit for bit, for optimizers that update
       each element from its own gradient and state alone (`ELEMENTWISE_OPTIMIZERS`): a slice of a parameter is
       stepped as the whole would be. Others (Adafactor, LBFGS, Muon) need whole parameters: use
@@ -68,6 +74,9 @@ class ZeRO2Optimizer(ConsolidatedStateDict, torch.optim.Optimizer):
         params: the wrapped model's parameters or param-group dicts (a one-shot generator is fine).
         optimizer_cls: the optimizer to shard, e.g. `torch.optim.AdamW`.
         elementwise: override the `ELEMENTWISE_OPTIMIZERS` check (None: check).
+        cross_rank_checks: every rank meets before each `step()` and `consolidate_state_dict()` (through the
+            rendezvous store, bounded by the group's timeout), so a rank that does not call one is named in an
+            error on the others instead of a hang. A few small round trips per step; False turns it off.
         overlap_all_gather: return from `step()` with the all-gathers still running; each module of the model
             waits for its bucket's just before its forward (as FSDP prefetches) or its `state_dict()`, and the next
             `step()` waits for all. Reading parameters any other way in between (an EMA update, `p.data`)
@@ -76,20 +85,25 @@ class ZeRO2Optimizer(ConsolidatedStateDict, torch.optim.Optimizer):
         **kwargs: the inner optimizer's arguments (lr, betas, fused, ...).
 
     Raises:
-        TypeError: for an `optimizer_cls` that is not an Optimizer subclass, or not known to be elementwise.
+        TypeError: for an `optimizer_cls` that is not an Optimizer subclass, or not known to be elementwise (a
+            subclass of a known one included).
         ValueError: when the parameters are not all held by one live BucketedDDP.
     """
 
+    _steps_sharded_gradients = True  # `flashsys.dist.sharded_guards.STEPS_SHARDS`: it steps the shards itself
+
     def __init__(self, params: Iterable[nn.Parameter] | Iterable[dict], optimizer_cls: type[torch.optim.Optimizer],
-                 elementwise: bool | None = None, overlap_all_gather: bool = False, **kwargs: Any) -> None:
+                 elementwise: bool | None = None, overlap_all_gather: bool = False, cross_rank_checks: bool = True,
+                 **kwargs: Any) -> None:
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
-            raise TypeError(f"ZeRO2Optimizer: optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}")
+            raise TypeError(f"ZeRO2Optimizer: optimizer_cls must be a torch.optim.Optimizer subclass, got "
+                            f"{optimizer_cls!r}")
         if elementwise is None:
-            elementwise = issubclass(optimizer_cls, ELEMENTWISE_OPTIMIZERS)
+            elementwise = optimizer_cls in ELEMENTWISE_OPTIMIZERS
         if not elementwise:
             raise TypeError(
-                f"ZeRO2Optimizer: {optimizer_cls.__name__} is not known to update each element on its own; ZeRO-2 steps "
-                "slices of parameters. Use ShardedOptimizer (ZeRO-1, whole parameters), or elementwise=True if it is."
+                f"ZeRO2Optimizer: {optimizer_cls.__name__} is not known to update each element on its own; ZeRO-2 "
+                "steps slices of parameters. Use ShardedOptimizer (ZeRO-1, whole parameters), or elementwise=True if it is."
             )
         self._optimizer_cls, self._inner_kwargs = optimizer_cls, kwargs
         self._ddp: BucketedDDP | None = None
@@ -97,6 +111,7 @@ class ZeRO2Optimizer(ConsolidatedStateDict, torch.optim.Optimizer):
         self._inners: list[torch.optim.Optimizer] = []  # one per bucket, each with every param group
         self._consolidated: dict[str, Any] | None = None
         self.overlap_all_gather = overlap_all_gather
+        self._cross_rank_checks = cross_rank_checks
         self._pending: dict[int, dist.Work] = {}  # bucket index -> its all-gather still in flight
         super().__init__(params, defaults=kwargs)
         if overlap_all_gather:
@@ -137,6 +152,9 @@ class ZeRO2Optimizer(ConsolidatedStateDict, torch.optim.Optimizer):
     def _wrapper_for(self, params: list[nn.Parameter]) -> BucketedDDP:
         wrappers = {id(w): w for w in map(wrapper_of, params)}
         if len(wrappers) != 1 or not isinstance(next(iter(wrappers.values())), BucketedDDP):
+            if any(map(dropped_wrapper, params)):
+                raise ValueError("ZeRO2Optimizer: the BucketedDDP that wrapped these parameters was garbage-collected; "
+                                 "keep a reference to it (ddp = BucketedDDP(model)) before creating the optimizer")
             names = sorted({type(w).__name__ if w is not None else "no wrapper" for w in wrappers.values()})
             raise ValueError(f"ZeRO2Optimizer: every parameter must belong to one live BucketedDDP (found: {names}); "
                              "wrap the model with BucketedDDP before creating the optimizer")
@@ -154,6 +172,8 @@ class ZeRO2Optimizer(ConsolidatedStateDict, torch.optim.Optimizer):
         if self._ddp is None:
             self._ddp = ddp
             ddp.shard_gradients()
+            if self._cross_rank_checks:
+                self._arrivals = Arrivals(type(self).__name__, ddp.process_group)
         pieces = []
         for p in trainable:
             bucket, i = ddp.bucket_of(p)
@@ -168,7 +188,9 @@ class ZeRO2Optimizer(ConsolidatedStateDict, torch.optim.Optimizer):
         for b, bucket in enumerate(ddp.buckets):
             inner_group = {**hyper, "params": [x.tensor for x in pieces if x.bucket is bucket]}
             if len(self._inners) <= b:
-                self._inners.append(self._optimizer_cls([inner_group], **self._inner_kwargs))
+                inner = self._optimizer_cls([inner_group], **self._inner_kwargs)
+                setattr(inner, STEPS_SHARDS, True)  # it steps this rank's slices: the guards let it through
+                self._inners.append(inner)
             else:
                 self._inners[b].add_param_group(inner_group)
         if self._inners:
@@ -205,9 +227,18 @@ class ZeRO2Optimizer(ConsolidatedStateDict, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._arrivals is not None:
+            self._arrivals.check("step")
         self.wait_for_parameters()  # a step before the next forward: its slices must not change under a gather
-        self._attach_gradients()
         ddp = self.ddp
+        moved = ddp.moved_parameters()
+        if moved:
+            raise RuntimeError(
+                f"ZeRO2Optimizer.step: parameters {moved[:4]}{' ...' if len(moved) > 4 else ''} no longer live in "
+                "their BucketedDDP bucket (model.to(), .half() or p.data = ... after the optimizer was built): the "
+                "step would update the bucket and never them. Move or convert the model before wrapping it."
+            )
+        self._attach_gradients()
         # Last bucket first: it holds the first layers, which the next forward needs first.
         for b in reversed(range(len(self._inners))):
             inner, bucket = self._inners[b], ddp.buckets[b]
@@ -249,7 +280,8 @@ class ZeRO2Optimizer(ConsolidatedStateDict, torch.optim.Optimizer):
     def grad_and_state_bytes(self) -> int:
         """Bytes this rank holds for gradients (its shards) and optimizer state (its slices')."""
         grads = sum(b.grad_shard.numel() * b.grad_shard.element_size() for b in self.ddp.buckets)
-        state = sum(v.numel() * v.element_size() for s in self.inner_state.values() for v in s.values() if torch.is_tensor(v))
+        state = sum(v.numel() * v.element_size() for s in self.inner_state.values() for v in s.values()
+                    if torch.is_tensor(v))
         return grads + state
 
     # ------------------------------------------------------------------ state dicts
@@ -278,8 +310,8 @@ class ZeRO2Optimizer(ConsolidatedStateDict, torch.optim.Optimizer):
                         continue
                     values = state.get(index[id(x.param)])
                     if values is not None:
-                        inner_state[n] = {k: (v.reshape(-1)[x.start : x.end].clone() if torch.is_tensor(v) and v.dim() > 0
-                                              else v) for k, v in values.items()}
+                        inner_state[n] = {k: (v.reshape(-1)[x.start : x.end].clone()
+                                              if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in values.items()}
                     ids.append(n)
                     n += 1
                 inner_groups.append({**hyperparameters(saved), "params": ids})

@@ -136,3 +136,52 @@ def _no_checks_worker(rank, world, device):
 
 def test_cross_rank_checks_can_be_turned_off():
     spawn(_no_checks_worker, 2, backend="gloo", timeout_s=60)
+
+
+def _dropped_wrapper_worker(rank, world, device):
+    import gc
+
+    from flashsys.optim import ZeRO2Optimizer
+
+    model = make_model(0, device)
+    x, y = make_batches(1, 4, device)[0]
+    BucketedDDP(model)  # not kept: its hooks would no longer average anything
+    gc.collect()
+    with pytest.raises(RuntimeError, match="garbage-collected"):
+        loss_fn(model(x * (rank + 1)), y).backward()
+    with pytest.raises(ValueError, match="garbage-collected"):
+        ZeRO2Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    model.zero_grad()
+    ddp = BucketedDDP(model)  # wrapping again takes over from the dropped wrapper's hooks
+    loss_fn(ddp(x * (rank + 1)), y).backward()
+    grads = [torch.empty_like(model.hidden.weight.grad) for _ in range(world)]
+    dist.all_gather(grads, model.hidden.weight.grad)
+    torch.testing.assert_close(grads[0], grads[1])  # averaged: the same on both ranks though the inputs differ
+
+
+def test_a_wrapper_that_is_not_kept_is_an_error_not_a_silent_desync():
+    spawn(_dropped_wrapper_worker, 2, backend="gloo", timeout_s=60)
+
+
+def _wedged_rank_worker(rank, world, device):
+    import time
+
+    from flashsys.dist.side_channel import group_timeout
+
+    assert group_timeout() == datetime.timedelta(seconds=30)
+    # A group of its own: after the error, rank 0's gradient collectives stay pending there.
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=4))
+    ddp = BucketedDDP(make_model(0, device), bucket_size_mb=None, process_group=group, broadcast_buffers=False)
+    assert group_timeout(ddp._control_group) == datetime.timedelta(seconds=4)  # not torch's 30 minutes
+    x, y = make_batches(1, 4, device)[0]
+    if rank == 1:
+        time.sleep(10)  # wedged: never reaches backward while rank 0 waits
+        return
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="not every rank reached the end of backward within .* 4 s"):
+        loss_fn(ddp(x), y).backward()
+    assert time.monotonic() - start < 9
+
+
+def test_the_cross_rank_checks_honour_the_configured_timeout():
+    spawn(_wedged_rank_worker, 2, backend="gloo", timeout_s=30)

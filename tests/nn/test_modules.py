@@ -276,3 +276,45 @@ def test_packed_documents_give_each_segment_its_own_forward(backend):
     torch.testing.assert_close(packed[1], model(tokens[1:])[0], atol=2e-5, rtol=2e-5)
     with pytest.raises(ValueError, match="max_seqlen"):
         model(tokens, offsets.to(DEVICE))
+
+
+def test_an_explicit_is_causal_wins_over_the_constructor_and_must_be_a_bool():
+    """SDPA's call on a module built with causal=True: is_causal=False means not causal, is_causal=None (or left
+    out) the module's default; a non-bool is refused like SDPA refuses it, not read as truthy."""
+    q, k, v = _qkv(1, 2, 12, 16, seed=3)
+    module = FlashAttention(causal=True)
+    torch.testing.assert_close(module(q, k, v, is_causal=False), F.scaled_dot_product_attention(q, k, v),
+                               atol=2e-5, rtol=2e-5)
+    causal = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(module(q, k, v), causal, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(FlashAttention()(q, k, v, is_causal=True), causal, atol=2e-5, rtol=2e-5)
+    for bad in ("False", 2, 1.0):
+        with pytest.raises(TypeError, match="is_causal must be True, False or None"):
+            module(q, k, v, is_causal=bad)
+    with pytest.raises(ValueError, match="FlashAttention: scale must be a positive"):
+        module(q, k, v, scale=0)
+    with pytest.raises(TypeError, match="FlashAttention: scale must be a float"):
+        module(q, k, v, scale="0.1")
+
+
+@pytest.mark.parametrize("offsets,match", [
+    ([0, 40, 24, 64], "never decrease"),
+    ([0, 16, 48], "end at the token count 64"),
+    ([0, 16, 64], "max_seqlen"),
+])
+def test_packed_offsets_are_checked_before_the_model_uses_them(offsets, match):
+    model = _tiny()
+    tokens = torch.randint(0, 61, (2, 32), device=DEVICE)
+    with pytest.raises(ValueError, match=match):
+        model(tokens, torch.tensor(offsets, dtype=torch.int32, device=DEVICE), 40)
+
+
+def test_token_ids_of_any_integer_dtype_are_taken():
+    model = _tiny()
+    tokens = torch.randint(0, 61, (2, 8), device=DEVICE)
+    expected = model(tokens)
+    for dtype in (torch.int8, torch.int16, torch.uint8, torch.int32):
+        torch.testing.assert_close(model(tokens.to(dtype)), expected)
+    for dtype in (torch.float32, torch.bool):
+        with pytest.raises(TypeError, match="integer tensor"):
+            model(tokens.to(dtype))

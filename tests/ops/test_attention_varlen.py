@@ -117,19 +117,39 @@ def test_bad_varlen_arguments_are_clear_errors():
         flash_attention_varlen(q, k[:, :1].expand(-1, 3, -1), v[:, :1].expand(-1, 3, -1), cu, cu, 30, 30)
 
 
-def test_offsets_are_read_once_per_tensor_and_again_after_a_change(monkeypatch):
-    """A model passes one offsets tensor to every layer: it is read back (a GPU wait) once, and read again after an
-    in-place change, which is then caught."""
+@pytest.mark.gpu
+def test_gpu_offsets_are_read_once_per_tensor_and_again_after_a_change(monkeypatch):
+    """A model passes one offsets tensor to every layer: on a GPU it is read back (a device wait) once, and read
+    again after an in-place change, which is then caught."""
     q, k, v, _ = _packed([20, 30], [20, 30], 2, 2, 16, torch.float32, seed=4)
     cu = _offsets([20, 30])
     reads = []
     original = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or original(t))
     for _ in range(3):
-        flash_attention_varlen(q, k, v, cu, cu, 30, 30, backend="torch")
-    # The check reads cu once (passed as both offsets, three times); the tiled op itself lists the segments of
-    # cu_q and cu_k on every call (2 x 3). Without the cache the checks alone would read it 6 times.
-    assert len(reads) == 1 + 2 * 3
+        flash_attention_varlen(q, k, v, cu, cu, 30, 30, backend="triton")
+    assert len(reads) == 1  # passed as both offsets, three times
     cu[1] = 60
     with pytest.raises(ValueError, match="never decrease"):
-        flash_attention_varlen(q, k, v, cu, cu, 60, 60, backend="torch")
+        flash_attention_varlen(q, k, v, cu, cu, 60, 60)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cpu_offsets_edited_through_numpy_are_checked_again(backend):
+    """A numpy view writes the offsets without bumping torch's version counter: CPU offsets are checked on every
+    call, so a write that makes them decrease is refused, not computed as one sequence or read out of bounds."""
+    if DEVICE != "cpu":
+        pytest.skip("numpy views exist only for CPU tensors")
+    q, k, v, _ = _packed([12, 8], [12, 8], 2, 2, 16, torch.float32, seed=5)
+    cu = torch.tensor([0, 12, 20], dtype=torch.int32)
+    flash_attention_varlen(q, k, v, cu, cu, 12, 12, backend=backend)
+    cu.numpy()[2] = 8
+    with pytest.raises(ValueError, match="never decrease"):
+        flash_attention_varlen(q, k, v, cu, cu, 12, 12, backend=backend)
+
+
+def test_head_dim_zero_is_named_as_such():
+    q = torch.randn(20, 2, 0, device=DEVICE)
+    cu = _offsets([20])
+    with pytest.raises(ValueError, match="head_dim must be positive"):
+        flash_attention_varlen(q, q, q, cu, cu, 20, 20)

@@ -262,3 +262,82 @@ def _bad_input_worker(rank, world, device):
 
 def test_bad_input_is_a_clear_error():
     spawn(_bad_input_worker, 2, backend="gloo", timeout_s=60)
+
+
+def _nothing_silent_worker(rank, world, device):
+    x, y = _batches(device, 1)[0]
+    mine = slice(rank * 4, rank * 4 + 4)
+    # A discarded batch: the model's and the wrapper's zero_grad() drop the shards, as the optimizer's does.
+    for clear in ("model", "wrapper"):
+        model, ref = _net(device), _net(device)
+        ddp, ref_ddp = BucketedDDP(model, bucket_size_mb=1e-4), BucketedDDP(ref, bucket_size_mb=1e-4)
+        opt = ZeRO2Optimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+        ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
+        F.mse_loss(ddp(x[mine] * 3), y[mine]).backward()
+        (model if clear == "model" else ddp).zero_grad()
+        F.mse_loss(ddp(x[mine]), y[mine]).backward()
+        opt.step()
+        F.mse_loss(ref_ddp(x[mine]), y[mine]).backward()
+        ref_opt.step()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    # Calls that would see no gradient (they are in the shards) raise instead of doing nothing.
+    F.mse_loss(ddp(x[mine]), y[mine]).backward()
+    other = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="sharded by ZeRO-2, so .grad is None"):
+        other.step()
+    with pytest.raises(RuntimeError, match="clip_grad_norm_\\(max_norm\\)"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(RuntimeError, match="clip_grad_value_"):
+        torch.nn.utils.clip_grad_value_(model.parameters(), 1.0)
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)  # replicated gradients: torch's own, untouched
+    # A model converted after the optimizer was built would no longer be stepped.
+    model.to(torch.float64)
+    with pytest.raises(RuntimeError, match="no longer live in their BucketedDDP bucket"):
+        opt.step()
+    # An optimizer that subclasses an elementwise one may not be elementwise itself.
+    class LARS(torch.optim.SGD):
+        pass
+
+    with pytest.raises(ValueError, match="comm_dtype must be one of"):
+        BucketedDDP(_net(device), comm_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="bucket_size_mb must be"):
+        BucketedDDP(_net(device), bucket_size_mb=True)
+    model = _net(device)
+    ddp = BucketedDDP(model)
+    with pytest.raises(TypeError, match="LARS is not known to update each element"):
+        ZeRO2Optimizer(model.parameters(), LARS, lr=0.1)
+    ZeRO2Optimizer(model.parameters(), LARS, elementwise=True, lr=0.1)
+
+
+def test_nothing_is_silently_ignored():
+    spawn(_nothing_silent_worker, 2, backend="gloo", timeout_s=60)
+
+
+def _one_rank_only_worker(rank, world, device, what):
+    import datetime
+    import time
+
+    x, y = _batches(device, 1)[0]
+    model = _net(device)
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3))  # the world keeps a longer one
+    ddp = BucketedDDP(model, bucket_size_mb=1e-4, process_group=group)
+    if what == "zero1":
+        opt = ShardedOptimizer(model.parameters(), torch.optim.SGD, process_group=group, lr=0.1)
+    else:
+        opt = ZeRO2Optimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    F.mse_loss(ddp(x[rank * 4 : rank * 4 + 4]), y[rank * 4 : rank * 4 + 4]).backward()
+    if rank == 1:
+        time.sleep(8)  # never calls it
+        return
+    call = opt.consolidate_state_dict if what == "consolidate_state_dict" else opt.step
+    name = f"{type(opt).__name__}.{'consolidate_state_dict' if what == 'consolidate_state_dict' else 'step'}"
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"{name}: rank\(s\) \[1\] did not arrive within 3 s"):
+        call()
+    assert time.monotonic() - start < 7
+
+
+@pytest.mark.parametrize("what", ["step", "consolidate_state_dict", "zero1"])
+def test_a_collective_called_on_one_rank_names_the_rank_that_did_not_arrive(what):
+    spawn(_one_rank_only_worker, 2, what, backend="gloo", timeout_s=30)

@@ -160,7 +160,7 @@ class FlashAttention2Torch(torch.autograd.Function):
         op = "FlashAttention2Torch"
         scale = check_attention_inputs(q, k, v, is_causal, softmax_scale, op=op,
                                        allowed_dtypes=FLOAT_DTYPES + (torch.float64,))
-        left, right = normalize_window(window_size, bool(is_causal), op)
+        left, right = normalize_window(window_size, bool(is_causal), op, q.shape[-2], k.shape[-2])
         o, lse = flash_forward_torch(q, k, v, left, right, scale)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.window, ctx.scale = (left, right), scale
@@ -228,7 +228,7 @@ class FlashAttentionVarlenTorch(torch.autograd.Function):
         op = "FlashAttentionVarlenTorch"
         scale = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                                     softmax_scale, op=op, allowed_dtypes=FLOAT_DTYPES + (torch.float64,))
-        left, right = normalize_window(window_size, bool(is_causal), op)
+        left, right = normalize_window(window_size, bool(is_causal), op, q.shape[0], k.shape[0])
         o, lse = flash_varlen_forward_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, left, right, scale)
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.window, ctx.scale = (left, right), scale

@@ -41,7 +41,7 @@ class _FlashAttention2TritonFunction(torch.autograd.Function):
             return o
         op = "FlashAttention2Triton"
         scale = check_attention_inputs(q, k, v, is_causal, softmax_scale, op=op, max_head_dim=MAX_HEAD_DIM)
-        window = normalize_window(window_size, bool(is_causal), op)
+        window = normalize_window(window_size, bool(is_causal), op, q.shape[-2], k.shape[-2])
         calls.check_device(q, op)
         eager = calls.eager(q, k, v)
         planned_path = eager and calls.plannable(q)
@@ -120,7 +120,7 @@ class FlashAttentionVarlenTriton(torch.autograd.Function):
         op = "FlashAttentionVarlenTriton"
         scale = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                                     softmax_scale, op=op, max_head_dim=MAX_HEAD_DIM)
-        window = normalize_window(window_size, bool(is_causal), op)
+        window = normalize_window(window_size, bool(is_causal), op, q.shape[0], k.shape[0])
         calls.check_device(q, op)
         lengths = (max_seqlen_q, max_seqlen_k)
         with calls.on_device(q):

@@ -33,13 +33,14 @@ def causal_mask(n_queries: int, n_keys: int, device: torch.device | str | None =
 
 def window_mask(n_queries: int, n_keys: int, left: int, right: int, device: torch.device | str | None = None) -> Tensor:
     """Boolean (Nq, Nk) mask of a (left, right) window, flash-attn's semantics: with off = Nk - Nq, query i sees
-    key j iff i + off - left <= j <= i + off + right; -1 leaves that side unbounded. (-1, 0) is `causal_mask`."""
+    key j iff i + off - left <= j <= i + off + right; -1 leaves that side unbounded. (-1, 0) is `causal_mask`.
+    A bound as wide as the sequence bounds nothing (and is not added to the indices, where it could overflow)."""
     i = torch.arange(n_queries, device=device)[:, None] + (n_keys - n_queries)
     j = torch.arange(n_keys, device=device)[None, :]
     visible = torch.ones(n_queries, n_keys, dtype=torch.bool, device=device)
-    if left >= 0:
+    if 0 <= left < n_keys:
         visible &= j >= i - left
-    if right >= 0:
+    if 0 <= right < n_queries:
         visible &= j <= i + right
     return visible
 

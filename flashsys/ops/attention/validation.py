@@ -58,31 +58,24 @@ def check_varlen_inputs(
 ) -> float:
     """Validate packed q (total_q, Hq, D), k, v (total_k, Hkv, D) and flash-attn's cu_seqlens; return the scale.
 
-    The offsets are read back to check them (on a GPU that waits for the device), once per offsets tensor: a model
-    passes the same one to every layer, and later calls with it (unmodified) reuse the result."""
+    The offsets are read back to check them. On a CPU that is cheap and done on every call. On a GPU it waits for
+    the device, so it is done once per offsets tensor: a model passes the same one to every layer, and later calls
+    with it (unmodified: the same storage and version counter) reuse the result."""
     _check_tensors(q, k, v, op, allowed_dtypes, ranks=(3,), layout="(total_tokens, heads, head_dim)")
     if k.shape != v.shape or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"{op}: k and v must have one shape and q, k one head_dim (q {tuple(q.shape)}, k "
                          f"{tuple(k.shape)}, v {tuple(v.shape)})")
-    if q.shape[-1] == 0 or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"{op}: the query heads ({q.shape[1]}) must be a positive multiple of the key/value heads "
+    if q.shape[-1] == 0:
+        raise ValueError(f"{op}: head_dim must be positive, got q {tuple(q.shape)}")
+    if (k.shape[1] == 0 and q.shape[1] != 0) or (k.shape[1] and q.shape[1] % k.shape[1]):
+        raise ValueError(f"{op}: the query heads ({q.shape[1]}) must be a multiple of the key/value heads "
                          f"({k.shape[1]})")
     if max_head_dim is not None and q.shape[-1] > max_head_dim:
         raise ValueError(f"{op}: head_dim {q.shape[-1]} is above the supported maximum {max_head_dim}")
     lengths = {}
     for name, cu, total, longest in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
                                      ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)):
-        if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
-            what = f"{cu.dtype} of shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
-            raise ValueError(f"{op}: {name} must be an int32 tensor of shape (batch + 1,), got {what}")
-        if cu.device != q.device:
-            raise ValueError(f"{op}: {name} is on {cu.device}, q on {q.device}")
-        last, longest_found = _offsets_summary(cu, name, op)
-        if last != total:
-            raise ValueError(f"{op}: {name} must end at the token count {total}, got {last}")
-        if isinstance(longest, bool) or not isinstance(longest, int) or longest < longest_found:
-            raise ValueError(f"{op}: max_seqlen for {name} must be an int >= the longest sequence "
-                             f"({longest_found}), got {longest!r}")
+        check_offsets(cu, total, longest, q.device, name=name, op=op)
         lengths[name] = cu.numel()
     if lengths["cu_seqlens_q"] != lengths["cu_seqlens_k"]:
         raise ValueError(f"{op}: cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
@@ -90,10 +83,31 @@ def check_varlen_inputs(
     return _checked_scale(q, is_causal, softmax_scale, op)
 
 
-# Offsets tensors already read and found well-formed: id -> (weak reference, version, last offset, longest).
-# The weak reference proves the same live tensor (an id can be reused once a tensor dies); the version counter
-# changes with every in-place write to it.
-_checked_offsets: dict[int, tuple[weakref.ref, int, int, int]] = {}
+def check_offsets(cu, total: int, max_seqlen, device: torch.device, *, name: str, op: str) -> None:
+    """Check flash-attn's offsets `cu` over `total` packed tokens: an int32 (batch + 1,) tensor on `device`,
+    starting at 0, never decreasing, ending at `total`, its longest sequence at most the int `max_seqlen`.
+
+    Raises:
+        ValueError: naming `name` and showing what is wrong.
+    """
+    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+        what = f"{cu.dtype} of shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
+        raise ValueError(f"{op}: {name} must be an int32 tensor of shape (batch + 1,), got {what}")
+    if cu.device != device:
+        raise ValueError(f"{op}: {name} is on {cu.device}, the tokens on {device}")
+    last, longest_found = _offsets_summary(cu, name, op)
+    if last != total:
+        raise ValueError(f"{op}: {name} must end at the token count {total}, got {last}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < longest_found:
+        raise ValueError(f"{op}: max_seqlen for {name} must be an int >= the longest sequence "
+                         f"({longest_found}), got {max_seqlen!r}")
+
+
+# GPU offsets tensors already read and found well-formed: id -> (weak reference, storage address, version, last
+# offset, longest). The weak reference proves the same live tensor (an id can be reused once a tensor dies); the
+# version counter changes with every in-place write through torch. CPU offsets are not cached: a numpy view writes
+# them without bumping the version, and reading them back costs no device wait.
+_checked_offsets: dict[int, tuple[weakref.ref, int, int, int, int]] = {}
 
 
 def _offsets_summary(cu: torch.Tensor, name: str, op: str) -> tuple[int, int]:
@@ -102,17 +116,19 @@ def _offsets_summary(cu: torch.Tensor, name: str, op: str) -> tuple[int, int]:
     Raises:
         ValueError: otherwise, showing the offsets.
     """
-    known = _checked_offsets.get(id(cu))
-    if known is not None and known[0]() is cu and known[1] == cu._version:
-        return known[2], known[3]
+    cached = cu.device.type != "cpu"
+    known = _checked_offsets.get(id(cu)) if cached else None
+    if known is not None and known[0]() is cu and known[1:3] == (cu.data_ptr(), cu._version):
+        return known[3], known[4]
     offsets = cu.tolist()
     steps = [b - a for a, b in zip(offsets, offsets[1:])]
     if offsets[0] != 0 or min(steps) < 0:
         raise ValueError(f"{op}: {name} must start at 0, never decrease and end at the token count, "
                          f"got {offsets if len(offsets) <= 12 else offsets[:6] + ['...'] + offsets[-3:]}")
-    if len(_checked_offsets) > 1024:
-        _checked_offsets.clear()
-    _checked_offsets[id(cu)] = (weakref.ref(cu), cu._version, offsets[-1], max(steps))
+    if cached:
+        if len(_checked_offsets) > 1024:
+            _checked_offsets.clear()
+        _checked_offsets[id(cu)] = (weakref.ref(cu), cu.data_ptr(), cu._version, offsets[-1], max(steps))
     return offsets[-1], max(steps)
 
 
@@ -129,9 +145,14 @@ def _checked_scale(q: torch.Tensor, is_causal, softmax_scale, op: str) -> float:
     return float(softmax_scale)
 
 
-def normalize_window(window_size, causal: bool, op: str) -> tuple[int, int]:
+def normalize_window(window_size, causal: bool, op: str, n_queries: int | None = None,
+                     n_keys: int | None = None) -> tuple[int, int]:
     """(left, right) key bounds from flash-attn's `window_size` and `causal`, -1 meaning unbounded; causal sets
     right to 0. (-1, -1) is plain attention, (-1, 0) causal attention.
+
+    Given the query and key counts (of the longest sequence, or any upper bound), a bound at least that wide
+    bounds nothing and becomes -1: the kernels add the bounds to 32-bit row indices, and `(-1, 2**31 - 1)` must
+    not wrap around into a mask that hides every key.
 
     Raises:
         TypeError, ValueError: for anything but None or a pair of ints, each -1 or >= 0.
@@ -145,7 +166,12 @@ def normalize_window(window_size, causal: bool, op: str) -> tuple[int, int]:
         left, right = window_size
         if left < -1 or right < -1:
             raise ValueError(f"{op}: window_size entries must be -1 (unbounded) or >= 0, got {tuple(window_size)}")
-    return left, (0 if causal else right)
+    right = 0 if causal else right
+    if n_keys is not None and left >= n_keys:
+        left = -1
+    if n_queries is not None and right >= n_queries:
+        right = -1
+    return left, right
 
 
 def refuse_double_backward(op: str) -> None:
@@ -171,7 +197,7 @@ def _shape_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_head_d
     if q.dim() == 4:
         if k.shape[1] != v.shape[1]:
             return f"k and v must have the same number of heads, got {k.shape[1]} and {v.shape[1]}"
-        if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        if (k.shape[1] == 0 and q.shape[1] != 0) or (k.shape[1] and q.shape[1] % k.shape[1]):
             return (f"the query heads ({q.shape[1]}) must be a multiple of the key/value heads ({k.shape[1]}) for "
                     "grouped-query attention")
     if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):

@@ -120,7 +120,8 @@ def make_geometry(batch, n_heads, kv_heads, n_q, n_k, d, dtype: torch.dtype, var
     long_seq = bool(grid_q > half or grid_k > half)
     concrete = type(grid_q) is int and type(grid_k) is int
     bucket = min(_next_power_of_2(max(grid_q, grid_k)), 1 << 16) if concrete else None
-    return Geometry(n_heads=n_heads, n_bh=batch * n_heads, kv_group=n_heads // kv_heads, n_bh_kv=batch * kv_heads,
+    kv_group = n_heads // kv_heads if kv_heads else 1  # no heads at all: an empty output, as SDPA's
+    return Geometry(n_heads=n_heads, n_bh=batch * n_heads, kv_group=kv_group, n_bh_kv=batch * kv_heads,
                     n_q=n_q, n_k=n_k, d=d, block_d=block_d, head_dim_class=64 if block_d <= 64 else block_d,
                     fp32=dtype == torch.float32, varlen=varlen, grid_q=grid_q, grid_k=grid_k, long_seq=long_seq,
                     bucket=bucket, dtype=dtype)
