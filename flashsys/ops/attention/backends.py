@@ -34,6 +34,7 @@ class AttentionBackend:
         runs_on: "any" device, "cuda" only, or "triton": CUDA, or a CPU with TRITON_INTERPRET=1 set before
             import (Triton's interpreter: slow, for tests).
         core: True for the implementations a model chooses between; False for benchmark variants.
+        module: a module the backend imports (an optional package): "not installed" where it does not import.
     """
 
     name: str
@@ -41,10 +42,20 @@ class AttentionBackend:
     description: str
     runs_on: str = "any"
     core: bool = True
+    module: str | None = None
 
     def unavailable_reason(self, device: torch.device | str) -> str | None:
         """None when this backend can run on `device`, else why not (without running it)."""
         on_cuda = torch.device(device).type == "cuda"
+        if self.module is not None:
+            import importlib.util
+
+            try:
+                found = importlib.util.find_spec(self.module) is not None
+            except (ImportError, ValueError):
+                found = False
+            if not found:
+                return f"not installed ({self.module})"
         if self.runs_on == "cuda" and not on_cuda:
             return "needs CUDA"
         if self.runs_on == "triton":
@@ -111,6 +122,22 @@ def _sdpa(kernel: str | None) -> AttentionFn:
     return run
 
 
+def _fa4(q, k, v, causal, scale, window=None):
+    """FlashAttention-4 (flash-attn-4's CuTe DSL kernels), the benchmarks' same-run anchor: (B, N, H, D) layout, so
+    rank-4 inputs go through transposed views (no copies)."""
+    from flash_attn.cute import flash_attn_func
+
+    if window is not None and window != (-1, -1):
+        raise ValueError("fa4 anchor: windows are not wired here")
+    squeeze = q.dim() == 3
+    if squeeze:
+        q, k, v = q[:, None], k[:, None], v[:, None]
+    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
+                          causal=causal)
+    out = (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+    return out[:, 0] if squeeze else out
+
+
 _compiled_naive: AttentionFn | None = None
 
 
@@ -136,6 +163,8 @@ _ENTRIES = [
     AttentionBackend("sdpa-efficient", _sdpa("EFFICIENT_ATTENTION"), "SDPA pinned to its memory-efficient kernel",
                      runs_on="cuda", core=False),
     AttentionBackend("sdpa-math", _sdpa("MATH"), "SDPA pinned to its math (C++ reference) kernel", core=False),
+    AttentionBackend("fa4", _fa4, "FlashAttention-4 (flash-attn-4, optional): the benchmarks' anchor", runs_on="cuda",
+                     core=False, module="flash_attn.cute"),
 ]
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in _ENTRIES}
 CORE_BACKENDS: tuple[str, ...] = tuple(b.name for b in _ENTRIES if b.core)
