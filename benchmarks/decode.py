@@ -1,6 +1,8 @@
 """Decoding from a KV cache: one new query per sequence against the cache, grouped-query heads, forward only.
 flashsys (its split-key decode kernels) against SDPA pinned to each of its kernels and compiled FlexAttention, in
-one run. `vs_best` is flashsys' time over the fastest baseline that ran in the cell.
+one run. SDPA's fused kernels take no grouped K/V in this call, so it runs as transformers' sdpa path runs one
+query: each K/V head's group of query heads folded into query rows, (B, Hkv, Hq/Hkv, D). `vs_best` is flashsys'
+time over the fastest baseline that ran in the cell.
 
     python -m benchmarks.decode --batches 1 4 16 64 --cache-lens 1024 4096 16384 32768
 """
@@ -12,7 +14,7 @@ import argparse
 import torch
 
 from benchmarks.harness import DEVICE, ON_GPU, add_common_args, bench_ms, environment, progress, run_cell, write_table
-from flashsys.ops.attention import ATTENTION_BACKENDS, flash_attention
+from flashsys.ops.attention import flash_attention
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -27,11 +29,31 @@ def _flex():
     return lambda q, k, v: compiled(q, k, v, enable_gqa=True)
 
 
+def _sdpa_grouped(kernel: str | None):
+    """SDPA with the query heads of each K/V head folded into query rows (one query per sequence sees every key,
+    so the rows are independent); `kernel` pins one SDPA backend (None: PyTorch chooses)."""
+    import contextlib
+
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def run(q, k, v):
+        b, hq, n_q, d = q.shape
+        folded = q.reshape(b, k.shape[1], hq // k.shape[1] * n_q, d)
+        with sdpa_kernel(getattr(SDPBackend, kernel)) if kernel else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(folded, k, v).reshape(b, hq, n_q, d)
+
+    return run
+
+
+SDPA_KERNELS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION",
+                "sdpa-efficient": "EFFICIENT_ATTENTION", "sdpa-math": "MATH", "sdpa": None}
+
+
 def impls(sdpa: list[str], with_flex: bool) -> dict:
     out = {"flashsys": lambda q, k, v: flash_attention(q, k, v, causal=True)}
     for name in sdpa:
-        fn = ATTENTION_BACKENDS[name].fn
-        out[name] = lambda q, k, v, fn=fn: fn(q, k, v, False, None)
+        out[name] = _sdpa_grouped(SDPA_KERNELS[name])
     if with_flex and (flex := _flex()) is not None:
         out["flex_attention"] = flex
     return out
@@ -44,11 +66,10 @@ def main(argv=None) -> int:
     p.add_argument("--q-heads", type=int, default=32 if ON_GPU else 4)
     p.add_argument("--kv-heads", type=int, default=8 if ON_GPU else 2)
     p.add_argument("--head-dim", type=int, default=128 if ON_GPU else 16)
-    p.add_argument("--queries", type=int, default=1, help="new queries per sequence")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16, 64] if ON_GPU else [1])
     p.add_argument("--cache-lens", nargs="+", type=int, default=[1024, 4096, 16384, 32768] if ON_GPU else [512])
-    p.add_argument("--sdpa", nargs="+", default=["sdpa-flash", "sdpa-cudnn", "sdpa-efficient"] if ON_GPU
-                   else ["sdpa-math"])
+    p.add_argument("--sdpa", nargs="+", choices=list(SDPA_KERNELS),
+                   default=["sdpa-flash", "sdpa-cudnn", "sdpa-efficient"] if ON_GPU else ["sdpa-math"])
     p.add_argument("--no-flex", action="store_true", help="leave compiled FlexAttention out")
     args = p.parse_args(argv)
     dtype = DTYPES[args.dtype]
@@ -58,7 +79,7 @@ def main(argv=None) -> int:
     cells = [(b, n) for b in args.batches for n in args.cache_lens]
     for batch, n in progress(cells, "decode", args.no_progress):
         g = torch.Generator(device="cpu").manual_seed(batch * 100003 + n)
-        q = torch.randn(batch, args.q_heads, args.queries, args.head_dim, generator=g).to(DEVICE, dtype)
+        q = torch.randn(batch, args.q_heads, 1, args.head_dim, generator=g).to(DEVICE, dtype)
         k, v = (torch.randn(batch, args.kv_heads, n, args.head_dim, generator=g).to(DEVICE, dtype) for _ in range(2))
         times = {}
         for name, fn in fns.items():
@@ -77,7 +98,7 @@ def main(argv=None) -> int:
         rows.append(row)
     name = f"decode_{'gpu' if ON_GPU else 'cpu'}"
     path = write_table(rows, args.out, name, "Decoding: queries against a KV cache, forward only",
-                       [f"{args.dtype}, {args.queries} query per sequence, Hq {args.q_heads}, Hkv {args.kv_heads}, "
+                       [f"{args.dtype}, one query per sequence, Hq {args.q_heads}, Hkv {args.kv_heads}, "
                         f"head_dim {args.head_dim}; median ms per call. vs_best: flashsys / the fastest baseline "
                         "(< 1 is faster)."], environment())
     print(path.read_text())

@@ -314,13 +314,13 @@ def test_nothing_is_silently_ignored():
     spawn(_nothing_silent_worker, 2, backend="gloo", timeout_s=60)
 
 
-def _one_rank_only_worker(rank, world, device, what):
+def _one_rank_only_worker(rank, world, device, what, backend="gloo"):
     import datetime
     import time
 
     x, y = _batches(device, 1)[0]
     model = _net(device)
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3))  # the world keeps a longer one
+    group = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=3))  # the world keeps a longer one
     ddp = BucketedDDP(model, bucket_size_mb=1e-4, process_group=group)
     if what == "zero1":
         opt = ShardedOptimizer(model.parameters(), torch.optim.SGD, process_group=group, lr=0.1)
@@ -341,3 +341,9 @@ def _one_rank_only_worker(rank, world, device, what):
 @pytest.mark.parametrize("what", ["step", "consolidate_state_dict", "zero1"])
 def test_a_collective_called_on_one_rank_names_the_rank_that_did_not_arrive(what):
     spawn(_one_rank_only_worker, 2, what, backend="gloo", timeout_s=30)
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("what", ["step", "consolidate_state_dict"])
+def test_a_collective_called_on_one_rank_names_the_rank_that_did_not_arrive_nccl(what):
+    spawn(_one_rank_only_worker, 2, what, "nccl", backend="nccl", timeout_s=30)

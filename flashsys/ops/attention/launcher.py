@@ -105,9 +105,9 @@ def forward(q: Tensor, k: Tensor, v: Tensor, window: Window, scale: float, trace
     o = torch.empty_like(q, memory_format=torch.contiguous_format)  # empty_like: the cheapest allocation call
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     t = ForwardTensors(q, k, v, o, lse)
-    recorded = None
+    recorded, scratch = None, ()
     if dispatch.takes_decode(q, k):
-        recorded = decode.forward(q, k, v, o, lse, window, scale, traced)
+        recorded, scratch = decode.forward(q, k, v, o, lse, window, scale, traced)
     elif not traced and dispatch.takes_forward(q, k, v, window):
         key = dispatch.ChoiceKey.of(q, k, window, "forward")
         variant = choose_variant(key, lambda var: gluon_launch.launch(var, t, window, scale, record=False))
@@ -117,8 +117,9 @@ def forward(q: Tensor, k: Tensor, v: Tensor, window: Window, scale: float, trace
         g = launch.geometry_of(q.shape, k.shape, q.dtype) if traced else launch.cached_geometry(q.shape, k.shape,
                                                                                                 q.dtype)
         recorded = _tl_forward(g, t, Offsets(q, k), window, scale, traced)
-    replays = None if traced else plans.replays(recorded, tuple(t))
-    plan = None if replays is None else plans.ForwardPlan(window, scale, tuple(lse.shape), replays)
+    replays = None if traced else plans.replays(recorded, (*t, *scratch))
+    plan = None if replays is None else plans.ForwardPlan(window, scale, tuple(lse.shape), replays,
+                                                          tuple((tuple(s.shape), s.dtype) for s in scratch))
     return o, lse, plan
 
 

@@ -145,6 +145,9 @@ def _checked_scale(q: torch.Tensor, is_causal, softmax_scale, op: str) -> float:
     return float(softmax_scale)
 
 
+_INT64_MAX = (1 << 63) - 1
+
+
 def normalize_window(window_size, causal: bool, op: str, n_queries: int | None = None,
                      n_keys: int | None = None) -> tuple[int, int]:
     """(left, right) key bounds from flash-attn's `window_size` and `causal`, -1 meaning unbounded; causal sets
@@ -155,7 +158,7 @@ def normalize_window(window_size, causal: bool, op: str, n_queries: int | None =
     not wrap around into a mask that hides every key.
 
     Raises:
-        TypeError, ValueError: for anything but None or a pair of ints, each -1 or >= 0.
+        TypeError, ValueError: for anything but None or a pair of 64-bit ints, each -1 or >= 0.
     """
     if window_size is None:
         left, right = -1, -1
@@ -166,6 +169,9 @@ def normalize_window(window_size, causal: bool, op: str, n_queries: int | None =
         left, right = window_size
         if left < -1 or right < -1:
             raise ValueError(f"{op}: window_size entries must be -1 (unbounded) or >= 0, got {tuple(window_size)}")
+        if left > _INT64_MAX or right > _INT64_MAX:  # no kernel argument or plan key holds it
+            raise ValueError(f"{op}: window_size entries must fit in 64 bits (use -1 for unbounded), got "
+                             f"{tuple(window_size)}")
     right = 0 if causal else right
     if n_keys is not None and left >= n_keys:
         left = -1

@@ -78,21 +78,25 @@ def on_current_device(t: Tensor) -> bool:
 
 
 class ForwardPlan:
-    """The forward of one signature: output shapes, the forward kernel's launch, and the (left, right) window and
-    scale the full path derived (the backward needs them). `native`: whether the native launcher holds it too (None:
-    not offered yet; False: it refused it)."""
+    """The forward of one signature: output shapes, the forward kernels' launches, the (left, right) window and
+    scale the full path derived (the backward needs them), and the (shape, dtype) of each scratch tensor the launches
+    use after the call's own (the decode kernels' partial results). `native`: whether the native launcher holds it
+    too (None: not offered yet; False: it refused it, or the plan has scratch, which only the Python replay
+    allocates)."""
 
-    __slots__ = ("window", "scale", "lse_shape", "replays", "native")
+    __slots__ = ("window", "scale", "lse_shape", "replays", "scratch", "native")
 
     def __init__(self, window: tuple[int, int], scale: float, lse_shape: tuple[int, ...],
-                 plan_replays: tuple[Replay, ...]):
+                 plan_replays: tuple[Replay, ...], scratch: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()):
         self.window, self.scale, self.lse_shape, self.replays = window, scale, lse_shape, plan_replays
-        self.native: bool | None = None
+        self.scratch = scratch
+        self.native: bool | None = False if scratch else None
 
     def launch(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         o = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
-        _launch_all(self.replays, (q, k, v, o, lse), q.get_device())
+        scratch = [torch.empty(shape, dtype=dtype, device=q.device) for shape, dtype in self.scratch]
+        _launch_all(self.replays, (q, k, v, o, lse, *scratch), q.get_device())
         return o, lse
 
 
@@ -131,8 +135,10 @@ def plannable(q, k, v, is_causal, softmax_scale, window_size) -> bool:
         return False
     if softmax_scale is not None and type(softmax_scale) not in (float, int):
         return False
+    # Bounds beyond 32 bits take the full path, which validates them and reads a bound that wide as no bound.
     return window_size is None or (type(window_size) is tuple and len(window_size) == 2
-                                   and type(window_size[0]) is int and type(window_size[1]) is int)
+                                   and type(window_size[0]) is int and type(window_size[1]) is int
+                                   and -1 <= window_size[0] < 1 << 31 and -1 <= window_size[1] < 1 << 31)
 
 
 def forward_key(q, k, v, is_causal, softmax_scale, window_size) -> tuple | None:

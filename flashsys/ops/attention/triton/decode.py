@@ -155,9 +155,10 @@ def _splits(n_k: int, programs: int, device: torch.device) -> tuple[int, int]:
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, window: tuple[int, int], scale: float,
-            traced: bool) -> list[Recorded | None]:
+            traced: bool) -> tuple[list[Recorded | None], tuple[Tensor, Tensor]]:
     """Write O and L of rank-3/4 q over k, v (the forward's contract) with the two decode kernels. Returns the launches
-    as a plan records them: [None] (never replayed: the partials are scratch a plan does not allocate)."""
+    as a plan records them, and the scratch tensors they use (the partial outputs and logsumexps), which a replay
+    allocates anew."""
     rank4 = q.dim() == 4
     batch, n_heads = q.shape[0], q.shape[1] if rank4 else 1
     kv_heads = k.shape[1] if rank4 else 1
@@ -185,7 +186,6 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, window: tup
                                                            **split_constexprs)
         wrap_triton(flash_decode_combine_kernel)[combine_grid](
             *positional(flash_decode_combine_kernel, combine_named), **combine_constexprs)
-    else:
-        run_fixed(flash_decode_split_kernel, split_grid, split_named, split_constexprs)
-        run_fixed(flash_decode_combine_kernel, combine_grid, combine_named, combine_constexprs)
-    return [None]
+        return [None], (part_o, part_l)
+    return [run_fixed(flash_decode_split_kernel, split_grid, split_named, split_constexprs),
+            run_fixed(flash_decode_combine_kernel, combine_grid, combine_named, combine_constexprs)], (part_o, part_l)
