@@ -84,17 +84,6 @@ def _bucket_mb(text: str) -> float | str | None:
     return bucket
 
 
-def training_bytes_estimate(model: ModelConfig, batch_per_rank: int) -> int:
-    """A lower bound on one rank's memory for a training step: fp32 weights, gradients and AdamW's two moments,
-    plus the activations backward keeps (about 16 floats per token per layer in the blocks, and the logits with
-    their float copy and gradient). Real use is higher; this is only to refuse what cannot possibly fit."""
-    c = model
-    params = 2 * c.vocab_size * c.d_model + c.num_layers * (4 * c.d_model**2 + 3 * c.d_model * c.d_ff)
-    tokens = batch_per_rank * c.context_length
-    activations = tokens * (c.num_layers * 16 * c.d_model + 3 * c.vocab_size)
-    return 4 * (4 * params + activations)
-
-
 def _available_bytes(on_gpu: bool) -> int | None:
     if on_gpu:
         return torch.cuda.get_device_properties(0).total_memory
@@ -108,21 +97,38 @@ def _available_bytes(on_gpu: bool) -> int | None:
     return None
 
 
-def check_memory(model: ModelConfig, batch_per_rank: int, world: int, on_gpu: bool) -> None:
-    """Refuse a run whose lower-bound memory estimate exceeds what the machine has, before any process starts
-    (a CPU worker that runs out is killed by the kernel with no message).
+def check_memory(model: ModelConfig, batch_per_rank: int, world: int, on_gpu: bool, strategy: str,
+                 dtype: str) -> None:
+    """Refuse a run that the plan (`flashsys.plan`) says cannot fit, before any process starts (a CPU worker that
+    runs out is killed by the kernel with no message): its state and the activations backward certainly keeps
+    exceed a rank's memory (a GPU's, or on a CPU the available memory shared by the ranks). Estimates above what
+    is there, short of that floor, only warn: the estimate is the plan's, not a measurement.
 
     Raises:
-        UsageError: saying how much the step needs at least and how much there is.
+        UsageError: saying how much the step needs at least, how much there is, and what would fit.
     """
+    from .plan import TRAINER_STRATEGIES, Device, plan
+
     available = _available_bytes(on_gpu)
     if available is None:
         return
-    need = training_bytes_estimate(model, batch_per_rank) * (1 if on_gpu else world)
-    if need > available:
-        where = "GPU memory per rank" if on_gpu else f"available memory for {world} rank(s)"
-        raise UsageError(f"--batch-size {batch_per_rank * world} needs at least {need / 2**30:.1f} GiB, but there is "
-                         f"{available / 2**30:.1f} GiB of {where}; lower --batch-size or --context-length")
+    per_rank = available if on_gpu else available / world
+    device = Device("this machine", per_rank, {"bfloat16": 1.0, "float32": 1.0})
+    chosen = plan(model, world, batch_per_rank, strategy, device, dtype, model.checkpoint_blocks)
+    if chosen.floor <= per_rank:
+        if not chosen.fits:
+            print(f"flashsys train: warning: the plan estimates {chosen.memory.total / 2**30:.1f} GiB per rank, "
+                  f"{per_rank / 2**30:.1f} GiB is there; it may run out of memory", file=sys.stderr)
+        return
+    where = "GPU memory per rank" if on_gpu else f"available memory per rank ({world} ranks share it)"
+    others = [p for p in (plan(model, world, batch_per_rank, s, device, dtype, model.checkpoint_blocks)
+                          for s in TRAINER_STRATEGIES if s != strategy and world > 1) if p.floor <= per_rank]
+    best = min(others, key=lambda p: (round(p.step_s, 6), p.memory.total), default=None)
+    flags = {"ddp": "--no-shard", "zero1": "--zero-stage 1", "zero2": "--zero-stage 2"}
+    hint = f"{flags[best.strategy]} would fit; or " if best else ""
+    raise UsageError(f"--batch-size {batch_per_rank * world} needs at least {chosen.floor / 2**30:.1f} GiB per rank "
+                     f"({strategy}; `flashsys plan` shows the breakdown), but there is {per_rank / 2**30:.1f} GiB of "
+                     f"{where}; {hint}lower --batch-size or --context-length")
 
 
 def config_from_args(a: argparse.Namespace) -> TrainConfig:
@@ -180,7 +186,8 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
     if a.batch_size % world:
         raise UsageError(f"--batch-size {a.batch_size} must be divisible by the world size {world}")
     backend = "nccl" if cuda and world <= torch.cuda.device_count() else "gloo"
-    check_memory(model, a.batch_size // world, world, backend == "nccl")
+    strategy = "ddp" if a.no_shard or world == 1 else {1: "zero1", 2: "zero2"}[a.zero_stage or TrainConfig.zero_stage]
+    check_memory(model, a.batch_size // world, world, backend == "nccl", strategy, a.dtype)
     return TrainConfig(model=model, data=a.data, out=a.out, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
                        warmup=min(20, max(1, a.steps // 10)), world_size=world, backend=backend,
                        bucket_mb=_bucket_mb(a.bucket_mb), shard=not a.no_shard,
@@ -188,6 +195,74 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
                        compile=cuda if a.compile is None else a.compile, dtype=a.dtype,
                        checkpoint_every=a.checkpoint_every, stop_after=a.stop_after, resume=a.resume, seed=a.seed,
                        timeout_s=a.timeout, force=a.force, pack_documents=a.pack_documents)
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `flashsys plan`."""
+    from .plan import DEVICES, STRATEGIES
+
+    p.add_argument("--preset", choices=list(PRESETS), default="xl", help="model size preset (default %(default)s)")
+    p.add_argument("--d-model", type=int, help="override the preset's width")
+    p.add_argument("--layers", type=int, help="override the preset's blocks")
+    p.add_argument("--heads", type=int, help="override the preset's query heads")
+    p.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
+    p.add_argument("--d-ff", type=int, help="override the preset's SwiGLU width")
+    p.add_argument("--vocab-size", type=int, help="override the preset's vocabulary")
+    p.add_argument("--context-length", type=int, default=512, help="tokens per sequence (default %(default)s)")
+    p.add_argument("--world-size", type=int, default=2, help="ranks, one per device (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=32, help="global batch in sequences (default %(default)s)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="default %(default)s")
+    p.add_argument("--strategy", choices=["all", *STRATEGIES], default="all")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every block")
+    p.add_argument("--device", choices=list(DEVICES), default="h100", help="default %(default)s")
+    p.add_argument("--efficiency", type=float, default=0.33,
+                   help="fraction of the peak FLOP/s a step reaches (default %(default)s, measured: xl on an H200)")
+    p.add_argument("--bandwidth-gbps", type=float, default=None,
+                   help="link bus bandwidth in GB/s (default: the measured all-reduce table's)")
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    """Print the plan of every strategy (or one) and the recommendation, or the smallest world that would fit."""
+    from .plan import DEVICES, STRATEGIES, plan, recommend, smallest_world, table
+
+    changes = {name: value for name, value in (("d_model", a.d_model), ("num_layers", a.layers),
+                                               ("num_heads", a.heads), ("d_ff", a.d_ff), ("vocab_size", a.vocab_size),
+                                               ("num_kv_heads", a.kv_heads)) if value is not None}
+    model = preset(a.preset, context_length=a.context_length, **changes)
+    if a.world_size < 1 or a.batch_size < 1 or a.batch_size % a.world_size:
+        raise UsageError(f"--batch-size {a.batch_size} must be a positive multiple of --world-size {a.world_size}")
+    if not 0 < a.efficiency <= 1:
+        raise UsageError(f"--efficiency must be in (0, 1], got {a.efficiency}")
+    device = DEVICES[a.device]
+    per_rank = a.batch_size // a.world_size
+    strategies = (STRATEGIES if a.world_size > 1 else ("ddp",)) if a.strategy == "all" else (a.strategy,)
+    if a.world_size == 1 and a.strategy in ("zero1", "zero2", "zero3"):
+        raise UsageError(f"--strategy {a.strategy} shards over ranks; with --world-size 1 there is nothing to shard "
+                         "(one rank runs plain AdamW: --strategy ddp)")
+    bandwidth = a.bandwidth_gbps * 1e9 if a.bandwidth_gbps else None
+    plans = [plan(model, a.world_size, per_rank, s, device, a.dtype, a.checkpointing, a.efficiency, bandwidth)
+             for s in strategies]
+    print(f"{a.preset} ({model.num_layers} blocks, d_model {model.d_model}, d_ff {model.d_ff}, vocab "
+          f"{model.vocab_size}), context {a.context_length}, batch {a.batch_size} over {a.world_size} x "
+          f"{device.name} ({device.memory / 2**30:.0f} GiB), {a.dtype}"
+          f"{', activation checkpointing' if a.checkpointing else ''}:\n")
+    print(table(plans))
+    for p in plans:
+        for note in p.notes:
+            print(f"note ({p.strategy}): {note}")
+    best = recommend(plans)
+    if best is not None:
+        flags = {"ddp": "--no-shard", "zero1": "--zero-stage 1", "zero2": "--zero-stage 2"}[best.strategy]
+        bound = "compute" if best.compute_s >= best.comm_s else "communication"
+        print(f"\nrecommended: {best.strategy} (flashsys train {flags}): {best.memory.total / 2**30:.1f} GiB per rank, "
+              f"about {best.step_s * 1e3:.0f} ms per step ({bound}-bound)")
+        return 0
+    found = smallest_world(model, per_rank, device, a.dtype, a.checkpointing)
+    where = (f"the smallest world that holds it at {per_rank} sequences per rank is {found[0]} x {device.name} "
+             f"({found[1]})" if found else "no world holds it: one rank's activations alone exceed the device")
+    hint = "" if a.checkpointing else "; --checkpointing cuts the activations"
+    print(f"\nnothing fits on {a.world_size} x {device.name}: {where}{hint}")
+    return 1
 
 
 def cmd_info() -> int:
@@ -221,9 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import TrainingDiverged
     from .train import run_training
 
-    parser = argparse.ArgumentParser(prog="flashsys", description="FlashAttention, data-parallel and ZeRO-2 training of "
-                                                                  "a language model on one or many GPUs (or CPU "
-                                                                  "processes).")
+    parser = argparse.ArgumentParser(prog="flashsys", description="FlashAttention, data-parallel and ZeRO-2 training "
+                                     "of a language model on one or many GPUs (or CPU processes).")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a byte-level language model end to end (the main job)",
                            description="Train a TransformerLM on a text file with FlashAttention, BucketedDDP and "
@@ -232,9 +306,20 @@ def main(argv: list[str] | None = None) -> int:
                                        "NCCL process per GPU, ranks from the environment under torchrun.")
     add_train_arguments(train)
     sub.add_parser("info", help="torch/Triton versions, devices, and which attention backends work here")
+    planner = sub.add_parser("plan", help="memory per rank, communication and step time of each strategy, before "
+                                          "launching", description="Will it fit, and what will it cost? Per-rank "
+                             "memory (parameters, gradients, optimizer state, activations, buffers), bytes sent per "
+                             "step and a predicted step time, for DDP, ZeRO-1, ZeRO-2 and ZeRO-3 (flashsys.plan).")
+    add_plan_arguments(planner)
     args = parser.parse_args(argv)
     if args.command == "info":
         return cmd_info()
+    if args.command == "plan":
+        try:
+            return cmd_plan(args)
+        except UsageError as e:
+            print(f"flashsys plan: error: {e}", file=sys.stderr)
+            return 2
     try:
         run_training(config_from_args(args))
     except UsageError as e:
