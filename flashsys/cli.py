@@ -19,6 +19,8 @@ from .ops.attention import ATTENTION_BACKENDS, FLASH_SHORT_NAMES
 from .train import TrainConfig
 
 DEMO = PRESETS["demo"]
+# The `flashsys train` flags of each strategy `flashsys.plan` accounts for.
+TRAIN_FLAGS = {"ddp": "--no-shard", "zero1": "--zero-stage 1", "zero2": "--zero-stage 2", "zero3": "--zero-stage 3"}
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,9 +50,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bucket-mb", default="auto",
                    help="BucketedDDP bucket size in MB, 'auto' (measured, the default) or 'none'")
     p.add_argument("--no-shard", action="store_true", help="plain AdamW instead of a sharded optimizer")
-    p.add_argument("--zero-stage", type=int, choices=[1, 2], default=None,
+    p.add_argument("--zero-stage", type=int, choices=[1, 2, 3], default=None,
                    help="2: gradients and optimizer state sharded (ZeRO2Optimizer, default); 1: optimizer state only "
-                        "(ShardedOptimizer)")
+                        "(ShardedOptimizer); 3: parameters too (torch's FSDP2, fully_shard per block)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model (default: on a GPU, where it pays; --no-compile for eager)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype,
@@ -107,7 +109,7 @@ def check_memory(model: ModelConfig, batch_per_rank: int, world: int, on_gpu: bo
     Raises:
         UsageError: saying how much the step needs at least, how much there is, and what would fit.
     """
-    from .plan import TRAINER_STRATEGIES, Device, plan
+    from .plan import PREFERENCE, TRAINER_STRATEGIES, Device, plan, recommend
 
     available = _available_bytes(on_gpu)
     if available is None:
@@ -123,9 +125,8 @@ def check_memory(model: ModelConfig, batch_per_rank: int, world: int, on_gpu: bo
     where = "GPU memory per rank" if on_gpu else f"available memory per rank ({world} ranks share it)"
     others = [p for p in (plan(model, world, batch_per_rank, s, device, dtype, model.checkpoint_blocks)
                           for s in TRAINER_STRATEGIES if s != strategy and world > 1) if p.floor <= per_rank]
-    best = min(others, key=lambda p: (round(p.step_s, 6), p.memory.total), default=None)
-    flags = {"ddp": "--no-shard", "zero1": "--zero-stage 1", "zero2": "--zero-stage 2"}
-    hint = f"{flags[best.strategy]} would fit; or " if best else ""
+    best = (recommend(others) or min(others, key=lambda p: PREFERENCE.index(p.strategy))) if others else None
+    hint = f"{TRAIN_FLAGS[best.strategy]} would fit; or " if best else ""
     raise UsageError(f"--batch-size {batch_per_rank * world} needs at least {chosen.floor / 2**30:.1f} GiB per rank "
                      f"({strategy}; `flashsys plan` shows the breakdown), but there is {per_rank / 2**30:.1f} GiB of "
                      f"{where}; {hint}lower --batch-size or --context-length")
@@ -174,6 +175,9 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         raise UsageError(f"--checkpoint-every must be 0 (never) or positive, got {a.checkpoint_every}")
     if a.no_shard and a.zero_stage is not None:
         raise UsageError(f"--zero-stage {a.zero_stage} shards the optimizer and --no-shard asks for none; give one")
+    if a.zero_stage == 3 and world == 1:
+        raise UsageError("--zero-stage 3 shards the parameters over ranks; with --world-size 1 there is nothing to "
+                         "shard (one rank trains the whole model with AdamW): drop --zero-stage 3, or use more ranks")
     if a.stop_after is not None and a.stop_after < 1:
         raise UsageError(f"--stop-after must be at least 1, got {a.stop_after}")
     if not a.out.strip():
@@ -186,7 +190,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
     if a.batch_size % world:
         raise UsageError(f"--batch-size {a.batch_size} must be divisible by the world size {world}")
     backend = "nccl" if cuda and world <= torch.cuda.device_count() else "gloo"
-    strategy = "ddp" if a.no_shard or world == 1 else {1: "zero1", 2: "zero2"}[a.zero_stage or TrainConfig.zero_stage]
+    strategy = "ddp" if a.no_shard or world == 1 else f"zero{a.zero_stage or TrainConfig.zero_stage}"
     check_memory(model, a.batch_size // world, world, backend == "nccl", strategy, a.dtype)
     return TrainConfig(model=model, data=a.data, out=a.out, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
                        warmup=min(20, max(1, a.steps // 10)), world_size=world, backend=backend,
@@ -252,7 +256,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
             print(f"note ({p.strategy}): {note}")
     best = recommend(plans)
     if best is not None:
-        flags = {"ddp": "--no-shard", "zero1": "--zero-stage 1", "zero2": "--zero-stage 2"}[best.strategy]
+        flags = TRAIN_FLAGS[best.strategy]
         bound = "compute" if best.compute_s >= best.comm_s else "communication"
         print(f"\nrecommended: {best.strategy} (flashsys train {flags}): {best.memory.total / 2**30:.1f} GiB per rank, "
               f"about {best.step_s * 1e3:.0f} ms per step ({bound}-bound)")
@@ -301,9 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a byte-level language model end to end (the main job)",
                            description="Train a TransformerLM on a text file with FlashAttention, BucketedDDP and "
-                                       "ZeRO2Optimizer(AdamW) (--zero-stage 1: ShardedOptimizer; --no-shard: AdamW; "
-                                       "one rank trains the model unwrapped with AdamW): gloo processes on a CPU, one "
-                                       "NCCL process per GPU, ranks from the environment under torchrun.")
+                                       "ZeRO2Optimizer(AdamW) (--zero-stage 1: ShardedOptimizer; --zero-stage 3: "
+                                       "torch's FSDP2; --no-shard: AdamW; one rank trains the model unwrapped with "
+                                       "AdamW): gloo processes on a CPU, one NCCL process per GPU, ranks from the "
+                                       "environment under torchrun.")
     add_train_arguments(train)
     sub.add_parser("info", help="torch/Triton versions, devices, and which attention backends work here")
     planner = sub.add_parser("plan", help="memory per rank, communication and step time of each strategy, before "

@@ -37,6 +37,7 @@ from .corpus import (
     packed_offsets,
     split_corpus,
 )
+from .dist import fsdp
 from .errors import TrainingDiverged, UsageError
 from .mfu import mfu, peak_flops
 from .nn import PRESETS, ModelConfig, TransformerLM
@@ -63,7 +64,7 @@ class TrainConfig:
     backend: str = "gloo"
     bucket_mb: float | str | None = "auto"
     shard: bool = True
-    zero_stage: int = 2  # with shard: 2 = ZeRO2Optimizer (gradients and state sharded), 1 = ShardedOptimizer
+    zero_stage: int = 2  # with shard: 2 = ZeRO2Optimizer, 1 = ShardedOptimizer, 3 = FSDP2 (parameters sharded too)
     compile: bool = False
     dtype: str = "float32"
     checkpoint_every: int = 0
@@ -162,18 +163,23 @@ class Trainer:
             self.train_docs, self.val_docs = split_corpus(document_ids(data), cfg.model.context_length)
         torch.manual_seed(cfg.seed)
         self.model = TransformerLM.from_config(cfg.model).to(device)  # the plain module: what checkpoints hold
+        dtype = {"float32": None, "bfloat16": torch.bfloat16}[cfg.dtype]
+        # One rank has nothing to average or shard: the model and plain AdamW run unwrapped.
+        self.strategy = "single" if world == 1 else "ddp" if not cfg.shard else f"zero{cfg.zero_stage}"
+        if self.strategy == "zero3":  # torch's FSDP2 shards the model in place, block by block
+            fsdp.shard_model(self.model, dtype)
         compiled = torch.compile(self.model) if cfg.compile else self.model
-        # One rank has nothing to average or shard: the model and the optimizer run unwrapped.
         # The model's buffers are RoPE tables, the same on every rank: nothing to broadcast each forward. Without
         # ZeRO-2 the gradients live in the buckets (no copies in and out, no second copy in memory).
-        zero2 = cfg.shard and cfg.zero_stage == 2
+        zero2 = self.strategy == "zero2"
         self.ddp = BucketedDDP(compiled, bucket_size_mb=cfg.bucket_mb, broadcast_buffers=False,
-                               gradient_as_bucket_view=not zero2) if world > 1 else None
+                               gradient_as_bucket_view=not zero2) if self.strategy in ("ddp", "zero1", "zero2") \
+            else None
         self.net = self.ddp if self.ddp is not None else compiled
         adamw = dict(lr=cfg.lr, weight_decay=0.1, betas=(0.9, 0.95))
         if device.type == "cuda":
             adamw["fused"] = True  # one kernel for the whole step instead of a few per parameter
-        self.sharded = cfg.shard and world > 1  # one rank has nothing to shard: plain AdamW
+        self.sharded = self.strategy in ("zero1", "zero2")  # the optimizers whose state consolidates on rank 0
         if self.sharded:
             # ZeRO-2 moves the bytes of one all-reduce per step (ZeRO-1: 1.5x) and keeps 1/world of the gradients.
             if zero2:  # eager: each layer waits for its own parameters' all-gather (compiled graphs cannot wait)
@@ -181,15 +187,18 @@ class Trainer:
                                           overlap_all_gather=not cfg.compile, **adamw)
             else:
                 self.opt = ShardedOptimizer(self.net.parameters(), torch.optim.AdamW, **adamw)
-        else:
+        else:  # one rank, DDP, or ZeRO-3's sharded parameters
             self.opt = torch.optim.AdamW(self.net.parameters(), **adamw)
-        dtype = {"float32": None, "bfloat16": torch.bfloat16}[cfg.dtype]
         self.autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else nullcontext
         self.start_step, self.history = 0, []
         if cfg.resume:
             ckpt = read_checkpoint(self.out / CHECKPOINT, self.run_record, cfg.force)
-            self.model.load_state_dict(ckpt["model"])
-            self.opt.load_state_dict(ckpt["optimizer"])
+            if self.strategy == "zero3":
+                fsdp.load_full_model_state(self.model, ckpt["model"])
+                fsdp.load_full_optimizer_state(self.model, self.opt, ckpt["optimizer"])
+            else:
+                self.model.load_state_dict(ckpt["model"])
+                self.opt.load_state_dict(ckpt["optimizer"])
             self.start_step, self.history = ckpt["step"], ckpt["history"]
 
     def train_step(self, step: int) -> torch.Tensor:
@@ -240,13 +249,19 @@ class Trainer:
         self.history.append((step + 1, mean))
 
     def checkpoint(self, step: int) -> None:
-        """Save weights, consolidated optimizer state and history after `step` (a collective when sharded)."""
-        if self.sharded:
-            self.opt.consolidate_state_dict(to=0)
+        """Save weights, consolidated optimizer state and history after `step` (a collective when sharded), in one
+        format whatever the strategy: the unsharded model's and AdamW's state dicts."""
+        if self.strategy == "zero3":
+            model_state, opt_state = fsdp.full_model_state(self.model), fsdp.full_optimizer_state(self.model, self.opt)
+        else:
+            if self.sharded:
+                self.opt.consolidate_state_dict(to=0)
+            model_state = self.model.state_dict() if self.rank == 0 else None
+            opt_state = self.opt.state_dict() if self.rank == 0 else None
         if self.rank == 0:
             save_checkpoint_atomically(
-                {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "step": step,
-                 "history": self.history, "config": self.run_record},
+                {"model": model_state, "optimizer": opt_state, "step": step, "history": self.history,
+                 "config": self.run_record},
                 self.out / CHECKPOINT,
             )
 
@@ -298,11 +313,16 @@ class Trainer:
                             device=device if dist.get_backend() == "nccl" else "cpu")
         peaks = [torch.zeros_like(peak) for _ in range(self.world)]
         dist.all_gather(peaks, peak)
+        weights = fsdp.full_model_state(self.model) if self.strategy == "zero3" else None  # a collective
         if self.rank != 0:
             return
-        save_or_rescue(self.model.state_dict(), self.out / "final_model.pt")
+        sampler = self.model
+        if weights is not None:  # sampling on rank 0 alone: an unsharded copy (the sharded one needs every rank)
+            sampler = TransformerLM.from_config(cfg.model).to(device)
+            sampler.load_state_dict(weights)
+        save_or_rescue(sampler.state_dict(), self.out / "final_model.pt")
         device_peak = peak_flops(device, cfg.dtype)
-        sample = generate(self.model, "Alice ", cfg.sample_length, cfg.model.context_length, device, seed=cfg.seed)
+        sample = generate(sampler, "Alice ", cfg.sample_length, cfg.model.context_length, device, seed=cfg.seed)
         summary = {
             "steps": cfg.steps,
             "world_size": self.world,
@@ -450,7 +470,9 @@ def run_training(cfg: TrainConfig) -> None:
     else:
         check_output_dir(out)
         with run_directory_lock(out):
-            if cfg.world_size > 1:
+            if cfg.world_size > 1 and cfg.shard and cfg.zero_stage == 3:
+                parallel = "FSDP2 (fully_shard per block) with AdamW"
+            elif cfg.world_size > 1:
                 optimizer = {1: "ShardedOptimizer(AdamW)", 2: "ZeRO2Optimizer(AdamW)"}[cfg.zero_stage]
                 parallel = (f"{optimizer if cfg.shard else 'AdamW'}, "
                             f"BucketedDDP(bucket_mb={cfg.bucket_mb})")

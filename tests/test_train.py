@@ -351,3 +351,27 @@ def test_a_re_signed_checkpoint_with_inconsistent_contents_is_refused(tmp_path, 
     assert _train(tmp_path, "--steps", "4", "--resume") == 2
     err = capsys.readouterr().err
     assert "inconsistent" in err and re.search(match, err), err
+
+
+def test_zero3_trains_like_zero2_and_its_checkpoints_move_between_them(tmp_path, capsys):
+    """--zero-stage 3 (torch's FSDP2): the same trajectory as ZeRO-2 on 2 ranks in float32 (the sums of two
+    gradients agree; FSDP2 divides in its own order), and one checkpoint format: a ZeRO-3 checkpoint resumes under
+    ZeRO-2 and the other way round, its final weights loading into a plain model."""
+    zero2, zero3, mixed = tmp_path / "zero2", tmp_path / "zero3", tmp_path / "mixed"
+    assert _train(zero2, "--steps", "4") == 0
+    assert _train(zero3, "--steps", "4", "--zero-stage", "3") == 0
+    a, b = torch.load(zero2 / "final_model.pt"), torch.load(zero3 / "final_model.pt")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+    assert _train(mixed, "--steps", "4", "--zero-stage", "3", "--checkpoint-every", "2", "--stop-after", "2") == 0
+    assert _train(mixed, "--steps", "4", "--resume") == 0  # ZeRO-2 takes the ZeRO-3 checkpoint
+    c = torch.load(mixed / "final_model.pt")
+    for k in a:
+        torch.testing.assert_close(c[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+    assert _train(mixed, "--steps", "6", "--zero-stage", "3", "--resume", "--force") == 0  # and back
+    summary = json.loads((zero3 / "summary.json").read_text())
+    assert summary["final_train_loss"] < summary["first_train_loss"]
+    capsys.readouterr()
+    assert main(["train", *TINY[:-2], "--world-size", "1", "--zero-stage", "3", "--out", str(tmp_path / "one")]) == 2
+    assert "nothing to shard" in capsys.readouterr().err
