@@ -12,7 +12,7 @@ import flashsys
 
 ROOT = Path(__file__).resolve().parent.parent
 # Import name -> distribution name, where they differ.
-DIST_NAME = {"yaml": "pyyaml"}
+DIST_NAME = {"yaml": "pyyaml", "flash_attn": "flash-attn-4"}
 
 
 def _third_party_imports() -> set[str]:
@@ -33,10 +33,14 @@ def _third_party_imports() -> set[str]:
     return found
 
 
-def _declared() -> set[str]:
+def _declared(extras: bool = False) -> set[str]:
+    """The distributions pyproject.toml requires (with `extras`, its optional extras' too)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = list(project["dependencies"])
+    if extras:
+        requirements += [r for group in project.get("optional-dependencies", {}).values() for r in group]
     names = set()
-    for req in project["dependencies"]:
+    for req in requirements:
         name = req.split(";")[0]
         for sep in "<>=!~[ ":
             name = name.split(sep)[0]
@@ -45,9 +49,14 @@ def _declared() -> set[str]:
 
 
 def test_every_imported_distribution_is_a_dependency():
-    """`pip install flashsys` without extras must be enough for `flashsys train` (tqdm, matplotlib)."""
-    missing = _third_party_imports() - _declared()
+    """What flashsys imports is a dependency, or an extra's (the transformers integration, the FA4 benchmark
+    anchor: imported only where they are used, so `pip install flashsys` alone is enough for `flashsys train`)."""
+    missing = _third_party_imports() - _declared(extras=True)
     assert not missing, f"flashsys imports {sorted(missing)} but pyproject.toml does not depend on them"
+    code = "import flashsys.cli, flashsys.train, flashsys.integrations.transformers, flashsys.ops.attention.backends"
+    blocked = "import sys; sys.modules['transformers'] = sys.modules['flash_attn'] = None; "
+    r = subprocess.run([sys.executable, "-c", blocked + code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 def test_metadata_files():
