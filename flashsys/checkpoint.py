@@ -125,27 +125,36 @@ def _contents_problem(ckpt: dict) -> str | None:
 
 
 def read_checkpoint(path: Path, config: dict, force: bool = False) -> dict:
-    """Load a checkpoint and check that it can continue a run of `config` (a TrainConfig as a dict): the model's
-    shape must match (its attention backend may differ), the checkpoint's step must not be past `steps`, and the
-    settings that decide the trajectory (seed, batch size, lr, warm-up, the data file and its contents, dtype,
-    document packing) must be the same unless `force`.
+    """Load a checkpoint and check that it can continue a run of `config` (`check_continuation`).
 
     Raises:
         UsageError: naming what is wrong or what differs.
     """
     ckpt = load_checkpoint(path)
-    saved = ckpt["config"]
+    check_continuation(ckpt["config"], ckpt["step"], config, force)
+    return ckpt
+
+
+def check_continuation(saved: dict, step: int, config: dict, force: bool = False) -> None:
+    """Whether a checkpoint of a run with configuration `saved` (a TrainConfig as a dict, with the data's digest),
+    at `step`, can continue a run of `config`: the model's shape must match (its attention backend may differ), the
+    step must not be past `steps`, and the settings that decide the trajectory (seed, batch size, lr, warm-up, the
+    data file and its contents, dtype, document packing) must be the same unless `force`. One check for both
+    checkpoint formats.
+
+    Raises:
+        UsageError: naming what differs.
+    """
     if _shape(saved["model"]) != _shape(config["model"]):
         raise UsageError(f"--resume: checkpoint model {saved['model']} does not match the requested {config['model']}")
-    if ckpt["step"] > config["steps"]:
-        raise UsageError(f"--resume: checkpoint is at step {ckpt['step']}, beyond --steps {config['steps']}")
+    if step > config["steps"]:
+        raise UsageError(f"--resume: checkpoint is at step {step}, beyond --steps {config['steps']}")
     saved = {**_TRAJECTORY_DEFAULTS, **saved}
     differs = [f"{_LABELS.get(k, k)} {_shown(saved.get(k))} -> {_shown(config.get(k))}" for k in TRAJECTORY_FIELDS
                if (k in saved or k not in _UNRECORDED) and saved.get(k) != config.get(k)]
     if differs and not force:
         raise UsageError(f"--resume: the checkpoint was trained with other settings ({', '.join(differs)}); the "
                          "resumed run would not continue it. Use the same flags, or add --force to resume anyway.")
-    return ckpt
 
 
 def _shown(value) -> str:

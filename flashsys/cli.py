@@ -1,4 +1,5 @@
-"""The command line: `flashsys train` (the main job) and `flashsys info` (what works on this machine).
+"""The command line: `flashsys train` (the main job), `flashsys info` (what works on this machine), `flashsys plan`
+(will it fit) and `flashsys convert` (between checkpoint formats).
 
 All argument parsing lives here; it turns flags into a `TrainConfig` and hands that to `flashsys.train`.
 """
@@ -64,7 +65,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="write a checkpoint every K steps; 0: never (default %(default)s)")
     p.add_argument("--stop-after", type=int, default=None, metavar="STEP",
                    help="end this invocation after STEP (as a time-limited job would); --resume continues the schedule")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument("--checkpoint-format", choices=["file", "sharded"], default=d.checkpoint_format,
+                   help="file: OUT/checkpoint.pt, gathered and written by rank 0; sharded: OUT/checkpoint/, each rank "
+                        "writing its own part in parallel (torch.distributed.checkpoint), resumable on any world size "
+                        "(default %(default)s)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the checkpoint in OUT (either format; that of --checkpoint-format first)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the weights and batches (default %(default)s)")
     p.add_argument("--timeout", type=float, default=d.timeout_s, metavar="SECONDS",
                    help="a rank that waits longer than this for the others fails (default %(default)s)")
@@ -197,7 +203,8 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
                        bucket_mb=_bucket_mb(a.bucket_mb), shard=not a.no_shard,
                        zero_stage=a.zero_stage if a.zero_stage is not None else TrainConfig.zero_stage,
                        compile=cuda if a.compile is None else a.compile, dtype=a.dtype,
-                       checkpoint_every=a.checkpoint_every, stop_after=a.stop_after, resume=a.resume, seed=a.seed,
+                       checkpoint_every=a.checkpoint_every,
+                       checkpoint_format=a.checkpoint_format, stop_after=a.stop_after, resume=a.resume, seed=a.seed,
                        timeout_s=a.timeout, force=a.force, pack_documents=a.pack_documents)
 
 
@@ -269,6 +276,25 @@ def cmd_plan(a: argparse.Namespace) -> int:
     return 1
 
 
+def cmd_convert(a: argparse.Namespace) -> int:
+    """`flashsys convert SOURCE TARGET`: between the one-file and the sharded checkpoint formats."""
+    from pathlib import Path
+
+    from . import sharded_checkpoint
+
+    source, target = Path(a.source), Path(a.target)
+    if target.exists():
+        raise UsageError(f"{target} exists; convert writes a new file or directory and replaces nothing")
+    if source.is_dir():
+        sharded_checkpoint.to_single_file(source, target)
+    elif source.is_file():
+        sharded_checkpoint.from_single_file(source, target)
+    else:
+        raise UsageError(f"{source} does not exist")
+    print(f"flashsys convert: wrote {target}")
+    return 0
+
+
 def cmd_info() -> int:
     """Print versions, devices and which attention backends work here."""
     from . import __version__
@@ -316,7 +342,19 @@ def main(argv: list[str] | None = None) -> int:
                              "memory (parameters, gradients, optimizer state, activations, buffers), bytes sent per "
                              "step and a predicted step time, for DDP, ZeRO-1, ZeRO-2 and ZeRO-3 (flashsys.plan).")
     add_plan_arguments(planner)
+    convert = sub.add_parser("convert", help="a training checkpoint from one format to the other",
+                             description="Convert a sharded checkpoint directory (OUT/checkpoint/, "
+                             "--checkpoint-format sharded) into the one-file format (checkpoint.pt), or the other "
+                             "way round; the source is checked (manifest, SHA-256 of every file) first.")
+    convert.add_argument("source", help="a sharded checkpoint directory, or a checkpoint.pt file")
+    convert.add_argument("target", help="the file (from a directory) or directory (from a file) to write")
     args = parser.parse_args(argv)
+    if args.command == "convert":
+        try:
+            return cmd_convert(args)
+        except UsageError as e:
+            print(f"flashsys convert: error: {e}", file=sys.stderr)
+            return 2
     if args.command == "info":
         return cmd_info()
     if args.command == "plan":

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from . import sharded_checkpoint
 from .checkpoint import CHECKPOINT, read_checkpoint, save_checkpoint_atomically
 from .corpus import (
     DEFAULT_DATA,
@@ -38,6 +39,7 @@ from .corpus import (
     split_corpus,
 )
 from .dist import fsdp
+from .dist.process_group import launched_by_torchrun
 from .errors import TrainingDiverged, UsageError
 from .mfu import mfu, peak_flops
 from .nn import PRESETS, ModelConfig, TransformerLM
@@ -68,6 +70,7 @@ class TrainConfig:
     compile: bool = False
     dtype: str = "float32"
     checkpoint_every: int = 0
+    checkpoint_format: str = "file"  # "file": one checkpoint.pt written by rank 0; "sharded": DCP, every rank its part
     stop_after: int | None = None
     resume: bool = False
     seed: int = 0
@@ -82,6 +85,34 @@ def run_record(cfg: TrainConfig, data: torch.Tensor) -> dict:
     """What a checkpoint records of its run: the configuration and a digest of the data's contents (the same
     --data path may hold other text by the time a run resumes)."""
     return {**asdict(cfg), "data_sha256": hashlib.sha256(data.numpy().tobytes()).hexdigest()}
+
+
+def resume_source(out: Path, preferred: str) -> tuple[str, Path]:
+    """("file" or "sharded", path) of the checkpoint a resumed run in `out` reads: the format it writes
+    (`preferred`) when that checkpoint exists, else the other one, so a run may change its format between
+    invocations.
+
+    Raises:
+        UsageError: when there is neither.
+    """
+    found = {"file": out / CHECKPOINT if (out / CHECKPOINT).is_file() else None,
+             "sharded": sharded_checkpoint.find_directory(out / sharded_checkpoint.SHARDED_CHECKPOINT)}
+    for kind in (preferred, "sharded" if preferred == "file" else "file"):
+        if found[kind] is not None:
+            return kind, found[kind]
+    raise UsageError(f"--resume: no checkpoint in {out} (neither {CHECKPOINT} nor "
+                     f"{sharded_checkpoint.SHARDED_CHECKPOINT}/)")
+
+
+def read_resume_point(out: Path, config: dict, preferred: str, force: bool, verify_files: bool = True) -> dict:
+    """The checked checkpoint a run resumes from (`resume_source`), with its continuation checked against `config`:
+    the one-file checkpoint's contents, or a sharded one's manifest (under the key "sharded", with "directory")."""
+    kind, path = resume_source(out, preferred)
+    if kind == "file":
+        return read_checkpoint(path, config, force)
+    body = sharded_checkpoint.read_for_resume(path, config, force, verify_files)
+    return {"sharded": body, "directory": path, "step": body["step"],
+            "history": [tuple(h) for h in body["history"]]}
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -192,14 +223,33 @@ class Trainer:
         self.autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else nullcontext
         self.start_step, self.history = 0, []
         if cfg.resume:
-            ckpt = read_checkpoint(self.out / CHECKPOINT, self.run_record, cfg.force)
-            if self.strategy == "zero3":
-                fsdp.load_full_model_state(self.model, ckpt["model"])
-                fsdp.load_full_optimizer_state(self.model, self.opt, ckpt["optimizer"])
-            else:
-                self.model.load_state_dict(ckpt["model"])
-                self.opt.load_state_dict(ckpt["optimizer"])
-            self.start_step, self.history = ckpt["step"], ckpt["history"]
+            self._resume()
+
+    def _resume(self) -> None:
+        """Load the checkpoint in `out` (either format, written by any strategy; a sharded one on any world size)."""
+        cfg = self.cfg
+        # Spawned ranks: the launcher has checked every file of the checkpoint before starting them. Under torchrun
+        # each rank checks its share of a sharded checkpoint's files, and all learn of any damage.
+        verify = launched_by_torchrun()
+        ckpt = read_resume_point(self.out, self.run_record, cfg.checkpoint_format, cfg.force, verify_files=False)
+        if "sharded" in ckpt:
+            if verify:
+                damaged = sharded_checkpoint.verify_my_share(ckpt["directory"], ckpt["sharded"], self.rank, self.world)
+                everyone: list = [None] * self.world
+                dist.all_gather_object(everyone, damaged)
+                damaged = sorted(n for names in everyone for n in names)
+                if damaged:
+                    raise UsageError(f"--resume: {', '.join(damaged)} in {ckpt['directory']} do not match the "
+                                     "manifest (damaged, or from another checkpoint)")
+            sharded_checkpoint.load_into_training(ckpt["directory"], ckpt["sharded"], self.model, self.opt,
+                                                  self.strategy)
+        elif self.strategy == "zero3":
+            fsdp.load_full_model_state(self.model, ckpt["model"])
+            fsdp.load_full_optimizer_state(self.model, self.opt, ckpt["optimizer"])
+        else:
+            self.model.load_state_dict(ckpt["model"])
+            self.opt.load_state_dict(ckpt["optimizer"])
+        self.start_step, self.history = ckpt["step"], list(ckpt["history"])
 
     def train_step(self, step: int) -> torch.Tensor:
         """One optimizer step on this rank's slice of the global batch; returns the loss averaged over ranks, as a
@@ -249,8 +299,13 @@ class Trainer:
         self.history.append((step + 1, mean))
 
     def checkpoint(self, step: int) -> None:
-        """Save weights, consolidated optimizer state and history after `step` (a collective when sharded), in one
-        format whatever the strategy: the unsharded model's and AdamW's state dicts."""
+        """Save weights, optimizer state and history after `step` (a collective when there are several ranks).
+        One format whatever the strategy: the unsharded model's and AdamW's state (`--checkpoint-format file`,
+        consolidated on rank 0), or the same tensors in pieces, each rank writing its own (`sharded`)."""
+        if self.cfg.checkpoint_format == "sharded":
+            sharded_checkpoint.save_from_training(self.out / sharded_checkpoint.SHARDED_CHECKPOINT, self.model,
+                                                  self.opt, self.strategy, step, self.history, self.run_record)
+            return
         if self.strategy == "zero3":
             model_state, opt_state = fsdp.full_model_state(self.model), fsdp.full_optimizer_state(self.model, self.opt)
         else:
@@ -441,12 +496,13 @@ def run_directory_lock(out: Path) -> Iterator[None]:
 def run_training(cfg: TrainConfig) -> None:
     """Validate everything that can be validated before processes start, then train (spawned ranks, or this
     process as one rank under torchrun). The launching process holds the run directory's lock throughout."""
-    from .dist import init_from_env, launched_by_torchrun, shutdown, spawn
+    from .dist import init_from_env, shutdown, spawn
 
     data = load_corpus(cfg.data, cfg.model.context_length)
     out = Path(cfg.out)
-    if cfg.resume:
-        read_checkpoint(out / CHECKPOINT, run_record(cfg, data), cfg.force)
+    if cfg.resume:  # under torchrun every rank runs this: the ranks share the reading of the files later
+        read_resume_point(out, run_record(cfg, data), cfg.checkpoint_format, cfg.force,
+                          verify_files=not launched_by_torchrun())
     if launched_by_torchrun():
         rank, world, device = init_from_env(cfg.backend, timeout_s=cfg.timeout_s)
         try:

@@ -375,3 +375,102 @@ def test_zero3_trains_like_zero2_and_its_checkpoints_move_between_them(tmp_path,
     capsys.readouterr()
     assert main(["train", *TINY[:-2], "--world-size", "1", "--zero-stage", "3", "--out", str(tmp_path / "one")]) == 2
     assert "nothing to shard" in capsys.readouterr().err
+
+
+def _same_weights(a: Path, b: Path) -> bool:
+    x, y = torch.load(a / "final_model.pt"), torch.load(b / "final_model.pt")
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_sharded_checkpoints_resume_bit_identically_under_every_strategy(tmp_path):
+    """--checkpoint-format sharded: each rank writes its own file; a run killed after step 2 resumes to the weights
+    of the uninterrupted run, under the strategy that wrote it or another (ZeRO-3 <-> ZeRO-1/2, DDP), and on one
+    rank (the same math up to the order of the two half-batch sums)."""
+    from flashsys.sharded_checkpoint import MANIFEST, SHARDED_CHECKPOINT
+
+    straight = tmp_path / "straight"
+    assert _train(straight, "--steps", "4") == 0
+    sharded = ("--checkpoint-format", "sharded")
+    for first, then in [("2", "2"), ("3", "1"), ("2", "3")]:
+        out = tmp_path / f"zero{first}-then-zero{then}"
+        assert _train(out, "--steps", "4", "--checkpoint-every", "2", "--stop-after", "2", "--zero-stage", first,
+                      *sharded) == 0
+        manifest = json.loads((out / SHARDED_CHECKPOINT / MANIFEST).read_text())["body"]
+        assert {"__0_0.distcp", "__1_0.distcp"} <= manifest["files"].keys(), "every rank writes its part"
+        assert not (out / "checkpoint.pt").exists() and not (out / (SHARDED_CHECKPOINT + ".tmp")).exists()
+        assert _train(out, "--steps", "4", "--zero-stage", then, "--resume", *sharded) == 0
+        assert _same_weights(straight, out), (first, then)
+    ddp = tmp_path / "ddp"
+    assert _train(ddp, "--steps", "4", "--checkpoint-every", "2", "--stop-after", "2", "--no-shard", *sharded) == 0
+    assert _train(ddp, "--steps", "4", "--resume", *sharded) == 0  # ZeRO-2 reads what DDP's ranks wrote
+    assert _same_weights(straight, ddp)
+    one = tmp_path / "one"
+    assert _train(one, "--steps", "4", "--checkpoint-every", "2", "--stop-after", "2", *sharded) == 0
+    assert main(["train", *TINY[:-2], "--world-size", "1", "--steps", "4", "--resume", "--out", str(one)]) == 0
+    a, b = torch.load(straight / "final_model.pt"), torch.load(one / "final_model.pt")
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_convert_moves_checkpoints_between_the_formats_exactly(tmp_path, capsys):
+    """`flashsys convert`: a sharded checkpoint becomes the one-file checkpoint a file-format run writes at the same
+    step (every tensor and setting equal), and back; a run resumes from either."""
+    from flashsys.checkpoint import CHECKPOINT, load_checkpoint
+
+    file_run, sharded_run = tmp_path / "file", tmp_path / "sharded"
+    assert _train(file_run, "--steps", "4", "--checkpoint-every", "2", "--stop-after", "2") == 0
+    assert _train(sharded_run, "--steps", "4", "--checkpoint-every", "2", "--stop-after", "2",
+                  "--checkpoint-format", "sharded") == 0
+    converted = tmp_path / "converted.pt"
+    assert main(["convert", str(sharded_run / "checkpoint"), str(converted)]) == 0
+    a, b = load_checkpoint(file_run / CHECKPOINT), load_checkpoint(converted)
+    assert (a["step"], a["history"]) == (b["step"], b["history"])
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa.keys() == sb.keys()
+    assert all(torch.equal(sa[i][n], sb[i][n]) and sa[i][n].dtype == sb[i][n].dtype for i in sa for n in sa[i])
+    assert main(["convert", str(converted), str(converted)]) == 2
+    assert "replaces nothing" in capsys.readouterr().err
+    back = tmp_path / "back"
+    back.mkdir()
+    assert main(["convert", str(file_run / CHECKPOINT), str(back / "checkpoint")]) == 0
+    assert _train(back, "--steps", "4", "--resume") == 0  # no checkpoint.pt: the sharded one is read
+    straight = tmp_path / "straight"
+    assert _train(straight, "--steps", "4") == 0
+    assert _same_weights(straight, back)
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda d: (d / "__1_0.distcp").unlink(), "shards are missing"),
+    (lambda d: _flip_a_byte(d / "__0_0.distcp"), "do not match the manifest"),
+    (lambda d: (d / ".metadata").unlink(), "shards are missing"),
+    (lambda d: (d / "flashsys.json").write_text((d / "flashsys.json").read_text().replace('"step": 2', '"step": 3')),
+     "corrupted"),
+], ids=["missing-shard", "damaged-shard", "no-dcp-metadata", "edited-manifest"])
+def test_a_damaged_sharded_checkpoint_is_refused(tmp_path, capsys, damage, message):
+    out = tmp_path / "run"
+    assert _train(out, "--steps", "4", "--checkpoint-every", "2", "--stop-after", "2",
+                  "--checkpoint-format", "sharded") == 0
+    damage(out / "checkpoint")
+    capsys.readouterr()
+    assert _train(out, "--steps", "4", "--resume", "--checkpoint-format", "sharded") == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_shard_from_another_run_is_refused(tmp_path, capsys):
+    """Two runs' checkpoints with identical file names: a shard copied from the other is caught by its digest."""
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for seed, out in enumerate(runs):
+        assert _train(out, "--steps", "4", "--checkpoint-every", "2", "--stop-after", "2", "--seed", str(seed),
+                      "--checkpoint-format", "sharded") == 0
+    (runs[0] / "checkpoint" / "__1_0.distcp").write_bytes((runs[1] / "checkpoint" / "__1_0.distcp").read_bytes())
+    capsys.readouterr()
+    assert _train(runs[0], "--steps", "4", "--resume", "--checkpoint-format", "sharded") == 2
+    assert "__1_0.distcp" in capsys.readouterr().err

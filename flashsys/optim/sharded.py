@@ -199,8 +199,13 @@ class ShardedOptimizer(ConsolidatedStateDict, torch.optim.Optimizer):
     def _state_group(self):
         return self.process_group
 
-    def _state_parts(self) -> list[StatePart]:
-        """The inner optimizer's state of each owned parameter, whole."""
+    def owned_ranges(self) -> list[tuple[int, int, int]]:
+        """(index, 0, numel) of every parameter this rank owns (steps and holds the state of); each parameter is
+        owned by exactly one rank. Index: its position in the order of all groups' parameters."""
+        return [(i, 0, p.numel()) for p, i in self._global_index().items() if self.owner_of(p) == self.rank]
+
+    def state_parts(self) -> list[StatePart]:
+        """This rank's parts of the optimizer state: the inner optimizer's state of each owned parameter, whole."""
         index = self._global_index()
         inner_params = [p for g in self._local for p in g]
         return [StatePart(index[inner_params[i]], 0, inner_params[i].numel(), values)

@@ -63,7 +63,7 @@ class StatePart(NamedTuple):
 class ConsolidatedStateDict:
     """`consolidate_state_dict`, `state_dict` and `load_state_dict` in the unsharded optimizer's layout, for an
     optimizer whose state is sharded across the ranks of `_state_group()`. A subclass (a `torch.optim.Optimizer`)
-    says what this rank holds (`_state_parts`) and how it takes back its own parts of a full state
+    says what this rank holds (`state_parts`) and how it takes back its own parts of a full state
     (`_load_state_parts`)."""
 
     param_groups: list[dict[str, Any]]
@@ -74,7 +74,7 @@ class ConsolidatedStateDict:
         """The process group the state is sharded over (None: the world)."""
         raise NotImplementedError
 
-    def _state_parts(self) -> list[StatePart]:
+    def state_parts(self) -> list[StatePart]:
         """This rank's parts of the state."""
         raise NotImplementedError
 
@@ -94,7 +94,7 @@ class ConsolidatedStateDict:
         group = self._state_group()
         mine = [part._replace(values={k: (v.detach().cpu() if torch.is_tensor(v) else v)
                                       for k, v in part.values.items()})
-                for part in self._state_parts()]
+                for part in self.state_parts()]
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         gathered: list | None = [None] * world if rank == to else None
         dst = dist.get_global_rank(group, to) if group is not None else to

@@ -291,8 +291,20 @@ class ZeRO2Optimizer(ConsolidatedStateDict, torch.optim.Optimizer):
     def _state_group(self):
         return self.ddp.process_group
 
-    def _state_parts(self) -> list[StatePart]:
-        """The inner optimizers' state of each of this rank's slices."""
+    def owned_ranges(self) -> list[tuple[int, int, int]]:
+        """(index, start, end) of every range of flattened parameters this rank holds the state of: its slices of
+        each bucket, and the frozen parameters (which have no slice) whole by index modulo the world size, so that
+        every element of every parameter is on exactly one rank. Index: the parameter's position in the order of
+        all groups' parameters, as state dicts number them."""
+        index = self._global_index()
+        rank, world = dist.get_rank(self.ddp.process_group), dist.get_world_size(self.ddp.process_group)
+        ranges = [(index[id(x.param)], x.start, x.end) for x in self._all_pieces()]
+        ranges += [(i, 0, p.numel()) for i, p in enumerate(p for g in self.param_groups for p in g["params"])
+                   if not p.requires_grad and i % world == rank]
+        return sorted(ranges)
+
+    def state_parts(self) -> list[StatePart]:
+        """This rank's parts of the optimizer state: the inner optimizers' state of each of its slices."""
         index = self._global_index()
         inner_state = self.inner_state
         return [StatePart(index[id(x.param)], x.start, x.end, inner_state[x.tensor]) for x in self._all_pieces()
