@@ -105,22 +105,26 @@ def block_parameter_count(c: ModelConfig) -> int:
 def activation_bytes(c: ModelConfig, tokens: int, dtype: str, checkpointing: bool) -> float:
     """Bytes backward keeps for `tokens` tokens (batch x context) on one rank.
 
-    Per token and block: the fp32 residual stream into each RMSNorm (2 d_model, and their two rsqrt), and in the
+    Per token and block: the fp32 residual stream into each RMSNorm and its fp32 normalised output, which the
+    multiplication by the norm's weight keeps (4 d_model, and their two rsqrt), and in the
     compute dtype the normed inputs of the QKV projection and the SwiGLU (2 d_model), Q, K, V after RoPE and the
     attention output (d_model + 2 kv + d_model; flash attention keeps no N x N scores, only a float32 logsumexp per
     head), and SwiGLU's two projections, their gated product and silu (4 d_ff). Plus the LM head: its logits in the
-    compute dtype, their float32 copy (bf16 only) and the float32 log-softmax the loss keeps (vocab each).
+    compute dtype, their float32 copy (bf16 only) and the float32 log-softmax the loss keeps (vocab each). Under
+    bf16 autocast also the bf16 copy of every matmul weight (blocks and LM head), which the matmuls keep for
+    backward: 2 bytes per weight, whatever the number of tokens.
     """
     c_bytes = 2 if dtype == "bfloat16" else 4
     kv_width = c.head_dim * (c.num_kv_heads or c.num_heads)
-    per_block = (4 * (2 * c.d_model + 2) + c_bytes * (2 * c.d_model + 2 * c.d_model + 2 * kv_width + 4 * c.d_ff)
+    per_block = (4 * (4 * c.d_model + 2) + c_bytes * (2 * c.d_model + 2 * c.d_model + 2 * kv_width + 4 * c.d_ff)
                  + 4 * c.num_heads)
     head = c.vocab_size * (c_bytes + 4 + (4 if c_bytes == 2 else 0)) + 4 * c.d_model  # fp32: .float() is no copy
     if checkpointing:  # block inputs only, and one block recomputed at a time
         blocks = c.num_layers * 4 * c.d_model + per_block
     else:
         blocks = c.num_layers * per_block
-    return tokens * (blocks + head)
+    weight_copies = 2.0 * (parameter_count(c) - c.vocab_size * c.d_model) if c_bytes == 2 else 0.0
+    return tokens * (blocks + head) + weight_copies
 
 
 def activation_floor_bytes(c: ModelConfig, tokens: int, dtype: str, checkpointing: bool) -> float:
