@@ -12,7 +12,8 @@ Rows: compute only (no communication, same process: the floor), BucketedDDP at i
 bucket sizes, with `gradient_as_bucket_view` and with bf16 communication; torch DDP at its default 25 MB and
 other `bucket_cap_mb`; ZeRO-1 (ShardedOptimizer) and ZeRO-2 (ZeRO2Optimizer, also with its all-gathers overlapped
 with the next forward) on BucketedDDP; torch DDP + ZeroRedundancyOptimizer; torch FSDP2
-`fully_shard(reshard_after_forward=False)` (ZeRO-2's torch counterpart).
+`fully_shard(reshard_after_forward=False)` (ZeRO-2's torch counterpart); ZeRO-3 as `flashsys train --zero-stage 3`
+runs it, and the same FSDP2 configuration written with torch's API directly.
 
 exposed_% = (median step - median compute-only step) / compute-only: the communication that did not hide.
 forward_ms, backward_ms, step_ms: the median of each phase of a step (the slowest rank's), from CUDA events at
@@ -125,6 +126,27 @@ def _fsdp2(model, device):
     return Built(model, torch.optim.AdamW(model.parameters(), **_adamw(device)))
 
 
+def _zero3_flashsys(model, device):
+    """The trainer's --zero-stage 3: `flashsys.dist.fsdp.shard_model` (FSDP2 per block and at the root, parameters
+    resharded after forward; bf16 compute and float32 reduction on GPUs)."""
+    from flashsys.dist import fsdp
+
+    fsdp.shard_model(model, torch.bfloat16 if device.type == "cuda" else None)
+    return Built(model, torch.optim.AdamW(model.parameters(), **_adamw(device)))
+
+
+def _zero3_torch(model, device):
+    """The same configuration written with torch's API directly: what ZeRO-3's row is held against."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if device.type == "cuda" else MixedPrecisionPolicy()
+    for block in model.layers:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return Built(model, torch.optim.AdamW(model.parameters(), **_adamw(device)))
+
+
 def _compute_only(model, device):
     return Built(model, torch.optim.AdamW(model.parameters(), **_adamw(device)))
 
@@ -148,8 +170,12 @@ VARIANTS: dict[str, Callable] = {
     "ZeRO-2, all-gathers overlapped with the next forward": _ours(optimizer="zero2-overlap"),
     "torch DDP + ZeroRedundancyOptimizer": _torch_ddp(25, zero=True),
     "torch FSDP2 (reshard_after_forward=False)": _fsdp2,
+    "ZeRO-3: flashsys train --zero-stage 3 (FSDP2)": _zero3_flashsys,
+    "torch FSDP2, the same configuration (reshard_after_forward=True)": _zero3_torch,
 }
-OWN_MODEL = {"torch FSDP2 (reshard_after_forward=False)"}
+# FSDP2 converts a model's parameters for good: these rows get a model of their own.
+OWN_MODEL = {"torch FSDP2 (reshard_after_forward=False)", "ZeRO-3: flashsys train --zero-stage 3 (FSDP2)",
+             "torch FSDP2, the same configuration (reshard_after_forward=True)"}
 # Rows on NCCL communicator settings, which gloo does not have.
 NCCL_ONLY = {name for name, build in VARIANTS.items() if getattr(build, "nccl_only", False)}
 # A step's phases, each from its mark to the next: forward (zero_grad, forward, loss; with ZeRO-2's overlapped
