@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -125,6 +126,26 @@ def test_runs_under_torchrun(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 4
+
+
+def test_under_torchrun_the_ranks_share_checking_a_sharded_checkpoint(tmp_path):
+    """Under torchrun there is no launcher to read a sharded checkpoint first: each rank checks a share of its files,
+    and every rank stops with the same error when one is damaged."""
+    def torchrun(out: Path, *extra: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "flashsys",
+               "train", *TINY[:-2], "--steps", "4", "--checkpoint-format", "sharded", "--out", str(out), *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    good, damaged = tmp_path / "good", tmp_path / "damaged"
+    r = torchrun(good, "--checkpoint-every", "2", "--stop-after", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    shutil.copytree(good, damaged)
+    _flip_a_byte(damaged / "checkpoint" / "__1_0.distcp")
+    r = torchrun(damaged, "--resume")
+    assert r.returncode != 0 and r.stderr.count("__1_0.distcp in") == 2, r.stderr[-3000:]
+    r = torchrun(good, "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((good / "summary.json").read_text())["steps"] == 4
 
 
 def test_attention_flag_and_resume_with_another_backend(tmp_path):
