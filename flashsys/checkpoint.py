@@ -42,6 +42,12 @@ def _shape(model_config: dict) -> dict:
     return {k: v for k, v in {**defaults, **model_config}.items() if k not in _NOT_SHAPE}
 
 
+def sha256_of_file(path: Path) -> str:
+    """SHA-256 of a whole file, read in chunks."""
+    with open(path, "rb") as f:
+        return _sha256_from(f, 0)
+
+
 def _sha256_from(f, offset: int) -> str:
     """SHA-256 of the file's bytes from `offset` to the end, read in chunks (checkpoints can be many GB)."""
     f.seek(offset)
@@ -102,23 +108,30 @@ def _contents_problem(ckpt: dict) -> str | None:
     are the ones written, not that a run wrote them (a re-signed file with a negative step or without optimizer
     state would resume with negative learning rates or fresh moments)."""
     step, history, opt, config = ckpt["step"], ckpt["history"], ckpt["optimizer"], ckpt["config"]
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        return f"step {step!r} is not a count of steps"
     if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
         return "no run configuration"
     if not isinstance(ckpt["model"], dict) or not all(isinstance(t, torch.Tensor) for t in ckpt["model"].values()):
         return "the model weights are not tensors"
-    if (not isinstance(history, list)
-            or not all(isinstance(h, (list, tuple)) and len(h) == 2 for h in history)
-            or (history and history[-1][0] != step)):
-        return f"the loss history does not end at step {step}"
+    if not (isinstance(history, list) and all(isinstance(h, (list, tuple)) and len(h) == 2 for h in history)):
+        return "the loss history is not a list of (step, loss)"
     if not (isinstance(opt, dict) and isinstance(opt.get("state"), dict) and isinstance(opt.get("param_groups"), list)):
         return "no optimizer state"
     n_params = sum(len(g.get("params", ())) for g in opt["param_groups"])
+    steps_taken = {float(s["step"]) for s in opt["state"].values() if isinstance(s, dict) and "step" in s}
+    return progress_problem(step, history, len(opt["state"]), n_params, steps_taken)
+
+
+def progress_problem(step, history: list, with_state: int, n_params: int, steps_taken: set[float]) -> str | None:
+    """What makes a checkpoint's progress inconsistent, or None, in either format: `step` a count of steps, the loss
+    history ending at it, and after any step optimizer state for every parameter (`with_state` of `n_params`) whose
+    step counts (`steps_taken`) are the checkpoint's."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return f"step {step!r} is not a count of steps"
+    if history and history[-1][0] != step:
+        return f"the loss history does not end at step {step}"
     if step > 0:
-        if len(opt["state"]) != n_params:
-            return f"optimizer state for {len(opt['state'])} of {n_params} parameters after {step} steps"
-        steps_taken = {float(s["step"]) for s in opt["state"].values() if isinstance(s, dict) and "step" in s}
+        if with_state != n_params:
+            return f"optimizer state for {with_state} of {n_params} parameters after {step} steps"
         if steps_taken != {float(step)}:
             return f"the optimizer state counts {sorted(steps_taken)} steps, the checkpoint {step}"
     return None

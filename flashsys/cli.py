@@ -276,6 +276,14 @@ def cmd_plan(a: argparse.Namespace) -> int:
     return 1
 
 
+def cmd_train(a: argparse.Namespace) -> int:
+    """`flashsys train`: the flags checked into a TrainConfig, then the run."""
+    from .train import run_training
+
+    run_training(config_from_args(a))
+    return 0
+
+
 def cmd_convert(a: argparse.Namespace) -> int:
     """`flashsys convert SOURCE TARGET`: between the one-file and the sharded checkpoint formats."""
     from pathlib import Path
@@ -324,7 +332,6 @@ def main(argv: list[str] | None = None) -> int:
     """Parse `argv` (default: sys.argv) and run the command; returns the exit code (2 for a usage error)."""
     from .dist import SpawnError
     from .errors import TrainingDiverged
-    from .train import run_training
 
     parser = argparse.ArgumentParser(prog="flashsys", description="FlashAttention, data-parallel and ZeRO-2 training "
                                      "of a language model on one or many GPUs (or CPU processes).")
@@ -349,26 +356,14 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("source", help="a sharded checkpoint directory, or a checkpoint.pt file")
     convert.add_argument("target", help="the file (from a directory) or directory (from a file) to write")
     args = parser.parse_args(argv)
-    if args.command == "convert":
-        try:
-            return cmd_convert(args)
-        except UsageError as e:
-            print(f"flashsys convert: error: {e}", file=sys.stderr)
-            return 2
     if args.command == "info":
         return cmd_info()
-    if args.command == "plan":
-        try:
-            return cmd_plan(args)
-        except UsageError as e:
-            print(f"flashsys plan: error: {e}", file=sys.stderr)
-            return 2
+    commands = {"convert": cmd_convert, "plan": cmd_plan, "train": cmd_train}
     try:
-        run_training(config_from_args(args))
+        return commands[args.command](args)
     except UsageError as e:
-        print(f"flashsys train: error: {e}", file=sys.stderr)
+        print(f"flashsys {args.command}: error: {e}", file=sys.stderr)
         return 2
     except (SpawnError, TrainingDiverged) as e:
-        print(f"flashsys train: failed: {e}", file=sys.stderr)
+        print(f"flashsys {args.command}: failed: {e}", file=sys.stderr)
         return 1
-    return 0

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import check_continuation
+from .checkpoint import check_continuation, progress_problem, sha256_of_file
 from .errors import UsageError
 
 SHARDED_CHECKPOINT = "checkpoint"  # the directory's name in a run's output
@@ -119,14 +119,6 @@ def local_pieces(model: nn.Module, opt: torch.optim.Optimizer, strategy: str, ra
 
 
 # ---------------------------------------------------------------------------------------------------------- writing
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _body_digest(body: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
@@ -180,7 +172,7 @@ def save_sharded_checkpoint(directory: Path, pieces: list[Piece], params: list[t
             where.append([key, x.index, name, x.start, x.end])
     with _one_process_quietly():
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=not distributed)
-    mine = (where, scalars, {f.name: _sha256(f) for f in sorted(tmp.glob(f"__{rank}_*.distcp"))})
+    mine = (where, scalars, {f.name: sha256_of_file(f) for f in sorted(tmp.glob(f"__{rank}_*.distcp"))})
     gathered = [None] * dist.get_world_size() if distributed and rank == 0 else [mine]
     if distributed:
         dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
@@ -190,7 +182,7 @@ def save_sharded_checkpoint(directory: Path, pieces: list[Piece], params: list[t
             "params": [[name, list(shape)] for name, shape in params], "param_groups": param_groups,
             "pieces": sorted(w for g in gathered for w in g[0]),
             "scalars": sorted(s for g in gathered for s in g[1]),
-            "files": {**{n: d for g in gathered for n, d in g[2].items()}, ".metadata": _sha256(tmp / ".metadata")},
+            "files": {**{n: d for g in gathered for n, d in g[2].items()}, ".metadata": sha256_of_file(tmp / ".metadata")},
         }
         with open(tmp / MANIFEST, "w") as f:
             json.dump({"format": FORMAT, "body_sha256": _body_digest(body), "body": body}, f)
@@ -263,7 +255,7 @@ def read_manifest(directory: Path, verify_files: bool = True) -> dict:
         raise UsageError(f"--resume: the sharded checkpoint {directory} lacks {', '.join(missing)}: shards are "
                          "missing (copied in part?). Resume from a complete copy or start again.")
     if verify_files:
-        bad = [name for name in sorted(body["files"]) if _sha256(directory / name) != body["files"][name]]
+        bad = verify_my_share(directory, body, 0, 1)
         if bad:
             raise UsageError(f"--resume: {', '.join(bad)} in {directory} do not match the manifest (damaged, or "
                              "from another checkpoint). Resume from another copy or start again.")
@@ -277,10 +269,6 @@ def read_manifest(directory: Path, verify_files: bool = True) -> dict:
 def _manifest_problem(body: dict) -> str | None:
     """What makes a manifest's contents unusable, or None."""
     step, history, params = body["step"], body["history"], body["params"]
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        return f"step {step!r} is not a count of steps"
-    if history and (not isinstance(history[-1], list) or history[-1][0] != step):
-        return f"the loss history does not end at step {step}"
     spans: dict[tuple[int, str], list[tuple[int, int]]] = {}
     for _, index, name, start, end in body["pieces"]:
         spans.setdefault((index, name), []).append((start, end))
@@ -297,11 +285,7 @@ def _manifest_problem(body: dict) -> str | None:
         return f"no weights for parameters {no_weights}"
     steps_taken = {float(value) for _, name, value, _ in body["scalars"] if name == "step"}
     with_state = {index for index, name in spans if name} | {s[0] for s in body["scalars"]}
-    if step > 0 and len(with_state) != len(params):
-        return f"optimizer state for {len(with_state)} of {len(params)} parameters after {step} steps"
-    if step > 0 and steps_taken != {float(step)}:
-        return f"the optimizer state counts {sorted(steps_taken)} steps, the checkpoint {step}"
-    return None
+    return progress_problem(step, history, len(with_state), len(params), steps_taken)
 
 
 def read_for_resume(directory: Path, config: dict, force: bool = False, verify_files: bool = True) -> dict:
@@ -315,7 +299,7 @@ def verify_my_share(directory: Path, body: dict, rank: int, world: int) -> list[
     """The files among every world-th (from `rank`) whose SHA-256 differs from the manifest's: the ranks of a run
     share the reading of a checkpoint's bytes."""
     names = sorted(body["files"])
-    return [n for n in names[rank::world] if _sha256(directory / n) != body["files"][n]]
+    return [n for n in names[rank::world] if sha256_of_file(directory / n) != body["files"][n]]
 
 
 def read_ranges(directory: Path, body: dict, wanted: list[tuple[int, str, int, int]]) -> dict[tuple, torch.Tensor]:
