@@ -23,6 +23,7 @@ persist between steps (torch DDP's internal buckets cannot be counted this way: 
 figure after a step, includes everything).
 
     python -m benchmarks.ddp                       # 2 GPUs, the xl preset, batch 16; on a CPU 2 gloo ranks, tiny
+    python -m benchmarks.ddp --world-size 2 4      # and 4 GPUs, with a weak-scaling table
 """
 
 from __future__ import annotations
@@ -214,9 +215,16 @@ def worker(rank, world, device, cfg, batch, warmup, iters, rounds, only, out_jso
     times: dict[str, list[float]] = {n: [] for n in names}
     phases: dict[str, dict[str, list[float]]] = {n: {ph: [] for ph in PHASES} for n in names}
     memory: dict[str, tuple[int, float]] = {}
+    peak: dict[str, float] = {}
     info: dict[str, dict] = {}
     for _ in range(rounds):
         for name in names:
+            first = name not in peak
+            if first and device.type == "cuda":
+                # What the other variants hold (their models and state stay alive): this variant's peak is the
+                # allocator's peak over it. The shared model's parameters belong to the variant that uses it.
+                held = 0 if name in OWN_MODEL else sum(p.numel() * p.element_size() for p in shared.parameters())
+                others = torch.cuda.memory_allocated(device) - held
             if name in OWN_MODEL:
                 if name not in own:
                     torch.manual_seed(0)
@@ -225,6 +233,8 @@ def worker(rank, world, device, cfg, batch, warmup, iters, rounds, only, out_jso
                 model, built = own[name]
             else:
                 model, built = shared, VARIANTS[name](shared, device)
+            if first and device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)  # the steps' peak, not building's transient copies
             marks = StepMarks(device)
             for i in range(warmup + iters):
                 if i == warmup:
@@ -241,6 +251,9 @@ def worker(rank, world, device, cfg, batch, warmup, iters, rounds, only, out_jso
                 for phase, ms in zip(PHASES, gaps[k:k + len(PHASES)]):
                     phases[name][phase].append(ms)
                 times[name].append(sum(gaps[k:k + len(PHASES)]))
+            if first:
+                peak[name] = (torch.cuda.max_memory_allocated(device) - others if device.type == "cuda"
+                              else float("nan"))
             alloc = torch.cuda.memory_allocated(device) / MB if device.type == "cuda" else float("nan")
             memory[name] = (sum(gradient_and_state_bytes(model, built.opt, built.wrapper)), alloc)
             if isinstance(built.wrapper, BucketedDDP):
@@ -256,14 +269,15 @@ def worker(rank, world, device, cfg, batch, warmup, iters, rounds, only, out_jso
                     torch.cuda.empty_cache()
     # The slowest rank's time of each step.
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, (times, memory, phases))
+    dist.all_gather_object(gathered, (times, memory, phases, peak))
     rows = []
     for name in names:
         steps = [max(g[0][name][k] for g in gathered) for k in range(len(times[name]))]
         q = statistics.quantiles(steps, n=10) if len(steps) > 1 else [steps[0]] * 9
         rows.append({"variant": name, "median_ms": statistics.median(steps), "p10_ms": q[0], "p90_ms": q[-1],
                      "steps": len(steps), "grad_state_MB": max(g[1][name][0] for g in gathered) / MB,
-                     "alloc_MB": max(g[1][name][1] for g in gathered), **info.get(name, {}),
+                     "alloc_MB": max(g[1][name][1] for g in gathered),
+                     "peak_MB": max(g[3][name] for g in gathered) / MB, **info.get(name, {}),
                      **{f"{ph}_ms": statistics.median(max(g[2][name][ph][k] for g in gathered)
                                                       for k in range(len(times[name]))) for ph in PHASES}})
     compute = rows[0]["median_ms"]
@@ -289,10 +303,65 @@ def plot(rows: list[dict], out, name: str) -> None:
     save_plot(fig, out, name)
 
 
+# The plan's strategy (`flashsys.plan`) of the rows that run what the trainer runs; compute only is one rank.
+PLANNED = {"compute only": "ddp", "BucketedDDP auto, bucket views": "ddp",
+           "ZeRO-1: BucketedDDP + ShardedOptimizer": "zero1", "ZeRO-2: BucketedDDP + ZeRO2Optimizer": "zero2",
+           "ZeRO-3: flashsys train --zero-stage 3 (FSDP2)": "zero3"}
+
+
+def add_plan(rows: list[dict], cfg, world: int, batch: int, context: int) -> None:
+    """Beside each row that `PLANNED` maps, what `flashsys plan` predicts for it: peak MB per rank and step ms
+    (on a GPU it knows; nothing on a CPU). The plan counts what the benchmark runs: fp32 weights, fused AdamW,
+    bf16 autocast, the measured all-reduce bandwidth."""
+    import dataclasses
+
+    from flashsys.plan import DEVICES, plan
+
+    if not torch.cuda.is_available():
+        return
+    name = torch.cuda.get_device_name()
+    device = next((d for d in DEVICES.values() if d.name.split()[0] in name), None)
+    if device is None:
+        return
+    config = dataclasses.replace(cfg, context_length=context)
+    for r in rows:
+        strategy = PLANNED.get(r["variant"])
+        if strategy is None:
+            continue
+        p = plan(config, 1 if r["variant"] == "compute only" else world, batch, strategy, device)
+        r["plan_peak_MB"] = p.memory.total / MB
+        r["peak_vs_plan"] = r["peak_MB"] / r["plan_peak_MB"]
+        r["plan_ms"] = p.step_s * 1e3
+        r["ms_vs_plan"] = r["median_ms"] / r["plan_ms"]
+
+
+def scaling_rows(by_world: dict[int, list[dict]]) -> list[dict]:
+    """Per variant measured at every world size: its median step and peak memory per rank at each, and the
+    weak-scaling efficiency (same batch per rank) of each larger world against the smallest: t(smallest) / t(world)."""
+    worlds = sorted(by_world)
+    tables = {w: {r["variant"]: r for r in by_world[w]} for w in worlds}
+    rows = []
+    for name in tables[worlds[0]]:
+        if not all(name in tables[w] for w in worlds):
+            continue
+        row = {"variant": name}
+        for w in worlds:
+            row[f"ms_w{w}"] = tables[w][name]["median_ms"]
+        for w in worlds[1:]:
+            row[f"efficiency_w{w}"] = tables[worlds[0]][name]["median_ms"] / tables[w][name]["median_ms"]
+        for w in worlds:
+            row[f"exposed_%_w{w}"] = tables[w][name]["exposed_%"]
+        for w in worlds:
+            row[f"peak_MB_w{w}"] = tables[w][name]["peak_MB"]
+            row[f"grad_state_MB_w{w}"] = tables[w][name]["grad_state_MB"]
+        rows.append(row)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, "ddp")
-    add_distributed_model_args(p)
+    add_distributed_model_args(p, several_worlds=True)
     # Batch 16 per rank on GPUs: at the harness's batch 2 the eager xl step is bound by host launch work (273 ms for
     # ~40 ms of GPU math on 2 x H200) and host jitter spread one variant's steps over +-15%.
     p.set_defaults(warmup=2, iters=5, batch=16 if torch.cuda.is_available() else 2)
@@ -300,20 +369,39 @@ def main(argv=None) -> int:
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), metavar="NAME",
                    help=f"measure only these (compute only is always measured): {'; '.join(VARIANTS)}")
     args = p.parse_args(argv)
+    if any(w < 2 for w in args.world_size):
+        p.error(f"--world-size: data parallelism needs 2 or more ranks, got {args.world_size}")
     cfg = distributed_model_config(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    res = spawn_for_result(worker, args.world_size, cfg, args.batch, args.warmup, args.iters, args.rounds,
-                           args.variants, backend=args.backend, scratch_dir=args.out)
-    rows, total = res["rows"], res["total_bytes"]
-    path = write_table(rows, args.out, f"ddp_{args.backend}", "Data-parallel training step (AdamW)",
-                       [f"{args.world_size} ranks, {args.backend}, model {args.preset} ({total / MB:.0f} MB of fp32 "
-                        f"parameters), context {args.context}, batch {args.batch} per rank, "
-                        f"{'bf16 autocast' if torch.cuda.is_available() else 'fp32'}. {args.rounds} interleaved rounds "
-                        f"of {args.warmup} warm-up + {args.iters} timed steps per variant; median and p10/p90 of the "
-                        "slowest rank's step. exposed = median - compute-only median."],
-                       environment())
-    plot(rows, args.out, f"ddp_{args.backend}")
-    print(path.read_text())
+    by_world: dict[int, list[dict]] = {}
+    env = environment()
+    for world in args.world_size:
+        res = spawn_for_result(worker, world, cfg, args.batch, args.warmup, args.iters, args.rounds,
+                               args.variants, backend=args.backend, scratch_dir=args.out)
+        rows, total = res["rows"], res["total_bytes"]
+        add_plan(rows, cfg, world, args.batch, args.context)
+        by_world[world] = rows
+        name = f"ddp_{args.backend}_w{world}"
+        path = write_table(
+            rows, args.out, name, f"Data-parallel training step (AdamW), {world} ranks",
+            [f"{world} ranks, {args.backend}, model {args.preset} ({total / MB:.0f} MB of fp32 parameters), context "
+             f"{args.context}, batch {args.batch} per rank, {'bf16 autocast' if torch.cuda.is_available() else 'fp32'}. "
+             f"{args.rounds} interleaved rounds of {args.warmup} warm-up + {args.iters} timed steps per variant; "
+             "median and p10/p90 of the slowest rank's step. exposed = median - compute-only median. peak_MB: the "
+             "allocator's peak over the variant's first round, per rank (the most of any rank), less what the other "
+             "variants hold. plan_peak_MB and plan_ms: what `flashsys plan` predicts for the rows it models "
+             "(compute only as one rank)."], env)
+        plot(rows, args.out, name)
+        print(path.read_text())
+    if len(by_world) > 1:
+        worlds = sorted(by_world)
+        path = write_table(
+            scaling_rows(by_world), args.out, f"ddp_{args.backend}_scaling",
+            f"Data-parallel weak scaling, {' and '.join(map(str, worlds))} ranks",
+            [f"The same model ({args.preset}), context {args.context} and batch {args.batch} per rank at each world "
+             f"size (tables ddp_{args.backend}_w<N>). efficiency_w<N> = median step at {worlds[0]} ranks / median "
+             "step at N ranks (1.0: perfect weak scaling). Peak and gradient + optimizer-state memory per rank."], env)
+        print(path.read_text())
     return 0
 
 

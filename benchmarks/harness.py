@@ -133,13 +133,18 @@ def add_common_args(p: argparse.ArgumentParser, script: str) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
-def add_distributed_model_args(p: argparse.ArgumentParser) -> None:
-    """Model and world options of the multi-process benchmarks (xl on 2 GPUs; the tiny preset on 2 CPU ranks)."""
+def add_distributed_model_args(p: argparse.ArgumentParser, several_worlds: bool = False) -> None:
+    """Model and world options of the multi-process benchmarks (xl on 2 GPUs; the tiny preset on 2 CPU ranks).
+    With `several_worlds`, --world-size takes one or more sizes (a list in `args.world_size`)."""
     p.add_argument("--preset", default="xl" if ON_GPU else "tiny", choices=list(PRESETS),
                    help="model preset (default: xl on GPUs, tiny on a CPU)")
     p.add_argument("--context", type=int, default=512 if ON_GPU else 64)
     p.add_argument("--batch", type=int, default=2, help="per rank")
-    p.add_argument("--world-size", type=int, default=2)
+    if several_worlds:
+        p.add_argument("--world-size", type=int, nargs="+", default=[2],
+                       help="ranks; several sizes run one after the other, with a weak-scaling table")
+    else:
+        p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--backend", choices=["nccl", "gloo"], default="nccl" if ON_GPU else "gloo")
 
 

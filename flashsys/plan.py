@@ -102,7 +102,8 @@ def block_parameter_count(c: ModelConfig) -> int:
     return (parameter_count(c) - 2 * c.vocab_size * c.d_model - c.d_model) // max(c.num_layers, 1)
 
 
-def activation_bytes(c: ModelConfig, tokens: int, dtype: str, checkpointing: bool) -> float:
+def activation_bytes(c: ModelConfig, tokens: int, dtype: str, checkpointing: bool,
+                     weight_copies: bool = True) -> float:
     """Bytes backward keeps for `tokens` tokens (batch x context) on one rank.
 
     Per token and block: the fp32 residual stream into each RMSNorm and its fp32 normalised output, which the
@@ -112,7 +113,8 @@ def activation_bytes(c: ModelConfig, tokens: int, dtype: str, checkpointing: boo
     head), and SwiGLU's two projections, their gated product and silu (4 d_ff). Plus the LM head: its logits in the
     compute dtype, their float32 copy (bf16 only) and the float32 log-softmax the loss keeps (vocab each). Under
     bf16 autocast also the bf16 copy of every matmul weight (blocks and LM head), which the matmuls keep for
-    backward: 2 bytes per weight, whatever the number of tokens.
+    backward: 2 bytes per weight, whatever the number of tokens (`weight_copies=False` leaves them out: under
+    ZeRO-3 FSDP2 gathers the blocks already in bf16 and frees them after each block, so autocast copies nothing).
     """
     c_bytes = 2 if dtype == "bfloat16" else 4
     kv_width = c.head_dim * (c.num_kv_heads or c.num_heads)
@@ -123,8 +125,8 @@ def activation_bytes(c: ModelConfig, tokens: int, dtype: str, checkpointing: boo
         blocks = c.num_layers * 4 * c.d_model + per_block
     else:
         blocks = c.num_layers * per_block
-    weight_copies = 2.0 * (parameter_count(c) - c.vocab_size * c.d_model) if c_bytes == 2 else 0.0
-    return tokens * (blocks + head) + weight_copies
+    copies = 2.0 * (parameter_count(c) - c.vocab_size * c.d_model) if c_bytes == 2 and weight_copies else 0.0
+    return tokens * (blocks + head) + copies
 
 
 def activation_floor_bytes(c: ModelConfig, tokens: int, dtype: str, checkpointing: bool) -> float:
@@ -200,7 +202,8 @@ def plan(config: ModelConfig, world: int, batch_per_rank: int, strategy: str, de
     tokens = batch_per_rank * config.context_length
     state = memory.total
     memory = Memory(memory.parameters, memory.gradients, memory.optimizer,
-                    activation_bytes(config, tokens, dtype, checkpointing), memory.buffers)
+                    activation_bytes(config, tokens, dtype, checkpointing, weight_copies=strategy != "zero3" or world == 1),
+                    memory.buffers)
     floor = state + activation_floor_bytes(config, tokens, dtype, checkpointing)
     peak = device.peak_flops.get(dtype) or device.peak_flops["bfloat16"]
     flops = model_flops_per_token(config) * tokens * (4 / 3 if checkpointing else 1)  # + the forward recomputed

@@ -23,7 +23,7 @@ CASES = {
     "allreduce": (["--sizes-mb", "0.1", "1", "--world-sizes", "2", "--iters", "2", "--warmup", "1", "--backend", "gloo"],
                   ["allreduce_gloo.md", "allreduce_gloo.csv", "allreduce_gloo.png"]),
     "ddp": (["--rounds", "1", "--iters", "2", "--warmup", "1", "--context", "16", "--backend", "gloo"],
-            ["ddp_gloo.md", "ddp_gloo.csv", "ddp_gloo.png"]),
+            ["ddp_gloo_w2.md", "ddp_gloo_w2.csv", "ddp_gloo_w2.png"]),
     "decode": (["--batches", "1", "--cache-lens", "512"], ["decode_cpu.md", "decode_cpu.csv"]),
     "hf_model": ([], ["hf_model_cpu.md", "hf_model_cpu.csv"]),
     "sharded_optimizer": (["--iters", "1", "--warmup", "0", "--context", "16", "--backend", "gloo"],

@@ -36,6 +36,10 @@ def test_state_per_rank_follows_each_strategy():
     assert plans["zero1"].memory.optimizer == 4 * n and plans["zero1"].memory.gradients == 4 * n
     assert plans["zero2"].memory.gradients == 2 * n and plans["zero2"].memory.optimizer == 4 * n
     assert plans["zero3"].memory.parameters == 2 * n
+    # Autocast's bf16 copies of the weights (2 bytes each, LM head included, embedding not): not under ZeRO-3,
+    # whose gathered blocks are bf16 already.
+    copies = 2 * (n - config.vocab_size * config.d_model)
+    assert plans["zero2"].memory.activations - plans["zero3"].memory.activations == copies
     zero2_state = plans["zero2"].memory.gradients + plans["zero2"].memory.optimizer
     assert abs(zero2_state / 2**20 - 11434) / 11434 < 0.01
     assert plans["zero2"].comm_bytes == plans["ddp"].comm_bytes < plans["zero1"].comm_bytes
