@@ -5,7 +5,12 @@
 - generate: greedy generation of --new-tokens after a --prompt-tokens prompt, at each --gen-batches, eager with
   transformers' dynamic cache; decode tokens/s (new tokens x batch over the time after the prefill).
 
+Each part (--parts train generate) writes its own table, every implementation beside sdpa in the same process; the
+two parts can run at once on two GPUs:
+
     python -m benchmarks.hf_model
+    CUDA_VISIBLE_DEVICES=0 python -m benchmarks.hf_model --parts train & \
+    CUDA_VISIBLE_DEVICES=1 python -m benchmarks.hf_model --parts generate
 """
 
 from __future__ import annotations
@@ -80,6 +85,8 @@ def decode_tokens_per_s(model, batch: int, prompt: int, new: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, "hf_model")
+    p.add_argument("--parts", nargs="+", choices=["train", "generate"], default=["train", "generate"],
+                   help="what to measure; each part writes its own table (run them on two GPUs at once if you like)")
     p.add_argument("--impls", nargs="+", default=["sdpa", "fsys", "flex_attention"] if ON_GPU else ["sdpa", "fsys"])
     p.add_argument("--train-batch", type=int, default=2 if ON_GPU else 2)
     p.add_argument("--seq", type=int, default=4096 if ON_GPU else 64)
@@ -98,14 +105,14 @@ def main(argv=None) -> int:
     for impl in args.impls:
         model = build(impl, dtype, state)
         row = {"impl": impl}
-        for compiled in (False, True):
+        for compiled in (False, True) if "train" in args.parts else ():
             if compiled and impl not in args.compiled_impls:
                 continue
             key = f"train_{'compiled' if compiled else 'eager'}_ms"
             cell = run_cell(lambda c=compiled: {"ms": train_ms(model, args.train_batch, args.seq, c)})
             row[key] = cell.get("ms", cell.get("error"))
             model.load_state_dict(state)  # generation starts from the same weights for every implementation
-        for batch in args.gen_batches:
+        for batch in args.gen_batches if "generate" in args.parts else ():
             cell = run_cell(lambda b=batch: decode_tokens_per_s(model, b, args.prompt_tokens, args.new_tokens))
             row[f"prefill_b{batch}_ms"] = cell.get("prefill_ms", cell.get("error"))
             row[f"decode_b{batch}_tok_s"] = cell.get("decode_tok_per_s")
@@ -115,14 +122,16 @@ def main(argv=None) -> int:
         model = None
         if ON_GPU:
             torch.cuda.empty_cache()
-        path = write(rows, tokens, args, dtype, sum(t.numel() for t in state.values()) / 1e9)  # after each: a run
-        # cut short keeps what it measured
-    print(path.read_text())
+        paths = write(rows, tokens, args, dtype, sum(t.numel() for t in state.values()) / 1e9)  # after each: a
+        # run cut short keeps what it measured
+    for path in paths:
+        print(path.read_text())
     return 0
 
 
-def write(rows: list[dict], tokens: dict, args, dtype: torch.dtype, n_params: float):
-    """The table of the rows so far, with each implementation's ratios to sdpa's row."""
+def write(rows: list[dict], tokens: dict, args, dtype: torch.dtype, n_params: float) -> list:
+    """One table per part measured (`hf_model_<device>_train`, `..._generate`) of the rows so far, with each
+    implementation's ratios to sdpa's row of the same run."""
     base = next((r for r in rows if r["impl"] == "sdpa"), None)
     out = []
     for r in rows:
@@ -137,14 +146,23 @@ def write(rows: list[dict], tokens: dict, args, dtype: torch.dtype, n_params: fl
                     same = tokens[(r["impl"], batch)] == tokens[("sdpa", batch)]
                     r[f"same_tokens_b{batch}"] = same.float().mean().item()
         out.append(r)
-    name = f"hf_model_{'gpu' if ON_GPU else 'cpu'}"
-    return write_table(out, args.out, name, "A Llama-architecture transformers model: training step and generation",
-                       [f"{n_params:.2f}B parameters ({SHAPES[ON_GPU]}), random weights, {str(dtype)[6:]}. Train: "
-                        f"batch {args.train_batch} x {args.seq} tokens, AdamW, median ms per step (*_vs_sdpa: "
-                        f"< 1 is faster). Generate: greedy, {args.prompt_tokens}-token prompt, {args.new_tokens} new "
-                        "tokens, dynamic cache; decode tokens/s after the prefill (*_vs_sdpa: > 1 is faster); "
-                        "same_tokens: the fraction of generated tokens equal to sdpa's (bf16 rounding can flip a "
-                        "near-tie)."], environment())
+    model = f"{n_params:.2f}B parameters ({SHAPES[ON_GPU]}), random weights, {str(dtype)[6:]}."
+    notes = {
+        "train": f"Train: batch {args.train_batch} x {args.seq} tokens, one AdamW step (forward, backward, step), "
+                 "eager and torch.compile'd, median ms per step (*_vs_sdpa: < 1 is faster).",
+        "generate": f"Generate: greedy, {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, dynamic "
+                    "cache, eager; prefill ms and decode tokens/s after the prefill (*_vs_sdpa: > 1 is faster); "
+                    "same_tokens: the fraction of generated tokens equal to sdpa's (bf16 rounding can flip a "
+                    "near-tie).",
+    }
+    prefixes = {"train": ("train_",), "generate": ("prefill_", "decode_", "same_tokens_")}
+    paths = []
+    for part in args.parts:
+        part_rows = [{k: v for k, v in r.items() if k == "impl" or k.startswith(prefixes[part])} for r in out]
+        name = f"hf_model_{'gpu' if ON_GPU else 'cpu'}_{part}"
+        paths.append(write_table(part_rows, args.out, name, f"A Llama-architecture transformers model: {part}",
+                                 [f"{model} {notes[part]}"], environment()))
+    return paths
 
 
 if __name__ == "__main__":

@@ -154,7 +154,7 @@ def link_bandwidth(world: int, table: Path = ALLREDUCE_TABLE) -> float | None:
 
 
 def plan(config: ModelConfig, world: int, batch_per_rank: int, strategy: str, device: Device,
-         dtype: str = "bfloat16", checkpointing: bool = False, efficiency: float = 0.33,
+         dtype: str = "bfloat16", checkpointing: bool = False, efficiency: float = 0.31,
          bandwidth: float | None = None) -> Plan:
     """The accounting of one strategy (see the module's docstring).
 
@@ -166,7 +166,7 @@ def plan(config: ModelConfig, world: int, batch_per_rank: int, strategy: str, de
         device: its memory and peak FLOP/s (and link bandwidth, if known).
         dtype: "bfloat16" (autocast, the GPU default) or "float32".
         checkpointing: activation checkpointing of every block.
-        efficiency: the fraction of peak FLOP/s the step reaches (the model FLOPs utilisation; 0.33 is what the xl
+        efficiency: the fraction of peak FLOP/s the step reaches (the model FLOPs utilisation; 0.31 is what the xl
             preset's compute-only step reached on an H200, `benchmarks/results/ddp/`).
         bandwidth: link bytes/s; default the device's, else the measured all-reduce table's.
 
@@ -224,7 +224,7 @@ def plan(config: ModelConfig, world: int, batch_per_rank: int, strategy: str, de
 
 # Ties in predicted time go to the strategy with the least communication on the critical path: ZeRO-2 and DDP reduce
 # during backward (ZeRO-2 with less memory), ZeRO-1 broadcasts after the step, ZeRO-3 gathers before every block.
-# Measured on 2 x H200 (xl): ZeRO-2 358 ms, torch FSDP2 401 ms, for a compute-only 337 ms.
+# Measured on H200s (xl, benchmarks/results/ddp/): ZeRO-3 as fast as ZeRO-2 at the median but with a wider spread.
 PREFERENCE = ("zero2", "ddp", "zero1", "zero3")
 
 

@@ -25,7 +25,7 @@ CASES = {
     "ddp": (["--rounds", "1", "--iters", "2", "--warmup", "1", "--context", "16", "--backend", "gloo"],
             ["ddp_gloo_w2.md", "ddp_gloo_w2.csv", "ddp_gloo_w2.png"]),
     "decode": (["--batches", "1", "--cache-lens", "512"], ["decode_cpu.md", "decode_cpu.csv"]),
-    "hf_model": ([], ["hf_model_cpu.md", "hf_model_cpu.csv"]),
+    "hf_model": ([], ["hf_model_cpu_train.md", "hf_model_cpu_train.csv", "hf_model_cpu_generate.md"]),
     "sharded_optimizer": (["--iters", "1", "--warmup", "0", "--context", "16", "--backend", "gloo"],
                           ["sharded_optimizer_gloo.md", "sharded_optimizer_gloo.csv", "sharded_optimizer_gloo.png"]),
 }
