@@ -153,7 +153,9 @@ def write(rows: list[dict], tokens: dict, args, dtype: torch.dtype, n_params: fl
         "generate": f"Generate: greedy, {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, dynamic "
                     "cache, eager; prefill ms and decode tokens/s after the prefill (*_vs_sdpa: > 1 is faster); "
                     "same_tokens: the fraction of generated tokens equal to sdpa's (bf16 rounding can flip a "
-                    "near-tie).",
+                    "near-tie, and every token after a flip follows a different sequence: with random weights the "
+                    "top two logits are close and it is low; tests/integrations compares generation exactly in "
+                    "float32).",
     }
     prefixes = {"train": ("train_",), "generate": ("prefill_", "decode_", "same_tokens_")}
     paths = []
