@@ -188,8 +188,9 @@ def _packed_rows(kwargs: dict, attention_mask: Tensor | None, batch: int, n_q: i
     positions = kwargs.get("position_ids")
     if positions is None or n_q != n_k or n_q == 1:
         return None
-    positions = positions.expand(batch, -1) if positions.shape[0] != batch else positions
-    return _cached(positions, (batch, n_q), lambda: _from_positions(positions))
+    # Keyed on the tensor the model passes every layer (often (1, N) for the whole batch): an expanded view would be
+    # a new tensor in each layer, and each would be read back again.
+    return _cached(positions, (batch, n_q), lambda: _from_positions(positions.expand(batch, -1)))
 
 
 def _from_offsets(cu_q, cu_k, max_q, max_k, total_q: int, total_k: int) -> _Packed:

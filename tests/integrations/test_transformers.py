@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 
 transformers = pytest.importorskip("transformers")
 
@@ -87,6 +88,36 @@ def test_packed_rows_match_each_document_run_alone(family):
     collated = ours(x, position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9,
                     use_cache=False).logits
     torch.testing.assert_close(collated, packed, rtol=1e-12, atol=1e-12)
+
+
+class _DeviceReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts reads of a tensor's value back to the host (`.item()`, `bool(t)`, `.tolist()`): each is a wait for
+    the device on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("positions", ["none", "one row for the batch", "one row each"])
+def test_a_forward_reads_the_positions_back_once_not_once_per_layer(positions):
+    """Deciding whether a batch is packed reads `position_ids` back (a wait for the GPU); every layer gets the same
+    tensor, so it is read once per forward whatever the number of layers and whatever its batch dimension."""
+    ref, ours = _pair("llama-gqa", num_hidden_layers=6)
+    x = _tokens(2, 12)
+    given = {"none": None, "one row for the batch": torch.arange(12)[None],
+             "one row each": torch.arange(12)[None].repeat(2, 1)}[positions]
+    counts = []
+    for model in (ref, ours):
+        with torch.no_grad(), _DeviceReads() as reads:
+            model(x, position_ids=given, use_cache=False)
+        counts.append(reads.count)
+    assert counts[1] <= counts[0] + 1, f"sdpa's forward reads back {counts[0]} times, flashsys' {counts[1]}"
 
 
 @pytest.mark.parametrize("family", ["llama-gqa", "mistral-window"])
