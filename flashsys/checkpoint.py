@@ -81,25 +81,25 @@ def load_checkpoint(path: Path) -> dict:
         UsageError: when it is missing, not a flashsys checkpoint, or corrupted (checksum mismatch).
     """
     if not path.is_file():
-        raise UsageError(f"--resume: no checkpoint at {path}")
+        raise UsageError(f"no checkpoint at {path}")
     with open(path, "rb") as f:
         header = f.readline(len(MAGIC) + 64 + 1)
         if not header.startswith(MAGIC) or not header.endswith(b"\n"):
-            raise UsageError(f"--resume: {path} is corrupted or not a flashsys checkpoint (no checkpoint header)")
+            raise UsageError(f"{path} is corrupted or not a flashsys checkpoint (no checkpoint header)")
         if _sha256_from(f, len(header)).encode() != header[len(MAGIC):-1]:
-            raise UsageError(f"--resume: checkpoint {path} is corrupted (checksum mismatch); it was damaged after "
-                             "it was written. Resume from another copy or start again.")
+            raise UsageError(f"checkpoint {path} is corrupted (checksum mismatch); it was damaged after "
+                             "it was written. Use another copy, or start again.")
         f.seek(len(header))
         try:
             ckpt = torch.load(f, map_location="cpu", weights_only=True)
         except Exception as e:  # a valid checksum over a payload torch cannot read: written by something else
-            raise UsageError(f"--resume: checkpoint {path} is corrupted or unreadable ({type(e).__name__})") from None
+            raise UsageError(f"checkpoint {path} is corrupted or unreadable ({type(e).__name__})") from None
     if not isinstance(ckpt, dict) or not {"model", "optimizer", "step", "config", "history"} <= ckpt.keys():
-        raise UsageError(f"--resume: {path} is not a flashsys checkpoint")
+        raise UsageError(f"{path} is not a flashsys checkpoint")
     problem = _contents_problem(ckpt)
     if problem:
-        raise UsageError(f"--resume: checkpoint {path} is inconsistent ({problem}); it was not written by a "
-                         "flashsys run as it stands. Resume from another copy or start again.")
+        raise UsageError(f"checkpoint {path} is inconsistent ({problem}); it was not written by a "
+                         "flashsys run as it stands. Use another copy, or start again.")
     return ckpt
 
 

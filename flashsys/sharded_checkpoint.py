@@ -243,26 +243,26 @@ def read_manifest(directory: Path, verify_files: bool = True) -> dict:
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise UsageError(f"--resume: {directory} is not a readable sharded checkpoint ({MANIFEST}: "
+        raise UsageError(f"{directory} is not a readable sharded checkpoint ({MANIFEST}: "
                          f"{type(e).__name__})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("body"), dict):
-        raise UsageError(f"--resume: {path} is not a flashsys sharded-checkpoint manifest")
+        raise UsageError(f"{path} is not a flashsys sharded-checkpoint manifest")
     body = doc["body"]
     if _body_digest(body) != doc.get("body_sha256"):
-        raise UsageError(f"--resume: {path} is corrupted (checksum mismatch)")
+        raise UsageError(f"{path} is corrupted (checksum mismatch)")
     missing = sorted(name for name in body["files"] if not (directory / name).is_file())
     if missing:
-        raise UsageError(f"--resume: the sharded checkpoint {directory} lacks {', '.join(missing)}: shards are "
-                         "missing (copied in part?). Resume from a complete copy or start again.")
+        raise UsageError(f"the sharded checkpoint {directory} lacks {', '.join(missing)}: shards are "
+                         "missing (copied in part?). Use a complete copy, or start again.")
     if verify_files:
         bad = verify_my_share(directory, body, 0, 1)
         if bad:
-            raise UsageError(f"--resume: {', '.join(bad)} in {directory} do not match the manifest (damaged, or "
-                             "from another checkpoint). Resume from another copy or start again.")
+            raise UsageError(f"{', '.join(bad)} in {directory} do not match the manifest (damaged, or "
+                             "from another checkpoint). Use another copy, or start again.")
     problem = _manifest_problem(body)
     if problem:
-        raise UsageError(f"--resume: the sharded checkpoint {directory} is inconsistent ({problem}); it was not "
-                         "written by a flashsys run as it stands. Resume from another copy or start again.")
+        raise UsageError(f"the sharded checkpoint {directory} is inconsistent ({problem}); it was not "
+                         "written by a flashsys run as it stands. Use another copy, or start again.")
     return body
 
 
