@@ -315,14 +315,14 @@ def add_plan(rows: list[dict], cfg, world: int, batch: int, context: int) -> Non
     bf16 autocast, the measured all-reduce bandwidth."""
     import dataclasses
 
-    from flashsys.plan import DEVICES, plan
+    from flashsys.mfu import peak_flops
+    from flashsys.plan import Device, plan
 
-    if not torch.cuda.is_available():
+    peak = peak_flops("cuda", "bfloat16") if torch.cuda.is_available() else None
+    if peak is None:  # a CPU, or a GPU whose peak flashsys.mfu does not list
         return
-    name = torch.cuda.get_device_name()
-    device = next((d for d in DEVICES.values() if d.name.split()[0] in name), None)
-    if device is None:
-        return
+    gpu = torch.cuda.get_device_properties()
+    device = Device(gpu.name, gpu.total_memory, {"bfloat16": peak})
     config = dataclasses.replace(cfg, context_length=context)
     for r in rows:
         strategy = PLANNED.get(r["variant"])
@@ -382,10 +382,11 @@ def main(argv=None) -> int:
         add_plan(rows, cfg, world, args.batch, args.context)
         by_world[world] = rows
         name = f"ddp_{args.backend}_w{world}"
+        precision = "bf16 autocast" if torch.cuda.is_available() else "fp32"
         path = write_table(
             rows, args.out, name, f"Data-parallel training step (AdamW), {world} ranks",
             [f"{world} ranks, {args.backend}, model {args.preset} ({total / MB:.0f} MB of fp32 parameters), context "
-             f"{args.context}, batch {args.batch} per rank, {'bf16 autocast' if torch.cuda.is_available() else 'fp32'}. "
+             f"{args.context}, batch {args.batch} per rank, {precision}. "
              f"{args.rounds} interleaved rounds of {args.warmup} warm-up + {args.iters} timed steps per variant; "
              "median and p10/p90 of the slowest rank's step. exposed = median - compute-only median. peak_MB: the "
              "allocator's peak over the variant's first round, per rank (the most of any rank), less what the other "

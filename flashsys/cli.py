@@ -210,7 +210,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `flashsys plan`."""
-    from .plan import DEVICES, STRATEGIES
+    from .plan import DEFAULT_EFFICIENCY, DEVICES, STRATEGIES
 
     p.add_argument("--preset", choices=list(PRESETS), default="xl", help="model size preset (default %(default)s)")
     p.add_argument("--d-model", type=int, help="override the preset's width")
@@ -226,7 +226,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", choices=["all", *STRATEGIES], default="all")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every block")
     p.add_argument("--device", choices=list(DEVICES), default="h100", help="default %(default)s")
-    p.add_argument("--efficiency", type=float, default=0.31,
+    p.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY,
                    help="fraction of the peak FLOP/s a step reaches (default %(default)s, measured: xl on an H200)")
     p.add_argument("--bandwidth-gbps", type=float, default=None,
                    help="link bus bandwidth in GB/s (default: the measured all-reduce table's)")

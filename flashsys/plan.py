@@ -36,6 +36,9 @@ TRAINER_STRATEGIES = STRATEGIES
 GiB = 2**30
 BROADCAST_CHUNK = 128 * 2**20  # ShardedOptimizer.broadcast_chunk_bytes
 BUCKET_BYTES = 256 * 2**20  # a typical "auto" bucket (docs/data-parallel.md): what ZeRO-2 holds while it reduces
+# The fraction of peak FLOP/s a step reaches by default: the xl preset's compute-only step on an H200
+# (benchmarks/results/ddp/: 332.5 ms, MFU 0.308).
+DEFAULT_EFFICIENCY = 0.31
 ALLREDUCE_TABLE = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "allreduce" / "allreduce_nccl.csv"
 
 
@@ -154,7 +157,7 @@ def link_bandwidth(world: int, table: Path = ALLREDUCE_TABLE) -> float | None:
 
 
 def plan(config: ModelConfig, world: int, batch_per_rank: int, strategy: str, device: Device,
-         dtype: str = "bfloat16", checkpointing: bool = False, efficiency: float = 0.31,
+         dtype: str = "bfloat16", checkpointing: bool = False, efficiency: float = DEFAULT_EFFICIENCY,
          bandwidth: float | None = None) -> Plan:
     """The accounting of one strategy (see the module's docstring).
 
@@ -166,8 +169,8 @@ def plan(config: ModelConfig, world: int, batch_per_rank: int, strategy: str, de
         device: its memory and peak FLOP/s (and link bandwidth, if known).
         dtype: "bfloat16" (autocast, the GPU default) or "float32".
         checkpointing: activation checkpointing of every block.
-        efficiency: the fraction of peak FLOP/s the step reaches (the model FLOPs utilisation; 0.31 is what the xl
-            preset's compute-only step reached on an H200, `benchmarks/results/ddp/`).
+        efficiency: the fraction of peak FLOP/s the step reaches (the model FLOPs utilisation; default
+            `DEFAULT_EFFICIENCY`, measured).
         bandwidth: link bytes/s; default the device's, else the measured all-reduce table's.
 
     Raises:
@@ -201,8 +204,9 @@ def plan(config: ModelConfig, world: int, batch_per_rank: int, strategy: str, de
         comm = (world - 1) / world * (2 * 2.0 * n_params + g)
     tokens = batch_per_rank * config.context_length
     state = memory.total
+    sharded_weights = strategy == "zero3" and world > 1  # FSDP2 gathers them in bf16: autocast copies none
     memory = Memory(memory.parameters, memory.gradients, memory.optimizer,
-                    activation_bytes(config, tokens, dtype, checkpointing, weight_copies=strategy != "zero3" or world == 1),
+                    activation_bytes(config, tokens, dtype, checkpointing, weight_copies=not sharded_weights),
                     memory.buffers)
     floor = state + activation_floor_bytes(config, tokens, dtype, checkpointing)
     peak = device.peak_flops.get(dtype) or device.peak_flops["bfloat16"]
