@@ -109,3 +109,21 @@ def test_attention_rounds_below_one_is_refused_by_name(bad):
     """`--rounds` takes a whole number, 1 or more: anything else stops before any timing, naming the argument."""
     r = _run("attention", "--rounds", bad, timeout=120)
     assert r.returncode == 2 and "argument --rounds" in r.stderr and repr(bad) in r.stderr, r.stderr[-500:]
+
+
+def test_ddp_scaling_table_holds_the_variants_measured_at_every_world():
+    """Weak-scaling efficiency is the smallest world's median over each larger world's; a variant missing at one
+    world size has no row (nothing to compare it with)."""
+    from benchmarks.ddp import scaling_rows
+
+    def row(name, ms):
+        return {"variant": name, "median_ms": ms, "exposed_%": 0.0, "peak_MB": 1.0, "grad_state_MB": 1.0}
+
+    rows = scaling_rows({4: [row("a", 110.0), row("b", 100.0)], 2: [row("a", 99.0), row("c", 1.0)]})
+    assert [r["variant"] for r in rows] == ["a"]
+    assert rows[0]["ms_w2"] == 99.0 and rows[0]["ms_w4"] == 110.0 and rows[0]["efficiency_w4"] == 0.9
+
+
+def test_ddp_world_size_below_two_is_refused_by_name():
+    r = _run("ddp", "--world-size", "2", "1", timeout=120)
+    assert r.returncode == 2 and "--world-size" in r.stderr and "2 or more" in r.stderr, r.stderr[-500:]
