@@ -14,6 +14,7 @@ from .attention_checks import FLOOR, assert_matches_reference, eager_then_compil
 triton = pytest.importorskip("triton")
 from flashsys.ops.attention import dispatch, launcher, library_ops, replay  # noqa: E402
 from flashsys.ops.attention.gluon import launch as gluon_launch  # noqa: E402
+from flashsys.ops.attention.layout import empty_output  # noqa: E402
 
 from .test_gluon_forward import CASES, _inputs, hopper_only  # noqa: E402
 
@@ -373,9 +374,9 @@ def test_the_folding_one_pass_writes_every_dq_tile_once_its_sum_is_whole_gpu(var
     case = (5, 16, 8, 1000, 1024, (-1, -1), "bhnd", torch.bfloat16)
     inputs, grads_tl, _ = _tl_backward_case(case, d, 23, 4)
     q, k = inputs[:2]
-    if not gluon_launch.folds_dq(var, q, k, (-1, -1)):
+    if not gluon_launch.folds_dq(var, q, k, (-1, -1), empty_output(q)):
         pytest.skip(f"{var.label()} does not rotate at 1000 queries: the masked order, with its epilogue")
-    assert 0 < gluon_launch.fold_lag(var, q, k, (-1, -1)) < 5 * 8
+    assert 0 < gluon_launch.fold_lag(var, q, k, (-1, -1), empty_output(q)) < 5 * 8
     launches = _full_mask_runs_match_reference(var, inputs, grads_tl, d)
     assert all(len(run.recorded) == 2 for run in launches)  # the prologue and the kernel: no epilogue
 
@@ -419,7 +420,7 @@ def test_a_backward_that_ran_the_one_pass_replays_it_from_its_plan_gpu(kind, whi
             assert err <= 2 * base + FLOOR[torch.bfloat16], f"{name}: {err:.3g} vs PyTorch {base:.3g}"
     (plan,) = plans.backward_plans.values()
     folds = kind == "one_pass_det" and not causal
-    assert gluon_launch.folds_dq(table[128][1], q, k, window) == folds
+    assert gluon_launch.folds_dq(table[128][1], q, k, window, empty_output(q)) == folds
     assert len(plan.replays) == (2 if folds else 3)  # prologue, kernel (and epilogue)
     if which_launcher == "native":
         assert native.sizes() == (1, 1)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import flashsys.ops as ops
 from flashsys.ops.attention import determinism, window_mask
+from flashsys.ops.attention.layout import empty_output
 
 from .attention_checks import make_qkv, run_reference
 
@@ -109,11 +110,13 @@ def test_prologue_writes_the_pairs_and_zeroes_dq_and_epilogue_scales_it(rank):
     assert torch.equal(acc[:, :, in_sum], torch.zeros_like(o4, dtype=torch.float32))
     assert acc.isnan().sum() == batch * heads * 3 * d  # the padding's 3 rows a head: no query row's
     acc.normal_(generator=torch.Generator(DEVICE).manual_seed(12))
-    dq = torch.full(o4.shape, float("nan"), device=DEVICE, dtype=torch.float16)
     rows = batch * heads * n
-    kernels.one_pass_epilogue_kernel[(triton.cdiv(rows, 64),)](acc, dq, rows, n, acc.shape[2], 0.3, HEAD_DIM=d,
-                                                               BLOCK_D=64, ROWS=64)
-    assert torch.equal(dq, (acc[:, :, in_sum] * 0.3).to(torch.float16))
+    dense = torch.full(o4.shape, float("nan"), device=DEVICE, dtype=torch.float16)
+    bnhd = torch.full((batch, n, heads, d), float("nan"), device=DEVICE, dtype=torch.float16).transpose(1, 2)
+    for dq in (dense, bnhd):  # any strides: the one pass writes dQ as `layout.empty_output` lays it out
+        kernels.one_pass_epilogue_kernel[(triton.cdiv(rows, 64),)](acc, dq, *dq.stride(), rows, heads, n,
+                                                                   acc.shape[2], 0.3, HEAD_DIM=d, BLOCK_D=64, ROWS=64)
+        assert torch.equal(dq, (acc[:, :, in_sum] * 0.3).to(torch.float16))
 
 
 def _one_pass_harness(monkeypatch, picked):
@@ -486,7 +489,7 @@ def test_the_deterministic_one_pass_cannot_deadlock_in_the_order_the_host_launch
         rotate = gluon_launch.rotates(det, q4, k4, window)
         late = gluon_launch.passes_turns_late(det, q4, k4, window)
         group_heads = gluon_launch.paired_heads(det, q4, k4, window)
-        lag = gluon_launch.fold_lag(det, q4, k4, window)
+        lag = gluon_launch.fold_lag(det, q4, k4, window, q4)
     launches = _launches(n_q, n_k, window, 5, rotate, block_m=block_m, group_heads=group_heads, fold_lag=lag)
     assert _runs_to_the_end(launches, sms, late)
 
@@ -562,24 +565,28 @@ def test_only_the_rotated_full_mask_folds_dq_and_its_grid_holds_the_lagging_pair
             variant, gluon_launch.OnePassTensors(q, k, k, q, k, k, acc, pairs, semaphores, q), window, 0.1)
         return grid, args[kernel.arg_names.index("fold_lag")], kwargs["FOLD_DQ"]
 
-    assert gluon_launch.folds_dq(det, q, k, (-1, -1)) and gluon_launch.fold_lag(det, q, k, (-1, -1)) == 33
+    assert gluon_launch.folds_dq(det, q, k, (-1, -1), q) and gluon_launch.fold_lag(det, q, k, (-1, -1), q) == 33
     assert launch(det, (-1, -1)) == ((8 * (8 + 33),), 33, True)
     for variant, window in ((det, (-1, 0)), (det, (64, 64)), (dispatch.ONE_PASS_VARIANTS[128][1], (-1, -1))):
-        assert not gluon_launch.folds_dq(variant, q, k, window)
+        assert not gluon_launch.folds_dq(variant, q, k, window, q)
         assert launch(variant, window) == ((8 * 8,), 0, False)
-    assert not gluon_launch.folds_dq(det, q[:, :, :256], k, (-1, -1))  # 4 query tiles: not rotated
+    assert not gluon_launch.folds_dq(det, q[:, :, :256], k, (-1, -1), q[:, :, :256])  # 4 query tiles: not rotated
     ragged = torch.empty(2, 8, 1001, 128, dtype=torch.bfloat16)  # its sum holds 1008 rows a head
     for rows in (1001, 1016):  # the sum's rows are dq_sum_rows(Nq): no fewer (the TMA would clip), no more
         with pytest.raises(ValueError, match="dQ's float32 sum holds"):
             gluon_launch.launch_parts(det, gluon_launch.OnePassTensors(
                 ragged, k, k, ragged, k, k, torch.empty(2, 8, rows, 128), torch.empty(2, 8, 1001, 2),
                 torch.zeros(1024, dtype=torch.int32), ragged), (-1, -1), 0.1)
-    with pytest.raises(ValueError, match="writes dQ from its sum as dense"):  # the kernel indexes dQ densely
-        gluon_launch.launch_parts(det, gluon_launch.OnePassTensors(
-            q, k, k, q, k, k, torch.empty(q.shape), torch.empty(*q.shape[:-1], 2), torch.zeros(1024, dtype=torch.int32),
-            q.transpose(1, 2).contiguous().transpose(1, 2)), (-1, -1), 0.1)
+    # The fold indexes dQ densely: a dq in (B, N, H, D) memory (q's, as `layout.empty_output` lays it out for such
+    # a q) is left to the epilogue kernel, which takes any strides.
+    bnhd = q.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not gluon_launch.folds_dq(det, bnhd, k, (-1, -1), empty_output(bnhd))
+    kernel, grid, args, kwargs, _ = gluon_launch.launch_parts(det, gluon_launch.OnePassTensors(
+        bnhd, k, k, bnhd, k, k, torch.empty(q.shape), torch.empty(*q.shape[:-1], 2),
+        torch.zeros(1024, dtype=torch.int32), empty_output(bnhd)), (-1, -1), 0.1)
+    assert (grid, args[kernel.arg_names.index("fold_lag")], kwargs["FOLD_DQ"]) == ((8 * 8,), 0, False)
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "50")
-    assert gluon_launch.fold_lag(det, q, k, (-1, -1)) == 17  # 66 SMs
+    assert gluon_launch.fold_lag(det, q, k, (-1, -1), q) == 17  # 66 SMs
 
 
 def test_the_paired_order_groups_heads_to_about_fill_the_sms_under_causal_masks_only(monkeypatch):
@@ -726,7 +733,7 @@ def test_a_one_pass_backward_is_replayed_from_its_plan_with_fresh_scratch(which_
 
     def fake_parts(var, t, window, scale):
         q4, k4, v4, do4, dk4, dv4, dq4 = (gluon_launch.rank4(x) for x in (t.q, t.k, t.v, t.do, t.dk, t.dv, t.dq))
-        stand_in.fold = gluon_launch.folds_dq(var, q4, k4, window)
+        stand_in.fold = gluon_launch.folds_dq(var, q4, k4, window, dq4)
         params = (q4, k4, v4, do4, dk4, dv4, t.dq_acc, t.lse_delta, t.semaphores, t.dq_acc, dq4, window, scale)
         sources = (t.q, t.k, t.v, t.do, t.dk, t.dv, t.dq_acc, t.lse_delta, t.semaphores, t.dq_acc, t.dq)
         return gluon_launch.LaunchParts(stand_in, (1,), params, {}, sources)

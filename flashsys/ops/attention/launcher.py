@@ -24,6 +24,7 @@ from . import dispatch, timed_choice
 from .determinism import deterministic_backward
 from .gluon import launch as gluon_launch
 from .gluon.launch import DkdvTensors, DqTensors, ForwardTensors, OnePassTensors, Variant, rank4
+from .layout import empty_output
 from .replay import plans
 from .replay.plans import Recorded
 from .triton import decode, launch
@@ -35,8 +36,8 @@ Window = tuple[int, int]
 
 
 class BackwardTensors(NamedTuple):
-    """A backward's tensors: the forward's q, k, v, O, L, the dense dO, the gradients it writes (dense, shaped like
-    q, k, v), and the (-L * log2 e, D) pairs ((*q.shape[:-1], 2) float32) its dQ kernel or prologue writes."""
+    """A backward's tensors: the forward's q, k, v, O, L, the dense dO, the gradients it writes (shaped like q, k, v,
+    laid out by `layout.empty_output`), and the (-L * log2 e, D) pairs ((*q.shape[:-1], 2) float32) its dQ kernel or prologue writes."""
 
     q: Tensor
     k: Tensor
@@ -102,7 +103,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, window: Window, scale: float, trace
     q, k, v (k, v may have fewer heads: grouped-query). `window` is (left, right), -1 unbounded (causal: (-1, 0)).
     With `traced` (inside a triton_op) the `tl` kernel is launched through wrap_triton and no plan is made; eager
     calls make one once compiled kernels ran (None while the autotuner runs)."""
-    o = torch.empty_like(q, memory_format=torch.contiguous_format)  # empty_like: the cheapest allocation call
+    o = empty_output(q)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     t = ForwardTensors(q, k, v, o, lse)
     recorded, scratch = None, ()
@@ -139,7 +140,7 @@ def dense_do(do: Tensor, dtype: torch.dtype) -> Tensor:
 
 def backward_tensors(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor) -> BackwardTensors:
     """A backward's tensors with its outputs allocated (dO must be dense already: `dense_do`)."""
-    dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+    dq, dk, dv = (empty_output(x) for x in (q, k, v))
     lse_delta = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device=q.device)
     return BackwardTensors(q, k, v, o, lse, do, dq, dk, dv, lse_delta)
 
@@ -204,11 +205,12 @@ def one_pass_backward(variant: Variant, t: BackwardTensors, window: Window, scal
                                      ZERO_ALL=variant.kind != "one_pass_det"))
     tensors = OnePassTensors(t.q, t.k, t.v, t.do, t.dk, t.dv, dq_acc, t.lse_delta, semaphores, t.dq)
     kernel = gluon_launch.launch(variant, tensors, window, scale)
-    if gluon_launch.folds_dq(variant, q4, rank4(t.k), window):
+    if gluon_launch.fold_lag(variant, q4, rank4(t.k), window, rank4(t.dq)):
         return BackwardLaunches([prologue, kernel], (dq_acc, semaphores))
     n_rows = batch * n_heads * n_q
     epilogue = launch.run_fixed(one_pass_epilogue_kernel, (triton.cdiv(n_rows, 64), 1, 1),
-                                dict(DqAcc=dq_acc, DQ=t.dq, n_rows=n_rows, n_q=n_q, n_sum=n_sum, softmax_scale=scale),
+                                dict(DqAcc=dq_acc, DQ=t.dq, n_rows=n_rows, n_heads=n_heads, n_q=n_q, n_sum=n_sum,
+                                     softmax_scale=scale),
                                 dict(HEAD_DIM=d, BLOCK_D=block_d, ROWS=64))
     return BackwardLaunches([prologue, kernel, epilogue], (dq_acc, semaphores))
 

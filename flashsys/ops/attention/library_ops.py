@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.library import triton_op
 
 from . import calls, dispatch, launcher
+from .layout import empty_output
 from .replay import plans
 
 Window = tuple[int, int]
@@ -80,11 +81,11 @@ _BACKWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor
 
 
 def _forward_fake(q, k, v, window_left, window_right, softmax_scale):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return empty_output(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 def _backward_fake(q, k, v, o, lse, do, window_left, window_right, softmax_scale):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return empty_output(q), empty_output(k), empty_output(v)
 
 
 def _define_opaque_op(name: str, schema: str, body, fake):

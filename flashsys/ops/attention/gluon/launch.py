@@ -18,6 +18,7 @@ import torch
 import triton
 from torch import Tensor
 
+from ..layout import empty_output
 from ..replay.plans import Recorded
 from ..triton.tiles import LOG2E
 from . import kernels
@@ -94,7 +95,7 @@ class DqTensors(NamedTuple):
 class OnePassTensors(NamedTuple):
     """The one-pass kernel's tensors: dK, dV as in `DkdvTensors`; dq_acc, dQ's float32 sum (`dq_sum_shape`, rows in
     `dq_sum_row`'s order); the pairs the prologue wrote; `semaphores` (`semaphore_count` zeroed int32s; any int32
-    tensor, or None, for the unordered kind); dq, dense and shaped like q (written only where `folds_dq`)."""
+    tensor, or None, for the unordered kind); dq, shaped like q (written only where `folds_dq`)."""
 
     q: Tensor
     k: Tensor
@@ -234,22 +235,23 @@ def passes_turns_late(variant: Variant, q4: Tensor, k4: Tensor, window: Window) 
     return variant.block_n >= 2 * variant.block_m
 
 
-def folds_dq(variant: Variant, q4: Tensor, k4: Tensor, window: Window) -> bool:
+def folds_dq(variant: Variant, q4: Tensor, k4: Tensor, window: Window, dq4: Tensor) -> bool:
     """Whether the deterministic one pass writes dQ itself (FOLD_DQ), so that no epilogue kernel reads the whole
     float32 sum back after it: a program scales and casts the sums at the query tiles where its key tile took the last
     turn, for a pair `fold_lag` back. Where it rotates (full masks) only: the ring spreads the last turns over every
     key tile, `stride` query tiles each, where the other orders give key tile 0 the last turn at every tile it visits
-    (a head's whole dQ left to one program, the heaviest under a causal mask), so the epilogue kernel stays there."""
-    return rotates(variant, q4, k4, window)
+    (a head's whole dQ left to one program, the heaviest under a causal mask), so the epilogue kernel stays there.
+    And only into a dense (B, H, Nq, D) dq, which is all the fold indexes; the epilogue takes any strides."""
+    return rotates(variant, q4, k4, window) and dq4.is_contiguous()
 
 
-def fold_lag(variant: Variant, q4: Tensor, k4: Tensor, window: Window) -> int:
+def fold_lag(variant: Variant, q4: Tensor, k4: Tensor, window: Window, dq4: Tensor) -> int:
     """Where `folds_dq`, how many (batch, K/V head) pairs back a program writes dQ for at its start, while its own K
     and V load (FOLD_DQ), else 0: enough that those pairs' programs launched two waves of the SMs before it, so that
     their sums are whole and its wait for them passes at once. At the end of the program the wait for its own adds
     to complete would lie on its path (and the code after its loop spilled). The grid holds this many pairs' programs
     more, which only fold the last pairs."""
-    if not folds_dq(variant, q4, k4, window):
+    if not folds_dq(variant, q4, k4, window, dq4):
         return 0
     return triton.cdiv(2 * usable_sms(q4), triton.cdiv(k4.shape[2], variant.block_n))
 
@@ -339,8 +341,8 @@ def _one_pass_parts(variant: Variant, t: OnePassTensors, window: Window, scale: 
                          f"dq_sum_row's order), got {tuple(dq_acc.shape)}")
     dq_rows, dq_cols = (m, d) if variant.alternate else (m // 2, d) if m >= 128 else (m, d // 2)
     group_heads = paired_heads(variant, q4, k4, window)
-    lag = fold_lag(variant, q4, k4, window)
-    if lag and (dq4.shape != q4.shape or not dq4.is_contiguous() or not dq_acc.is_contiguous()):
+    lag = fold_lag(variant, q4, k4, window, dq4)
+    if lag and (dq4.shape != q4.shape or not dq_acc.is_contiguous()):
         raise ValueError(f"{variant.label()} writes dQ from its sum as dense (B, H, Nq, D) tensors: got dq "
                          f"{tuple(dq4.shape)} strides {dq4.stride()}, the sum strides {dq_acc.stride()}, q "
                          f"{tuple(q4.shape)}")
@@ -454,7 +456,7 @@ def compile_only(variant: Variant, q: Tensor, k: Tensor, v: Tensor, window: Wind
     elif variant.kind.startswith("one_pass"):
         dq_acc = torch.empty(dq_sum_shape(rank4(q)), dtype=torch.float32, device=q.device)
         semaphores = torch.empty(semaphore_count(variant, rank4(q)), dtype=torch.int32, device=q.device)
-        dq = torch.empty_like(q, memory_format=torch.contiguous_format)  # dense, as the backward allocates it
+        dq = empty_output(q)  # as the backward allocates it
         tensors = OnePassTensors(q, k, v, q, torch.empty_like(k), torch.empty_like(v), dq_acc, lse_delta, semaphores,
                                  dq)
     elif variant.kind == "dq":

@@ -19,6 +19,8 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
+from ..layout import empty_output
+
 _PLAIN = (Tensor, torch.nn.Parameter)
 MAX_PLANS = 1024  # per table; a full table is emptied (a model uses a handful of signatures)
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton's launcher asks for itself
@@ -93,7 +95,7 @@ class ForwardPlan:
         self.native: bool | None = False if scratch else None
 
     def launch(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        o = torch.empty_like(q, memory_format=torch.contiguous_format)
+        o = empty_output(q)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         scratch = [torch.empty(shape, dtype=dtype, device=q.device) for shape, dtype in self.scratch]
         _launch_all(self.replays, (q, k, v, o, lse, *scratch), q.get_device())
@@ -114,9 +116,7 @@ class BackwardPlan:
 
     def launch(self, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor
                ) -> tuple[Tensor, Tensor, Tensor]:
-        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+        dq, dk, dv = empty_output(q), empty_output(k), empty_output(v)
         lse_delta = torch.empty(self.delta_shape, dtype=torch.float32, device=q.device)
         scratch = [torch.empty(shape, dtype=dtype, device=q.device) for shape, dtype in self.scratch]
         _launch_all(self.replays, (q, k, v, o, lse, do, dq, dk, dv, lse_delta, *scratch), q.get_device())

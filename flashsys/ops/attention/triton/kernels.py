@@ -452,15 +452,17 @@ def one_pass_prologue_kernel(O, DO, L, LseDelta, DqAcc, Sem, stride_ob, stride_o
 
 
 @triton.jit
-def one_pass_epilogue_kernel(DqAcc, DQ, n_rows, n_q, n_sum, softmax_scale, HEAD_DIM: tl.constexpr,
-                              BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
-    """After the one-pass backward: dQ = its float32 sum * softmax_scale, in dQ's dtype. DQ is dense over n_rows =
-    B * H * Nq rows; DqAcc over (B * H, n_sum) rows in `dq_sum_row`'s order."""
+def one_pass_epilogue_kernel(DqAcc, DQ, stride_dqb, stride_dqh, stride_dqn, stride_dqd, n_rows, n_heads, n_q, n_sum,
+                              softmax_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    """After the one-pass backward: dQ = its float32 sum * softmax_scale, in dQ's dtype. n_rows = B * H * Nq rows,
+    DQ with any strides; DqAcc over (B * H, n_sum) rows in `dq_sum_row`'s order."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     ok = (rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM)
     bh = rows // n_q
-    in_sum = bh * n_sum + dq_sum_row(rows - bh * n_q)
+    n = rows - bh * n_q
+    in_sum = bh * n_sum + dq_sum_row(n)
     acc = tl.load(DqAcc + in_sum[:, None] * HEAD_DIM + cols[None, :], mask=ok, other=0.0)
-    tl.store(DQ + rows[:, None] * HEAD_DIM + cols[None, :], (acc * softmax_scale).to(DQ.dtype.element_ty), mask=ok)
+    out = (bh // n_heads) * stride_dqb + (bh % n_heads) * stride_dqh + n * stride_dqn
+    tl.store(DQ + out[:, None] + cols[None, :] * stride_dqd, (acc * softmax_scale).to(DQ.dtype.element_ty), mask=ok)
 

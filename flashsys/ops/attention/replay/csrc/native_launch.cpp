@@ -228,7 +228,13 @@ void launch_all(const std::vector<Launch>& launches, const at::Tensor* tensors) 
   }
 }
 
-at::Tensor empty_like_contiguous(const at::Tensor& t) { return at::empty(t.sizes(), t.options()); }
+// flashsys.ops.attention.layout.empty_output's rule, which a replay must follow as the first call did: (B, N, H, D)
+// memory where t keeps its heads inside its sequence dimension, dense otherwise.
+at::Tensor empty_output(const at::Tensor& t) {
+  if (t.dim() == 4 && t.stride(1) < t.stride(2))
+    return at::empty({t.size(0), t.size(2), t.size(1), t.size(3)}, t.options()).transpose(1, 2);
+  return at::empty(t.sizes(), t.options());
+}
 
 at::Tensor dense_grad(at::Tensor g, const at::Tensor& like) {  // as flash_triton._dense_do
   if (g.scalar_type() != like.scalar_type()) g = g.to(like.scalar_type());
@@ -244,7 +250,7 @@ namespace flashsys {
 struct FlashAttention2TritonNative : public torch::autograd::Function<FlashAttention2TritonNative> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const ForwardPlan* plan) {
-    at::Tensor o = empty_like_contiguous(q);
+    at::Tensor o = empty_output(q);
     at::Tensor lse = at::empty(plan->lse_shape, q.options().dtype(at::kFloat));
     const at::Tensor tensors[] = {q, k, v, o, lse};
     launch_all(plan->launches, tensors);
@@ -269,7 +275,7 @@ struct FlashAttention2TritonNative : public torch::autograd::Function<FlashAtten
     c10::DeviceGuard device_guard(q.device());
     auto plan = backward_plans.get(backward_key(wl, wr, scale, {&q, &k, &v, &o, &lse, &d_o}));
     if (plan != nullptr && plain(d_o)) {
-      at::Tensor dq = empty_like_contiguous(q), dk = empty_like_contiguous(k), dv = empty_like_contiguous(v);
+      at::Tensor dq = empty_output(q), dk = empty_output(k), dv = empty_output(v);
       at::Tensor delta = at::empty(plan->delta_shape, q.options().dtype(at::kFloat));
       at::Tensor tensors[kBackwardTensors + kMaxScratch] = {q, k, v, o, lse, d_o, dq, dk, dv, delta};
       for (size_t i = 0; i < plan->scratch.size(); ++i)
