@@ -7,6 +7,8 @@ On a CPU the default is a reduced sweep of the implementations that run there.
     python -m benchmarks.attention                       # default sweep for this machine
     python -m benchmarks.attention --head-dims 64 128 --seq-lens 1024 4096 16384 --dtypes bf16 --causal both
     python -m benchmarks.attention ... --rounds 3        # each cell's implementations in 3 interleaved rounds
+    python -m benchmarks.attention --impls flash-triton sdpa-cudnn fa4 --layout bnhd --name attention_gpu_fa4 ...
+        # beside FlashAttention-4 (flash-attn-4, optional: its rows say "not installed" without it), on its layout
 
 Batch size: by default on a GPU every cell processes the same number of tokens, batch = tokens // N
 (--tokens 16384, the convention of the FlashAttention papers), so short sequences are measured at a size
@@ -50,15 +52,15 @@ def implementation(name: str):
     return lambda q, k, v, causal: backend(q, k, v, causal)
 
 
-def measure_impl(name: str, fn, *cell) -> dict:
+def measure_impl(name: str, fn, *cell, layout: str = "bhnd") -> dict:
     """`measure(fn, *cell)`, with determinism off for NONDETERMINISTIC's cells only."""
     if name != NONDETERMINISTIC:
-        return measure(fn, *cell)
+        return measure(fn, *cell, layout=layout)
     from flashsys.ops.attention import set_deterministic_backward
 
     set_deterministic_backward(False)
     try:
-        return measure(fn, *cell)
+        return measure(fn, *cell, layout=layout)
     finally:
         set_deterministic_backward(True)
 
@@ -89,11 +91,16 @@ def plot_rows(rows: list[dict], out, tag: str) -> None:
 
 
 def add_vs_best_sdpa(cell_rows: list[dict]) -> None:
-    """`vs_best_sdpa` for one cell's rows: fwd_bwd time over the faster SDPA backend's in the same cell."""
+    """`vs_best_sdpa` for one cell's rows: fwd_bwd time over the faster SDPA backend's in the same cell; where
+    FlashAttention-4 ran in the cell, `fwd_vs_fa4` and `fwd_bwd_vs_fa4` too (each time over FA4's)."""
     base = [r["fwd_bwd_ms"] for r in cell_rows if r["impl"].startswith("sdpa") and "fwd_bwd_ms" in r]
+    fa4 = next((r for r in cell_rows if r["impl"] == "fa4" and "fwd_bwd_ms" in r), None)
     for r in cell_rows:
         if base and "fwd_bwd_ms" in r:
             r["vs_best_sdpa"] = r["fwd_bwd_ms"] / min(base)
+        if fa4 is not None and "fwd_bwd_ms" in r:
+            r["fwd_vs_fa4"] = r["fwd_ms"] / fa4["fwd_ms"]
+            r["fwd_bwd_vs_fa4"] = r["fwd_bwd_ms"] / fa4["fwd_bwd_ms"]
 
 
 def attention_flops(b, h, n, d, causal):
@@ -101,14 +108,25 @@ def attention_flops(b, h, n, d, causal):
     return fwd, 2.5 * fwd
 
 
-def measure(fn, b, h, n, d, dtype, causal, rep):
+def measure(fn, b, h, n, d, dtype, causal, rep, layout="bhnd"):
     """One round of a cell: forward, backward and forward + backward times (ms) and peak memory; TFLOP/s comes from
-    the rounds' median (`median_of_rounds`)."""
+    the rounds' median (`median_of_rounds`). q, k, v, dO are (B, H, N, D) either way; with layout "bnhd" they are
+    views of (B, N, H, D) memory, as a model's projections give them."""
     device = "cuda" if ON_GPU else "cpu"
-    q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    do = torch.randn(b, h, n, d, device=device, dtype=dtype)
+
+    def tensor(requires_grad=False):
+        shape = (b, h, n, d) if layout == "bhnd" else (b, n, h, d)
+        t = torch.randn(*shape, device=device, dtype=dtype, requires_grad=requires_grad)
+        return t, (t if layout == "bhnd" else t.transpose(1, 2))
+
+    (q_leaf, q), (k_leaf, k), (v_leaf, v) = (tensor(True) for _ in range(3))
+    do = tensor()[1]
+
+    def clear_grads():
+        q_leaf.grad = k_leaf.grad = v_leaf.grad = None
+
     fn(q, k, v, causal).backward(do)  # first call autotunes/compiles: keep its scratch memory out of the peak
-    q.grad = k.grad = v.grad = None
+    clear_grads()
     with peak_memory() as mem:
         out = fn(q, k, v, causal)
         out.backward(do)
@@ -118,7 +136,7 @@ def measure(fn, b, h, n, d, dtype, causal, rep):
     bwd_ms = bench_ms(lambda: out.backward(do, retain_graph=True), rep)
 
     def fwd_bwd():
-        q.grad = k.grad = v.grad = None
+        clear_grads()
         fn(q, k, v, causal).backward(do)
 
     both_ms = bench_ms(fwd_bwd, rep)
@@ -156,6 +174,10 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=at_least_one, default=1,
                    help="rounds per cell, the implementations interleaved in each; a time is the median over them "
                         "(a GPU's clocks drift over a sweep, and a fixed order would favour whichever goes first)")
+    p.add_argument("--layout", choices=["bhnd", "bnhd"], default="bhnd",
+                   help="the inputs' memory: dense (B, H, N, D), or (B, N, H, D) as a model's projections lay it out "
+                        "(FlashAttention-4's own layout: use it where fa4 is compared)")
+    p.add_argument("--name", default=None, help="the table's file name (default attention_gpu or attention_cpu)")
     p.add_argument("--max-naive-len", type=int, default=16384, help="skip naive above this length (N^2 memory)")
     p.add_argument("--max-flash-torch-len", type=int, default=4096,
                    help="skip flash-torch above this length (its Python loop over tiles takes minutes there)")
@@ -170,7 +192,11 @@ def main(argv=None) -> int:
              + (f"{args.batch}" if args.batch else f"max(1, {args.tokens} // seq_len)" if ON_GPU else "1")
              + f"; times are medians (do_bench on CUDA){rounds_note}; "
              "TFLOP/s counts 4·B·H·N²·D per forward (halved when causal) and 2.5× that for backward; "
-             "vs_best_sdpa = fwd_bwd time over the faster SDPA backend's (below 1 is faster)."]
+             "vs_best_sdpa = fwd_bwd time over the faster SDPA backend's (below 1 is faster)"
+             + ("; fwd_vs_fa4, fwd_bwd_vs_fa4: the same over FlashAttention-4's" if "fa4" in impls else "")
+             + "; inputs " + ("dense (B, H, N, D)." if args.layout == "bhnd" else
+                              "(B, H, N, D) views of (B, N, H, D) memory, as a model's projections give them.")]
+    table_name = args.name or f"attention_{tag}"
     rows = []
     for done, (d, n, dt, c) in enumerate(progress(cells, "attention", args.no_progress), 1):
         batch = args.batch or (max(1, args.tokens // n) if ON_GPU else 1)
@@ -190,7 +216,7 @@ def main(argv=None) -> int:
             for name, runs in timed.items():
                 if not runs or "error" not in runs[-1]:
                     runs.append(run_cell(lambda: measure_impl(name, impls[name], batch, args.heads, n, d,
-                                                              DTYPES[dt], c, args.rep)))
+                                                              DTYPES[dt], c, args.rep, layout=args.layout)))
         for row in cell_rows:
             if row["impl"] in timed:
                 row.update(median_of_rounds(timed[row["impl"]], attention_flops(batch, args.heads, n, d, c)))
@@ -199,9 +225,9 @@ def main(argv=None) -> int:
         # Written after every cell: a sweep stopped midway (a timeout kills it) keeps the cells it finished.
         partial = [] if done == len(cells) else [f"**Partial: {done} of {len(cells)} cells** (the run stopped, or is "
                                                  "still running, before the rest)."]
-        path = write_table(rows, args.out, f"attention_{tag}", "Attention implementations", notes + partial,
+        path = write_table(rows, args.out, table_name, "Attention implementations", notes + partial,
                            environment())
-    plot_rows(rows, args.out, tag)
+    plot_rows(rows, args.out, table_name.removeprefix("attention_"))
     print(path.read_text())
     return 0
 

@@ -2,7 +2,8 @@
 preset, context, attention backend and eager/compiled.
 
 Batch 4, vocab 10,000. Warm-up steps are kept out of the numbers (`--warmup 0` shows what that does).
-`step_ms` is the median of `--iters` whole steps run back to back (no sync inside a step: what training sees);
+`step_ms` is the median of `--iters` whole steps run back to back (no sync inside a step: what training sees;
+with `--rounds R`, the median of R such rounds, the attention implementations of a cell interleaved);
 the forward/backward/optimizer columns are mean ± std of separately synchronised phases, and `total_ms` is their
 sum. `vs_sdpa` is step_ms over the SDPA model's step_ms in the same cell (same preset, context, mode).
 `--dtype bf16` runs under `torch.autocast(bfloat16)`; `--modes eager compiled` runs each model both ways
@@ -10,19 +11,22 @@ sum. `vs_sdpa` is step_ms over the SDPA model's step_ms in the same cell (same p
 
     python -m benchmarks.end_to_end --presets small medium --contexts 512 2048 --dtype bf16 \
         --attention flash sdpa --modes eager compiled
+    python -m benchmarks.end_to_end --presets small --contexts 512 2048 8192 --dtype bf16 --attention flash sdpa \
+        --modes compiled --rounds 3 --iters 5     # the compiled step, flash against SDPA, interleaved
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.harness import (
-    DEVICE, ON_GPU, add_common_args, environment, memory_snapshot, nvtx, peak_memory, progress, pyplot, run_cell,
+    DEVICE, ON_GPU, add_common_args, at_least_one, environment, memory_snapshot, nvtx, peak_memory, progress, pyplot, run_cell,
     save_plot, sync, token_batch, write_table,
 )
 from flashsys.nn import PRESETS, TransformerLM, preset
@@ -30,51 +34,64 @@ from flashsys.ops.attention import ATTENTION_BACKENDS
 from flashsys.timing import summarize, time_call
 
 
-def measure(preset_name: str, context: int, attention: str, compiled: bool, args) -> dict:
-    device = DEVICE
-    cfg = preset(preset_name, vocab_size=10_000, context_length=context, attention_backend=attention)
-    model = TransformerLM.from_config(cfg, device=device)
-    if compiled:
-        model = torch.compile(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = token_batch(cfg, args.batch, device)
-    y = token_batch(cfg, args.batch, device)
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if args.dtype == "bf16" else contextlib.nullcontext
-    fwd, bwd, step = [], [], []
-    for i in range(args.warmup + args.iters):
-        with nvtx(f"step {i}", args.nvtx):
-            with nvtx("forward", args.nvtx), autocast():
-                logits, t_f = time_call(lambda: model(x), device)
-            loss = F.cross_entropy(logits.float().view(-1, 10_000), y.view(-1))
-            with nvtx("backward", args.nvtx):
-                _, t_b = time_call(loss.backward, device)
-            with nvtx("optimizer", args.nvtx):
-                _, t_s = time_call(opt.step, device)
-            opt.zero_grad(set_to_none=True)
-        if i >= args.warmup:
-            fwd.append(t_f), bwd.append(t_b), step.append(t_s)
-    del logits, loss
+class Model:
+    """One row of the table: a model (preset, context, attention, eager or compiled) built, warmed up and its phases
+    timed, then its whole steps timed in rounds (`time_steps`), and its peak memory measured last (`result`)."""
 
-    def train_step():
-        with autocast():
-            logits = model(x)
-        F.cross_entropy(logits.float().view(-1, 10_000), y.view(-1)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def __init__(self, preset_name: str, context: int, attention: str, compiled: bool, args):
+        self.device, self.iters, self.warmup = DEVICE, args.iters, args.warmup
+        self.cfg = preset(preset_name, vocab_size=10_000, context_length=context, attention_backend=attention)
+        model = TransformerLM.from_config(self.cfg, device=self.device)
+        self.model = torch.compile(model) if compiled else model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        self.x = token_batch(self.cfg, args.batch, self.device)
+        self.y = token_batch(self.cfg, args.batch, self.device)
+        self.autocast = ((lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if args.dtype == "bf16"
+                         else contextlib.nullcontext)
+        self.rounds: list[float] = []  # each round's median step
+        self.phases = self._time_phases(args.nvtx)
 
-    whole = summarize([time_call(train_step, device)[1] for _ in range(args.iters)])
-    with peak_memory() as mem_fwd, torch.no_grad(), autocast():
-        model(x)
-    with peak_memory() as mem_step:
-        with autocast():
-            out = model(x)
-        F.cross_entropy(out.float().view(-1, 10_000), y.view(-1)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    sync()
-    f, b, s = summarize(fwd), summarize(bwd), summarize(step)
-    return {"step_ms": whole.median, "forward_ms": str(f), "backward_ms": str(b), "optimizer_ms": str(s),
-            "total_ms": f.mean + b.mean + s.mean, "peak_fwd_MB": mem_fwd["peak_mb"], "peak_step_MB": mem_step["peak_mb"]}
+    def _loss(self, logits):
+        return F.cross_entropy(logits.float().view(-1, 10_000), self.y.view(-1))
+
+    def _time_phases(self, with_nvtx: bool):
+        fwd, bwd, step = [], [], []
+        for i in range(self.warmup + self.iters):
+            with nvtx(f"step {i}", with_nvtx):
+                with nvtx("forward", with_nvtx), self.autocast():
+                    logits, t_f = time_call(lambda: self.model(self.x), self.device)
+                loss = self._loss(logits)
+                with nvtx("backward", with_nvtx):
+                    _, t_b = time_call(loss.backward, self.device)
+                with nvtx("optimizer", with_nvtx):
+                    _, t_s = time_call(self.opt.step, self.device)
+                self.opt.zero_grad(set_to_none=True)
+            if i >= self.warmup:
+                fwd.append(t_f), bwd.append(t_b), step.append(t_s)
+        return summarize(fwd), summarize(bwd), summarize(step)
+
+    def _train_step(self) -> None:
+        with self.autocast():
+            logits = self.model(self.x)
+        self._loss(logits).backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def time_steps(self) -> None:
+        """One round: `iters` whole steps back to back, each timed; the round's median is kept."""
+        self.rounds.append(summarize([time_call(self._train_step, self.device)[1] for _ in range(self.iters)]).median)
+
+    def result(self) -> dict:
+        """The row's numbers: step_ms the median of the rounds' medians, the phases, and peak memory."""
+        with peak_memory() as mem_fwd, torch.no_grad(), self.autocast():
+            self.model(self.x)
+        with peak_memory() as mem_step:
+            self._train_step()
+        sync()
+        f, b, s = self.phases
+        return {"step_ms": statistics.median(self.rounds), "forward_ms": str(f), "backward_ms": str(b),
+                "optimizer_ms": str(s), "total_ms": f.mean + b.mean + s.mean, "peak_fwd_MB": mem_fwd["peak_mb"],
+                "peak_step_MB": mem_step["peak_mb"]}
 
 
 def main(argv=None) -> int:
@@ -87,6 +104,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager"],
                    help="run the model eagerly, under torch.compile, or both")
+    p.add_argument("--rounds", type=at_least_one, default=1,
+                   help="rounds of --iters whole steps per model, the attention implementations of a cell "
+                        "interleaved; step_ms is the median of the rounds' medians")
     p.add_argument("--attention", nargs="+", choices=list(ATTENTION_BACKENDS), default=["flash"],
                    help="attention backends inside the model (the registry of flashsys.ops.attention)")
     args = p.parse_args(argv)
@@ -102,19 +122,40 @@ def main(argv=None) -> int:
             base = sdpa.get((r["preset"], r["context"], r["compile"]))
             r["vs_sdpa"] = r["step_ms"] / base if base and "step_ms" in r else None
         return write_table(rows, args.out, name, "TransformerLM end to end",
-                           [f"batch {args.batch}, vocab 10,000, AdamW; step_ms: median of {args.iters} whole steps; "
+                           [f"batch {args.batch}, vocab 10,000, AdamW; step_ms: median of {args.iters} whole steps"
+                            + (f", the median over {args.rounds} rounds, the attention implementations of a cell "
+                               "interleaved" if args.rounds > 1 else "") + "; "
                             f"phases: mean ± std over {args.iters} steps after {args.warmup} warm-up steps; peak memory "
                             "is the extra allocated during a forward (no grad) and during a full training step."], env)
 
-    cells = [(pr, c, m, a) for pr in args.presets for c in args.contexts for m in args.modes for a in args.attention]
+    # The attention implementations of one (preset, context, mode) are built side by side and timed in interleaved
+    # rounds, so that clock drift over the run falls on all of them alike.
+    groups = [(pr, c, m) for pr in args.presets for c in args.contexts for m in args.modes]
     with memory_snapshot(args.memory_snapshot):
-        for preset_name, ctx, mode, attention in progress(cells, "end_to_end", args.no_progress):
-            row = {"preset": preset_name, "context": ctx, "dtype": args.dtype, "attention": attention,
-                   "compile": mode == "compiled", "warmup": args.warmup}
-            row.update(run_cell(lambda: measure(preset_name, ctx, attention, mode == "compiled", args)))
-            rows.append(row)
+        for preset_name, ctx, mode in progress(groups, "end_to_end", args.no_progress):
+            models, group_rows = {}, []
+            for attention in args.attention:
+                row = {"preset": preset_name, "context": ctx, "dtype": args.dtype, "attention": attention,
+                       "compile": mode == "compiled", "warmup": args.warmup}
+                built = run_cell(lambda: {"model": Model(preset_name, ctx, attention, mode == "compiled", args)})
+                if "model" in built:
+                    models[attention] = built["model"]
+                else:
+                    row.update(built)
+                group_rows.append(row)
+            for _ in range(args.rounds):
+                for attention, model in list(models.items()):
+                    failed = run_cell(lambda: model.time_steps() or {})
+                    if failed:
+                        next(r for r in group_rows if r["attention"] == attention).update(failed)
+                        del models[attention]
+            for row in group_rows:
+                if row["attention"] in models:
+                    row.update(run_cell(models[row["attention"]].result))
+            rows.extend(group_rows)
             path = write()
-            torch._dynamo.reset()  # each cell compiles its own model; drop the last one's graphs and guards
+            del models
+            torch._dynamo.reset()  # each model compiles its own graphs; drop the last group's graphs and guards
             if ON_GPU:
                 torch.cuda.empty_cache()
     plt = pyplot()

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -88,7 +89,7 @@ def test_an_attention_sweep_stopped_midway_keeps_the_cells_it_finished(tmp_path,
     here an interrupt in the second cell's timing) leaves the first cell's rows, ratios included, on disk."""
     import benchmarks.attention as attention
 
-    def fake_measure(name, fn, batch, heads, n, *rest):
+    def fake_measure(name, fn, batch, heads, n, *rest, **options):
         if n == 128:
             raise KeyboardInterrupt  # not an Exception: run_cell lets it through, as a kill would stop the run
         return {"fwd_ms": 1.0, "bwd_ms": 2.0, "fwd_bwd_ms": 3.0 if name == "naive" else 4.0, "peak_mem_MB": 1.0}
@@ -102,6 +103,27 @@ def test_an_attention_sweep_stopped_midway_keeps_the_cells_it_finished(tmp_path,
     rows = (tmp_path / "attention_cpu.csv").read_text().splitlines()
     assert len(rows) == 3 and all(",64," in r for r in rows[1:])  # the header and the first cell's two rows
     assert rows[1].endswith(",0.75")  # naive's 3 ms over sdpa-math's 4
+
+
+def test_attention_beside_fa4_on_its_layout_and_a_row_where_it_is_missing(tmp_path):
+    """`--layout bnhd` times every implementation on (B, N, H, D) memory (the gradients land in those leaves);
+    FlashAttention-4 gets a row either way: its times and ratios where it runs, why not where it does not (no CUDA
+    here, and the package is optional)."""
+    import benchmarks.attention as attention
+
+    ran = attention.measure(lambda q, k, v, causal: q.mul(2) + k + v, 2, 3, 8, 4, torch.float32, True, 1,
+                            layout="bnhd")
+    assert set(ran) == {"fwd_ms", "bwd_ms", "fwd_bwd_ms", "peak_mem_MB"}
+    assert attention.main(["--seq-lens", "32", "--head-dims", "16", "--impls", "flash-torch", "fa4", "--layout",
+                           "bnhd", "--name", "attention_cpu_fa4", "--out", str(tmp_path), "--no-progress"]) == 0
+    table = (tmp_path / "attention_cpu_fa4.md").read_text()
+    assert "views of (B, N, H, D) memory" in table
+    fa4_row = next(line for line in table.splitlines() if line.startswith("| fa4 "))
+    assert "unsupported (" in fa4_row
+    rows = [{"impl": "flash-triton", "fwd_ms": 1.2, "fwd_bwd_ms": 3.0}, {"impl": "sdpa-cudnn", "fwd_ms": 1.0,
+            "fwd_bwd_ms": 4.0}, {"impl": "fa4", "fwd_ms": 1.0, "fwd_bwd_ms": 2.5}]
+    attention.add_vs_best_sdpa(rows)
+    assert (rows[0]["fwd_vs_fa4"], rows[0]["fwd_bwd_vs_fa4"], rows[0]["vs_best_sdpa"]) == (1.2, 1.2, 0.75)
 
 
 @pytest.mark.parametrize("bad", ["0", "-1", "two"])
