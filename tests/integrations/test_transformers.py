@@ -120,6 +120,43 @@ def test_a_forward_reads_the_positions_back_once_not_once_per_layer(positions):
     assert counts[1] <= counts[0] + 1, f"sdpa's forward reads back {counts[0]} times, flashsys' {counts[1]}"
 
 
+class _Copies(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that copy a tensor into a new layout (a reshape that is no view runs `clone`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.clone, torch.ops.aten.contiguous):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_training_step_through_the_triton_kernels_copies_no_more_than_sdpa(monkeypatch):
+    """transformers transposes each layer's output back to (B, N, H * D) and its gradients land on (B, N, H, D)
+    views: the Triton op returns O, dQ, dK, dV in those layouts (`flashsys.ops.attention.layout`), so a training
+    step makes the copies sdpa's makes and no more (dense (B, H, N, D) outputs cost two more a layer here). The
+    Triton kernels run in the interpreter on a CPU, in float32."""
+    import functools
+
+    import flashsys.integrations.transformers as integration
+    from flashsys.ops.attention import flash_attention, get_backend
+
+    if (why := get_backend("flash-triton").unavailable_reason("cpu")) is not None:
+        pytest.skip(why)
+    monkeypatch.setattr(integration, "flash_attention", functools.partial(flash_attention, backend="triton"))
+    ref, ours = _pair("llama-gqa", num_hidden_layers=3)
+    x = _tokens(2, 20)
+    counts = []
+    for model in (ref, ours):
+        model.float().train()
+        with _Copies() as copies:
+            model(x, labels=x, use_cache=False).loss.backward()
+        counts.append(copies.count)
+    assert counts[1] <= counts[0], f"sdpa's step copies {counts[0]} times, flashsys' {counts[1]}"
+
+
 @pytest.mark.parametrize("family", ["llama-gqa", "mistral-window"])
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_padded_batches_match_at_every_real_token(family, side):
