@@ -115,8 +115,9 @@ def main(argv=None) -> int:
     env = environment()
     rows = []
 
-    def write() -> Path:
-        """The table so far: rewritten after every cell, so a run cut short (a time limit) keeps what it measured."""
+    def write(done: int) -> Path:
+        """The table so far: rewritten after every group of cells, so a run cut short (a time limit) keeps what it
+        measured, marked partial until the last group."""
         sdpa = {(r["preset"], r["context"], r["compile"]): r.get("step_ms") for r in rows if r["attention"] == "sdpa"}
         for r in rows:
             base = sdpa.get((r["preset"], r["context"], r["compile"]))
@@ -126,13 +127,16 @@ def main(argv=None) -> int:
                             + (f", the median over {args.rounds} rounds, the attention implementations of a cell "
                                "interleaved" if args.rounds > 1 else "") + "; "
                             f"phases: mean ± std over {args.iters} steps after {args.warmup} warm-up steps; peak memory "
-                            "is the extra allocated during a forward (no grad) and during a full training step."], env)
+                            "is the extra allocated during a forward (no grad) and during a full training step."]
+                           + ([] if done == len(groups) else
+                              [f"**Partial: {done} of {len(groups)} (preset, context, mode) groups** (the run "
+                               "stopped, or is still running, before the rest)."]), env)
 
     # The attention implementations of one (preset, context, mode) are built side by side and timed in interleaved
     # rounds, so that clock drift over the run falls on all of them alike.
     groups = [(pr, c, m) for pr in args.presets for c in args.contexts for m in args.modes]
     with memory_snapshot(args.memory_snapshot):
-        for preset_name, ctx, mode in progress(groups, "end_to_end", args.no_progress):
+        for done, (preset_name, ctx, mode) in enumerate(progress(groups, "end_to_end", args.no_progress), 1):
             models, group_rows = {}, []
             for attention in args.attention:
                 row = {"preset": preset_name, "context": ctx, "dtype": args.dtype, "attention": attention,
@@ -153,7 +157,7 @@ def main(argv=None) -> int:
                 if row["attention"] in models:
                     row.update(run_cell(models[row["attention"]].result))
             rows.extend(group_rows)
-            path = write()
+            path = write(done)
             del models
             torch._dynamo.reset()  # each model compiles its own graphs; drop the last group's graphs and guards
             if ON_GPU:

@@ -126,6 +126,36 @@ def test_attention_beside_fa4_on_its_layout_and_a_row_where_it_is_missing(tmp_pa
     assert (rows[0]["fwd_vs_fa4"], rows[0]["fwd_bwd_vs_fa4"], rows[0]["vs_best_sdpa"]) == (1.2, 1.2, 0.75)
 
 
+def test_an_end_to_end_run_stopped_midway_keeps_its_groups_marked_partial(tmp_path, monkeypatch):
+    """The end-to-end table is written after every (preset, context, mode) group, each group's implementations
+    timed in interleaved rounds; a run cut off in the second group keeps the first, marked partial."""
+    import benchmarks.end_to_end as end_to_end
+
+    built = []
+
+    class FakeModel:
+        def __init__(self, preset_name, context, attention, compiled, args):
+            if context == 64:
+                raise KeyboardInterrupt  # as a timeout's kill would stop the run
+            self.attention, self.times = attention, []
+            built.append(self)
+
+        def time_steps(self):
+            self.times.append(len(built))
+
+        def result(self):
+            return {"step_ms": 2.0 if self.attention == "flash" else 4.0}
+
+    monkeypatch.setattr(end_to_end, "Model", FakeModel)
+    with pytest.raises(KeyboardInterrupt):
+        end_to_end.main(["--presets", "tiny", "--contexts", "32", "64", "--attention", "flash", "sdpa", "--rounds",
+                         "3", "--out", str(tmp_path), "--no-progress"])
+    table = (tmp_path / "end_to_end_cpu_fp32_flash-sdpa_w3.md").read_text()
+    assert "**Partial: 1 of 2 (preset, context, mode) groups**" in table
+    assert [len(m.times) for m in built] == [3, 3]  # both models of the group built before any round
+    assert "| 0.500 |" in table  # flash's step over sdpa's
+
+
 @pytest.mark.parametrize("bad", ["0", "-1", "two"])
 def test_attention_rounds_below_one_is_refused_by_name(bad):
     """`--rounds` takes a whole number, 1 or more: anything else stops before any timing, naming the argument."""
