@@ -7,6 +7,8 @@
 #   bash scripts/gpu_bench_single.sh host_cost mfu attention_features     # host cost, MFU, GQA/window/varlen
 #   E2E_PRESETS=small bash scripts/gpu_bench_single.sh end_to_end_compare   # one preset per call: both presets'
 #   E2E_PRESETS=medium bash scripts/gpu_bench_single.sh end_to_end_compare  # 8 cells ran past 550 s on an H100
+#   bash scripts/gpu_bench_single.sh attention_fa4        # beside FlashAttention-4 (importable: ../shared/tools/fa4_payload.sh)
+#   E2E_PRESETS=small bash scripts/gpu_bench_single.sh end_to_end_compiled   # one preset a call (small: ~300 s on an H200)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -15,7 +17,7 @@ sections=("$@"); [ ${#sections[@]} -eq 0 ] && sections=(tests leaderboard attent
 for s in "${sections[@]}"; do
   case $s in
   tests)
-    FLASHSYS_TRITON_AUTOTUNE=0 timeout -k 10 ${TEST_TIMEOUT:-220} python3 -m pytest -n 8 -p no:cacheprovider -p no:pytest_benchmark \
+    FLASHSYS_TRITON_AUTOTUNE=0 timeout -k 10 ${TEST_TIMEOUT:-320} python3 -m pytest -n 8 -p no:cacheprovider -p no:pytest_benchmark \
       --tb=short -rf -v tests/ops tests/nn > "$OUT/pytest_gpu.log" 2>&1
     echo "pytest exit: $?"; grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/pytest_gpu.log" | grep -v "^\[gw" | tail -15 ;;
   leaderboard)
@@ -67,6 +69,17 @@ for s in "${sections[@]}"; do
       --presets ${E2E_PRESETS:-small medium} --contexts 512 2048 --dtype bf16 --attention flash sdpa \
       --modes eager compiled --warmup 3 --iters 10 > "$OUT/end_to_end_compare.log" 2>&1
     echo "end_to_end_compare exit: $?"; grep -E "^\| " "$OUT"/end_to_end/end_to_end_gpu_bf16_flash-sdpa_eager-compiled_w3.md \
+      | cut -d'|' -f2-8,15 ;;
+  attention_fa4)  # flashsys, SDPA-cuDNN and FlashAttention-4 on (B, N, H, D) inputs, 2 interleaved rounds (~280 s on an H200)
+    timeout -k 10 ${ATT_TIMEOUT:-330} python3 -m benchmarks.attention --no-progress --out "$OUT/attention" \
+      --impls flash-triton sdpa-cudnn fa4 --layout bnhd --name attention_gpu_fa4 --head-dims 64 128 \
+      --seq-lens 1024 2048 4096 8192 16384 --dtypes bf16 --causal both --rep 25 --rounds 2 > "$OUT/attention_fa4.log" 2>&1
+    echo "attention_fa4 exit: $?"; grep -E "^\| " "$OUT/attention/attention_gpu_fa4.md" | cut -d'|' -f2-6,8,15-17 ;;
+  end_to_end_compiled)  # the compiled step, flash against SDPA, 3 interleaved rounds, contexts 512-8192
+    timeout -k 10 ${E2E_TIMEOUT:-560} python3 -m benchmarks.end_to_end --no-progress --out "$OUT/end_to_end" \
+      --presets ${E2E_PRESETS:-small} --contexts 512 2048 8192 --dtype bf16 --attention flash sdpa --modes compiled \
+      --rounds 3 --warmup 3 --iters 5 > "$OUT/end_to_end_compiled.log" 2>&1
+    echo "end_to_end_compiled exit: $?"; grep -E "^\| " "$OUT"/end_to_end/end_to_end_gpu_bf16_flash-sdpa_compiled_w3.md \
       | cut -d'|' -f2-8,15 ;;
   host_cost)  # host µs per attention call vs SDPA, and where they go; "before" too when .old/ holds an older
               # tree (git archive <commit> | tar -x -C .old, carried to the device): same machine, same call
