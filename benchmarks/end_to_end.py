@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.harness import (
-    DEVICE, ON_GPU, add_common_args, at_least_one, environment, memory_snapshot, nvtx, peak_memory, progress, pyplot, run_cell,
-    save_plot, sync, token_batch, write_table,
+    DEVICE, ON_GPU, add_common_args, at_least_one, environment, memory_snapshot, nvtx, peak_memory, progress, pyplot,
+    run_cell, save_plot, sync, token_batch, write_table,
 )
 from flashsys.nn import PRESETS, TransformerLM, preset
 from flashsys.ops.attention import ATTENTION_BACKENDS
@@ -40,12 +40,12 @@ class Model:
 
     def __init__(self, preset_name: str, context: int, attention: str, compiled: bool, args):
         self.device, self.iters, self.warmup = DEVICE, args.iters, args.warmup
-        self.cfg = preset(preset_name, vocab_size=10_000, context_length=context, attention_backend=attention)
-        model = TransformerLM.from_config(self.cfg, device=self.device)
+        cfg = preset(preset_name, vocab_size=10_000, context_length=context, attention_backend=attention)
+        model = TransformerLM.from_config(cfg, device=self.device)
         self.model = torch.compile(model) if compiled else model
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        self.x = token_batch(self.cfg, args.batch, self.device)
-        self.y = token_batch(self.cfg, args.batch, self.device)
+        self.x = token_batch(cfg, args.batch, self.device)
+        self.y = token_batch(cfg, args.batch, self.device)
         self.autocast = ((lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if args.dtype == "bf16"
                          else contextlib.nullcontext)
         self.rounds: list[float] = []  # each round's median step
