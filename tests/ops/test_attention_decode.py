@@ -17,13 +17,33 @@ DEVICE = "cuda" if CUDA else "cpu"
 
 @pytest.fixture
 def decode_calls(monkeypatch):
-    """Every decode launch (the full path's: replays of its plan are not counted), with the path taken from 64 keys
-    so that float64 reference math checks it at small sizes."""
+    """Every decode launch (the full path's: replays of its plan are not counted) as (q's shape, whether it split
+    the keys), with the path taken from 64 keys so that float64 reference math checks it at small sizes."""
     calls = []
     forward = decode.forward
-    monkeypatch.setattr(decode, "forward", lambda *a, **k: calls.append(a[0].shape) or forward(*a, **k))
+
+    def recorded(*args, **kwargs):
+        launches, scratch = forward(*args, **kwargs)
+        calls.append((args[0].shape, bool(scratch)))
+        return launches, scratch
+
+    monkeypatch.setattr(decode, "forward", recorded)
     monkeypatch.setattr(decode, "MIN_KEYS", 64)
     return calls
+
+
+@pytest.fixture(params=["one split", "splits"])
+def split_path(request, monkeypatch):
+    """Both decode paths at any size: a GPU of one program (every call in one split, written directly) or of 64
+    with splits of 64 keys or more (the keys split, then combined). Plans made under the other are forgotten before
+    and after."""
+    from flashsys.ops.attention import replay
+
+    monkeypatch.setattr(decode, "program_target", lambda device: 1 if request.param == "one split" else 64)
+    monkeypatch.setattr(decode, "SPLIT_MIN_KEYS", 64)
+    replay.clear()
+    request.addfinalizer(replay.clear)
+    return request.param == "splits"
 
 
 CASES = [  # (n_q, n_k, heads, kv_heads, head_dim, window)
@@ -37,11 +57,38 @@ CASES = [  # (n_q, n_k, heads, kv_heads, head_dim, window)
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"nq{c[0]}-nk{c[1]}-h{c[2]}/{c[3]}-d{c[4]}-w{c[5]}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_decode_matches_the_reference(case, dtype, decode_calls):
+def test_decode_matches_the_reference(case, dtype, decode_calls, split_path):
     n_q, n_k, heads, kv_heads, d, window = case
     q, k, v, do = make_qkv(2, heads, n_q, n_k, d, dtype, DEVICE, seed=n_k, kv_heads=kv_heads)
     assert_matches_reference(FlashAttention2Triton, q, k, v, do, False, None, window)
     assert decode_calls, "the decode kernels did not run"
+    assert all(split == split_path for _, split in decode_calls)
+
+
+def test_decode_writes_into_the_inputs_layout(decode_calls, split_path):
+    """(B, N, H, D) inputs (a model's permuted projections) get a (B, N, H, D) output from either path."""
+    q, k, v = (torch.randn(2, n, h, 32, device=DEVICE).transpose(1, 2) for n, h in ((2, 4), (150, 2), (150, 2)))
+    out = FlashAttention2Triton.apply(q, k, v, True)
+    assert out.stride(1) < out.stride(2)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1),
+        attn_mask=torch.ones(2, 150, dtype=torch.bool, device=DEVICE).tril(148))
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    assert [split for _, split in decode_calls] == [split_path]
+
+
+def test_splits_fill_one_wave():
+    """As many splits as keep every program in one wave, at least SPLIT_MIN_KEYS keys each; one split where the
+    programs alone fill more than half the wave."""
+    assert decode.splits(32768, programs=8, target=132, block_n=128) == (16, 2048)
+    assert decode.splits(1024, programs=8, target=132, block_n=128) == (4, 256)
+    assert decode.splits(8192, programs=64, target=132, block_n=128) == (2, 4096)
+    assert decode.splits(8192, programs=67, target=132, block_n=128) == (1, 8192)
+    assert decode.splits(1000, programs=1, target=132, block_n=64) == (4, 256)
+    for n_k, programs in ((777, 3), (5000, 20), (130, 1)):
+        n_splits, split_len = decode.splits(n_k, programs, 132, 64)
+        assert split_len % 64 == 0 and (n_splits - 1) * split_len < n_k <= n_splits * split_len
+        assert programs * n_splits <= 132 or n_splits == 1
 
 
 def test_rank3_inputs_and_strided_views(decode_calls):
@@ -74,15 +121,27 @@ def test_decode_at_serving_sizes_gpu(batch, n_k, decode_calls):
     torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
 
 
-def test_repeated_decode_calls_replay_their_plan(decode_calls):
-    """A second call of the same signature replays the recorded launches with fresh partials: the same bits, no full
-    path (the decode kernels are launched without it)."""
-    q, k, v, _ = make_qkv(2, 4, 1, 200, 32, torch.float32, DEVICE, seed=9, kv_heads=2)
+@pytest.mark.parametrize("which_launcher", ["python", "native"])
+def test_repeated_decode_calls_replay_their_plan(decode_calls, split_path, which_launcher, request, monkeypatch):
+    """A second call of the same signature replays the recorded launches, the split path's with fresh partials (the
+    native node allocates them as the Python replay does): the same bits, no full path."""
+    from flashsys.ops.attention.replay import native, plans
+
+    from .attention_checks import select_launcher
+
+    select_launcher(which_launcher, request, monkeypatch)
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 4, 1, 200, 32, torch.float32, DEVICE, seed=9, kv_heads=2)[:3])
     first = FlashAttention2Triton.apply(q, k, v, True)
     q2 = q + 1
     second = FlashAttention2Triton.apply(q2, k, v, True)
+    third = FlashAttention2Triton.apply(q, k, v, True)
     assert len(decode_calls) == 1
-    assert torch.equal(FlashAttention2Triton.apply(q, k, v, True), first)
+    (plan,) = plans.forward_plans.values()
+    assert len(plan.replays) == (2 if split_path else 1) and bool(plan.scratch) == split_path
+    if which_launcher == "native":
+        assert plan.native and native.sizes()[0] == 1
+        assert type(third.grad_fn).__name__ == "FlashAttention2TritonNativeBackward"
+    assert torch.equal(third, first)
     expected = torch.nn.functional.scaled_dot_product_attention(q2.double(), k.double().repeat_interleave(2, 1),
                                                                 v.double().repeat_interleave(2, 1))
-    torch.testing.assert_close(second.double(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(second.detach().double(), expected.detach(), atol=1e-5, rtol=1e-5)

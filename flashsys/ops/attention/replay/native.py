@@ -30,6 +30,7 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
+import torch
 from torch import Tensor
 
 from ..triton_env import env_switch
@@ -86,7 +87,6 @@ def build_directory() -> Path:
     a change of any of them builds afresh and nothing else has to compare versions."""
     import hashlib
 
-    import torch
     import triton
 
     key = hashlib.sha256(SOURCE.read_bytes())
@@ -257,15 +257,20 @@ def offer_forward(plan: plans.ForwardPlan | None, q: Tensor, k: Tensor, v: Tenso
                   softmax_scale, window_size) -> None:
     """Give the native side a forward plan the Python path made or replayed (once per plan)."""
     _offer(plan, lambda specs: _module.add_forward(q, k, v, is_causal, softmax_scale, window_size, specs,
-                                                    list(plan.lse_shape), *plan.window, float(plan.scale)))
+                                                    list(plan.lse_shape), *plan.window, float(plan.scale),
+                                                    _scratch_specs(plan.scratch)))
 
 
 def offer_backward(plan: plans.BackwardPlan | None, window: tuple[int, int], scale: float, q: Tensor,
                    k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor) -> None:
     """As `offer_forward`, for a backward plan of (q, k, v, O, L as unpacked, the dense dO)."""
-    _offer(plan, lambda specs: _module.add_backward(
-        *window, float(scale), q, k, v, o, lse, do, specs, list(plan.delta_shape),
-        [(list(shape), str(dtype).removeprefix("torch.")) for shape, dtype in plan.scratch]))
+    _offer(plan, lambda specs: _module.add_backward(*window, float(scale), q, k, v, o, lse, do, specs,
+                                                     list(plan.delta_shape), _scratch_specs(plan.scratch)))
+
+
+def _scratch_specs(scratch: tuple[tuple[tuple[int, ...], torch.dtype], ...]) -> list[tuple[list[int], str]]:
+    """A plan's scratch tensors as the extension takes them: (shape, dtype name) each."""
+    return [(list(shape), str(dtype).removeprefix("torch.")) for shape, dtype in scratch]
 
 
 _refused_kernels: set[str] = set()

@@ -83,8 +83,7 @@ class ForwardPlan:
     """The forward of one signature: output shapes, the forward kernels' launches, the (left, right) window and
     scale the full path derived (the backward needs them), and the (shape, dtype) of each scratch tensor the launches
     use after the call's own (the decode kernels' partial results). `native`: whether the native launcher holds it
-    too (None: not offered yet; False: it refused it, or the plan has scratch, which only the Python replay
-    allocates)."""
+    too (None: not offered yet; False: it refused it)."""
 
     __slots__ = ("window", "scale", "lse_shape", "replays", "scratch", "native")
 
@@ -92,7 +91,7 @@ class ForwardPlan:
                  plan_replays: tuple[Replay, ...], scratch: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()):
         self.window, self.scale, self.lse_shape, self.replays = window, scale, lse_shape, plan_replays
         self.scratch = scratch
-        self.native: bool | None = False if scratch else None
+        self.native: bool | None = None
 
     def launch(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         o = empty_output(q)

@@ -4,8 +4,10 @@ A forward kernel program covers a tile of up to 128 query rows of one head; with
 row of the tile and the grid has only batch * heads programs, too few to read the cache at the memory's speed. The
 decode kernel instead gives each program all the query rows of one K/V head's group (the query heads that share
 the K/V head, times Nq: grouped-query attention reads each cached key once for all of them) and one slice of the
-keys; a second kernel combines the slices' partial results by their logsumexps. Both are `tl` kernels with fixed
-tiles: they run wherever the forward kernel runs, the interpreter included.
+keys. Where the (batch, K/V head) programs leave most of the GPU idle, the keys are split so that all the programs
+still run in one wave, and a second kernel combines the slices' partial results by their logsumexps; where they
+fill it, the one slice writes O and L itself (one launch, no partials). Both are `tl` kernels: they run wherever
+the forward kernel runs, the interpreter included.
 
 The masks are the forward's (bottom-right aligned windows, `tiles.visible`); the output and the saved logsumexp are
 the forward's too, so the backward kernels take them unchanged.
@@ -26,24 +28,27 @@ from .tiles import LN2_C, as_fp32, visible
 MAX_QUERIES = 16  # query rows per sequence the decode path takes
 MAX_GROUP_ROWS = 64  # query heads per K/V head times Nq: one program's rows
 MIN_KEYS = 512  # below this the forward kernel's grid has enough programs (or the cache is read in no time)
-BLOCK_N = 64
 SPLIT_MIN_KEYS = 256  # the fewest keys a split is given: fewer cost more in partials than they save
+TILE_BYTES = 32768  # one K (or V) tile: 128 keys x 128 bf16 dims; three stages of K and V fit sm_90's shared memory
+CPU_PROGRAMS = 4  # the interpreter's stand-in for a GPU's SM count: small test shapes take both paths
 
 
 @triton.jit
 def flash_decode_split_kernel(
-    Q, K, V, PartO, PartL,
+    Q, K, V, O, L, PartO, PartL,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_on, stride_od,
     n_heads, kv_group, n_q, n_k, n_splits, split_len, window_left, window_right, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BOUND_RIGHT: tl.constexpr, BOUND_LEFT: tl.constexpr, FP32_IEEE: tl.constexpr,
+    BOUND_RIGHT: tl.constexpr, BOUND_LEFT: tl.constexpr, FP32_IEEE: tl.constexpr, DIRECT: tl.constexpr,
 ):
     """One program = one (batch, K/V head) and one split of the keys: rows r < kv_group * n_q are query head
     kv_head * kv_group + r // n_q, query r % n_q. Writes, per row and split, the split's normalised output and its
     logsumexp (natural log; -inf where the split holds no visible key) to PartO (rows, splits, HEAD_DIM) and
-    PartL (rows, splits) float32, rows in (batch, query head, query) order."""
+    PartL (rows, splits) float32, rows in (batch, query head, query) order. DIRECT (one split): writes O (in its
+    dtype, as the combine kernel would) and L instead, and PartO, PartL are not read."""
     qk_scale = as_fp32(qk_scale)
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -101,9 +106,16 @@ def flash_decode_split_kernel(
     l_safe = tl.where(seen_any, l_i, 1.0)
     lse = tl.where(seen_any, m_i * LN2_C + tl.log(l_safe), float("-inf"))
     rows = (b * n_heads + head) * n_q + query
-    tl.store(PartL + rows * n_splits + split, lse, mask=row_ok)
-    out_ptrs = PartO + (rows[:, None] * n_splits + split) * HEAD_DIM + offs_d[None, :]
-    tl.store(out_ptrs, acc / l_safe[:, None], mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    out_ok = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    if DIRECT:
+        tl.store(L + rows, lse, mask=row_ok)
+        o_ptrs = (O + b * stride_ob + head[:, None] * stride_oh + query[:, None] * stride_on
+                  + offs_d[None, :] * stride_od)
+        tl.store(o_ptrs, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=out_ok)
+    else:
+        tl.store(PartL + rows * n_splits + split, lse, mask=row_ok)
+        out_ptrs = PartO + (rows[:, None] * n_splits + split) * HEAD_DIM + offs_d[None, :]
+        tl.store(out_ptrs, acc / l_safe[:, None], mask=out_ok)
 
 
 @triton.jit
@@ -145,20 +157,36 @@ def takes(n_q: int, n_k: int, kv_group: int, varlen: bool) -> bool:
             and kv_group * n_q <= MAX_GROUP_ROWS and n_k >= MIN_KEYS)
 
 
-def _splits(n_k: int, programs: int, device: torch.device) -> tuple[int, int]:
-    """(number of splits, keys per split, a multiple of BLOCK_N): about two programs per SM (on a CPU, a few
-    splits, so the combine runs), each split at least SPLIT_MIN_KEYS keys."""
-    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    n_splits = max(1, min(triton.cdiv(target, programs), triton.cdiv(n_k, SPLIT_MIN_KEYS)))
-    split_len = triton.cdiv(triton.cdiv(n_k, n_splits), BLOCK_N) * BLOCK_N
+def program_target(device: torch.device) -> int:
+    """How many decode programs run at once: one per SM (a program's three stages of K and V tiles take most of
+    an SM's shared memory); on a CPU, CPU_PROGRAMS."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return CPU_PROGRAMS
+
+
+def splits(n_k: int, programs: int, target: int, block_n: int) -> tuple[int, int]:
+    """(number of splits, keys per split, a multiple of block_n) for `programs` (batch, K/V head) programs: the
+    most splits that keep every program in one wave of `target`, each split at least SPLIT_MIN_KEYS keys. One
+    split where the programs alone fill more than half the wave: more would add a second wave, or the partials'
+    traffic and the combine's launch, and save less (H200, one query, 32/8 heads, D 128: 128 programs took 28.9 us
+    in one split against 31.0 in two)."""
+    n_splits = max(1, min(target // programs, triton.cdiv(n_k, SPLIT_MIN_KEYS)))
+    split_len = triton.cdiv(triton.cdiv(n_k, n_splits), block_n) * block_n
     return triton.cdiv(n_k, split_len), split_len
+
+
+def key_tile(block_d: int, element_size: int) -> int:
+    """Keys per tile: TILE_BYTES of K (bf16 D 128: 128 keys; fp32 or D 256: 64), between 16 and 128."""
+    return max(16, min(128, TILE_BYTES // (block_d * element_size)))
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, window: tuple[int, int], scale: float,
             traced: bool) -> tuple[list[Recorded | None], tuple[Tensor, Tensor]]:
-    """Write O and L of rank-3/4 q over k, v (the forward's contract) with the two decode kernels. Returns the launches
-    as a plan records them, and the scratch tensors they use (the partial outputs and logsumexps), which a replay
-    allocates anew."""
+    """Write O and L of rank-3/4 q over k, v (the forward's contract) with the decode kernels: the split kernel alone
+    where one split suffices (`splits`), else the split and the combine kernels. Returns the launches as a plan
+    records them, and the scratch tensors they use (the partial outputs and logsumexps; none for one split), which a
+    replay allocates anew."""
     rank4 = q.dim() == 4
     batch, n_heads = q.shape[0], q.shape[1] if rank4 else 1
     kv_heads = k.shape[1] if rank4 else 1
@@ -166,26 +194,33 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, window: tup
     kv_group = n_heads // kv_heads
     block_d = max(16, triton.next_power_of_2(d))
     block_m = max(16, triton.next_power_of_2(kv_group * n_q))
-    n_splits, split_len = _splits(n_k, batch * kv_heads, q.device)
+    block_n = key_tile(block_d, q.element_size())
+    n_splits, split_len = splits(n_k, batch * kv_heads, program_target(q.device), block_n)
+    direct = n_splits == 1
     rows = batch * n_heads * n_q
-    part_o = torch.empty((rows, n_splits, d), dtype=torch.float32, device=q.device)
-    part_l = torch.empty((rows, n_splits), dtype=torch.float32, device=q.device)
+    # The one-split kernel reads no partials: it is handed O and L in their place, and the plan has no scratch.
+    part_o = o if direct else torch.empty((rows, n_splits, d), dtype=torch.float32, device=q.device)
+    part_l = lse if direct else torch.empty((rows, n_splits), dtype=torch.float32, device=q.device)
     fp32 = q.dtype == torch.float32
-    split_named = dict(Q=q, K=k, V=v, PartO=part_o, PartL=part_l, n_heads=n_heads, kv_group=kv_group, n_q=n_q,
-                       n_k=n_k, n_splits=n_splits, split_len=split_len, window_left=window[0],
+    split_named = dict(Q=q, K=k, V=v, O=o, L=lse, PartO=part_o, PartL=part_l, n_heads=n_heads, kv_group=kv_group,
+                       n_q=n_q, n_k=n_k, n_splits=n_splits, split_len=split_len, window_left=window[0],
                        window_right=window[1], qk_scale=scale * 1.4426950408889634)
-    split_constexprs = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=32 if block_d > 128 else BLOCK_N,
-                            BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0, FP32_IEEE=fp32,
+    split_constexprs = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+                            BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0, FP32_IEEE=fp32, DIRECT=direct,
                             num_warps=4, num_stages=3)
     combine_named = dict(PartO=part_o, PartL=part_l, O=o, L=lse, n_heads=n_heads, n_q=n_q, n_splits=n_splits)
     combine_constexprs = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(n_splits)),
                               num_warps=4)
     split_grid, combine_grid = (batch * kv_heads, n_splits, 1), (rows, 1, 1)
+    scratch = () if direct else (part_o, part_l)
     if traced:
         wrap_triton(flash_decode_split_kernel)[split_grid](*positional(flash_decode_split_kernel, split_named),
                                                            **split_constexprs)
-        wrap_triton(flash_decode_combine_kernel)[combine_grid](
-            *positional(flash_decode_combine_kernel, combine_named), **combine_constexprs)
-        return [None], (part_o, part_l)
-    return [run_fixed(flash_decode_split_kernel, split_grid, split_named, split_constexprs),
-            run_fixed(flash_decode_combine_kernel, combine_grid, combine_named, combine_constexprs)], (part_o, part_l)
+        if not direct:
+            wrap_triton(flash_decode_combine_kernel)[combine_grid](
+                *positional(flash_decode_combine_kernel, combine_named), **combine_constexprs)
+        return [None], scratch
+    recorded = [run_fixed(flash_decode_split_kernel, split_grid, split_named, split_constexprs)]
+    if not direct:
+        recorded.append(run_fixed(flash_decode_combine_kernel, combine_grid, combine_named, combine_constexprs))
+    return recorded, scratch

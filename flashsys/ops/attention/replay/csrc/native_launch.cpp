@@ -75,16 +75,17 @@ struct Launch {
   PyObject* tail = nullptr;
 };
 
+struct Scratch {  // a tensor the launches use after the call's own, allocated anew for each call
+  std::vector<int64_t> shape;
+  at::ScalarType dtype;
+};
+
 struct ForwardPlan {
   std::vector<Launch> launches;
   std::vector<int64_t> lse_shape;
   int64_t window_left, window_right;
   double scale;
-};
-
-struct Scratch {  // a tensor the launches use after the call's own, allocated anew for each call
-  std::vector<int64_t> shape;
-  at::ScalarType dtype;
+  std::vector<Scratch> scratch;  // the decode kernels' partial outputs and logsumexps
 };
 
 struct BackwardPlan {
@@ -93,6 +94,7 @@ struct BackwardPlan {
   std::vector<Scratch> scratch;  // the one pass's dQ sum and semaphores; the launches that use them initialise them
 };
 
+constexpr int kForwardTensors = 5;  // q, k, v, O, L; then the scratch
 constexpr int kBackwardTensors = 10;  // q, k, v, O, L, dO, dQ, dK, dV, the (L, D) pairs; then the scratch
 constexpr size_t kMaxScratch = 4;
 
@@ -252,7 +254,9 @@ struct FlashAttention2TritonNative : public torch::autograd::Function<FlashAtten
                             const ForwardPlan* plan) {
     at::Tensor o = empty_output(q);
     at::Tensor lse = at::empty(plan->lse_shape, q.options().dtype(at::kFloat));
-    const at::Tensor tensors[] = {q, k, v, o, lse};
+    at::Tensor tensors[kForwardTensors + kMaxScratch] = {q, k, v, o, lse};
+    for (size_t i = 0; i < plan->scratch.size(); ++i)
+      tensors[kForwardTensors + i] = at::empty(plan->scratch[i].shape, q.options().dtype(plan->scratch[i].dtype));
     launch_all(plan->launches, tensors);
     ctx->save_for_backward({q, k, v, o, lse});
     ctx->saved_data["window_left"] = plan->window_left;
@@ -386,19 +390,10 @@ std::vector<Launch> make_launches(const py::list& specs, int n_tensors) {
   return out;
 }
 
-void add_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                 std::optional<double> scale, const Window& window, const py::list& launches,
-                 std::vector<int64_t> lse_shape, int64_t window_left, int64_t window_right, double resolved_scale) {
-  forward_plans.put(forward_key(q, k, v, causal, scale, window),
-                    ForwardPlan{make_launches(launches, 5), std::move(lse_shape), window_left, window_right,
-                                resolved_scale});
-}
+using ScratchSpecs = std::vector<std::tuple<std::vector<int64_t>, std::string>>;
 
-void add_backward(int64_t window_left, int64_t window_right, double scale, const at::Tensor& q, const at::Tensor& k,
-                  const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse, const at::Tensor& d_o,
-                  const py::list& launches, std::vector<int64_t> delta_shape,
-                  const std::vector<std::tuple<std::vector<int64_t>, std::string>>& scratch) {
-  // (shape, dtype name) per scratch tensor; the dtypes the one pass uses.
+// (shape, dtype name) per scratch tensor: the dtypes the decode kernels and the one pass use.
+std::vector<Scratch> scratch_buffers(const ScratchSpecs& scratch) {
   static const std::unordered_map<std::string, at::ScalarType> dtypes = {{"float32", at::kFloat},
                                                                         {"int32", at::kInt}};
   if (scratch.size() > kMaxScratch) throw std::invalid_argument("flashsys native launch: too many scratch tensors");
@@ -408,6 +403,24 @@ void add_backward(int64_t window_left, int64_t window_right, double scale, const
     if (it == dtypes.end()) throw std::invalid_argument("flashsys native launch: scratch dtype " + name);
     buffers.push_back(Scratch{shape, it->second});
   }
+  return buffers;
+}
+
+void add_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+                 std::optional<double> scale, const Window& window, const py::list& launches,
+                 std::vector<int64_t> lse_shape, int64_t window_left, int64_t window_right, double resolved_scale,
+                 const ScratchSpecs& scratch) {
+  std::vector<Scratch> buffers = scratch_buffers(scratch);
+  const int n_tensors = kForwardTensors + static_cast<int>(buffers.size());
+  forward_plans.put(forward_key(q, k, v, causal, scale, window),
+                    ForwardPlan{make_launches(launches, n_tensors), std::move(lse_shape), window_left, window_right,
+                                resolved_scale, std::move(buffers)});
+}
+
+void add_backward(int64_t window_left, int64_t window_right, double scale, const at::Tensor& q, const at::Tensor& k,
+                  const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse, const at::Tensor& d_o,
+                  const py::list& launches, std::vector<int64_t> delta_shape, const ScratchSpecs& scratch) {
+  std::vector<Scratch> buffers = scratch_buffers(scratch);
   const int n_tensors = kBackwardTensors + static_cast<int>(buffers.size());
   backward_plans.put(backward_key(window_left, window_right, scale, {&q, &k, &v, &o, &lse, &d_o}),
                      BackwardPlan{make_launches(launches, n_tensors), std::move(delta_shape), std::move(buffers)});
