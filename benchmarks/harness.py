@@ -57,6 +57,23 @@ def bench_ms(fn: Callable[[], object], rep_ms: int = 200, warmup_ms: int = 50) -
     return summarize(repeat(fn, warmup=1, iters=5, device=DEVICE)).median
 
 
+def graph_ms(fn: Callable[[], object], rep_ms: int = 200, warmup_ms: int = 50) -> float:
+    """Median milliseconds of fn captured once in a CUDA graph and replayed: its GPU time without the host time of
+    its launches (how a serving loop or `torch.compile(mode="reduce-overhead")` runs a short op). GPU only."""
+    import triton
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as capture asks
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, rep=rep_ms, warmup=warmup_ms, return_mode="median")
+
+
 @contextlib.contextmanager
 def peak_memory() -> Iterator[dict]:
     """Yields a dict that holds 'peak_mb' (extra peak allocated over the start) after the block; None on CPU."""
