@@ -175,10 +175,22 @@ def _cached(t: Tensor, shape: tuple, build: Callable[[], _Packed | None]) -> _Pa
     return plan
 
 
-@torch.compiler.disable  # reads the mask or positions back: outside a compiled graph
 def _packed_rows(kwargs: dict, attention_mask: Tensor | None, batch: int, n_q: int, n_k: int) -> _Packed | None:
     """How a batch splits into sequences, or None for whole rows (the dense kernels): the collator's offsets, else
-    the padding mask's real tokens, else documents where `position_ids` restart (without a cache: n_q == n_k)."""
+    the padding mask's real tokens, else documents where `position_ids` restart (without a cache: n_q == n_k).
+
+    Whole rows that no tensor has to be read to recognise (no offsets, mask or positions, or positions with a cache
+    or one query per row) are decided here, so that a compiled model does not break its graph at every layer there
+    (decoding one token); the rest is read back, outside the graph (`_read_packed_rows`)."""
+    if (kwargs.get("cu_seq_lens_q") is None and kwargs.get("cu_seq_lens_k") is None and attention_mask is None
+            and (kwargs.get("position_ids") is None or n_q != n_k or n_q == 1)):
+        return None
+    return _read_packed_rows(kwargs, attention_mask, batch, n_q, n_k)
+
+
+@torch.compiler.disable  # reads the mask or positions back: outside a compiled graph
+def _read_packed_rows(kwargs: dict, attention_mask: Tensor | None, batch: int, n_q: int, n_k: int
+                      ) -> _Packed | None:
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None or cu_k is not None:
         return _from_offsets(cu_q, cu_k, kwargs.get("max_length_q"), kwargs.get("max_length_k"), batch * n_q,

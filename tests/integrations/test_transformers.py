@@ -120,6 +120,26 @@ def test_a_forward_reads_the_positions_back_once_not_once_per_layer(positions):
     assert counts[1] <= counts[0] + 1, f"sdpa's forward reads back {counts[0]} times, flashsys' {counts[1]}"
 
 
+def test_whole_rows_compile_without_a_graph_break_and_packed_rows_still_split():
+    """Under torch.compile a call whose rows are whole without reading a tensor (one new query per row with its
+    positions, or no positions at all) compiles as one graph; packed positions still take the varlen kernels."""
+    module = torch.nn.Module()
+    q1, k, v = (torch.randn(2, 4, n, 16, dtype=torch.float64) for n in (1, 10, 10))
+    for query, extra in ((q1, {"position_ids": torch.full((2, 1), 9)}), (torch.randn(2, 4, 10, 16).double(), {})):
+        torch._dynamo.reset()
+        compiled = torch.compile(attention_forward, backend="eager", fullgraph=True)
+        out, _ = compiled(module, query, k, v, None, **extra)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query, k, v, attn_mask=torch.ones(query.shape[2], 10, dtype=torch.bool).tril(10 - query.shape[2]))
+        torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-10, atol=1e-10)
+    torch._dynamo.reset()
+    positions = torch.cat([torch.arange(4), torch.arange(6)])[None].expand(2, -1)
+    out, _ = torch.compile(attention_forward, backend="eager")(module, k, k, v, None, position_ids=positions)
+    documents = [torch.nn.functional.scaled_dot_product_attention(k[..., a:b, :], k[..., a:b, :], v[..., a:b, :],
+                                                                  is_causal=True) for a, b in ((0, 4), (4, 10))]
+    torch.testing.assert_close(out, torch.cat(documents, 2).transpose(1, 2), rtol=1e-10, atol=1e-10)
+
+
 class _Copies(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts the ops that copy a tensor into a new layout (a reshape that is no view runs `clone`)."""
 
