@@ -158,8 +158,8 @@ def takes(n_q: int, n_k: int, kv_group: int, varlen: bool) -> bool:
 
 
 def program_target(device: torch.device) -> int:
-    """How many decode programs run at once: one per SM (a program's three stages of K and V tiles take most of
-    an SM's shared memory); on a CPU, CPU_PROGRAMS."""
+    """How many decode programs a wave holds: one per SM (at D 128 a program's three stages of K and V tiles take
+    192 KB of shared memory; timed against two per SM, one was as fast or faster); on a CPU, CPU_PROGRAMS."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return CPU_PROGRAMS
