@@ -157,10 +157,22 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, x: Float[Tensor, "... N D"], positions: Int[Tensor, "N"] | None = None) -> Float[Tensor, "... N D"]:
-        """x rotated for positions 0..N-1, or for `positions` when given; same dtype as x."""
-        n = x.shape[-2]
+    def forward(self, x: Float[Tensor, "... D"], positions: Int[Tensor, "N"] | None = None,
+                seq_dim: int = -2) -> Float[Tensor, "... D"]:
+        """x rotated for positions 0..N-1 along `seq_dim` (any dim but the last: -2 for (..., N, D), 1 for a
+        projection's (B, N, H, D) view), or for `positions` when given; same shape and dtype as x, dense in that
+        shape (so rotating (B, N, H, D) keeps the heads inside the sequence, the layout attention outputs follow).
+
+        Raises:
+            ValueError: for a seq_dim that is not a dim of x before the last.
+        """
+        dim = seq_dim - x.dim() if seq_dim >= 0 else seq_dim
+        if not -x.dim() <= dim <= -2:
+            raise ValueError(f"RotaryEmbedding: seq_dim {seq_dim} is not a dim before the last of a {x.dim()}-D input")
+        n = x.shape[dim]
         cos, sin = (self.cos[:n], self.sin[:n]) if positions is None else (self.cos[positions], self.sin[positions])
+        if dim != -2:  # broadcast over the dims between the sequence and the features
+            cos, sin = (t.view(n, *[1] * (-dim - 2), t.shape[-1]) for t in (cos, sin))
         x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()
         out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
         return out.to(x.dtype)
@@ -241,12 +253,16 @@ class MultiHeadSelfAttention(nn.Module):
         window = None if self.attention_window is None else (self.attention_window, 0)
         if packed is not None:
             return self.output_proj(self._attend_packed(q, k, v, packed, window).reshape(x.shape))
-        q = rearrange(q, "b n (h d) -> b h n d", h=self.num_heads)
-        k, v = (rearrange(t, "b n (h d) -> b h n d", h=self.num_kv_heads) for t in (k, v))
+        # (B, N, H, D) as the projection lays them out, rotated in that layout, and handed over as (B, H, N, D)
+        # views: the Triton kernels write O (and the gradients) in the same layout, so the output projection reads O
+        # as it is, where rotated (B, H, N, D)-dense copies made every layer copy O back.
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        k, v = (t.unflatten(-1, (self.num_kv_heads, self.head_dim)) for t in (k, v))
         if self.rope is not None:
-            q, k = self.rope(q), self.rope(k)
-        o = attend(q, k, v, causal=self.causal, softmax_scale=None, backend=self.attention_backend, window_size=window)
-        return self.output_proj(rearrange(o, "b h n d -> b n (h d)"))
+            q, k = self.rope(q, seq_dim=1), self.rope(k, seq_dim=1)
+        o = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=self.causal, softmax_scale=None,
+                   backend=self.attention_backend, window_size=window)
+        return self.output_proj(o.transpose(1, 2).flatten(2))
 
     def _attend_packed(self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSequences, window) -> Tensor:
         flash = FLASH_SHORT_NAMES.get(self.attention_backend)
@@ -255,8 +271,8 @@ class MultiHeadSelfAttention(nn.Module):
                              f"not {self.attention_backend!r}")
         q = rearrange(q, "b n (h d) -> (b n) h d", h=self.num_heads)
         k, v = (rearrange(t, "b n (h d) -> (b n) h d", h=self.num_kv_heads) for t in (k, v))
-        if self.rope is not None:  # RoPE works on (..., N, D): rotate the heads-first views, then back
-            q, k = (self.rope(t.transpose(0, 1), packed.positions).transpose(0, 1) for t in (q, k))
+        if self.rope is not None:
+            q, k = (self.rope(t, packed.positions, seq_dim=0) for t in (q, k))
         o = flash_attention_varlen(q, k, v, packed.cu_seqlens, packed.cu_seqlens, packed.max_seqlen,
                                    packed.max_seqlen, causal=self.causal, window_size=window, backend=flash)
         return o.flatten(1)

@@ -67,6 +67,47 @@ def test_rope_scores_depend_only_on_the_offset():
     torch.testing.assert_close(qs[0], q)
 
 
+def test_rope_along_any_sequence_dim_is_the_same_rotation_laid_out_as_its_input():
+    rope = RotaryEmbedding(head_dim=8, context_length=32)
+    x = torch.randn(2, 20, 3, 8)  # (B, N, H, D)
+    positions = torch.randint(0, 32, (20,))
+    for pos in (None, positions):
+        heads_first = rope(x.transpose(1, 2), pos).transpose(1, 2)
+        out = rope(x, pos, seq_dim=1)
+        assert torch.equal(out, heads_first) and out.is_contiguous()
+        assert torch.equal(rope(x[0], pos, seq_dim=0), heads_first[0])
+    for bad in (3, -1, -5):
+        with pytest.raises(ValueError, match="seq_dim"):
+            rope(x, seq_dim=bad)
+
+
+@pytest.mark.parametrize("backend", ["flash-triton", "sdpa"])
+def test_self_attention_copies_nothing_between_its_projections(backend):
+    """q, k, v stay in the projection's (B, N, H, D) layout (RoPE rotates them there), the kernels write O and the
+    gradients in it, so a forward and backward of the layer run no clone or contiguous copy."""
+    import torch.utils._python_dispatch as dispatch
+
+    from flashsys.nn import MultiHeadSelfAttention
+
+    class Copies(dispatch.TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.overloadpacket in (torch.ops.aten.clone, torch.ops.aten.contiguous)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    layer = MultiHeadSelfAttention(64, 4, causal=True, rope_theta=10000.0, context_length=64,
+                                   attention_backend=backend, num_kv_heads=2).to(DEVICE)
+    x = torch.randn(2, 48, 64, device=DEVICE, requires_grad=True)
+    layer(x).sum().backward()  # plans and choices made outside the count
+    with Copies() as copies:
+        layer(x).sum().backward()
+    assert copies.count == 0
+
+
 def test_preset_parameter_counts_on_meta():
     assert sum(p.numel() for p in TransformerLM.from_preset("small", device="meta").parameters()) == 128_625_408
     for name, p in PRESETS.items():
