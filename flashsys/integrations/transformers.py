@@ -197,9 +197,7 @@ def _read_packed_rows(kwargs: dict, attention_mask: Tensor | None, batch: int, n
                              batch * n_k)
     if attention_mask is not None:
         return _cached(attention_mask, (batch, n_q, n_k), lambda: _from_padding(attention_mask.bool(), n_q, n_k))
-    positions = kwargs.get("position_ids")
-    if positions is None or n_q != n_k or n_q == 1:
-        return None
+    positions = kwargs.get("position_ids")  # present, with n_q == n_k > 1: `_packed_rows` decided the rest
     # Keyed on the tensor the model passes every layer (often (1, N) for the whole batch): an expanded view would be
     # a new tensor in each layer, and each would be read back again.
     return _cached(positions, (batch, n_q), lambda: _from_positions(positions.expand(batch, -1)))

@@ -98,6 +98,11 @@ constexpr int kForwardTensors = 5;  // q, k, v, O, L; then the scratch
 constexpr int kBackwardTensors = 10;  // q, k, v, O, L, dO, dQ, dK, dV, the (L, D) pairs; then the scratch
 constexpr size_t kMaxScratch = 4;
 
+// A plan's scratch tensors, fresh for this call, on q's device, into `out`.
+void allocate_scratch(const std::vector<Scratch>& scratch, const at::Tensor& q, at::Tensor* out) {
+  for (size_t i = 0; i < scratch.size(); ++i) out[i] = at::empty(scratch[i].shape, q.options().dtype(scratch[i].dtype));
+}
+
 // Keys: the bytes of what replay/plans.py keys on (shapes, strides, dtypes, devices, 16-byte alignment, flags).
 void append(std::string& key, int64_t x) { key.append(reinterpret_cast<const char*>(&x), sizeof x); }
 
@@ -255,8 +260,7 @@ struct FlashAttention2TritonNative : public torch::autograd::Function<FlashAtten
     at::Tensor o = empty_output(q);
     at::Tensor lse = at::empty(plan->lse_shape, q.options().dtype(at::kFloat));
     at::Tensor tensors[kForwardTensors + kMaxScratch] = {q, k, v, o, lse};
-    for (size_t i = 0; i < plan->scratch.size(); ++i)
-      tensors[kForwardTensors + i] = at::empty(plan->scratch[i].shape, q.options().dtype(plan->scratch[i].dtype));
+    allocate_scratch(plan->scratch, q, tensors + kForwardTensors);
     launch_all(plan->launches, tensors);
     ctx->save_for_backward({q, k, v, o, lse});
     ctx->saved_data["window_left"] = plan->window_left;
@@ -282,8 +286,7 @@ struct FlashAttention2TritonNative : public torch::autograd::Function<FlashAtten
       at::Tensor dq = empty_output(q), dk = empty_output(k), dv = empty_output(v);
       at::Tensor delta = at::empty(plan->delta_shape, q.options().dtype(at::kFloat));
       at::Tensor tensors[kBackwardTensors + kMaxScratch] = {q, k, v, o, lse, d_o, dq, dk, dv, delta};
-      for (size_t i = 0; i < plan->scratch.size(); ++i)
-        tensors[kBackwardTensors + i] = at::empty(plan->scratch[i].shape, q.options().dtype(plan->scratch[i].dtype));
+      allocate_scratch(plan->scratch, q, tensors + kBackwardTensors);
       launch_all(plan->launches, tensors);
       return {dq, dk, dv, at::Tensor()};
     }
