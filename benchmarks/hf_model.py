@@ -3,7 +3,8 @@
 
 - train: one AdamW step on batch x seq tokens (forward, backward, step), eager and torch.compile'd; median ms;
 - generate: greedy generation of --new-tokens after a --prompt-tokens prompt, at each --gen-batches, eager with
-  transformers' dynamic cache; decode tokens/s (new tokens x batch over the time after the prefill).
+  transformers' dynamic cache; decode tokens/s (new tokens x batch over the time after the prefill); at each
+  --left-pad-batches also a left-padded batch (row b's prompt starts after b / batch of half the prompt as padding).
 
 Each part (--parts train generate) writes its own table, every implementation beside sdpa in the same process; the
 two parts can run at once on two GPUs:
@@ -61,11 +62,16 @@ def train_ms(model, batch: int, seq: int, compiled: bool) -> float:
     return ms
 
 
-def decode_tokens_per_s(model, batch: int, prompt: int, new: int) -> dict:
+def decode_tokens_per_s(model, batch: int, prompt: int, new: int, left_pad: bool = False) -> dict:
     model.eval()
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(1, model.config.vocab_size, (batch, prompt), generator=g).to(DEVICE)
     kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    if left_pad:
+        pads = torch.arange(batch, device=DEVICE) * prompt // (2 * batch)
+        mask = torch.arange(prompt, device=DEVICE) >= pads[:, None]
+        ids = ids.masked_fill(~mask, 0)
+        kwargs["attention_mask"] = mask.long()
     with torch.no_grad():
         model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kwargs)  # warm-up
         sync()
@@ -95,6 +101,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=2048 if ON_GPU else 32)
     p.add_argument("--new-tokens", type=int, default=256 if ON_GPU else 8)
     p.add_argument("--gen-batches", nargs="+", type=int, default=[1, 16] if ON_GPU else [2])
+    p.add_argument("--left-pad-batches", nargs="*", type=int, default=[16] if ON_GPU else [2],
+                   help="batches also generated left-padded (row b: b / batch of half the prompt is padding)")
     args = p.parse_args(argv)
     from flashsys.integrations.transformers import register
 
@@ -112,12 +120,14 @@ def main(argv=None) -> int:
             cell = run_cell(lambda c=compiled: {"ms": train_ms(model, args.train_batch, args.seq, c)})
             row[key] = cell.get("ms", cell.get("error"))
             model.load_state_dict(state)  # generation starts from the same weights for every implementation
-        for batch in args.gen_batches if "generate" in args.parts else ():
-            cell = run_cell(lambda b=batch: decode_tokens_per_s(model, b, args.prompt_tokens, args.new_tokens))
-            row[f"prefill_b{batch}_ms"] = cell.get("prefill_ms", cell.get("error"))
-            row[f"decode_b{batch}_tok_s"] = cell.get("decode_tok_per_s")
+        for batch, pad in _generate_cells(args) if "generate" in args.parts else ():
+            cell = run_cell(lambda b=batch, p=pad: decode_tokens_per_s(model, b, args.prompt_tokens, args.new_tokens,
+                                                                       p))
+            label = f"b{batch}{'_leftpad' if pad else ''}"
+            row[f"prefill_{label}_ms"] = cell.get("prefill_ms", cell.get("error"))
+            row[f"decode_{label}_tok_s"] = cell.get("decode_tok_per_s")
             if "tokens" in cell:
-                tokens[(impl, batch)] = cell["tokens"]
+                tokens[(impl, label)] = cell["tokens"]
         rows.append(row)
         model = None
         if ON_GPU:
@@ -127,6 +137,11 @@ def main(argv=None) -> int:
     for path in paths:
         print(path.read_text())
     return 0
+
+
+def _generate_cells(args) -> list[tuple[int, bool]]:
+    """(batch, left-padded) of each generation cell."""
+    return [(b, False) for b in args.gen_batches] + [(b, True) for b in args.left_pad_batches]
 
 
 def write(rows: list[dict], tokens: dict, args, dtype: torch.dtype, n_params: float) -> list:
@@ -141,17 +156,20 @@ def write(rows: list[dict], tokens: dict, args, dtype: torch.dtype, n_params: fl
                 ref = base.get(key)
                 if isinstance(value, float) and isinstance(ref, float):
                     r[f"{key}_vs_sdpa"] = value / ref
-            for batch in args.gen_batches:
-                if (r["impl"], batch) in tokens and ("sdpa", batch) in tokens:
-                    same = tokens[(r["impl"], batch)] == tokens[("sdpa", batch)]
-                    r[f"same_tokens_b{batch}"] = same.float().mean().item()
+            for batch, pad in _generate_cells(args):
+                label = f"b{batch}{'_leftpad' if pad else ''}"
+                if (r["impl"], label) in tokens and ("sdpa", label) in tokens:
+                    same = tokens[(r["impl"], label)] == tokens[("sdpa", label)]
+                    r[f"same_tokens_{label}"] = same.float().mean().item()
         out.append(r)
     model = f"{n_params:.2f}B parameters ({SHAPES[ON_GPU]}), random weights, {str(dtype)[6:]}."
     notes = {
         "train": f"Train: batch {args.train_batch} x {args.seq} tokens, one AdamW step (forward, backward, step), "
                  "eager and torch.compile'd, median ms per step (*_vs_sdpa: < 1 is faster).",
         "generate": f"Generate: greedy, {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, dynamic "
-                    "cache, eager; prefill ms and decode tokens/s after the prefill (*_vs_sdpa: > 1 is faster); "
+                    "cache, eager (_leftpad: row b's prompt starts after b / batch of half the prompt as "
+                    "padding, with its attention mask); prefill ms and decode tokens/s after the prefill "
+                    "(*_vs_sdpa: > 1 is faster); "
                     "same_tokens: the fraction of generated tokens equal to sdpa's (bf16 rounding can flip a "
                     "near-tie, and every token after a flip follows a different sequence: with random weights the "
                     "top two logits are close and it is low; tests/integrations compares generation exactly in "

@@ -17,7 +17,8 @@ Every attention layer then calls `attention_forward`, which computes what the `s
 - packed rows: documents found where `position_ids` restart (as `sdpa` finds them), or the collator's
   `cu_seq_lens_q`/`cu_seq_lens_k` with `max_length_q`/`max_length_k`, through the varlen kernels;
 - KV-cache decoding: the new queries are the last positions of the cache (bottom-right causal alignment); one to 16
-  queries take the split-key decode kernel on a GPU.
+  queries take the split-key decode kernels, a left-padded batch too (`flash_attention_decode` skips each row's
+  padding in the cache instead of gathering its real keys).
 
 What flashsys does not compute is refused with an error that says what and why: attention dropout in training,
 logit softcapping (Gemma 2), attention sinks (`s_aux`, GPT-OSS), position biases (T5), an arbitrary 4-D mask,
@@ -33,7 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..ops.attention import MAX_HEAD_DIM, flash_attention, flash_attention_varlen
+from ..ops.attention import MAX_HEAD_DIM, flash_attention, flash_attention_decode, flash_attention_varlen
+from ..ops.attention.validation import MAX_DECODE_GROUP_ROWS, MAX_DECODE_QUERIES
 
 NAME = "fsys"
 
@@ -92,6 +94,10 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     window = _window(sliding_window, causal)
     batch, n_q, n_k = query.shape[0], query.shape[2], key.shape[2]
     packed = _packed_rows(kwargs, attention_mask, batch, n_q, n_k)
+    if packed is not None and packed.key_start is not None and _decodes(query, key, value):
+        out = flash_attention_decode(query, key, value, cache_start=packed.key_start, causal=causal,
+                                     softmax_scale=scaling, window_size=window)
+        return out.transpose(1, 2).contiguous(), None
     if packed is None:
         out = flash_attention(query, key, value, causal=causal, softmax_scale=scaling, window_size=window)
         return out.transpose(1, 2).contiguous(), None
@@ -146,16 +152,26 @@ def _refuse_what_is_not_computed(module, query, key, value, attention_mask, drop
                          f"{MAX_HEAD_DIM}")
 
 
+def _decodes(query: Tensor, key: Tensor, value: Tensor) -> bool:
+    """Whether a left-padded call can take `flash_attention_decode`: its group's rows fit a decode program, and no
+    gradient is asked for (the decode op computes none; training runs the varlen kernels)."""
+    rows = query.shape[1] // key.shape[1] * query.shape[2]
+    return rows <= MAX_DECODE_GROUP_ROWS and not (
+        torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
+
+
 class _Packed:
     """Varlen arguments for a batch: offsets of each sequence's queries and keys in the flattened tokens, the longest
-    of each, and (padding) which flattened rows are real tokens (None: all of them)."""
+    of each, and (padding) which flattened rows are real tokens (None: all of them). `key_start`: for a left-padded
+    batch decoding from a cache (a few real queries per row, at the end of its keys), each row's first real key, so
+    that the decode kernels read the cache in place (None otherwise)."""
 
-    __slots__ = ("cu_q", "cu_k", "max_q", "max_k", "rows_q", "rows_k")
+    __slots__ = ("cu_q", "cu_k", "max_q", "max_k", "rows_q", "rows_k", "key_start")
 
     def __init__(self, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, rows_q: Tensor | None = None,
-                 rows_k: Tensor | None = None) -> None:
+                 rows_k: Tensor | None = None, key_start: Tensor | None = None) -> None:
         self.cu_q, self.cu_k, self.max_q, self.max_k = cu_q, cu_k, max_q, max_k
-        self.rows_q, self.rows_k = rows_q, rows_k
+        self.rows_q, self.rows_k, self.key_start = rows_q, rows_k, key_start
 
 
 # Every layer of a forward gets the same mask and position_ids tensors: reading them back (a device wait) is done
@@ -218,22 +234,25 @@ def _from_offsets(cu_q, cu_k, max_q, max_k, total_q: int, total_k: int) -> _Pack
 
 def _from_padding(mask: Tensor, n_q: int, n_k: int) -> _Packed:
     """The real tokens of a (B, n_k) padding mask, whose real keys must form one run per row (left or right
-    padding); the queries are the last n_q positions, so their real ones end where the keys' run ends."""
+    padding); the queries are the last n_q positions, so their real ones end where the keys' run ends. Where every
+    query is real and there is a cache (left-padded decoding), also each row's first real key."""
     if mask.shape[1] != n_k:
         raise ValueError(f"flashsys attention: the padding mask covers {mask.shape[1]} keys, the layer has {n_k}")
     runs = mask[:, 0].int() + (mask[:, 1:] & ~mask[:, :-1]).sum(1)
     lengths_k = mask.sum(1, dtype=torch.int32)
     mask_q = mask[:, n_k - n_q:]
     lengths_q = mask_q.sum(1, dtype=torch.int32)
-    summary = torch.stack([runs.max().to(torch.int32), lengths_q.max(), lengths_k.max()]).tolist()
+    summary = torch.stack([runs.max().to(torch.int32), lengths_q.max(), lengths_k.max(), lengths_q.min()]).tolist()
     if summary[0] > 1:
         raise ValueError("flashsys attention: a row of the padding mask has padding between real tokens; flashsys "
                          "takes left or right padding (one run of real tokens per row)")
     zero = torch.zeros(1, dtype=torch.int32, device=mask.device)
     cu_q = torch.cat([zero, lengths_q.cumsum(0, dtype=torch.int32)])
     cu_k = torch.cat([zero, lengths_k.cumsum(0, dtype=torch.int32)])
+    # Every query real: each row's one run of real keys takes in its last n_q keys, so it ends at the cache's end.
+    decoding = n_q < n_k and n_q <= MAX_DECODE_QUERIES and summary[3] == n_q
     return _Packed(cu_q, cu_k, summary[1], summary[2], mask_q.reshape(-1).nonzero().view(-1),
-                   mask.reshape(-1).nonzero().view(-1))
+                   mask.reshape(-1).nonzero().view(-1), n_k - lengths_k if decoding else None)
 
 
 def _from_positions(positions: Tensor) -> _Packed | None:

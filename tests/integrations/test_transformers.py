@@ -194,15 +194,29 @@ def test_padded_batches_match_at_every_real_token(family, side):
 
 
 @pytest.mark.parametrize("family", ["llama-gqa", "mistral-window", "qwen2-mixed"])
-def test_greedy_generation_of_a_left_padded_batch_gives_sdpas_tokens(family):
+def test_greedy_generation_of_a_left_padded_batch_gives_sdpas_tokens(family, monkeypatch):
+    """Left padding: the prompt through the varlen kernels, every new token through `flash_attention_decode`, which
+    skips each row's padding in the cache."""
+    from flashsys.integrations import transformers as integration
+
+    starts = []
+    decode = integration.flash_attention_decode
+    monkeypatch.setattr(integration, "flash_attention_decode",
+                        lambda *a, cache_start, **kw: starts.append(cache_start.tolist()) or decode(
+                            *a, cache_start=cache_start, **kw))
     ref, ours = _pair(family)
     x = _tokens(3, 9, seed=4)
     mask = torch.ones(3, 9, dtype=torch.long)
-    mask[1, :4], mask[2, :2] = 0, 0
+    mask[1, :6], mask[2, :2] = 0, 0  # row 1's padding stays in a 6-key sliding window cache for two steps
     kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
     torch.testing.assert_close(ours.generate(x, **kwargs), ref.generate(x, **kwargs), rtol=0, atol=0)
+    assert starts and all(s[0] == 0 and s[1] > 0 for s in starts)
+    if family == "llama-gqa":  # every layer of the 11 steps after the prompt, the cache's padding at its start
+        assert len(starts) == 11 * 2 and starts[0] == [0, 6, 2]
+    starts.clear()
     unpadded = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)  # the dense decode path: no mask at all
     torch.testing.assert_close(ours.generate(x, **unpadded), ref.generate(x, **unpadded), rtol=0, atol=0)
+    assert not starts
 
 
 def _layer_call(**kwargs):

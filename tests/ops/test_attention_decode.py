@@ -1,12 +1,13 @@
 """The split-key decode path (a few queries against a long cache): the same O, L and gradients as float64 reference
-math, with GQA, windows and bottom-right causal alignment, and taken only where it should be."""
+math, with GQA, windows and bottom-right causal alignment, and taken only where it should be; and
+`flash_attention_decode` over left-padded caches (`cache_start`) on both backends."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from flashsys.ops.attention import FlashAttention2Triton
+from flashsys.ops.attention import FlashAttention2Triton, attention_reference, flash_attention_decode
 from flashsys.ops.attention.triton import decode
 
 from .attention_checks import assert_matches_reference, make_qkv
@@ -32,17 +33,22 @@ def decode_calls(monkeypatch):
     return calls
 
 
-@pytest.fixture(params=["one split", "splits"])
-def split_path(request, monkeypatch):
-    """Both decode paths at any size: a GPU of one program (every call in one split, written directly) or of 64
-    with splits of 64 keys or more (the keys split, then combined). Plans made under the other are forgotten before
-    and after."""
+def _pin_split_path(splits: bool, request, monkeypatch) -> None:
+    """Make the decode kernels take one path at any size: a GPU of one program (every call in one split, written
+    directly) or of 64 with splits of 64 keys or more (the keys split, then combined). Plans made under the other
+    are forgotten before and after."""
     from flashsys.ops.attention import replay
 
-    monkeypatch.setattr(decode, "program_target", lambda device: 1 if request.param == "one split" else 64)
+    monkeypatch.setattr(decode, "program_target", lambda device: 64 if splits else 1)
     monkeypatch.setattr(decode, "SPLIT_MIN_KEYS", 64)
     replay.clear()
     request.addfinalizer(replay.clear)
+
+
+@pytest.fixture(params=["one split", "splits"])
+def split_path(request, monkeypatch):
+    """Both decode paths (`_pin_split_path`); the value: whether the keys are split."""
+    _pin_split_path(request.param == "splits", request, monkeypatch)
     return request.param == "splits"
 
 
@@ -145,3 +151,115 @@ def test_repeated_decode_calls_replay_their_plan(decode_calls, split_path, which
     expected = torch.nn.functional.scaled_dot_product_attention(q2.double(), k.double().repeat_interleave(2, 1),
                                                                 v.double().repeat_interleave(2, 1))
     torch.testing.assert_close(second.detach().double(), expected.detach(), atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ flash_attention_decode: left-padded caches
+
+
+def _per_row_reference(q, k, v, starts, causal, window, dtype):
+    """Each batch row alone over its keys from its start on, in `dtype`: the positions stay cache indices, since
+    the queries are the last ones and the alignment is bottom-right. A row that starts past its last key sees
+    nothing and outputs 0."""
+    rows = []
+    for b, s in enumerate(starts.tolist()):
+        if s == k.shape[-2]:
+            rows.append(torch.zeros_like(q[b:b + 1], dtype=dtype))
+            continue
+        rows.append(attention_reference(*(t[b:b + 1].to(dtype) for t in (q, k[..., s:, :], v[..., s:, :])), causal,
+                                        None, window)[0])
+    return torch.cat(rows)
+
+
+DECODE_CASES = [  # (n_q, n_k, heads, kv_heads, head_dim, causal, window)
+    (1, 300, 4, 2, 64, True, None),
+    (3, 200, 4, 1, 32, True, (50, 0)),
+    (16, 130, 2, 2, 16, False, None),
+    (2, 190, 8, 2, 40, False, (7, 3)),
+    (1, 150, 0, 0, 32, True, None),  # rank 3: (batch, seq, head_dim)
+]
+
+
+@pytest.fixture(params=["torch", "triton-one-split", "triton-splits"])
+def decode_backend(request, monkeypatch):
+    """Each backend of `flash_attention_decode`, the Triton one on both split paths (`_pin_split_path`)."""
+    if request.param != "torch":
+        _pin_split_path(request.param == "triton-splits", request, monkeypatch)
+    return request.param.split("-")[0]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES,
+                         ids=lambda c: f"nq{c[0]}-nk{c[1]}-h{c[2]}/{c[3]}-d{c[4]}-c{c[5]}-w{c[6]}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cache_start_skips_each_rows_padding(case, dtype, decode_backend, decode_calls):
+    n_q, n_k, heads, kv_heads, d, causal, window = case
+    q, k, v, _ = make_qkv(4, heads, n_q, n_k, d, dtype, DEVICE, seed=n_k + n_q, kv_heads=kv_heads)
+    # No padding; a row whose start falls past the first splits; one whose queries start exactly there; one that
+    # sees no key at all.
+    starts = torch.tensor([0, n_k - 70, n_k - n_q, n_k], device=DEVICE)
+    out = flash_attention_decode(q, k, v, cache_start=starts, causal=causal, window_size=window,
+                                 backend=decode_backend)
+    exact = _per_row_reference(q, k, v, starts, causal, window, torch.float64)
+    plain = _per_row_reference(q, k, v, starts, causal, window, dtype)
+    assert out.dtype == dtype and out.shape == q.shape
+    tolerance = 2 * (plain.double() - exact).abs().max().item() + 1e-6
+    assert (out.double() - exact).abs().max().item() <= tolerance
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+    assert bool(decode_calls) == (decode_backend == "triton")
+
+
+def test_without_cache_start_decoding_is_flash_attention(decode_backend):
+    q, k, v, _ = make_qkv(2, 8, 2, 160, 32, torch.float32, DEVICE, seed=3, kv_heads=2)
+    expected = attention_reference(q.double(), k.double(), v.double(), True)[0]
+    out = flash_attention_decode(q, k, v, causal=True, backend=decode_backend)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_float64_runs_on_the_pytorch_path():
+    q, k, v, _ = make_qkv(2, 4, 1, 50, 16, torch.float64, "cpu", seed=4, kv_heads=2)
+    starts = torch.tensor([3, 20])
+    out = flash_attention_decode(q, k, v, cache_start=starts, causal=True, backend="torch")
+    expected = _per_row_reference(q, k, v, starts, True, None, torch.float64)
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(q=(2, 4, 17, 16)), ValueError, "at most 16 queries"),
+    (dict(q=(2, 64, 2, 16), kv_heads=1), ValueError, "64 rows per K/V head"),
+    (dict(cache_start=torch.tensor([0, 1, 2])), ValueError, r"shape \(batch,\) = \(2,\)"),
+    (dict(cache_start=torch.tensor([0.0, 1.0])), ValueError, "int32 or int64"),
+    (dict(cache_start=torch.tensor([0, 61])), ValueError, r"in \[0, 60\]"),
+    (dict(cache_start=torch.tensor([-1, 0])), ValueError, r"in \[0, 60\]"),
+    (dict(grad=True), RuntimeError, "computes no gradients"),
+    (dict(backend="cuda"), ValueError, "backend must be one of"),
+], ids=["17-queries", "group-rows", "start-shape", "start-dtype", "start-past-the-keys", "start-negative", "grad",
+        "backend"])
+def test_decode_refuses_what_it_cannot_compute(change, error, match):
+    q_shape = change.get("q", (2, 4, 1, 16))
+    kv_heads = change.get("kv_heads", 2)
+    q = torch.randn(q_shape)
+    k, v = (torch.randn(2, kv_heads, 60, 16) for _ in range(2))
+    if change.get("grad"):
+        q.requires_grad_()
+    with pytest.raises(error, match=match):
+        flash_attention_decode(q, k, v, cache_start=change.get("cache_start", torch.tensor([0, 5])), causal=True,
+                               backend=change.get("backend", "torch"))
+    with torch.no_grad():  # without grad mode the same call runs
+        if change.get("grad"):
+            flash_attention_decode(q, k, v, causal=True, backend="torch")
+
+
+def test_repeated_decode_op_calls_replay_their_plan(decode_calls, split_path):
+    """Every layer of every generation step calls with one signature: the first call records its launches, later
+    ones replay them with their own cache starts (no full path), computing the same."""
+    from flashsys.ops.attention.replay import plans
+
+    q, k, v, _ = make_qkv(3, 4, 1, 200, 32, torch.float32, DEVICE, seed=9, kv_heads=2)
+    starts, later = torch.tensor([0, 50, 120], device=DEVICE), torch.tensor([10, 0, 199], device=DEVICE)
+    first = flash_attention_decode(q, k, v, cache_start=starts, causal=True, backend="triton")
+    again = flash_attention_decode(q, k, v, cache_start=later, causal=True, backend="triton")
+    assert torch.equal(flash_attention_decode(q, k, v, cache_start=starts, causal=True, backend="triton"), first)
+    assert len(decode_calls) == 1 and len(plans.decode_plans) == 1
+    (plan,) = plans.decode_plans.values()
+    assert len(plan.replays) == (2 if split_path else 1) and bool(plan.scratch) == split_path
+    expected = _per_row_reference(q, k, v, later, True, None, torch.float64)
+    torch.testing.assert_close(again.double(), expected, atol=1e-5, rtol=1e-5)

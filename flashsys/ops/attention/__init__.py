@@ -1,5 +1,5 @@
 """FlashAttention-2: reference math, the tiled PyTorch op, the Triton op, the backend registry and the
-functional entry point."""
+functional entry points (dense, varlen, and decoding from a left-padded cache)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from .backends import (
     flash_runs_triton,
     get_backend,
 )
+from .cache_decode import flash_attention_decode
 from .determinism import deterministic_backward, set_deterministic_backward
 from .flash_torch import FlashAttention2Torch, FlashAttentionVarlenTorch
 from .reference import attention_reference, causal_mask, window_mask
@@ -171,6 +172,7 @@ __all__ = [
     "causal_mask",
     "deterministic_backward",
     "flash_attention",
+    "flash_attention_decode",
     "flash_attention_varlen",
     "get_backend",
     "interpreter_active",

@@ -22,7 +22,8 @@ from .validation import (
 DEFAULT_TILE = 64  # at least 16 x 16, as the algorithm asks
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The PyTorch paths' accumulation dtype: float64 for float64 inputs, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -78,7 +79,7 @@ def flash_forward_torch(
     Returns (O in q.dtype, L in the accumulation dtype), shaped like q."""
     shape = q.shape
     q, k, v = _grouped(q, k, v)
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     n_q, n_k = q.shape[-2], k.shape[-2]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=acc, device=q.device)
@@ -117,7 +118,7 @@ def flash_backward_torch(
     q_shape, kv_shape = q.shape, k.shape
     q, k, v = _grouped(q, k, v)
     o, do, lse = o.reshape(q.shape), do.reshape(q.shape), lse.reshape(q.shape[:-1])
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     n_q, n_k = q.shape[-2], k.shape[-2]
     delta = (do.to(acc) * o.to(acc)).sum(dim=-1)  # D = rowsum(dO * O)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -189,7 +190,7 @@ def flash_varlen_forward_torch(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu
                                scale: float) -> tuple[Tensor, Tensor]:
     """Packed sequences one at a time through the tiled forward. Returns (O like q, L (Hq, total_q))."""
     o = torch.zeros_like(q)
-    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=_acc_dtype(q.dtype), device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
     for (q0, q1), (k0, k1) in zip(_segments(cu_q), _segments(cu_k)):
         if q1 > q0:
             o_s, l_s = flash_forward_torch(_as_batch(q[q0:q1]), _as_batch(k[k0:k1]), _as_batch(v[k0:k1]), left, right,

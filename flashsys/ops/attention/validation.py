@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256  # the Triton op's largest head dim (its biggest tile table)
+MAX_DECODE_QUERIES = 16  # query rows per sequence the decode kernels take
+MAX_DECODE_GROUP_ROWS = 64  # query heads per K/V head times Nq: one decode program's rows
 
 
 def check_attention_inputs(
@@ -103,11 +106,25 @@ def check_offsets(cu, total: int, max_seqlen, device: torch.device, *, name: str
                          f"({longest_found}), got {max_seqlen!r}")
 
 
-# GPU offsets tensors already read and found well-formed: id -> (weak reference, storage address, version, last
-# offset, longest). The weak reference proves the same live tensor (an id can be reused once a tensor dies); the
-# version counter changes with every in-place write through torch. CPU offsets are not cached: a numpy view writes
-# them without bumping the version, and reading them back costs no device wait.
-_checked_offsets: dict[int, tuple[weakref.ref, int, int, int, int]] = {}
+# GPU index tensors already read and found well-formed (offsets, cache starts): id -> (weak reference, storage
+# address, version, what was read). The weak reference proves the same live tensor (an id can be reused once a
+# tensor dies); the version counter changes with every in-place write through torch. CPU tensors are not cached: a
+# numpy view writes them without bumping the version, and reading them back costs no device wait.
+_checked: dict[int, tuple[weakref.ref, int, int, object]] = {}
+
+
+def _read_once(t: torch.Tensor, check: Callable[[list[int]], object]) -> object:
+    """check(t.tolist()) (which raises on a bad tensor), read back once per unchanged GPU tensor."""
+    cached = t.device.type != "cpu"
+    known = _checked.get(id(t)) if cached else None
+    if known is not None and known[0]() is t and known[1:3] == (t.data_ptr(), t._version):
+        return known[3]
+    result = check(t.tolist())
+    if cached:
+        if len(_checked) > 1024:
+            _checked.clear()
+        _checked[id(t)] = (weakref.ref(t), t.data_ptr(), t._version, result)
+    return result
 
 
 def _offsets_summary(cu: torch.Tensor, name: str, op: str) -> tuple[int, int]:
@@ -116,20 +133,44 @@ def _offsets_summary(cu: torch.Tensor, name: str, op: str) -> tuple[int, int]:
     Raises:
         ValueError: otherwise, showing the offsets.
     """
-    cached = cu.device.type != "cpu"
-    known = _checked_offsets.get(id(cu)) if cached else None
-    if known is not None and known[0]() is cu and known[1:3] == (cu.data_ptr(), cu._version):
-        return known[3], known[4]
-    offsets = cu.tolist()
-    steps = [b - a for a, b in zip(offsets, offsets[1:])]
-    if offsets[0] != 0 or min(steps) < 0:
-        raise ValueError(f"{op}: {name} must start at 0, never decrease and end at the token count, "
-                         f"got {offsets if len(offsets) <= 12 else offsets[:6] + ['...'] + offsets[-3:]}")
-    if cached:
-        if len(_checked_offsets) > 1024:
-            _checked_offsets.clear()
-        _checked_offsets[id(cu)] = (weakref.ref(cu), cu.data_ptr(), cu._version, offsets[-1], max(steps))
-    return offsets[-1], max(steps)
+
+    def check(offsets: list[int]) -> tuple[int, int]:
+        steps = [b - a for a, b in zip(offsets, offsets[1:])]
+        if offsets[0] != 0 or min(steps) < 0:
+            raise ValueError(f"{op}: {name} must start at 0, never decrease and end at the token count, "
+                             f"got {_shown(offsets)}")
+        return offsets[-1], max(steps)
+
+    return _read_once(cu, check)
+
+
+def _shown(values: list[int]) -> list:
+    return values if len(values) <= 12 else values[:6] + ["..."] + values[-3:]
+
+
+def check_cache_start(cache_start, batch: int, n_keys: int, device: torch.device, *, op: str) -> torch.Tensor:
+    """Check a decode call's per-row first keys: an integer (batch,) tensor on `device`, each in [0, n_keys] (n_keys:
+    the row sees no key). Returns it as the kernels read it (int32, contiguous). Read back once per unchanged GPU
+    tensor, as the offsets are.
+
+    Raises:
+        ValueError: naming cache_start and showing what is wrong.
+    """
+    if (not isinstance(cache_start, torch.Tensor) or cache_start.dtype not in (torch.int32, torch.int64)
+            or cache_start.shape != (batch,)):
+        what = (f"{cache_start.dtype} of shape {tuple(cache_start.shape)}" if isinstance(cache_start, torch.Tensor)
+                else type(cache_start).__name__)
+        raise ValueError(f"{op}: cache_start must be an int32 or int64 tensor of shape (batch,) = ({batch},), got "
+                         f"{what}")
+    if cache_start.device != device:
+        raise ValueError(f"{op}: cache_start is on {cache_start.device}, the queries on {device}")
+
+    def check(starts: list[int]) -> None:
+        if starts and (min(starts) < 0 or max(starts) > n_keys):
+            raise ValueError(f"{op}: cache_start must lie in [0, {n_keys}] (the keys), got {_shown(starts)}")
+
+    _read_once(cache_start, check)
+    return cache_start.to(torch.int32).contiguous()
 
 
 def _checked_scale(q: torch.Tensor, is_causal, softmax_scale, op: str) -> float:

@@ -16,6 +16,6 @@ def clear() -> None:
     kernels in eager calls while compiled calls choose anew."""
     from . import native, plans
 
-    for table in (plans.forward_plans, plans.backward_plans, plans.op_forward_plans):
+    for table in (plans.forward_plans, plans.backward_plans, plans.op_forward_plans, plans.decode_plans):
         table.clear()
     native.clear()

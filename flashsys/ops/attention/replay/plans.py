@@ -93,11 +93,13 @@ class ForwardPlan:
         self.scratch = scratch
         self.native: bool | None = None
 
-    def launch(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def launch(self, q: Tensor, k: Tensor, v: Tensor, *inputs: Tensor) -> tuple[Tensor, Tensor]:
+        """(O, L) of q, k, v; `inputs`: a call's further tensors, recorded after O and L (a decode call's cache
+        starts)."""
         o = empty_output(q)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         scratch = [torch.empty(shape, dtype=dtype, device=q.device) for shape, dtype in self.scratch]
-        _launch_all(self.replays, (q, k, v, o, lse, *scratch), q.get_device())
+        _launch_all(self.replays, (q, k, v, o, lse, *inputs, *scratch), q.get_device())
         return o, lse
 
 
@@ -189,4 +191,6 @@ backward_plans = PlanTable()  # backwards, eager or in a compiled graph's opaque
 # `signature_key`: Inductor launches the `tl` kernels itself, but cannot see into these, so without a plan each
 # call would take the full path (checks, TMA descriptors, Triton's dispatch).
 op_forward_plans = PlanTable()
+# `flash_attention_decode` calls, keyed by `signature_key` (q, k, v and the cache starts, if any).
+decode_plans = PlanTable()
 

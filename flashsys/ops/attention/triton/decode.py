@@ -23,10 +23,9 @@ from torch.library import wrap_triton
 
 from ..replay.plans import Recorded
 from .launch import positional, run_fixed
+from ..validation import MAX_DECODE_GROUP_ROWS, MAX_DECODE_QUERIES
 from .tiles import LN2_C, as_fp32, visible
 
-MAX_QUERIES = 16  # query rows per sequence the decode path takes
-MAX_GROUP_ROWS = 64  # query heads per K/V head times Nq: one program's rows
 MIN_KEYS = 512  # below this the forward kernel's grid has enough programs (or the cache is read in no time)
 SPLIT_MIN_KEYS = 256  # the fewest keys a split is given: fewer cost more in partials than they save
 TILE_BYTES = 32768  # one K (or V) tile: 128 keys x 128 bf16 dims; three stages of K and V fit sm_90's shared memory
@@ -35,7 +34,7 @@ CPU_PROGRAMS = 4  # the interpreter's stand-in for a GPU's SM count: small test 
 
 @triton.jit
 def flash_decode_split_kernel(
-    Q, K, V, O, L, PartO, PartL,
+    Q, K, V, O, L, PartO, PartL, KeyStart,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -43,12 +42,14 @@ def flash_decode_split_kernel(
     n_heads, kv_group, n_q, n_k, n_splits, split_len, window_left, window_right, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BOUND_RIGHT: tl.constexpr, BOUND_LEFT: tl.constexpr, FP32_IEEE: tl.constexpr, DIRECT: tl.constexpr,
+    HAS_KEY_START: tl.constexpr,
 ):
     """One program = one (batch, K/V head) and one split of the keys: rows r < kv_group * n_q are query head
     kv_head * kv_group + r // n_q, query r % n_q. Writes, per row and split, the split's normalised output and its
     logsumexp (natural log; -inf where the split holds no visible key) to PartO (rows, splits, HEAD_DIM) and
     PartL (rows, splits) float32, rows in (batch, query head, query) order. DIRECT (one split): writes O (in its
-    dtype, as the combine kernel would) and L instead, and PartO, PartL are not read."""
+    dtype, as the combine kernel would) and L instead, and PartO, PartL are not read. HAS_KEY_START: batch row b
+    sees no key before KeyStart[b] (int32; a left-padded cache), which is not read otherwise."""
     qk_scale = as_fp32(qk_scale)
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -75,6 +76,9 @@ def flash_decode_split_kernel(
         hi = tl.minimum(hi, n_q - 1 + right_offset + 1)
     if BOUND_LEFT:
         lo = tl.maximum(lo, left_offset // BLOCK_N * BLOCK_N)
+    if HAS_KEY_START:
+        first = tl.load(KeyStart + b)
+        lo = tl.maximum(lo, first // BLOCK_N * BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -90,6 +94,8 @@ def flash_decode_split_kernel(
             qk = tl.dot(q, tl.trans(k))
         seen = visible(query[:, None], cols[None, :], cols[None, :], hi, right_offset, left_offset,
                        BOUND_RIGHT, BOUND_LEFT)
+        if HAS_KEY_START:
+            seen = seen & (cols[None, :] >= first)
         qk = tl.where(seen, qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -151,10 +157,10 @@ def flash_decode_combine_kernel(
 
 
 def takes(n_q: int, n_k: int, kv_group: int, varlen: bool) -> bool:
-    """Whether a call goes to the decode kernels: a dense batch of at most MAX_QUERIES queries per sequence, its
+    """Whether a call goes to the decode kernels: a dense batch of at most MAX_DECODE_QUERIES queries per sequence, its
     group's rows fitting one program, and a cache of at least MIN_KEYS keys."""
-    return (not varlen and type(n_q) is int and type(n_k) is int and n_q <= MAX_QUERIES
-            and kv_group * n_q <= MAX_GROUP_ROWS and n_k >= MIN_KEYS)
+    return (not varlen and type(n_q) is int and type(n_k) is int and n_q <= MAX_DECODE_QUERIES
+            and kv_group * n_q <= MAX_DECODE_GROUP_ROWS and n_k >= MIN_KEYS)
 
 
 def program_target(device: torch.device) -> int:
@@ -182,11 +188,12 @@ def key_tile(block_d: int, element_size: int) -> int:
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, window: tuple[int, int], scale: float,
-            traced: bool) -> tuple[list[Recorded | None], tuple[Tensor, Tensor]]:
+            traced: bool, key_start: Tensor | None = None) -> tuple[list[Recorded | None], tuple[Tensor, Tensor]]:
     """Write O and L of rank-3/4 q over k, v (the forward's contract) with the decode kernels: the split kernel alone
     where one split suffices (`splits`), else the split and the combine kernels. Returns the launches as a plan
     records them, and the scratch tensors they use (the partial outputs and logsumexps; none for one split), which a
-    replay allocates anew."""
+    replay allocates anew. `key_start` (int32, one per batch row): the first key each row sees (`cache_start` of
+    `flash_attention_decode`)."""
     rank4 = q.dim() == 4
     batch, n_heads = q.shape[0], q.shape[1] if rank4 else 1
     kv_heads = k.shape[1] if rank4 else 1
@@ -202,12 +209,13 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, window: tup
     part_o = o if direct else torch.empty((rows, n_splits, d), dtype=torch.float32, device=q.device)
     part_l = lse if direct else torch.empty((rows, n_splits), dtype=torch.float32, device=q.device)
     fp32 = q.dtype == torch.float32
-    split_named = dict(Q=q, K=k, V=v, O=o, L=lse, PartO=part_o, PartL=part_l, n_heads=n_heads, kv_group=kv_group,
+    split_named = dict(Q=q, K=k, V=v, O=o, L=lse, PartO=part_o, PartL=part_l,
+                       KeyStart=lse if key_start is None else key_start, n_heads=n_heads, kv_group=kv_group,
                        n_q=n_q, n_k=n_k, n_splits=n_splits, split_len=split_len, window_left=window[0],
                        window_right=window[1], qk_scale=scale * 1.4426950408889634)
     split_constexprs = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
                             BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0, FP32_IEEE=fp32, DIRECT=direct,
-                            num_warps=4, num_stages=3)
+                            HAS_KEY_START=key_start is not None, num_warps=4, num_stages=3)
     combine_named = dict(PartO=part_o, PartL=part_l, O=o, L=lse, n_heads=n_heads, n_q=n_q, n_splits=n_splits)
     combine_constexprs = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(n_splits)),
                               num_warps=4)

@@ -1,0 +1,159 @@
+"""Attention of a few new queries over a KV cache whose rows may start late (a left-padded batch): the forward that
+generation runs at every step, as flash-attn's `flash_attn_with_kvcache(..., cache_leftpad=...)`.
+
+`flash_attention` already sends a dense call of a few queries against a long cache to the split-key decode kernels;
+what it cannot express is a batch whose rows hold different amounts of padding before their first real key. A
+left-padded batch otherwise goes through the varlen kernels, gathering every row's real keys into a packed copy of
+the whole cache at every step, one query per 128-row tile. Here the decode kernels skip each row's leading keys
+instead (`cache_start`), reading the cache in place.
+
+Forward only: generation needs no gradients, and the backward kernels take no per-row start (training on padded
+batches runs `flash_attention_varlen`).
+"""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from .backends import FLASH_ALIASES, flash_runs_triton
+from .flash_torch import acc_dtype
+from .layout import empty_output
+from .validation import (
+    FLOAT_DTYPES,
+    MAX_DECODE_GROUP_ROWS,
+    MAX_DECODE_QUERIES,
+    MAX_HEAD_DIM,
+    check_attention_inputs,
+    check_cache_start,
+    normalize_window,
+)
+
+KEY_CHUNK = 4096  # keys per step of the PyTorch path's online softmax: bounds its fp32 scores
+
+
+@torch.compiler.disable  # the cache starts are read back on the host to check them
+def flash_attention_decode(
+    q: Float[Tensor, "*batch Nq D"],
+    k: Float[Tensor, "*batch Nk D"],
+    v: Float[Tensor, "*batch Nk D"],
+    *,
+    cache_start: Int[Tensor, " batch"] | None = None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] | None = None,
+    backend: str = "auto",
+) -> Float[Tensor, "*batch Nq D"]:
+    """softmax(q kᵀ · softmax_scale) v for at most 16 new queries per sequence against a KV cache, without gradients.
+
+    Args:
+        q: (batch, Nq, head_dim) or (batch, Hq, Nq, head_dim), Nq <= 16 and (Hq // Hkv) * Nq <= 64; the queries are
+            the cache's last Nq positions (they are in k, v already). fp16, bf16 or fp32 (float64 too on the PyTorch
+            path); any strides.
+        k, v: the cache, (batch, Nk, head_dim) or (batch, Hkv, Nk, head_dim), Hq a multiple of Hkv (grouped-query
+            attention reads each K/V head once for its group; nothing is copied).
+        cache_start: int32/int64 (batch,): row b's keys before cache_start[b] are padding and never attended to
+            (flash-attn's `cache_leftpad`); in [0, Nk]. None: every key is real.
+        causal, softmax_scale, window_size: as in `flash_attention`, bottom-right aligned over the whole cache (the
+            positions are cache indices, padding included, as transformers' masks count them). A query that sees no
+            key outputs 0.
+        backend: "auto" (the decode kernels on CUDA tensors, the PyTorch path elsewhere), "triton" or "torch", or
+            the registry's names for them ("flash", "flash-triton", "flash-torch").
+
+    Returns:
+        The attention output, shaped and typed like q.
+
+    Raises:
+        ValueError, TypeError: for bad shapes, dtypes, devices or cache starts, naming the argument.
+        RuntimeError: where q, k or v requires grad with grad mode on (this op computes no gradients).
+    """
+    op = "flash_attention_decode"
+    if backend not in FLASH_ALIASES:
+        raise ValueError(f"{op}: backend must be one of {tuple(FLASH_ALIASES)}, got {backend!r}")
+    triton = flash_runs_triton(FLASH_ALIASES[backend], q)
+    scale = check_attention_inputs(q, k, v, causal, softmax_scale, op=op,
+                                   max_head_dim=MAX_HEAD_DIM if triton else None,
+                                   allowed_dtypes=FLOAT_DTYPES if triton else FLOAT_DTYPES + (torch.float64,))
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    group = q.shape[1] // k.shape[1] if q.dim() == 4 else 1
+    if n_q > MAX_DECODE_QUERIES or group * n_q > MAX_DECODE_GROUP_ROWS:
+        raise ValueError(f"{op}: takes at most {MAX_DECODE_QUERIES} queries per sequence and {MAX_DECODE_GROUP_ROWS} "
+                         f"rows per K/V head (query heads per K/V head x Nq), got Nq {n_q} with {group} query heads "
+                         "per K/V head; longer query blocks take flash_attention or flash_attention_varlen")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise RuntimeError(f"{op} computes no gradients (a forward for generation); call it under torch.no_grad() "
+                           "or torch.inference_mode(), or train with flash_attention / flash_attention_varlen")
+    window = normalize_window(window_size, bool(causal), op, n_q, n_k)
+    if cache_start is not None:
+        cache_start = check_cache_start(cache_start, q.shape[0], n_k, q.device, op=op)
+    if triton:
+        return _decode_triton(q, k, v, cache_start, window, scale, op)
+    return _decode_torch(q, k, v, cache_start, window, scale)
+
+
+def _decode_triton(q: Tensor, k: Tensor, v: Tensor, cache_start: Tensor | None, window: tuple[int, int],
+                   scale: float, op: str) -> Tensor:
+    """The decode kernels; a repeated signature (every layer of every step of a generation) replays the launches
+    recorded at its first call (`replay.plans`), as `flash_attention`'s eager calls do."""
+    from . import calls  # imports Triton: only where the kernels run
+    from .replay import plans
+    from .triton import decode
+
+    starts = () if cache_start is None else (cache_start,)
+    key = plans.signature_key(window, scale, q, k, v, *starts)
+    plan = plans.decode_plans.get(key)
+    if plan is not None and plans.on_current_device(q):
+        return plan.launch(q, k, v, *starts)[0]
+    calls.check_device(q, op)
+    qk, kk, vk = calls.interpreter_upcast(q, k, v)
+    o = empty_output(qk)
+    lse = torch.empty(qk.shape[:-1], dtype=torch.float32, device=q.device)
+    with calls.on_device(q):
+        recorded, scratch = decode.forward(qk, kk, vk, o, lse, window, scale, traced=False, key_start=cache_start)
+    if qk is q:  # the interpreter's upcast copies: those calls are not replayed
+        replays = plans.replays(recorded, (q, k, v, o, lse, *starts, *scratch))
+        if replays is not None:
+            plans.decode_plans.remember(key, plans.ForwardPlan(
+                window, scale, tuple(lse.shape), replays, tuple((tuple(s.shape), s.dtype) for s in scratch)))
+    return calls.same_dtype((o,), (q,))[0]
+
+
+def _decode_torch(q: Tensor, k: Tensor, v: Tensor, cache_start: Tensor | None, window: tuple[int, int],
+                  scale: float) -> Tensor:
+    """The same result in PyTorch, in float32 (float64 for float64 inputs): an online softmax over KEY_CHUNK keys
+    at a time, each query head group's rows against its one K/V head (no copy per query head)."""
+    shape = q.shape
+    if q.dim() == 3:
+        q, k, v = q[:, None], k[:, None], v[:, None]
+    batch, heads, n_q, d = q.shape
+    kv_heads, n_k = k.shape[1], k.shape[2]
+    rows = heads // kv_heads * n_q  # row r of a group: query head r // n_q, query r % n_q
+    acc_type = acc_dtype(q.dtype)
+    qg = q.reshape(batch, kv_heads, rows, d).to(acc_type)
+    position = torch.arange(rows, device=q.device) % n_q + (n_k - n_q)  # each row's query among the keys
+    left, right = window
+    m = torch.full((batch, kv_heads, rows), float("-inf"), dtype=acc_type, device=q.device)
+    total = torch.zeros((batch, kv_heads, rows), dtype=acc_type, device=q.device)
+    acc = torch.zeros((batch, kv_heads, rows, d), dtype=acc_type, device=q.device)
+    for lo in range(0, n_k, KEY_CHUNK):
+        kc, vc = k[:, :, lo:lo + KEY_CHUNK].to(acc_type), v[:, :, lo:lo + KEY_CHUNK].to(acc_type)
+        j = torch.arange(lo, lo + kc.shape[2], device=q.device)
+        seen = torch.ones((rows, j.numel()), dtype=torch.bool, device=q.device)
+        if right >= 0:
+            seen &= j[None, :] <= position[:, None] + right
+        if left >= 0:
+            seen &= j[None, :] >= position[:, None] - left
+        seen = seen[None, None]
+        if cache_start is not None:
+            seen = seen & (j[None, :] >= cache_start[:, None])[:, None, None, :]
+        s = torch.matmul(qg, kc.transpose(-1, -2)).mul_(scale).masked_fill_(~seen, float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1))
+        m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)
+        p = torch.exp(s - m_safe[..., None])
+        alpha = torch.exp(m - m_safe)
+        total = total * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + torch.matmul(p, vc)
+        m = m_new
+    out = acc / torch.where(total > 0, total, 1.0)[..., None]
+    return out.reshape(shape).to(q.dtype)
