@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import csv
 import datetime
+import gc
 import json
 import math
 import platform
@@ -76,9 +77,14 @@ def graph_ms(fn: Callable[[], object], rep_ms: int = 200, warmup_ms: int = 50) -
 
 @contextlib.contextmanager
 def peak_memory() -> Iterator[dict]:
-    """Yields a dict that holds 'peak_mb' (extra peak allocated over the start) after the block; None on CPU."""
+    """Yields a dict that holds 'peak_mb' (extra peak allocated over the start) after the block; None on CPU.
+
+    Garbage is collected first: a tensor kept alive only by a reference cycle would count in the start, and if a
+    collection inside the block freed it, the block's allocations would reuse its memory and read as less than they
+    are (as little as 0 MB)."""
     out: dict = {"peak_mb": None}
     if ON_GPU:
+        gc.collect()
         sync()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
