@@ -263,3 +263,11 @@ def test_repeated_decode_op_calls_replay_their_plan(decode_calls, split_path):
     assert len(plan.replays) == (2 if split_path else 1) and bool(plan.scratch) == split_path
     expected = _per_row_reference(q, k, v, later, True, None, torch.float64)
     torch.testing.assert_close(again.double(), expected, atol=1e-5, rtol=1e-5)
+    # A replayed signature still checks what can change between its calls.
+    with pytest.raises(ValueError, match=r"in \[0, 200\]"):
+        flash_attention_decode(q, k, v, cache_start=torch.tensor([0, 201, 5], device=DEVICE), causal=True,
+                               backend="triton")
+    with pytest.raises(RuntimeError, match="computes no gradients"):
+        flash_attention_decode(q.requires_grad_(), k, v, cache_start=starts, causal=True, backend="triton")
+    int32 = flash_attention_decode(q.detach(), k, v, cache_start=starts.int(), causal=True, backend="triton")
+    assert torch.equal(int32, first) and len(decode_calls) == 2  # int32 starts (int64 above): a signature of its own

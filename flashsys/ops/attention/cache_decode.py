@@ -20,6 +20,7 @@ from torch import Tensor
 from .backends import FLASH_ALIASES, flash_runs_triton
 from .flash_torch import acc_dtype
 from .layout import empty_output
+from .replay import plans
 from .validation import (
     FLOAT_DTYPES,
     MAX_DECODE_GROUP_ROWS,
@@ -71,6 +72,15 @@ def flash_attention_decode(
     op = "flash_attention_decode"
     if backend not in FLASH_ALIASES:
         raise ValueError(f"{op}: backend must be one of {tuple(FLASH_ALIASES)}, got {backend!r}")
+    # A signature seen before (every layer of every generation step) replays its plan: its shapes, dtypes and flags
+    # were checked at its first call; what can change between calls with one signature is checked again.
+    key = _plan_key(q, k, v, cache_start, causal, softmax_scale, window_size, backend)
+    plan = plans.decode_plans.get(key)
+    if plan is not None and plans.on_current_device(q):
+        _refuse_grad(q, k, v, op)
+        starts = () if cache_start is None else (check_cache_start(cache_start, q.shape[0], k.shape[-2], q.device,
+                                                                   op=op),)
+        return plan.launch(q, k, v, *starts)[0]
     triton = flash_runs_triton(FLASH_ALIASES[backend], q)
     scale = check_attention_inputs(q, k, v, causal, softmax_scale, op=op,
                                    max_head_dim=MAX_HEAD_DIM if triton else None,
@@ -81,30 +91,40 @@ def flash_attention_decode(
         raise ValueError(f"{op}: takes at most {MAX_DECODE_QUERIES} queries per sequence and {MAX_DECODE_GROUP_ROWS} "
                          f"rows per K/V head (query heads per K/V head x Nq), got Nq {n_q} with {group} query heads "
                          "per K/V head; longer query blocks take flash_attention or flash_attention_varlen")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise RuntimeError(f"{op} computes no gradients (a forward for generation); call it under torch.no_grad() "
-                           "or torch.inference_mode(), or train with flash_attention / flash_attention_varlen")
+    _refuse_grad(q, k, v, op)
     window = normalize_window(window_size, bool(causal), op, n_q, n_k)
     if cache_start is not None:
         cache_start = check_cache_start(cache_start, q.shape[0], n_k, q.device, op=op)
     if triton:
-        return _decode_triton(q, k, v, cache_start, window, scale, op)
+        return _decode_triton(q, k, v, cache_start, window, scale, op, key)
     return _decode_torch(q, k, v, cache_start, window, scale)
 
 
+def _refuse_grad(q: Tensor, k: Tensor, v: Tensor, op: str) -> None:
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise RuntimeError(f"{op} computes no gradients (a forward for generation); call it under torch.no_grad() "
+                           "or torch.inference_mode(), or train with flash_attention / flash_attention_varlen")
+
+
+def _plan_key(q, k, v, cache_start, causal, softmax_scale, window_size, backend: str) -> tuple | None:
+    """A call's signature as its arguments give it (before any check), or None where no plan applies."""
+    key = plans.forward_key(q, k, v, causal, softmax_scale, window_size)
+    if key is None:
+        return None
+    if cache_start is None:
+        return key, backend, None
+    if type(cache_start) is not torch.Tensor:
+        return None
+    return key, backend, (cache_start.shape, cache_start.dtype, cache_start.get_device())
+
+
 def _decode_triton(q: Tensor, k: Tensor, v: Tensor, cache_start: Tensor | None, window: tuple[int, int],
-                   scale: float, op: str) -> Tensor:
-    """The decode kernels; a repeated signature (every layer of every step of a generation) replays the launches
-    recorded at its first call (`replay.plans`), as `flash_attention`'s eager calls do."""
+                   scale: float, op: str, key: tuple | None) -> Tensor:
+    """The decode kernels, recording their launches as the plan of `key` (a replay of later calls)."""
     from . import calls  # imports Triton: only where the kernels run
-    from .replay import plans
     from .triton import decode
 
     starts = () if cache_start is None else (cache_start,)
-    key = plans.signature_key(window, scale, q, k, v, *starts)
-    plan = plans.decode_plans.get(key)
-    if plan is not None and plans.on_current_device(q):
-        return plan.launch(q, k, v, *starts)[0]
     calls.check_device(q, op)
     qk, kk, vk = calls.interpreter_upcast(q, k, v)
     o = empty_output(qk)
