@@ -222,6 +222,16 @@ def test_float64_runs_on_the_pytorch_path():
     torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.gpu
+def test_cache_starts_read_once_are_still_checked_against_each_calls_keys():
+    """A GPU tensor's starts are read back once; a later call with fewer keys still refuses the ones past them."""
+    q, k, v, _ = make_qkv(2, 4, 1, 600, 32, torch.float16, DEVICE, seed=2, kv_heads=2)
+    starts = torch.tensor([0, 550], device=DEVICE)
+    flash_attention_decode(q, k, v, cache_start=starts, causal=True)
+    with pytest.raises(ValueError, match=r"in \[0, 500\]"):
+        flash_attention_decode(q, k[:, :, :500], v[:, :, :500], cache_start=starts, causal=True)
+
+
 @pytest.mark.parametrize("change,error,match", [
     (dict(q=(2, 4, 17, 16)), ValueError, "at most 16 queries"),
     (dict(q=(2, 64, 2, 16), kv_heads=1), ValueError, "64 rows per K/V head"),

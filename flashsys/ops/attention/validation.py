@@ -106,24 +106,25 @@ def check_offsets(cu, total: int, max_seqlen, device: torch.device, *, name: str
                          f"({longest_found}), got {max_seqlen!r}")
 
 
-# GPU index tensors already read and found well-formed (offsets, cache starts): id -> (weak reference, storage
-# address, version, what was read). The weak reference proves the same live tensor (an id can be reused once a
+# GPU index tensors already read and found well-formed (offsets, cache starts): (id, what the check is) -> (weak
+# reference, storage address, version, what was read). The weak reference proves the same live tensor (an id can be reused once a
 # tensor dies); the version counter changes with every in-place write through torch. CPU tensors are not cached: a
 # numpy view writes them without bumping the version, and reading them back costs no device wait.
-_checked: dict[int, tuple[weakref.ref, int, int, object]] = {}
+_checked: dict[tuple[int, str], tuple[weakref.ref, int, int, object]] = {}
 
 
-def _read_once(t: torch.Tensor, check: Callable[[list[int]], object]) -> object:
-    """check(t.tolist()) (which raises on a bad tensor), read back once per unchanged GPU tensor."""
+def _read_once(t: torch.Tensor, kind: str, check: Callable[[list[int]], object]) -> object:
+    """check(t.tolist()) (which raises on a bad tensor), read back once per unchanged GPU tensor and `kind` of check.
+    What `check` returns must not depend on anything but the values: the caller compares it with the call's sizes."""
     cached = t.device.type != "cpu"
-    known = _checked.get(id(t)) if cached else None
+    known = _checked.get((id(t), kind)) if cached else None
     if known is not None and known[0]() is t and known[1:3] == (t.data_ptr(), t._version):
         return known[3]
     result = check(t.tolist())
     if cached:
         if len(_checked) > 1024:
             _checked.clear()
-        _checked[id(t)] = (weakref.ref(t), t.data_ptr(), t._version, result)
+        _checked[(id(t), kind)] = (weakref.ref(t), t.data_ptr(), t._version, result)
     return result
 
 
@@ -141,7 +142,7 @@ def _offsets_summary(cu: torch.Tensor, name: str, op: str) -> tuple[int, int]:
                              f"got {_shown(offsets)}")
         return offsets[-1], max(steps)
 
-    return _read_once(cu, check)
+    return _read_once(cu, "offsets", check)
 
 
 def _shown(values: list[int]) -> list:
@@ -164,12 +165,10 @@ def check_cache_start(cache_start, batch: int, n_keys: int, device: torch.device
                          f"{what}")
     if cache_start.device != device:
         raise ValueError(f"{op}: cache_start is on {cache_start.device}, the queries on {device}")
-
-    def check(starts: list[int]) -> None:
-        if starts and (min(starts) < 0 or max(starts) > n_keys):
-            raise ValueError(f"{op}: cache_start must lie in [0, {n_keys}] (the keys), got {_shown(starts)}")
-
-    _read_once(cache_start, check)
+    lowest, highest, shown = _read_once(cache_start, "cache_start",
+                                        lambda s: (min(s, default=0), max(s, default=0), _shown(s)))
+    if lowest < 0 or highest > n_keys:
+        raise ValueError(f"{op}: cache_start must lie in [0, {n_keys}] (the keys), got {shown}")
     return cache_start.to(torch.int32).contiguous()
 
 
