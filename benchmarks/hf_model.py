@@ -120,10 +120,9 @@ def main(argv=None) -> int:
             cell = run_cell(lambda c=compiled: {"ms": train_ms(model, args.train_batch, args.seq, c)})
             row[key] = cell.get("ms", cell.get("error"))
             model.load_state_dict(state)  # generation starts from the same weights for every implementation
-        for batch, pad in _generate_cells(args) if "generate" in args.parts else ():
+        for batch, pad, label in _generate_cells(args) if "generate" in args.parts else ():
             cell = run_cell(lambda b=batch, p=pad: decode_tokens_per_s(model, b, args.prompt_tokens, args.new_tokens,
                                                                        p))
-            label = f"b{batch}{'_leftpad' if pad else ''}"
             row[f"prefill_{label}_ms"] = cell.get("prefill_ms", cell.get("error"))
             row[f"decode_{label}_tok_s"] = cell.get("decode_tok_per_s")
             if "tokens" in cell:
@@ -139,9 +138,10 @@ def main(argv=None) -> int:
     return 0
 
 
-def _generate_cells(args) -> list[tuple[int, bool]]:
-    """(batch, left-padded) of each generation cell."""
-    return [(b, False) for b in args.gen_batches] + [(b, True) for b in args.left_pad_batches]
+def _generate_cells(args) -> list[tuple[int, bool, str]]:
+    """(batch, left-padded, the label of its columns) of each generation cell."""
+    return ([(b, False, f"b{b}") for b in args.gen_batches]
+            + [(b, True, f"b{b}_leftpad") for b in args.left_pad_batches])
 
 
 def write(rows: list[dict], tokens: dict, args, dtype: torch.dtype, n_params: float) -> list:
@@ -156,8 +156,7 @@ def write(rows: list[dict], tokens: dict, args, dtype: torch.dtype, n_params: fl
                 ref = base.get(key)
                 if isinstance(value, float) and isinstance(ref, float):
                     r[f"{key}_vs_sdpa"] = value / ref
-            for batch, pad in _generate_cells(args):
-                label = f"b{batch}{'_leftpad' if pad else ''}"
+            for _, _, label in _generate_cells(args):
                 if (r["impl"], label) in tokens and ("sdpa", label) in tokens:
                     same = tokens[(r["impl"], label)] == tokens[("sdpa", label)]
                     r[f"same_tokens_{label}"] = same.float().mean().item()

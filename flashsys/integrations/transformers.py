@@ -35,7 +35,8 @@ import torch
 from torch import Tensor
 
 from ..ops.attention import MAX_HEAD_DIM, flash_attention, flash_attention_decode, flash_attention_varlen
-from ..ops.attention.validation import MAX_DECODE_GROUP_ROWS, MAX_DECODE_QUERIES
+from ..ops.attention.cache_decode import grad_requested
+from ..ops.attention.validation import decode_fits
 
 NAME = "fsys"
 
@@ -155,9 +156,7 @@ def _refuse_what_is_not_computed(module, query, key, value, attention_mask, drop
 def _decodes(query: Tensor, key: Tensor, value: Tensor) -> bool:
     """Whether a left-padded call can take `flash_attention_decode`: its group's rows fit a decode program, and no
     gradient is asked for (the decode op computes none; training runs the varlen kernels)."""
-    rows = query.shape[1] // key.shape[1] * query.shape[2]
-    return rows <= MAX_DECODE_GROUP_ROWS and not (
-        torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
+    return decode_fits(query.shape[2], query.shape[1] // key.shape[1]) and not grad_requested(query, key, value)
 
 
 class _Packed:
@@ -250,7 +249,7 @@ def _from_padding(mask: Tensor, n_q: int, n_k: int) -> _Packed:
     cu_q = torch.cat([zero, lengths_q.cumsum(0, dtype=torch.int32)])
     cu_k = torch.cat([zero, lengths_k.cumsum(0, dtype=torch.int32)])
     # Every query real: each row's one run of real keys takes in its last n_q keys, so it ends at the cache's end.
-    decoding = n_q < n_k and n_q <= MAX_DECODE_QUERIES and summary[3] == n_q
+    decoding = n_q < n_k and summary[3] == n_q
     return _Packed(cu_q, cu_k, summary[1], summary[2], mask_q.reshape(-1).nonzero().view(-1),
                    mask.reshape(-1).nonzero().view(-1), n_k - lengths_k if decoding else None)
 

@@ -19,7 +19,6 @@ from torch import Tensor
 
 from .backends import FLASH_ALIASES, flash_runs_triton
 from .flash_torch import acc_dtype
-from .layout import empty_output
 from .replay import plans
 from .validation import (
     FLOAT_DTYPES,
@@ -28,6 +27,7 @@ from .validation import (
     MAX_HEAD_DIM,
     check_attention_inputs,
     check_cache_start,
+    decode_fits,
     normalize_window,
 )
 
@@ -87,7 +87,7 @@ def flash_attention_decode(
                                    allowed_dtypes=FLOAT_DTYPES if triton else FLOAT_DTYPES + (torch.float64,))
     n_q, n_k = q.shape[-2], k.shape[-2]
     group = q.shape[1] // k.shape[1] if q.dim() == 4 else 1
-    if n_q > MAX_DECODE_QUERIES or group * n_q > MAX_DECODE_GROUP_ROWS:
+    if not decode_fits(n_q, group):
         raise ValueError(f"{op}: takes at most {MAX_DECODE_QUERIES} queries per sequence and {MAX_DECODE_GROUP_ROWS} "
                          f"rows per K/V head (query heads per K/V head x Nq), got Nq {n_q} with {group} query heads "
                          "per K/V head; longer query blocks take flash_attention or flash_attention_varlen")
@@ -100,8 +100,13 @@ def flash_attention_decode(
     return _decode_torch(q, k, v, cache_start, window, scale)
 
 
+def grad_requested(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether a call asks for gradients (grad mode on and an input that requires grad), which this op refuses."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
 def _refuse_grad(q: Tensor, k: Tensor, v: Tensor, op: str) -> None:
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if grad_requested(q, k, v):
         raise RuntimeError(f"{op} computes no gradients (a forward for generation); call it under torch.no_grad() "
                            "or torch.inference_mode(), or train with flash_attention / flash_attention_varlen")
 
@@ -121,21 +126,14 @@ def _plan_key(q, k, v, cache_start, causal, softmax_scale, window_size, backend:
 def _decode_triton(q: Tensor, k: Tensor, v: Tensor, cache_start: Tensor | None, window: tuple[int, int],
                    scale: float, op: str, key: tuple | None) -> Tensor:
     """The decode kernels, recording their launches as the plan of `key` (a replay of later calls)."""
-    from . import calls  # imports Triton: only where the kernels run
-    from .triton import decode
+    from . import calls, launcher  # import Triton: only where the kernels run
 
-    starts = () if cache_start is None else (cache_start,)
     calls.check_device(q, op)
     qk, kk, vk = calls.interpreter_upcast(q, k, v)
-    o = empty_output(qk)
-    lse = torch.empty(qk.shape[:-1], dtype=torch.float32, device=q.device)
     with calls.on_device(q):
-        recorded, scratch = decode.forward(qk, kk, vk, o, lse, window, scale, traced=False, key_start=cache_start)
+        o, _, plan = launcher.forward(qk, kk, vk, window, scale, key_start=cache_start)
     if qk is q:  # the interpreter's upcast copies: those calls are not replayed
-        replays = plans.replays(recorded, (q, k, v, o, lse, *starts, *scratch))
-        if replays is not None:
-            plans.decode_plans.remember(key, plans.ForwardPlan(
-                window, scale, tuple(lse.shape), replays, tuple((tuple(s.shape), s.dtype) for s in scratch)))
+        plans.decode_plans.remember(key, plan)
     return calls.same_dtype((o,), (q,))[0]
 
 

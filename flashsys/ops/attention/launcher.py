@@ -97,18 +97,21 @@ def _tl_forward(g: Geometry, t: ForwardTensors, cu: Offsets, window: Window, sca
                        forward_arguments(g, t, cu, window, scale), traced)]
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, window: Window, scale: float, traced: bool = False
-            ) -> tuple[Tensor, Tensor, plans.ForwardPlan | None]:
+def forward(q: Tensor, k: Tensor, v: Tensor, window: Window, scale: float, traced: bool = False,
+            key_start: Tensor | None = None) -> tuple[Tensor, Tensor, plans.ForwardPlan | None]:
     """(O like q, L float32 of shape q.shape[:-1], the plan that replays this call or None): the forward of rank-3/4
     q, k, v (k, v may have fewer heads: grouped-query). `window` is (left, right), -1 unbounded (causal: (-1, 0)).
     With `traced` (inside a triton_op) the `tl` kernel is launched through wrap_triton and no plan is made; eager
-    calls make one once compiled kernels ran (None while the autotuner runs)."""
+    calls make one once compiled kernels ran (None while the autotuner runs). `key_start` (int32, one per batch row:
+    `flash_attention_decode`'s cache starts) sends the call to the decode kernels and is the plan's input after O
+    and L."""
     o = empty_output(q)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     t = ForwardTensors(q, k, v, o, lse)
+    inputs = () if key_start is None else (key_start,)
     recorded, scratch = None, ()
-    if dispatch.takes_decode(q, k):
-        recorded, scratch = decode.forward(q, k, v, o, lse, window, scale, traced)
+    if key_start is not None or dispatch.takes_decode(q, k):
+        recorded, scratch = decode.forward(q, k, v, o, lse, window, scale, traced, key_start)
     elif not traced and dispatch.takes_forward(q, k, v, window):
         key = dispatch.ChoiceKey.of(q, k, window, "forward")
         variant = choose_variant(key, lambda var: gluon_launch.launch(var, t, window, scale, record=False))
@@ -118,7 +121,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, window: Window, scale: float, trace
         g = launch.geometry_of(q.shape, k.shape, q.dtype) if traced else launch.cached_geometry(q.shape, k.shape,
                                                                                                 q.dtype)
         recorded = _tl_forward(g, t, Offsets(q, k), window, scale, traced)
-    replays = None if traced else plans.replays(recorded, (*t, *scratch))
+    replays = None if traced else plans.replays(recorded, (*t, *inputs, *scratch))
     plan = None if replays is None else plans.ForwardPlan(window, scale, tuple(lse.shape), replays,
                                                           tuple((tuple(s.shape), s.dtype) for s in scratch))
     return o, lse, plan

@@ -19,6 +19,12 @@ MAX_DECODE_QUERIES = 16  # query rows per sequence the decode kernels take
 MAX_DECODE_GROUP_ROWS = 64  # query heads per K/V head times Nq: one decode program's rows
 
 
+def decode_fits(n_q: int, kv_group: int) -> bool:
+    """Whether the decode kernels take Nq queries per sequence with `kv_group` query heads per K/V head: at most
+    MAX_DECODE_QUERIES queries, and the group's rows (kv_group * Nq) in one program."""
+    return n_q <= MAX_DECODE_QUERIES and kv_group * n_q <= MAX_DECODE_GROUP_ROWS
+
+
 def check_attention_inputs(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -23,7 +23,7 @@ from torch.library import wrap_triton
 
 from ..replay.plans import Recorded
 from .launch import positional, run_fixed
-from ..validation import MAX_DECODE_GROUP_ROWS, MAX_DECODE_QUERIES
+from ..validation import decode_fits
 from .tiles import LN2_C, as_fp32, visible
 
 MIN_KEYS = 512  # below this the forward kernel's grid has enough programs (or the cache is read in no time)
@@ -157,10 +157,9 @@ def flash_decode_combine_kernel(
 
 
 def takes(n_q: int, n_k: int, kv_group: int, varlen: bool) -> bool:
-    """Whether a call goes to the decode kernels: a dense batch of at most MAX_DECODE_QUERIES queries per sequence, its
-    group's rows fitting one program, and a cache of at least MIN_KEYS keys."""
-    return (not varlen and type(n_q) is int and type(n_k) is int and n_q <= MAX_DECODE_QUERIES
-            and kv_group * n_q <= MAX_DECODE_GROUP_ROWS and n_k >= MIN_KEYS)
+    """Whether a call goes to the decode kernels: a dense batch whose queries and group rows fit a decode program
+    (`validation.decode_fits`), and a cache of at least MIN_KEYS keys."""
+    return not varlen and type(n_q) is int and type(n_k) is int and decode_fits(n_q, kv_group) and n_k >= MIN_KEYS
 
 
 def program_target(device: torch.device) -> int:
