@@ -258,6 +258,14 @@ def test_decode_refuses_what_it_cannot_compute(change, error, match):
             flash_attention_decode(q, k, v, causal=True, backend="torch")
 
 
+def test_triton_backend_on_cpu_without_interpreter_names_the_ops_pytorch_path(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q = torch.randn(2, 4, 1, 16)
+    k, v = (torch.randn(2, 2, 600, 16) for _ in range(2))
+    with pytest.raises(ValueError, match=r"need CUDA tensors.*flash_attention_decode\(\.\.\., backend='torch'\)"):
+        flash_attention_decode(q, k, v, causal=True, backend="triton")
+
+
 def test_repeated_decode_op_calls_replay_their_plan(decode_calls, split_path):
     """Every layer of every generation step calls with one signature: the first call records its launches, later
     ones replay them with their own cache starts (no full path), computing the same."""

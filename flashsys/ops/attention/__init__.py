@@ -3,8 +3,6 @@ functional entry points (dense, varlen, and decoding from a left-padded cache)."
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
@@ -15,6 +13,7 @@ from .backends import (
     FLASH_ALIASES,
     FLASH_SHORT_NAMES,
     AttentionBackend,
+    Backend,
     backend_report,
     flash_runs_triton,
     get_backend,
@@ -55,9 +54,6 @@ def __getattr__(name: str):
     if name in ("FlashAttention2Triton", "FlashAttentionVarlenTriton"):
         return triton_op(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-Backend = Literal["auto", "triton", "torch"]
-
 
 def flash_attention(
     q: Float[Tensor, "*batch Nq D"],

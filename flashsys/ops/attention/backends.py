@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -170,7 +171,9 @@ ATTENTION_BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in _ENTRIES}
 CORE_BACKENDS: tuple[str, ...] = tuple(b.name for b in _ENTRIES if b.core)
 
 # `flash_attention(backend=...)` and `FlashAttention(backend=...)` take the flash family's short names.
-FLASH_ALIASES = {"auto": "flash", "triton": "flash-triton", "torch": "flash-torch"}
+# The `backend` argument of the flash functions: "auto" (Triton on CUDA, the PyTorch op elsewhere), "triton", "torch".
+Backend = Literal["auto", "triton", "torch"]
+FLASH_ALIASES: dict[Backend, str] = {"auto": "flash", "triton": "flash-triton", "torch": "flash-torch"}
 FLASH_SHORT_NAMES = {name: short for short, name in FLASH_ALIASES.items()}  # registry name -> short name
 
 

@@ -17,7 +17,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .backends import FLASH_ALIASES, flash_runs_triton
+from .backends import FLASH_ALIASES, Backend, flash_runs_triton
 from .flash_torch import acc_dtype
 from .replay import plans
 from .validation import (
@@ -44,7 +44,7 @@ def flash_attention_decode(
     causal: bool = False,
     softmax_scale: float | None = None,
     window_size: tuple[int, int] | None = None,
-    backend: str = "auto",
+    backend: Backend = "auto",
 ) -> Float[Tensor, "*batch Nq D"]:
     """softmax(q kᵀ · softmax_scale) v for at most 16 new queries per sequence against a KV cache, without gradients.
 
@@ -128,7 +128,7 @@ def _decode_triton(q: Tensor, k: Tensor, v: Tensor, cache_start: Tensor | None, 
     """The decode kernels, recording their launches as the plan of `key` (a replay of later calls)."""
     from . import calls, launcher  # import Triton: only where the kernels run
 
-    calls.check_device(q, op)
+    calls.check_device(q, op, f"{op}(..., backend='torch')")
     qk, kk, vk = calls.interpreter_upcast(q, k, v)
     with calls.on_device(q):
         o, _, plan = launcher.forward(qk, kk, vk, window, scale, key_start=cache_start)

@@ -17,8 +17,10 @@ from .triton_env import interpreter_active
 Window = tuple[int, int]
 
 
-def check_device(q: Tensor, op: str) -> None:
-    """Raise unless the Triton kernels can run on q's device: CUDA, or a CPU under the interpreter.
+def check_device(q: Tensor, op: str,
+                 alternative: str = "FlashAttention2Torch or flash_attention(..., backend='torch')") -> None:
+    """Raise unless the Triton kernels can run on q's device: CUDA, or a CPU under the interpreter. `alternative`:
+    what the message offers instead (the PyTorch path of the caller's op).
 
     Raises:
         ValueError: naming the device and what to use instead.
@@ -30,7 +32,7 @@ def check_device(q: Tensor, op: str) -> None:
     raise ValueError(
         f"{op}: inputs are on {q.device}, but the Triton kernels need CUDA tensors "
         "(or CPU tensors with TRITON_INTERPRET=1 set before flashsys is imported); "
-        "use FlashAttention2Torch or flash_attention(..., backend='torch') on this device"
+        f"use {alternative} on this device"
     )
 
 
