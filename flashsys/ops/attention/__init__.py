@@ -55,6 +55,7 @@ def __getattr__(name: str):
         return triton_op(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 def flash_attention(
     q: Float[Tensor, "*batch Nq D"],
     k: Float[Tensor, "*batch Nk D"],
