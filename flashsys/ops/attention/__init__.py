@@ -158,7 +158,9 @@ def flash_attention_varlen(
 __all__ = [
     "ATTENTION_BACKENDS",
     "CORE_BACKENDS",
+    "FLASH_SHORT_NAMES",
     "AttentionBackend",
+    "Backend",
     "FlashAttention2Torch",
     "FlashAttention2Triton",
     "FlashAttentionVarlenTorch",
