@@ -1,0 +1,125 @@
+"""Every Gluon forward variant of a head dim timed on the same tensors, beside the `tl` forward, SDPA's cuDNN kernel and
+FlashAttention-4 where it is installed (GPU probe).
+
+Why: a forward variant earns its place in `dispatch.FORWARD_VARIANTS` by being the fastest in some cell, and a new
+kernel idea is judged against the best of them and against FA4 in the same process (docs/attention-kernels.md §4, §8).
+The timed choice picks one variant per shape class and hides the others; this shows them all.
+
+    python scripts/forward_variants.py                          # D 64 and 128, causal and full, N 1024/4096/16384
+    python scripts/forward_variants.py --head-dims 64 --seq-lens 2048 --batch 4 --causal yes
+
+Each cell: bf16, --heads heads, batch --tokens // N (or --batch), q, k, v in (B, N, H, D) memory viewed as
+(B, H, N, D), as a model's projections hand them over. Every implementation is timed with `do_bench` (eager calls:
+each includes its launch's host path, so keep cells large enough to be GPU-bound) in --rounds interleaved rounds, and
+the median of the rounds' medians is printed with its ratio to cuDNN's and to FA4's, and the largest difference of its
+output from cuDNN's (a variant that computes something else shows here before its time means anything).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from collections.abc import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this tree's flashsys
+
+from flashsys.ops.attention import ATTENTION_BACKENDS
+
+
+def _cell(d: int, causal: bool, n: int, batch: int, heads: int) -> dict[str, Callable[[], torch.Tensor]]:
+    """The implementations of one cell, each a call that returns its output as (B, H, N, D)."""
+    from flashsys.ops.attention import dispatch, launcher
+    from flashsys.ops.attention.gluon import launch as gluon_launch
+
+    g = torch.Generator(device="cuda").manual_seed(n + d)
+    q, k, v = (torch.randn(batch, n, heads, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+               for _ in range(3))
+    window, scale = ((-1, 0) if causal else (-1, -1)), d ** -0.5
+    o = torch.empty(batch, heads, n, d, device="cuda", dtype=torch.bfloat16)
+    lse = torch.empty(batch, heads, n, device="cuda", dtype=torch.float32)
+
+    def variant_call(variant):
+        def call():
+            gluon_launch.launch(variant, gluon_launch.ForwardTensors(q, k, v, o, lse), window, scale, record=False)
+            return o
+        return call
+
+    def tl_forward():
+        saved = os.environ.get(dispatch.ENV)
+        os.environ[dispatch.ENV] = "0"  # the dispatch reads the switch at every call
+        try:
+            return launcher.forward(q, k, v, window, scale)[0]
+        finally:
+            if saved is None:
+                del os.environ[dispatch.ENV]
+            else:
+                os.environ[dispatch.ENV] = saved
+
+    calls = {variant.label(): variant_call(variant) for variant in dispatch.FORWARD_VARIANTS.get(d, ())}
+    calls["tl forward"] = tl_forward
+    for name in ("sdpa-cudnn", "fa4"):
+        backend = ATTENTION_BACKENDS[name]
+        if backend.unavailable_reason(q.device) is None:
+            calls[name] = lambda backend=backend: backend(q, k, v, causal, scale)
+        else:
+            print(f"  {name}: {backend.unavailable_reason(q.device)}")
+    return calls
+
+
+def _time_cell(calls: dict[str, Callable[[], torch.Tensor]], rounds: int, rep_ms: int) -> list[tuple]:
+    """(name, median ms, max |output - cuDNN's|) of each call that runs; those that raise are reported and dropped."""
+    from triton.testing import do_bench
+
+    reference = calls["sdpa-cudnn"]().float() if "sdpa-cudnn" in calls else None
+    errors = {}
+    for name, call in list(calls.items()):
+        try:
+            out = call()
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001  a variant that does not run here is named, not fatal
+            print(f"  {name}: failed, {type(exc).__name__}: {str(exc)[:200]}")
+            del calls[name]
+            continue
+        errors[name] = float("nan") if reference is None else (out.float() - reference).abs().max().item()
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            times[name].append(do_bench(call, warmup=25, rep=rep_ms, return_mode="median"))
+    return [(name, statistics.median(times[name]), errors[name]) for name in calls]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--causal", choices=["yes", "no", "both"], default="both")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=16384, help="batch = tokens // N, unless --batch")
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each time is the rounds' median")
+    p.add_argument("--rep", type=int, default=60, help="do_bench rep in ms per measurement")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("forward_variants: needs a CUDA GPU (the Gluon variants need an sm_90 one)", file=sys.stderr)
+        return 2
+    masks = {"yes": [True], "no": [False], "both": [True, False]}[args.causal]
+    for d in args.head_dims:
+        for causal in masks:
+            for n in args.seq_lens:
+                batch = args.batch or max(1, args.tokens // n)
+                print(f"\nD {d} {'causal' if causal else 'full'} N {n}, batch {batch}, {args.heads} heads")
+                rows = _time_cell(_cell(d, causal, n, batch, args.heads), args.rounds, args.rep)
+                ms = {name: t for name, t, _ in rows}
+                print("| implementation | ms | × cuDNN | × FA4 | max abs diff from cuDNN |\n|---|---:|---:|---:|---:|")
+                for name, t, err in rows:
+                    vs = [f"{t / ms[base]:.3f}" if base in ms else "—" for base in ("sdpa-cudnn", "fa4")]
+                    print(f"| {name} | {t:.4f} | {vs[0]} | {vs[1]} | {err:.3g} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

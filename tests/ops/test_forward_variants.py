@@ -1,0 +1,37 @@
+"""scripts/forward_variants.py, the GPU probe that times every Gluon forward variant beside cuDNN and FA4: on a
+machine without a GPU it says what it needs and exits 2 (it times nothing there), and its options parse."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "forward_variants.py"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+def test_help_lists_the_cells_options():
+    done = _run("--help")
+    assert done.returncode == 0, done.stderr[-2000:]
+    for option in ("--head-dims", "--seq-lens", "--causal", "--batch", "--rounds"):
+        assert option in done.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script times cells instead")
+def test_without_a_gpu_it_says_so_and_exits_2():
+    done = _run("--head-dims", "64", "--seq-lens", "1024")
+    assert done.returncode == 2
+    assert "needs a CUDA GPU" in done.stderr
+
+
+def test_a_bad_mask_choice_is_refused():
+    done = _run("--causal", "sometimes")
+    assert done.returncode == 2 and "invalid choice" in done.stderr
