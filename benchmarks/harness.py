@@ -81,7 +81,7 @@ def peak_memory() -> Iterator[dict]:
 
     Garbage is collected first: a tensor kept alive only by a reference cycle would count in the start, and if a
     collection inside the block freed it, the block's allocations would reuse its memory and read as less than they
-    are (as little as 0 MB)."""
+    are. Warm the block's work up before measuring it: a compiled model's first call of a kind compiles inside it."""
     out: dict = {"peak_mb": None}
     if ON_GPU:
         gc.collect()

@@ -25,8 +25,9 @@ from collections.abc import Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this tree's flashsys
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this tree's flashsys, benchmarks
 
+from benchmarks.harness import at_least_one, bench_ms
 from flashsys.ops.attention import ATTENTION_BACKENDS
 
 
@@ -72,8 +73,6 @@ def _cell(d: int, causal: bool, n: int, batch: int, heads: int) -> dict[str, Cal
 
 def _time_cell(calls: dict[str, Callable[[], torch.Tensor]], rounds: int, rep_ms: int) -> list[tuple]:
     """(name, median ms, max |output - cuDNN's|) of each call that runs; those that raise are reported and dropped."""
-    from triton.testing import do_bench
-
     reference = calls["sdpa-cudnn"]().float() if "sdpa-cudnn" in calls else None
     errors = {}
     for name, call in list(calls.items()):
@@ -88,7 +87,7 @@ def _time_cell(calls: dict[str, Callable[[], torch.Tensor]], rounds: int, rep_ms
     times = {name: [] for name in calls}
     for _ in range(rounds):
         for name, call in calls.items():
-            times[name].append(do_bench(call, warmup=25, rep=rep_ms, return_mode="median"))
+            times[name].append(bench_ms(call, rep_ms=rep_ms))
     return [(name, statistics.median(times[name]), errors[name]) for name in calls]
 
 
@@ -100,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--tokens", type=int, default=16384, help="batch = tokens // N, unless --batch")
     p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each time is the rounds' median")
+    p.add_argument("--rounds", type=at_least_one, default=3, help="interleaved rounds; each time is the rounds' median")
     p.add_argument("--rep", type=int, default=60, help="do_bench rep in ms per measurement")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -35,3 +35,8 @@ def test_without_a_gpu_it_says_so_and_exits_2():
 def test_a_bad_mask_choice_is_refused():
     done = _run("--causal", "sometimes")
     assert done.returncode == 2 and "invalid choice" in done.stderr
+
+
+def test_no_rounds_is_refused_naming_the_option():
+    done = _run("--rounds", "0")
+    assert done.returncode == 2 and "argument --rounds" in done.stderr

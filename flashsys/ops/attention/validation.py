@@ -112,15 +112,15 @@ def check_offsets(cu, total: int, max_seqlen, device: torch.device, *, name: str
                          f"({longest_found}), got {max_seqlen!r}")
 
 
-# GPU index tensors already read and found well-formed (offsets, cache starts): (id, what the check is) -> (weak
-# reference, storage address, version, what was read). The weak reference proves the same live tensor (an id can be reused once a
-# tensor dies); the version counter changes with every in-place write through torch. CPU tensors are not cached: a
-# numpy view writes them without bumping the version, and reading them back costs no device wait.
+# GPU index tensors already read (offsets, cache starts): (id, what the check is) -> (weak reference, storage
+# address, version, what was read). The weak reference proves the same live tensor (an id can be reused once a tensor
+# dies); the version counter changes with every in-place write through torch. CPU tensors are not cached: a numpy
+# view writes them without bumping the version, and reading them back costs no device wait.
 _checked: dict[tuple[int, str], tuple[weakref.ref, int, int, object]] = {}
 
 
 def _read_once(t: torch.Tensor, kind: str, check: Callable[[list[int]], object]) -> object:
-    """check(t.tolist()) (which raises on a bad tensor), read back once per unchanged GPU tensor and `kind` of check.
+    """check(t.tolist()) (which may raise on a bad tensor), read back once per unchanged GPU tensor and `kind` of check.
     What `check` returns must not depend on anything but the values: the caller compares it with the call's sizes."""
     cached = t.device.type != "cpu"
     known = _checked.get((id(t), kind)) if cached else None
