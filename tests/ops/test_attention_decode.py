@@ -97,17 +97,16 @@ def test_splits_fill_one_wave():
         assert programs * n_splits <= 132 or n_splits == 1
 
 
-def test_tiling_shares_an_sm_where_programs_outnumber_them():
-    """Whole-SM tiles (three stages of TILE_BYTES) while the programs fit one wave; half-size tiles with three stages
-    (two programs an SM) up to twice the SMs, two stages (three an SM) beyond; the key tile keeps its bounds."""
-    assert decode.tiling(programs=132, target=132, block_d=128, element_size=2) == (128, 3)
-    assert decode.tiling(programs=133, target=132, block_d=128, element_size=2) == (64, 3)
-    assert decode.tiling(programs=264, target=132, block_d=128, element_size=2) == (64, 3)
-    assert decode.tiling(programs=512, target=132, block_d=128, element_size=2) == (64, 2)
-    assert decode.tiling(programs=512, target=132, block_d=256, element_size=4) == (16, 2)
-    assert decode.tiling(programs=8, target=132, block_d=16, element_size=2) == (128, 3)
-    # The cases above ran both tilings: a pinned target of one program puts every batch of them past it.
-    assert decode.tiling(programs=4, target=1, block_d=64, element_size=4) == (64, 2)
+def test_tiling_shares_an_sm_where_short_programs_outnumber_them():
+    """Whole-SM tiles (three stages of TILE_BYTES) while the programs fit one wave or read long caches; half-size
+    tiles with three stages (two programs an SM) up to twice the SMs, two stages (three an SM) beyond."""
+    assert decode.tiling(programs=132, target=132, n_k=1024, block_d=128, element_size=2) == (128, 3)
+    assert decode.tiling(programs=133, target=132, n_k=1024, block_d=128, element_size=2) == (64, 3)
+    assert decode.tiling(programs=264, target=132, n_k=4096, block_d=128, element_size=2) == (64, 3)
+    assert decode.tiling(programs=512, target=132, n_k=1024, block_d=128, element_size=2) == (64, 2)
+    assert decode.tiling(programs=512, target=132, n_k=4097, block_d=128, element_size=2) == (128, 3)
+    assert decode.tiling(programs=512, target=132, n_k=1024, block_d=256, element_size=4) == (16, 2)
+    assert decode.tiling(programs=8, target=132, n_k=1024, block_d=16, element_size=2) == (128, 3)
 
 
 def test_rank3_inputs_and_strided_views(decode_calls):

@@ -29,7 +29,8 @@ from .tiles import LN2_C, as_fp32, visible
 MIN_KEYS = 512  # below this the forward kernel's grid has enough programs (or the cache is read in no time)
 SPLIT_MIN_KEYS = 256  # the fewest keys a split is given: fewer cost more in partials than they save
 TILE_BYTES = 32768  # one K (or V) tile: 128 keys x 128 bf16 dims; three stages of K and V fit sm_90's shared memory
-SHORT_TILE_BYTES = TILE_BYTES // 2  # where programs outnumber SMs: smaller tiles, so that two or three share an SM
+SHORT_TILE_BYTES = TILE_BYTES // 2  # where short programs outnumber SMs: smaller tiles, two or three an SM (`tiling`)
+SHORT_PROGRAM_KEYS = 4096  # a program of more keys keeps its SM busy by itself
 CPU_PROGRAMS = 4  # the interpreter's stand-in for a GPU's SM count: small test shapes take both paths
 
 
@@ -188,16 +189,17 @@ def key_tile(block_d: int, element_size: int, tile_bytes: int = TILE_BYTES) -> i
     return max(16, min(128, tile_bytes // (block_d * element_size)))
 
 
-def tiling(programs: int, target: int, block_d: int, element_size: int) -> tuple[int, int]:
-    """(keys per tile, pipeline stages) of the split kernel for `programs` programs on `target` SMs.
+def tiling(programs: int, target: int, n_k: int, block_d: int, element_size: int) -> tuple[int, int]:
+    """(keys per tile, pipeline stages) of the split kernel for `programs` programs of up to n_k keys on `target` SMs.
 
-    Where the programs fit one wave, each takes a whole SM: TILE_BYTES tiles, three stages. Where they outnumber the
-    SMs (one split, several waves of short programs), a program's start and its last tiles leave its SM idle unless
-    other programs are resident beside it: SHORT_TILE_BYTES tiles, three stages (two programs an SM) up to twice the
-    SMs, two stages (three an SM) beyond. H200, one query, 32/8 heads, D 128, kernels alone: batch 64 x 1k keys 63.9
-    us against 68.0 with the whole-SM tiling (cuDNN 64.9), batch 32 x 1k 34.3 against 36.4 (cuDNN 34.4), batch 64 x 8k
-    469 against 467."""
-    if programs <= target:
+    Whole-SM programs (TILE_BYTES tiles, three stages) where they fit one wave, or read long caches. Where short
+    programs (at most SHORT_PROGRAM_KEYS keys) outnumber the SMs (one split, several waves), a program's start and its
+    last tiles leave its SM idle unless other programs are resident beside it: SHORT_TILE_BYTES tiles, three stages
+    (two programs an SM) up to twice the SMs, two stages (three an SM) beyond. H200, one query, 32/8 heads, D 128,
+    kernels alone (cuDNN; whole-SM; shared): batch 64 x 1k keys 64.9; 68.0; 63.9 us, 64 x 2k 122.3; 124.6; 121.6,
+    32 x 1k 34.4; 36.4; 34.3; at 64 x 8k 470; 467; 469, and left-padded rows of 4k-8k keys 0.376 ms whole-SM against
+    0.396 shared."""
+    if programs <= target or n_k > SHORT_PROGRAM_KEYS:
         return key_tile(block_d, element_size), 3
     return key_tile(block_d, element_size, SHORT_TILE_BYTES), 3 if programs <= 2 * target else 2
 
@@ -217,7 +219,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, window: tup
     block_d = max(16, triton.next_power_of_2(d))
     block_m = max(16, triton.next_power_of_2(kv_group * n_q))
     target = program_target(q.device)
-    block_n, num_stages = tiling(batch * kv_heads, target, block_d, q.element_size())
+    block_n, num_stages = tiling(batch * kv_heads, target, n_k, block_d, q.element_size())
     n_splits, split_len = splits(n_k, batch * kv_heads, target, block_n)
     direct = n_splits == 1
     rows = batch * n_heads * n_q
