@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     p.add_argument("--parts", nargs="+", choices=["train", "generate"], default=["train", "generate"],
                    help="what to measure; each part writes its own table (run them on two GPUs at once if you like)")
     p.add_argument("--impls", nargs="+", default=["sdpa", "fsys", "flex_attention"] if ON_GPU else ["sdpa", "fsys"])
-    p.add_argument("--train-batch", type=int, default=2 if ON_GPU else 2)
+    p.add_argument("--train-batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=4096 if ON_GPU else 64)
     p.add_argument("--compiled-impls", nargs="*", default=["fsys", "sdpa"] if ON_GPU else [],
                    help="implementations whose compiled training step is timed (compiling takes minutes)")
