@@ -7,9 +7,11 @@ The timed choice picks one variant per shape class and hides the others; this sh
 
     python scripts/forward_variants.py                          # D 64 and 128, causal and full, N 1024/4096/16384
     python scripts/forward_variants.py --head-dims 64 --seq-lens 2048 --batch 4 --causal yes
+    python scripts/forward_variants.py --head-dims 64 --seq-lens 4096 --batch 2 --heads 32 --kv-heads 4   # a 1.1B Llama
 
-Each cell: bf16, --heads heads, batch --tokens // N (or --batch), q, k, v in (B, N, H, D) memory viewed as
-(B, H, N, D), as a model's projections hand them over. Every implementation is timed with `do_bench` (eager calls:
+Each cell: bf16, --heads query heads over --kv-heads K/V heads (grouped-query attention; --heads by default), batch
+--tokens // N (or --batch), q, k, v in (B, N, H, D) memory viewed as (B, H, N, D), as a model's projections hand them
+over. Every implementation is timed with `do_bench` (eager calls:
 each includes its launch's host path, so keep cells large enough to be GPU-bound) in --rounds interleaved rounds, and
 the median of the rounds' medians is printed with its ratio to cuDNN's and to FA4's, and the largest difference of its
 output from cuDNN's (a variant that computes something else shows here before its time means anything).
@@ -31,14 +33,15 @@ from benchmarks.harness import at_least_one, bench_ms
 from flashsys.ops.attention import ATTENTION_BACKENDS
 
 
-def _cell(d: int, causal: bool, n: int, batch: int, heads: int) -> dict[str, Callable[[], torch.Tensor]]:
+def _cell(d: int, causal: bool, n: int, batch: int, heads: int, kv_heads: int
+          ) -> dict[str, Callable[[], torch.Tensor]]:
     """The implementations of one cell, each a call that returns its output as (B, H, N, D)."""
     from flashsys.ops.attention import dispatch, launcher
     from flashsys.ops.attention.gluon import launch as gluon_launch
 
     g = torch.Generator(device="cuda").manual_seed(n + d)
-    q, k, v = (torch.randn(batch, n, heads, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
-               for _ in range(3))
+    q, k, v = (torch.randn(batch, n, h, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+               for h in (heads, kv_heads, kv_heads))
     window, scale = ((-1, 0) if causal else (-1, -1)), d ** -0.5
     o = torch.empty(batch, heads, n, d, device="cuda", dtype=torch.bfloat16)
     lse = torch.empty(batch, heads, n, device="cuda", dtype=torch.float32)
@@ -96,12 +99,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--causal", choices=["yes", "no", "both"], default="both")
-    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--heads", type=int, default=16, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=None, help="K/V heads, dividing --heads (default: --heads)")
     p.add_argument("--tokens", type=int, default=16384, help="batch = tokens // N, unless --batch")
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--rounds", type=at_least_one, default=3, help="interleaved rounds; each time is the rounds' median")
     p.add_argument("--rep", type=int, default=60, help="do_bench rep in ms per measurement")
     args = p.parse_args(argv)
+    kv_heads = args.heads if args.kv_heads is None else args.kv_heads
+    if kv_heads < 1 or args.heads % kv_heads:
+        p.error(f"argument --kv-heads: {kv_heads} must be a positive divisor of --heads ({args.heads})")
     if not torch.cuda.is_available():
         print("forward_variants: needs a CUDA GPU (the Gluon variants need an sm_90 one)", file=sys.stderr)
         return 2
@@ -110,8 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         for causal in masks:
             for n in args.seq_lens:
                 batch = args.batch or max(1, args.tokens // n)
-                print(f"\nD {d} {'causal' if causal else 'full'} N {n}, batch {batch}, {args.heads} heads")
-                rows = _time_cell(_cell(d, causal, n, batch, args.heads), args.rounds, args.rep)
+                print(f"\nD {d} {'causal' if causal else 'full'} N {n}, batch {batch}, {args.heads} query / "
+                      f"{kv_heads} K/V heads")
+                rows = _time_cell(_cell(d, causal, n, batch, args.heads, kv_heads), args.rounds, args.rep)
                 ms = {name: t for name, t, _ in rows}
                 print("| implementation | ms | × cuDNN | × FA4 | max abs diff from cuDNN |\n|---|---:|---:|---:|---:|")
                 for name, t, err in rows:

@@ -21,7 +21,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 def test_help_lists_the_cells_options():
     done = _run("--help")
     assert done.returncode == 0, done.stderr[-2000:]
-    for option in ("--head-dims", "--seq-lens", "--causal", "--batch", "--rounds"):
+    for option in ("--head-dims", "--seq-lens", "--causal", "--batch", "--heads", "--kv-heads", "--rounds"):
         assert option in done.stdout
 
 
@@ -40,3 +40,9 @@ def test_a_bad_mask_choice_is_refused():
 def test_no_rounds_is_refused_naming_the_option():
     done = _run("--rounds", "0")
     assert done.returncode == 2 and "argument --rounds" in done.stderr
+
+
+@pytest.mark.parametrize("kv_heads", ["3", "0"])
+def test_kv_heads_that_do_not_divide_the_heads_are_refused(kv_heads):
+    done = _run("--heads", "32", "--kv-heads", kv_heads)
+    assert done.returncode == 2 and "argument --kv-heads" in done.stderr and "divisor of --heads (32)" in done.stderr
