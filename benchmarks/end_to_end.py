@@ -1,18 +1,23 @@
 """TransformerLM end to end: training-step time, its forward/backward/optimizer parts, and peak memory, per
-preset, context, attention backend and eager/compiled.
+preset, context, attention backend and mode (eager, compiled, compiled with CUDA graphs).
 
 Batch 4, vocab 10,000. Warm-up steps are kept out of the numbers (`--warmup 0` shows what that does).
 `step_ms` is the median of `--iters` whole steps run back to back (no sync inside a step: what training sees;
 with `--rounds R`, the median of R such rounds, the attention implementations of a cell interleaved);
 the forward/backward/optimizer columns are mean ± std of separately synchronised phases, and `total_ms` is their
 sum. `vs_sdpa` is step_ms over the SDPA model's step_ms in the same cell (same preset, context, mode).
-`--dtype bf16` runs under `torch.autocast(bfloat16)`; `--modes eager compiled` runs each model both ways
-(torch.compile, default mode); `--attention` lists the attention implementations to compare inside the model.
+`--dtype bf16` runs under `torch.autocast(bfloat16)`; `--modes` runs each model eagerly (`eager`), under
+torch.compile's default mode (`compiled`) and/or with mode="reduce-overhead" (`reduce-overhead`: the compiled graphs
+replayed from CUDA graphs, no per-kernel launch on the host; peak memory is not measured there, as the graphs' memory
+pool is allocated when they are recorded); `--attention` lists the attention implementations to compare inside the
+model.
 
     python -m benchmarks.end_to_end --presets small medium --contexts 512 2048 --dtype bf16 \
         --attention flash sdpa --modes eager compiled
     python -m benchmarks.end_to_end --presets small --contexts 512 2048 8192 --dtype bf16 --attention flash sdpa \
         --modes compiled --rounds 3 --iters 5     # the compiled step, flash against SDPA, interleaved
+    python -m benchmarks.end_to_end --presets medium --contexts 512 --dtype bf16 --attention flash sdpa \
+        --modes compiled reduce-overhead --rounds 3     # where a compiled step waits on the host
 """
 
 from __future__ import annotations
@@ -33,16 +38,19 @@ from flashsys.nn import PRESETS, TransformerLM, preset
 from flashsys.ops.attention import ATTENTION_BACKENDS
 from flashsys.timing import summarize, time_call
 
+# --modes: how the model runs, and the torch.compile mode of each compiled one.
+MODES = {"eager": None, "compiled": "default", "reduce-overhead": "reduce-overhead"}
+
 
 class Model:
-    """One row of the table: a model (preset, context, attention, eager or compiled) built, warmed up and its phases
+    """One row of the table: a model (preset, context, attention, mode: one of MODES) built, warmed up and its phases
     timed, then its whole steps timed in rounds (`time_steps`), and its peak memory measured last (`result`)."""
 
-    def __init__(self, preset_name: str, context: int, attention: str, compiled: bool, args):
-        self.device, self.iters, self.warmup = DEVICE, args.iters, args.warmup
+    def __init__(self, preset_name: str, context: int, attention: str, mode: str, args):
+        self.device, self.iters, self.warmup, self.mode = DEVICE, args.iters, args.warmup, mode
         cfg = preset(preset_name, vocab_size=10_000, context_length=context, attention_backend=attention)
         model = TransformerLM.from_config(cfg, device=self.device)
-        self.model = torch.compile(model) if compiled else model
+        self.model = model if mode == "eager" else torch.compile(model, mode=MODES[mode])
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.x = token_batch(cfg, args.batch, self.device)
         self.y = token_batch(cfg, args.batch, self.device)
@@ -82,14 +90,17 @@ class Model:
         self.rounds.append(summarize([time_call(self._train_step, self.device)[1] for _ in range(self.iters)]).median)
 
     def result(self) -> dict:
-        """The row's numbers: step_ms the median of the rounds' medians, the phases, and peak memory."""
-        # A compiled model's first call without grad compiles another graph: run it once outside the measurement.
-        with torch.no_grad(), self.autocast():
-            self.model(self.x)
-        with peak_memory() as mem_fwd, torch.no_grad(), self.autocast():
-            self.model(self.x)
-        with peak_memory() as mem_step:
-            self._train_step()
+        """The row's numbers: step_ms the median of the rounds' medians, the phases, and peak memory (None where
+        CUDA graphs replay the steps: their memory pool was allocated when they were recorded)."""
+        mem_fwd = mem_step = {"peak_mb": None}
+        if self.mode != "reduce-overhead":
+            # A compiled model's first call without grad compiles another graph: run it once outside the measurement.
+            with torch.no_grad(), self.autocast():
+                self.model(self.x)
+            with peak_memory() as mem_fwd, torch.no_grad(), self.autocast():
+                self.model(self.x)
+            with peak_memory() as mem_step:
+                self._train_step()
         sync()
         f, b, s = self.phases
         return {"step_ms": statistics.median(self.rounds), "forward_ms": str(f), "backward_ms": str(b),
@@ -105,15 +116,16 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", nargs="+", type=int, default=[128, 256, 512, 1024] if ON_GPU else [64, 128])
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager"],
-                   help="run the model eagerly, under torch.compile, or both")
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=["eager"],
+                   help="run the model eagerly, under torch.compile, and/or compiled with CUDA graphs "
+                        "(mode='reduce-overhead')")
     p.add_argument("--rounds", type=at_least_one, default=1,
                    help="rounds of --iters whole steps per model, the attention implementations of a cell "
                         "interleaved; step_ms is the median of the rounds' medians")
     p.add_argument("--attention", nargs="+", choices=list(ATTENTION_BACKENDS), default=["flash"],
                    help="attention backends inside the model (the registry of flashsys.ops.attention)")
     args = p.parse_args(argv)
-    modes = "" if args.modes == ["eager"] else "_compiled" if args.modes == ["compiled"] else "_eager-compiled"
+    modes = "" if args.modes == ["eager"] else "_" + "-".join(args.modes)
     name = f"end_to_end_{'gpu' if ON_GPU else 'cpu'}_{args.dtype}_{'-'.join(args.attention)}{modes}_w{args.warmup}"
     env = environment()
     rows = []
@@ -121,9 +133,9 @@ def main(argv=None) -> int:
     def write(done: int) -> Path:
         """The table so far: rewritten after every group of cells, so a run cut short (a time limit) keeps what it
         measured, marked partial until the last group."""
-        sdpa = {(r["preset"], r["context"], r["compile"]): r.get("step_ms") for r in rows if r["attention"] == "sdpa"}
+        sdpa = {(r["preset"], r["context"], r["mode"]): r.get("step_ms") for r in rows if r["attention"] == "sdpa"}
         for r in rows:
-            base = sdpa.get((r["preset"], r["context"], r["compile"]))
+            base = sdpa.get((r["preset"], r["context"], r["mode"]))
             r["vs_sdpa"] = r["step_ms"] / base if base and "step_ms" in r else None
         return write_table(rows, args.out, name, "TransformerLM end to end",
                            [f"batch {args.batch}, vocab 10,000, AdamW; step_ms: median of {args.iters} whole steps"
@@ -143,8 +155,8 @@ def main(argv=None) -> int:
             models, group_rows = {}, []
             for attention in args.attention:
                 row = {"preset": preset_name, "context": ctx, "dtype": args.dtype, "attention": attention,
-                       "compile": mode == "compiled", "warmup": args.warmup}
-                built = run_cell(lambda: {"model": Model(preset_name, ctx, attention, mode == "compiled", args)})
+                       "mode": mode, "warmup": args.warmup}
+                built = run_cell(lambda: {"model": Model(preset_name, ctx, attention, mode, args)})
                 if "model" in built:
                     models[attention] = built["model"]
                 else:
@@ -169,7 +181,7 @@ def main(argv=None) -> int:
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for preset_name, mode, attention in [(pr, m, a) for pr in args.presets for m in args.modes for a in args.attention]:
         pts = [(r["context"], r["step_ms"]) for r in rows if (r["preset"], r["attention"]) == (preset_name, attention)
-               and r["compile"] == (mode == "compiled") and "step_ms" in r]
+               and r["mode"] == mode and "step_ms" in r]
         if pts:
             ax.plot(*zip(*pts), marker="o", label=f"{preset_name} {attention} {mode}")
     ax.set_xlabel("context length")

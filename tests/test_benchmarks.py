@@ -134,7 +134,7 @@ def test_an_end_to_end_run_stopped_midway_keeps_its_groups_marked_partial(tmp_pa
     built = []
 
     class FakeModel:
-        def __init__(self, preset_name, context, attention, compiled, args):
+        def __init__(self, preset_name, context, attention, mode, args):
             if context == 64:
                 raise KeyboardInterrupt  # as a timeout's kill would stop the run
             self.attention, self.times = attention, []
@@ -154,6 +154,19 @@ def test_an_end_to_end_run_stopped_midway_keeps_its_groups_marked_partial(tmp_pa
     assert "**Partial: 1 of 2 (preset, context, mode) groups**" in table
     assert [len(m.times) for m in built] == [3, 3]  # both models of the group built before any round
     assert "| 0.500 |" in table  # flash's step over sdpa's
+
+
+def test_end_to_end_reduce_overhead_mode_runs_and_names_its_rows(tmp_path):
+    """`--modes reduce-overhead` compiles the model with CUDA graphs (on a CPU torch.compile runs it without them):
+    its rows say the mode, the table's name carries it, and no peak memory is claimed for it."""
+    import csv
+
+    r = _run("end_to_end", "--presets", "tiny", "--contexts", "32", "--iters", "1", "--warmup", "1", "--modes",
+             "reduce-overhead", "--out", str(tmp_path), "--no-progress")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "end_to_end_cpu_fp32_flash_reduce-overhead_w1.csv")))
+    assert [row["mode"] for row in rows] == ["reduce-overhead"]
+    assert float(rows[0]["step_ms"]) > 0 and rows[0]["peak_step_MB"] == ""
 
 
 @pytest.mark.parametrize("bad", ["0", "-1", "two"])
