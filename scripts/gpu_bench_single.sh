@@ -9,6 +9,7 @@
 #   E2E_PRESETS=medium bash scripts/gpu_bench_single.sh end_to_end_compare  # 8 cells ran past 550 s on an H100
 #   bash scripts/gpu_bench_single.sh attention_fa4        # beside FlashAttention-4 (importable: ../shared/tools/fa4_payload.sh)
 #   E2E_PRESETS=small bash scripts/gpu_bench_single.sh end_to_end_compiled   # one preset a call (small: ~300 s on an H200)
+#   E2E_PRESETS=medium E2E_CONTEXTS=512 bash scripts/gpu_bench_single.sh end_to_end_cudagraphs   # compiled vs CUDA graphs
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -81,6 +82,13 @@ for s in "${sections[@]}"; do
       --rounds 3 --warmup 3 --iters 5 > "$OUT/end_to_end_compiled.log" 2>&1
     echo "end_to_end_compiled exit: $?"; grep -E "^\| " "$OUT"/end_to_end/end_to_end_gpu_bf16_flash-sdpa_compiled_w3.md \
       | cut -d'|' -f2-8,15 ;;
+  end_to_end_cudagraphs)  # the compiled step with and without CUDA graphs (mode="reduce-overhead"), flash against
+                          # SDPA: where the default mode's step waits on the host (medium 512, compiled mode alone: ~270 s)
+    timeout -k 10 ${E2E_TIMEOUT:-560} python3 -m benchmarks.end_to_end --no-progress --out "$OUT/end_to_end" \
+      --presets ${E2E_PRESETS:-small} --contexts ${E2E_CONTEXTS:-512} --dtype bf16 --attention flash sdpa \
+      --modes compiled reduce-overhead --rounds 3 --warmup 3 --iters 5 > "$OUT/end_to_end_cudagraphs.log" 2>&1
+    echo "end_to_end_cudagraphs exit: $?"; grep -E "^\| " \
+      "$OUT"/end_to_end/end_to_end_gpu_bf16_flash-sdpa_compiled-reduce-overhead_w3.md | cut -d'|' -f2-8,15 ;;
   host_cost)  # host µs per attention call vs SDPA, and where they go; "before" too when .old/ holds an older
               # tree (git archive <commit> | tar -x -C .old, carried to the device): same machine, same call
     if [ -d .old ]; then
