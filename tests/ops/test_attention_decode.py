@@ -99,7 +99,8 @@ def test_splits_fill_one_wave():
 
 def test_tiling_shares_an_sm_where_short_programs_outnumber_them():
     """Whole-SM tiles (three stages of TILE_BYTES) while the programs fit one wave or read long caches; half-size
-    tiles with three stages (two programs an SM) up to twice the SMs, two stages (three an SM) beyond."""
+    tiles with three stages up to twice the SMs, two stages (less shared memory a program, more programs an SM)
+    beyond."""
     assert decode.tiling(programs=132, target=132, n_k=1024, block_d=128, element_size=2) == (128, 3)
     assert decode.tiling(programs=133, target=132, n_k=1024, block_d=128, element_size=2) == (64, 3)
     assert decode.tiling(programs=264, target=132, n_k=4096, block_d=128, element_size=2) == (64, 3)

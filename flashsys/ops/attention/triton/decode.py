@@ -28,8 +28,8 @@ from .tiles import LN2_C, as_fp32, visible
 
 MIN_KEYS = 512  # below this the forward kernel's grid has enough programs (or the cache is read in no time)
 SPLIT_MIN_KEYS = 256  # the fewest keys a split is given: fewer cost more in partials than they save
-TILE_BYTES = 32768  # one K (or V) tile: 128 keys x 128 bf16 dims; three stages of K and V fit sm_90's shared memory
-SHORT_TILE_BYTES = TILE_BYTES // 2  # where short programs outnumber SMs: smaller tiles, two or three an SM (`tiling`)
+TILE_BYTES = 32768  # one K (or V) tile: 128 keys x 128 bf16 dims; three stages buffer two of each, 136 KB on sm_90
+SHORT_TILE_BYTES = TILE_BYTES // 2  # where short programs outnumber SMs: smaller tiles, more programs an SM (`tiling`)
 SHORT_PROGRAM_KEYS = 4096  # a program of more keys keeps its SM busy by itself
 CPU_PROGRAMS = 4  # the interpreter's stand-in for a GPU's SM count: small test shapes take both paths
 
@@ -165,9 +165,9 @@ def takes(n_q: int, n_k: int, kv_group: int, varlen: bool) -> bool:
 
 
 def program_target(device: torch.device) -> int:
-    """How many decode programs a wave of whole-SM programs holds (`tiling`): one per SM (at D 128 a program's three
-    stages of K and V tiles take 192 KB of shared memory; where the keys are split to fill the wave, timed against two
-    per SM, one was as fast or faster); on a CPU, CPU_PROGRAMS."""
+    """How many decode programs a wave of whole-SM programs holds (`tiling`): one per SM (at D 128 bf16 a program's
+    three stages of 128-key K and V tiles take 136 KB of shared memory; where the keys are split to fill the wave,
+    timed against two per SM, one was as fast or faster); on a CPU, CPU_PROGRAMS."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return CPU_PROGRAMS
@@ -195,7 +195,8 @@ def tiling(programs: int, target: int, n_k: int, block_d: int, element_size: int
     Whole-SM programs (TILE_BYTES tiles, three stages) where they fit one wave, or read long caches. Where short
     programs (at most SHORT_PROGRAM_KEYS keys) outnumber the SMs (one split, several waves), a program's start and its
     last tiles leave its SM idle unless other programs are resident beside it: SHORT_TILE_BYTES tiles, three stages
-    (two programs an SM) up to twice the SMs, two stages (three an SM) beyond. H200, one query, 32/8 heads, D 128,
+    up to twice the SMs, two stages beyond (at D 128 bf16 on sm_90: 70 KB of shared memory, three programs an SM;
+    38 KB and ~108 registers a thread, four an SM; whole-SM tiles: 136 KB, one). H200, one query, 32/8 heads, D 128,
     kernels alone (cuDNN; whole-SM; shared): batch 64 x 1k keys 64.9; 68.0; 63.9 us, 64 x 2k 122.3; 124.6; 121.6,
     32 x 1k 34.4; 36.4; 34.3; at 64 x 8k 470; 467; 469, and left-padded rows of 4k-8k keys 0.376 ms whole-SM against
     0.396 shared."""
