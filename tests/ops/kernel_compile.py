@@ -6,7 +6,7 @@ two versions' machine code; by hand:
     python -m tests.ops.kernel_compile --group "D 128 one_pass"
 
 Groups: "tl" (the `tl` kernels: forward, dQ, dK/dV at D 64 and 128, bf16 and fp32, three masks, dense and varlen; the
-one pass's prologue and epilogue), and one per Gluon (head dim, stage). A Gluon group compiles every variant under a
+one pass's prologue and epilogue; the decode kernels in each tiling), and one per Gluon (head dim, stage). A Gluon group compiles every variant under a
 causal mask, and its stage's first variant of each kind under a full mask and a window too: the masks select code
 paths (the paired order, the rotated ring and its dQ fold, the window's bounds), the variants tile sizes and buffers.
 `--all-masks` compiles every variant under every mask.
@@ -15,6 +15,7 @@ paths (the paired order, the rotated ring and its dQ fold, the window's bounds),
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -96,9 +97,49 @@ def _tl_kernels(device: str) -> Iterator[tuple[str, Callable[[], object]]]:
                    lambda a=args, z=zero_all, d=d: kernels.one_pass_prologue_kernel.warmup(
                        *a, HEAD_DIM=d, BLOCK_D=d, ROWS=64, ZERO_ALL=z, grid=(1,)))
         args = launch.positional(kernels.one_pass_epilogue_kernel, dict(
-            DqAcc=acc, DQ=o, n_rows=batch * heads * n, n_q=n, n_sum=acc.shape[2], softmax_scale=0.125))
+            DqAcc=acc, DQ=o, n_rows=batch * heads * n, n_heads=heads, n_q=n, n_sum=acc.shape[2], softmax_scale=0.125))
         yield (f"tl epilogue D{d}", lambda a=args, d=d: kernels.one_pass_epilogue_kernel.warmup(
             *a, HEAD_DIM=d, BLOCK_D=d, ROWS=64, grid=(1,)))
+
+
+def _decode_kernels(device: str) -> Iterator[tuple[str, Callable[[], object]]]:
+    """The decode kernels (`triton/decode.py`) as `decode.forward` launches them: each `tiling` (whole-SM, and 64-key
+    tiles at three and two stages), written directly or split and combined, with and without per-row cache starts,
+    at D 64 and 128."""
+    from flashsys.ops.attention.triton import decode, launch
+
+    for d in (64, 128):
+        q = torch.randn(4, 8, 1, d, dtype=torch.bfloat16, device=device)
+        k = torch.randn(4, 2, 700, d, dtype=torch.bfloat16, device=device)
+        o, lse = torch.empty_like(q), torch.empty(4, 8, 1, device=device)
+        starts = torch.zeros(4, dtype=torch.int32, device=device)
+        # (programs, target): one wave of whole-SM programs; past the SMs; past twice the SMs. At D 64 the first two
+        # share a tiling: each distinct one is compiled once.
+        tilings = {decode.tiling(programs, target, k.shape[2], d, q.element_size())
+                   for programs, target in ((8, 132), (8, 6), (8, 2))}
+        for block_n, stages in sorted(tilings):
+            for n_splits in (1, 3):
+                direct = n_splits == 1
+                part_o = o if direct else torch.empty(32, n_splits, d, device=device)
+                part_l = lse if direct else torch.empty(32, n_splits, device=device)
+                for key_start in (None, starts):
+                    named = dict(Q=q, K=k, V=k, O=o, L=lse, PartO=part_o, PartL=part_l,
+                                 KeyStart=lse if key_start is None else key_start, n_heads=8, kv_group=4, n_q=1,
+                                 n_k=700, n_splits=n_splits, split_len=256, window_left=-1, window_right=0,
+                                 qk_scale=0.18)
+                    constexprs = dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_M=16, BLOCK_N=block_n, BOUND_RIGHT=True,
+                                      BOUND_LEFT=False, FP32_IEEE=False, DIRECT=direct,
+                                      HAS_KEY_START=key_start is not None, num_warps=4, num_stages=stages)
+                    args = launch.positional(decode.flash_decode_split_kernel, named)
+                    label = (f"tl decode split D{d} {block_n} keys {stages} stages "
+                             f"{'direct' if direct else 'split'}{' starts' if key_start is not None else ''}")
+                    yield label, (lambda a=args, c=constexprs: decode.flash_decode_split_kernel.warmup(*a, **c,
+                                                                                                       grid=(1,)))
+        part_o, part_l = torch.empty(32, 3, d, device=device), torch.empty(32, 3, device=device)
+        args = launch.positional(decode.flash_decode_combine_kernel, dict(PartO=part_o, PartL=part_l, O=o, L=lse,
+                                                                          n_heads=8, n_q=1, n_splits=3))
+        yield (f"tl decode combine D{d}", lambda a=args, d=d: decode.flash_decode_combine_kernel.warmup(
+            *a, HEAD_DIM=d, BLOCK_D=d, BLOCK_S=4, num_warps=4, grid=(1,)))
 
 
 def _gluon_kernels(device: str, head_dim: int, stage: str, all_masks: bool
@@ -124,7 +165,7 @@ def compiled(group: str | None = None, all_masks: bool = False) -> Iterator[tupl
     device = _setup()
     for name in groups() if group is None else [group]:
         if name == "tl":
-            kernels = _tl_kernels(device)
+            kernels = itertools.chain(_tl_kernels(device), _decode_kernels(device))
         else:
             _, d, stage = name.split(" ")
             kernels = _gluon_kernels(device, int(d), stage, all_masks)
