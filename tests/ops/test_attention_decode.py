@@ -110,6 +110,22 @@ def test_tiling_shares_an_sm_where_short_programs_outnumber_them():
     assert decode.tiling(programs=8, target=132, n_k=1024, block_d=16, element_size=2) == (128, 3)
 
 
+def test_tiling_fits_the_shared_memory_of_smaller_gpus():
+    """The estimate covers what Triton allocates for sm_90 (launch-specialised, D 128 bf16, and D 64 at 128 keys:
+    139,264 / 71,680 / 38,912 / 71,680 bytes); under a smaller limit the tiling drops stages, then halves its tiles,
+    and on Hopper (227 KB) nothing changes."""
+    compiled = {(128, 128, 3): 139_264, (64, 128, 3): 71_680, (64, 128, 2): 38_912, (128, 64, 3): 71_680}
+    for (block_n, block_d, stages), used in compiled.items():
+        assert used <= decode.shared_bytes(block_n, block_d, 2, stages) <= used + 2048
+    whole = dict(programs=8, target=132, n_k=8192, block_d=128, element_size=2)
+    assert decode.tiling(**whole, limit=232_448) == decode.tiling(**whole) == (128, 3)
+    assert decode.tiling(**whole, limit=101_376) == (128, 2)  # sm_86 / sm_89
+    assert decode.tiling(**whole, limit=60_000) == (64, 2)
+    short = dict(programs=512, target=132, n_k=1024, block_d=128, element_size=2)
+    assert decode.tiling(**short, limit=101_376) == decode.tiling(**short) == (64, 2)
+    assert decode.shared_limit(torch.device("cpu")) is None
+
+
 def test_rank3_inputs_and_strided_views(decode_calls):
     """(batch, seq, head_dim) inputs, and a cache read through a non-contiguous view, as a cache slice is."""
     q, k, v, do = make_qkv(3, 0, 2, 150, 32, torch.float32, DEVICE, seed=5)

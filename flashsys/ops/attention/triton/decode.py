@@ -15,6 +15,8 @@ the forward's too, so the backward kernels take them unchanged.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -189,8 +191,29 @@ def key_tile(block_d: int, element_size: int, tile_bytes: int = TILE_BYTES) -> i
     return max(16, min(128, tile_bytes // (block_d * element_size)))
 
 
-def tiling(programs: int, target: int, n_k: int, block_d: int, element_size: int) -> tuple[int, int]:
-    """(keys per tile, pipeline stages) of the split kernel for `programs` programs of up to n_k keys on `target` SMs.
+def shared_bytes(block_n: int, block_d: int, element_size: int, stages: int) -> int:
+    """The shared memory the split kernel takes, as Triton compiles it for sm_90 (launch-specialised, D 128 bf16:
+    139,264 bytes at 128 keys and three stages, 71,680 at 64 and three, 38,912 at 64 and two): it buffers stages - 1
+    K and V tiles, plus up to 8 KB for its layout conversions."""
+    return (stages - 1) * 2 * block_n * block_d * element_size + 8192
+
+
+@functools.lru_cache(maxsize=None)
+def _device_shared_limit(index: int) -> int:
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
+def shared_limit(device: torch.device) -> int | None:
+    """The most shared memory a program may take on `device` (sm_90: 227 KB; sm_86/89: 99 KB), or None (a CPU)."""
+    if device.type != "cuda":
+        return None
+    return _device_shared_limit(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def tiling(programs: int, target: int, n_k: int, block_d: int, element_size: int, limit: int | None = None
+           ) -> tuple[int, int]:
+    """(keys per tile, pipeline stages) of the split kernel for `programs` programs of up to n_k keys on `target` SMs,
+    within `limit` bytes of shared memory a program (`shared_limit`; None: any).
 
     Whole-SM programs (TILE_BYTES tiles, three stages) where they fit one wave, or read long caches. Where short
     programs (at most SHORT_PROGRAM_KEYS keys) outnumber the SMs (one split, several waves), a program's start and its
@@ -201,8 +224,19 @@ def tiling(programs: int, target: int, n_k: int, block_d: int, element_size: int
     32 x 1k 34.4; 36.4; 34.3; at 64 x 8k 470; 467; 469, and left-padded rows of 4k-8k keys 0.376 ms whole-SM against
     0.396 shared."""
     if programs <= target or n_k > SHORT_PROGRAM_KEYS:
-        return key_tile(block_d, element_size), 3
-    return key_tile(block_d, element_size, SHORT_TILE_BYTES), 3 if programs <= 2 * target else 2
+        block_n, stages = key_tile(block_d, element_size), 3
+    else:
+        block_n, stages = key_tile(block_d, element_size, SHORT_TILE_BYTES), 3 if programs <= 2 * target else 2
+    # A GPU with less shared memory than these take (sm_86/89: 99 KB against the whole-SM tiling's 136 KB) gets
+    # fewer stages, then smaller tiles, instead of a launch that fails.
+    while limit is not None and shared_bytes(block_n, block_d, element_size, stages) > limit:
+        if stages > 2:
+            stages -= 1
+        elif block_n > 16:
+            block_n //= 2
+        else:
+            break
+    return block_n, stages
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, window: tuple[int, int], scale: float,
@@ -220,7 +254,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, window: tup
     block_d = max(16, triton.next_power_of_2(d))
     block_m = max(16, triton.next_power_of_2(kv_group * n_q))
     target = program_target(q.device)
-    block_n, num_stages = tiling(batch * kv_heads, target, n_k, block_d, q.element_size())
+    block_n, num_stages = tiling(batch * kv_heads, target, n_k, block_d, q.element_size(), shared_limit(q.device))
     n_splits, split_len = splits(n_k, batch * kv_heads, target, block_n)
     direct = n_splits == 1
     rows = batch * n_heads * n_q
