@@ -103,43 +103,26 @@ def _tl_kernels(device: str) -> Iterator[tuple[str, Callable[[], object]]]:
 
 
 def _decode_kernels(device: str) -> Iterator[tuple[str, Callable[[], object]]]:
-    """The decode kernels (`triton/decode.py`) as `decode.forward` launches them: each `tiling` (whole-SM, and 64-key
-    tiles at three and two stages), written directly or split and combined, with and without per-row cache starts,
-    at D 64 and 128."""
+    """The launches `decode.forward` makes (recorded, not run), at D 64 and 128, with and without per-row cache
+    starts, for batches that take each of its paths on CPU_PROGRAMS stand-in SMs: keys split and combined (2 programs),
+    one whole-SM split (4), and the shared-SM tilings at three (8) and two (12) stages."""
     from flashsys.ops.attention.triton import decode, launch
 
     for d in (64, 128):
-        q = torch.randn(4, 8, 1, d, dtype=torch.bfloat16, device=device)
-        k = torch.randn(4, 2, 700, d, dtype=torch.bfloat16, device=device)
-        o, lse = torch.empty_like(q), torch.empty(4, 8, 1, device=device)
-        starts = torch.zeros(4, dtype=torch.int32, device=device)
-        # (programs, target): one wave of whole-SM programs; past the SMs; past twice the SMs. At D 64 the first two
-        # share a tiling: each distinct one is compiled once.
-        tilings = {decode.tiling(programs, target, k.shape[2], d, q.element_size())
-                   for programs, target in ((8, 132), (8, 6), (8, 2))}
-        for block_n, stages in sorted(tilings):
-            for n_splits in (1, 3):
-                direct = n_splits == 1
-                part_o = o if direct else torch.empty(32, n_splits, d, device=device)
-                part_l = lse if direct else torch.empty(32, n_splits, device=device)
-                for key_start in (None, starts):
-                    named = dict(Q=q, K=k, V=k, O=o, L=lse, PartO=part_o, PartL=part_l,
-                                 KeyStart=lse if key_start is None else key_start, n_heads=8, kv_group=4, n_q=1,
-                                 n_k=700, n_splits=n_splits, split_len=256, window_left=-1, window_right=0,
-                                 qk_scale=0.18)
-                    constexprs = dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_M=16, BLOCK_N=block_n, BOUND_RIGHT=True,
-                                      BOUND_LEFT=False, FP32_IEEE=False, DIRECT=direct,
-                                      HAS_KEY_START=key_start is not None, num_warps=4, num_stages=stages)
-                    args = launch.positional(decode.flash_decode_split_kernel, named)
-                    label = (f"tl decode split D{d} {block_n} keys {stages} stages "
-                             f"{'direct' if direct else 'split'}{' starts' if key_start is not None else ''}")
-                    yield label, (lambda a=args, c=constexprs: decode.flash_decode_split_kernel.warmup(*a, **c,
-                                                                                                       grid=(1,)))
-        part_o, part_l = torch.empty(32, 3, d, device=device), torch.empty(32, 3, device=device)
-        args = launch.positional(decode.flash_decode_combine_kernel, dict(PartO=part_o, PartL=part_l, O=o, L=lse,
-                                                                          n_heads=8, n_q=1, n_splits=3))
-        yield (f"tl decode combine D{d}", lambda a=args, d=d: decode.flash_decode_combine_kernel.warmup(
-            *a, HEAD_DIM=d, BLOCK_D=d, BLOCK_S=4, num_warps=4, grid=(1,)))
+        for batch, kv_heads in ((1, 2), (1, 4), (2, 4), (3, 4)):
+            q = torch.randn(batch, 4 * kv_heads, 1, d, dtype=torch.bfloat16, device=device)
+            k = torch.randn(batch, kv_heads, 700, d, dtype=torch.bfloat16, device=device)
+            o, lse = torch.empty_like(q), torch.empty(q.shape[:-1], device=device)
+            for key_start in (None, torch.zeros(batch, dtype=torch.int32, device=device)):
+                with launch.recording() as launches:
+                    decode.forward(q, k, k, o, lse, (-1, 0), d ** -0.5, traced=False, key_start=key_start)
+                for name, (kernel, args, constexprs, _) in launches:
+                    what = (f"{constexprs['BLOCK_N']} keys {constexprs['num_stages']} stages "
+                            f"{'direct' if constexprs['DIRECT'] else 'split'}"
+                            f"{' starts' if constexprs['HAS_KEY_START'] else ''}") if "BLOCK_N" in constexprs else ""
+                    stage = name.removeprefix("flash_decode_").removesuffix("_kernel")
+                    yield (f"tl decode {stage} D{d} {what}".rstrip(),
+                           lambda h=kernel, a=args, c=constexprs: h.warmup(*a, **c, grid=(1,)))
 
 
 def _gluon_kernels(device: str, head_dim: int, stage: str, all_masks: bool

@@ -285,8 +285,8 @@ _recording: list[tuple[str, Prepared]] | None = None
 
 @contextlib.contextmanager
 def recording() -> Iterator[list[tuple[str, Prepared]]]:
-    """Inside, `run` prepares each launch and records (kernel name, Prepared) instead of launching it: for tools
-    that compile or analyse the kernels a call would launch without running them (the CPU compile checks,
+    """Inside, `run` and `run_fixed` prepare each launch and record (kernel name, Prepared) instead of launching it:
+    for tools that compile or analyse the kernels a call would launch without running them (the CPU compile checks,
     Inductor's mutation analysis). Launches run inside are neither timed nor recorded as plans."""
     global _recording
     before, _recording = _recording, []
@@ -311,9 +311,13 @@ def run(kernel: str, g: Geometry, window: Window, grid: Callable[[dict], tuple],
 
 
 def run_fixed(kernel, grid_xyz: tuple[int, int, int], named: dict, constexprs: dict) -> Recorded | None:
-    """Launch a kernel with fixed constexprs and no autotuning (the one pass's prologue and epilogue) and return the
-    launch as a plan records it, or None where it cannot be replayed (inside a CUDA graph capture)."""
+    """Launch a kernel with fixed constexprs and no autotuning (the one pass's prologue and epilogue, the decode
+    kernels) and return the launch as a plan records it, or None where it cannot be replayed (inside a CUDA graph
+    capture, or inside `recording()`, which records it as (its name, Prepared) instead)."""
     args = positional(kernel, named)
+    if _recording is not None:
+        _recording.append((kernel.fn.__name__, Prepared(kernel, args, constexprs, None)))
+        return None
     compiled = kernel[grid_xyz](*args, **constexprs)
     if args[0].is_cuda and torch.cuda.is_current_stream_capturing():
         return None
