@@ -50,7 +50,7 @@ class Model:
         self.device, self.iters, self.warmup, self.mode = DEVICE, args.iters, args.warmup, mode
         cfg = preset(preset_name, vocab_size=10_000, context_length=context, attention_backend=attention)
         model = TransformerLM.from_config(cfg, device=self.device)
-        self.model = model if mode == "eager" else torch.compile(model, mode=MODES[mode])
+        self.model = model if MODES[mode] is None else torch.compile(model, mode=MODES[mode])
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.x = token_batch(cfg, args.batch, self.device)
         self.y = token_batch(cfg, args.batch, self.device)
