@@ -1,0 +1,158 @@
+"""Profile training steps of `benchmarks.end_to_end`'s TransformerLM under each attention backend (GPU probe).
+
+Why: the benchmark gives a step's time; where a step waits on the host (small models, short contexts, compiled
+graphs), the GPU's kernels do not say where it goes. The backends' models are built side by side; this prints the
+graph breaks each compile made, then rounds of steps in turns, each backend's step timed back to back (one sync at
+the end: what training sees) and synchronised on its own (what the benchmark's step_ms times), and then per backend:
+the synchronising calls a step makes (torch's sync debug mode: each stops the host from running ahead), the GPU's
+busy time and the kernels by GPU time, the host operations by their own CPU time, and how many compiled graphs a step
+enters.
+
+    python scripts/profile_lm_step.py --preset medium --context 512 --mode compiled
+    python scripts/profile_lm_step.py --preset small --context 2048 --mode eager --attention flash --top 30
+    python scripts/profile_lm_step.py --device cpu --preset demo --mode eager    # a check of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this tree's benchmarks, flashsys
+
+from benchmarks.end_to_end import MODES  # noqa: E402
+from benchmarks.harness import token_batch  # noqa: E402
+from flashsys.nn import TransformerLM, preset  # noqa: E402
+from flashsys.timing import time_call  # noqa: E402
+
+PROFILED_STEPS = 2
+# Host events that mark entering a compiled graph (their names differ across torch versions).
+GRAPH_ENTRIES = ("Torch-Compiled Region", "CompiledFunction", "CompiledFunctionBackward")
+
+
+def build_step(preset_name: str, context: int, attention: str, mode: str, batch: int, device: str = "cuda"):
+    """A bf16-autocast AdamW training step of a fresh model, as `benchmarks.end_to_end` runs it."""
+    cfg = preset(preset_name, vocab_size=10_000, context_length=context, attention_backend=attention)
+    model = TransformerLM.from_config(cfg, device=device)
+    run = model if MODES[mode] is None else torch.compile(model, mode=MODES[mode])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    x, y = token_batch(cfg, batch, device, gen), token_batch(cfg, batch, device, gen)
+
+    def step():
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            logits = run(x)
+        F.cross_entropy(logits.float().view(-1, cfg.vocab_size), y.view(-1)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def synchronizing_calls(step) -> list[str]:
+    """The synchronizing CUDA calls one step makes (each makes the host wait for the GPU, so that it cannot run
+    ahead of it), from torch's sync debug mode."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [str(w.message).splitlines()[0][:120] for w in caught if "synchroniz" in str(w.message)]
+
+
+def time_steps(step, iters: int) -> tuple[float, float]:
+    """(ms a step run back to back with one sync at the end, median ms of a step synchronised on its own: what
+    `benchmarks.end_to_end` times)."""
+    _sync()
+    start = time.perf_counter()
+    for _ in range(iters):
+        step()
+    _sync()
+    back_to_back = (time.perf_counter() - start) / iters * 1e3
+    return back_to_back, statistics.median(time_call(step, "cuda" if torch.cuda.is_available() else None)[1]
+                                           for _ in range(iters))
+
+
+def profile_step(step, top: int) -> None:
+    """Profile two steps and print where their time went."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILED_STEPS):
+            step()
+        _sync()
+    events = prof.key_averages()
+    per_step = float(PROFILED_STEPS)
+    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                      and not e.key.startswith("Optimizer.")),  # a range annotation, not a kernel
+                     key=lambda e: -e.self_device_time_total)
+    busy = sum(e.self_device_time_total for e in kernels) / per_step / 1e3
+    print(f"  GPU busy {busy:.2f} ms a step, {sum(e.count for e in kernels) / per_step:.0f} kernels")
+    for e in kernels[:top]:
+        print(f"  gpu {e.self_device_time_total / per_step / 1e3:8.3f} ms {e.count / per_step:6.0f}x  {e.key[:100]}")
+    host = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CPU),
+                  key=lambda e: -e.self_cpu_time_total)
+    print(f"  host ops by own time (of {sum(e.self_cpu_time_total for e in host) / per_step / 1e3:.2f} ms a step, "
+          "profiled):")
+    for e in host[:top]:
+        print(f"  cpu {e.self_cpu_time_total / per_step / 1e3:8.3f} ms {e.count / per_step:6.0f}x  "
+              f"({e.cpu_time_total / max(e.count, 1):7.1f} us each, children included)  {e.key[:80]}")
+    for e in events:
+        if any(e.key.startswith(name) for name in GRAPH_ENTRIES):
+            print(f"  graph entries: {e.count / per_step:.0f} a step  {e.key[:100]}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="medium")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--mode", choices=list(MODES), default="compiled")
+    p.add_argument("--attention", nargs="+", default=["flash", "sdpa"])
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--top", type=int, default=15, help="kernels and host operations listed per backend")
+    p.add_argument("--device", default="cuda", help="cpu runs it too (host operations only; a check of the script)")
+    args = p.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (or --device cpu)")
+    steps = {}
+    for attention in args.attention:
+        breaks_before = sum(counters["graph_break"].values())
+        steps[attention] = build_step(args.preset, args.context, attention, args.mode, args.batch, args.device)
+        for _ in range(args.warmup):
+            steps[attention]()
+        breaks = sum(counters["graph_break"].values()) - breaks_before
+        print(f"{attention}: {breaks} graph breaks while compiling", flush=True)
+    print(f"\n{args.preset}, context {args.context}, batch {args.batch}, {args.mode}; ms a step, the attention "
+          "backends in turns (back to back / each synchronised):")
+    for r in range(args.rounds):
+        times = {a: time_steps(step, args.iters) for a, step in steps.items()}
+        print(f"  round {r}: " + "; ".join(f"{a} {b2b:.2f} / {synced:.2f}" for a, (b2b, synced) in times.items()),
+              flush=True)
+    for attention, step in steps.items():
+        print(f"\n=== {attention}")
+        if torch.cuda.is_available():
+            syncs = synchronizing_calls(step)
+            print(f"  {len(syncs)} synchronizing calls a step" + "".join(f"\n    {m}" for m in syncs[:8]))
+        profile_step(step, args.top)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
