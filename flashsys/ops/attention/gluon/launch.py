@@ -11,13 +11,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 from torch import Tensor
 
+from .. import device_limits
 from ..layout import empty_output
 from ..replay.plans import Recorded
 from ..triton.tiles import LOG2E
@@ -268,26 +268,10 @@ def paired_heads(variant: Variant, q4: Tensor, k4: Tensor, window: Window) -> in
     return max(1, usable_sms(q4) // triton.cdiv(k4.shape[2], variant.block_n))
 
 
-_sm_counts: dict[int, int] = {}
-
-
-def _sm_count(device_index: int) -> int:
-    """The SMs of this CUDA device, read once (reading the device's properties costs host time on every launch)."""
-    count = _sm_counts.get(device_index)
-    if count is None:
-        count = _sm_counts[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
-    return count
-
-
 def usable_sms(t: Tensor) -> int:
-    """The SMs this process's kernels can run on at once: the GPU's count (132 for a CPU tensor, an H100's, for
-    compiling without a GPU), cut to MPS's share where CUDA_MPS_ACTIVE_THREAD_PERCENTAGE limits it."""
-    sms = _sm_count(t.get_device()) if t.is_cuda else 132
-    share = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
-    try:
-        return sms if share is None else max(1, int(sms * float(share) / 100))
-    except ValueError:  # an unreadable share: assume the smallest
-        return 1
+    """The SMs this process's kernels can run on at once (`device_limits.usable_sms`: MPS's share counted), 132
+    for a CPU tensor (an H100's, for compiling without a GPU)."""
+    return device_limits.usable_sms(t.device, stand_in=132)
 
 
 def dq_sum_rows(n_q: int) -> int:

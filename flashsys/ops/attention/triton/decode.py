@@ -15,7 +15,6 @@ the forward's too, so the backward kernels take them unchanged.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
@@ -23,6 +22,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import wrap_triton
 
+from .. import device_limits
 from ..replay.plans import Recorded
 from .launch import positional, run_fixed
 from ..validation import decode_fits
@@ -169,10 +169,8 @@ def takes(n_q: int, n_k: int, kv_group: int, varlen: bool) -> bool:
 def program_target(device: torch.device) -> int:
     """How many decode programs a wave of whole-SM programs holds (`tiling`): one per SM (at D 128 bf16 a program's
     three stages of 128-key K and V tiles take 136 KB of shared memory; where the keys are split to fill the wave,
-    timed against two per SM, one was as fast or faster); on a CPU, CPU_PROGRAMS."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return CPU_PROGRAMS
+    timed against two per SM, one was as fast or faster; MPS's share counted); CPU_PROGRAMS stand in on a CPU."""
+    return device_limits.usable_sms(device, stand_in=CPU_PROGRAMS)
 
 
 def splits(n_k: int, programs: int, target: int, block_n: int) -> tuple[int, int]:
@@ -198,16 +196,10 @@ def shared_bytes(block_n: int, block_d: int, element_size: int, stages: int) -> 
     return (stages - 1) * 2 * block_n * block_d * element_size + 8192
 
 
-@functools.lru_cache(maxsize=None)
-def _device_shared_limit(index: int) -> int:
-    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
-
-
 def shared_limit(device: torch.device) -> int | None:
-    """The most shared memory a program may take on `device` (sm_90: 227 KB; sm_86/89: 99 KB), or None (a CPU)."""
-    if device.type != "cuda":
-        return None
-    return _device_shared_limit(device.index if device.index is not None else torch.cuda.current_device())
+    """The most shared memory a program may take on `device` (`device_limits.max_shared_memory`; sm_90: 227 KB,
+    sm_86/89: 99 KB), or None (a CPU)."""
+    return device_limits.max_shared_memory(device) if device.type == "cuda" else None
 
 
 def tiling(programs: int, target: int, n_k: int, block_d: int, element_size: int, limit: int | None = None
