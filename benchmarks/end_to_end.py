@@ -3,7 +3,9 @@ preset, context, attention backend and mode (eager, compiled, compiled with CUDA
 
 Batch 4, vocab 10,000. Warm-up steps are kept out of the numbers (`--warmup 0` shows what that does).
 `step_ms` is the median of `--iters` whole steps run back to back (no sync inside a step: what training sees;
-with `--rounds R`, the median of R such rounds, the attention implementations of a cell interleaved);
+with `--rounds R`, the median of R such rounds, the attention implementations of a cell interleaved); `host_ms`,
+measured on the same steps, is the host's time to issue one: where it comes close to `step_ms` the step waits on
+the host (Python, launches), and the attention kernels' speed hardly shows in it;
 the forward/backward/optimizer columns are mean ± std of separately synchronised phases, and `total_ms` is their
 sum. `vs_sdpa` is step_ms over the SDPA model's step_ms in the same cell (same preset, context, mode).
 `--dtype bf16` runs under `torch.autocast(bfloat16)`; `--modes` runs each model eagerly (`eager`), under
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -57,6 +60,7 @@ class Model:
         self.autocast = ((lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if args.dtype == "bf16"
                          else contextlib.nullcontext)
         self.rounds: list[float] = []  # each round's median step
+        self.host_rounds: list[float] = []  # each round's median host time to issue a step
         self.phases = self._time_phases(args.nvtx)
 
     def _loss(self, logits):
@@ -86,8 +90,18 @@ class Model:
         self.opt.zero_grad(set_to_none=True)
 
     def time_steps(self) -> None:
-        """One round: `iters` whole steps back to back, each timed; the round's median is kept."""
-        self.rounds.append(summarize([time_call(self._train_step, self.device)[1] for _ in range(self.iters)]).median)
+        """One round: `iters` whole steps back to back, each timed, and the host's time to issue each (until the
+        step's last launch returns); the round's medians are kept."""
+        steps, host = [], []
+        for _ in range(self.iters):
+            def issue():
+                start = time.perf_counter()
+                self._train_step()
+                host.append((time.perf_counter() - start) * 1e3)
+
+            steps.append(time_call(issue, self.device)[1])
+        self.rounds.append(summarize(steps).median)
+        self.host_rounds.append(summarize(host).median)
 
     def result(self) -> dict:
         """The row's numbers: step_ms the median of the rounds' medians, the phases, and peak memory (None where
@@ -103,7 +117,8 @@ class Model:
                 self._train_step()
         sync()
         f, b, s = self.phases
-        return {"step_ms": statistics.median(self.rounds), "forward_ms": str(f), "backward_ms": str(b),
+        return {"step_ms": statistics.median(self.rounds), "host_ms": statistics.median(self.host_rounds),
+                "forward_ms": str(f), "backward_ms": str(b),
                 "optimizer_ms": str(s), "total_ms": f.mean + b.mean + s.mean, "peak_fwd_MB": mem_fwd["peak_mb"],
                 "peak_step_MB": mem_step["peak_mb"]}
 
@@ -140,7 +155,8 @@ def main(argv=None) -> int:
         return write_table(rows, args.out, name, "TransformerLM end to end",
                            [f"batch {args.batch}, vocab 10,000, AdamW; step_ms: median of {args.iters} whole steps"
                             + (f", the median over {args.rounds} rounds, the attention implementations of a cell "
-                               "interleaved" if args.rounds > 1 else "") + "; "
+                               "interleaved" if args.rounds > 1 else "") + "; host_ms: the host's time to "
+                            "issue a step, on the same steps (close to step_ms: the step waits on the host); "
                             f"phases: mean ± std over {args.iters} steps after {args.warmup} warm-up steps; peak memory "
                             "is the extra allocated during a forward (no grad) and during a full training step."]
                            + ([] if done == len(groups) else
