@@ -10,6 +10,8 @@
 #   bash scripts/gpu_bench_single.sh attention_fa4        # beside FlashAttention-4 (importable: ../shared/tools/fa4_payload.sh)
 #   E2E_PRESETS=small bash scripts/gpu_bench_single.sh end_to_end_compiled   # one preset a call (small: ~300 s on an H200)
 #   E2E_PRESETS=medium E2E_CONTEXTS=512 bash scripts/gpu_bench_single.sh end_to_end_cudagraphs   # compiled vs CUDA graphs
+#   bash scripts/gpu_bench_single.sh hf_train         # transformers' 1.1B Llama: fsys, sdpa, flex_attention (one call)
+#   bash scripts/gpu_bench_single.sh hf_generate      # its generation (a call of its own)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -70,7 +72,7 @@ for s in "${sections[@]}"; do
       --presets ${E2E_PRESETS:-small medium} --contexts 512 2048 --dtype bf16 --attention flash sdpa \
       --modes eager compiled --warmup 3 --iters 10 > "$OUT/end_to_end_compare.log" 2>&1
     echo "end_to_end_compare exit: $?"; grep -E "^\| " "$OUT"/end_to_end/end_to_end_gpu_bf16_flash-sdpa_eager-compiled_w3.md \
-      | cut -d'|' -f2-8,15 ;;
+      | cut -d'|' -f2-9,16 ;;
   attention_fa4)  # flashsys, SDPA-cuDNN and FlashAttention-4 on (B, N, H, D) inputs, 2 interleaved rounds (~280 s on an H200)
     timeout -k 10 ${ATT_TIMEOUT:-330} python3 -m benchmarks.attention --no-progress --out "$OUT/attention" \
       --impls flash-triton sdpa-cudnn fa4 --layout bnhd --name attention_gpu_fa4 --head-dims 64 128 \
@@ -81,14 +83,14 @@ for s in "${sections[@]}"; do
       --presets ${E2E_PRESETS:-small} --contexts 512 2048 8192 --dtype bf16 --attention flash sdpa --modes compiled \
       --rounds 3 --warmup 3 --iters 5 > "$OUT/end_to_end_compiled.log" 2>&1
     echo "end_to_end_compiled exit: $?"; grep -E "^\| " "$OUT"/end_to_end/end_to_end_gpu_bf16_flash-sdpa_compiled_w3.md \
-      | cut -d'|' -f2-8,15 ;;
+      | cut -d'|' -f2-9,16 ;;
   end_to_end_cudagraphs)  # the compiled step with and without CUDA graphs (mode="reduce-overhead"), flash against
                           # SDPA: where the default mode's step waits on the host (medium 512, compiled mode alone: ~270 s)
     timeout -k 10 ${E2E_TIMEOUT:-560} python3 -m benchmarks.end_to_end --no-progress --out "$OUT/end_to_end" \
       --presets ${E2E_PRESETS:-small} --contexts ${E2E_CONTEXTS:-512} --dtype bf16 --attention flash sdpa \
       --modes compiled reduce-overhead --rounds 3 --warmup 3 --iters 5 > "$OUT/end_to_end_cudagraphs.log" 2>&1
     echo "end_to_end_cudagraphs exit: $?"; grep -E "^\| " \
-      "$OUT"/end_to_end/end_to_end_gpu_bf16_flash-sdpa_compiled-reduce-overhead_w3.md | cut -d'|' -f2-8,15 ;;
+      "$OUT"/end_to_end/end_to_end_gpu_bf16_flash-sdpa_compiled-reduce-overhead_w3.md | cut -d'|' -f2-9,16 ;;
   host_cost)  # host µs per attention call vs SDPA, and where they go; "before" too when .old/ holds an older
               # tree (git archive <commit> | tar -x -C .old, carried to the device): same machine, same call
     if [ -d .old ]; then
@@ -106,6 +108,15 @@ for s in "${sections[@]}"; do
     timeout -k 10 ${FEAT_TIMEOUT:-400} python3 -m benchmarks.attention_features --no-progress \
       --out "$OUT/attention_features" > "$OUT/attention_features.log" 2>&1
     echo "attention_features exit: $?"; grep -E "^\| " "$OUT/attention_features/attention_features_gpu.md" ;;
+  hf_train)  # the 1.1B Llama's training step through transformers, fsys against sdpa and flex_attention (eager),
+             # and compiled for fsys and sdpa (HF_IMPLS to choose; compiling takes minutes a model)
+    timeout -k 10 ${HF_TIMEOUT:-560} python3 -m benchmarks.hf_model --no-progress --out "$OUT/hf_model" --parts train \
+      --impls ${HF_IMPLS:-sdpa fsys flex_attention} > "$OUT/hf_train.log" 2>&1
+    echo "hf_train exit: $?"; grep -E "^\| " "$OUT/hf_model/hf_model_gpu_train.md" ;;
+  hf_generate)  # the same model's prefill and decode tokens/s (batch 1 and 16, and 16 left-padded)
+    timeout -k 10 ${HF_TIMEOUT:-560} python3 -m benchmarks.hf_model --no-progress --out "$OUT/hf_model" --parts generate \
+      --impls ${HF_IMPLS:-sdpa fsys flex_attention} > "$OUT/hf_generate.log" 2>&1
+    echo "hf_generate exit: $?"; grep -E "^\| " "$OUT/hf_model/hf_model_gpu_generate.md" | cut -c1-400 ;;
   *) echo "unknown section $s"; exit 2 ;;
   esac
 done
