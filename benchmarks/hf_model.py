@@ -7,7 +7,13 @@
   --left-pad-batches also a left-padded batch (row b's prompt starts after b / batch of half the prompt as padding).
 
 Each part (--parts train generate) writes its own table, every implementation beside sdpa in the same process; the
-two parts can run at once on two GPUs:
+two parts can run at once on two GPUs.
+
+`sdpa_causal` (training only) is transformers' sdpa attention called as its eager training step calls it, with
+`is_causal=True` and no mask. Under torch.compile transformers hands `sdpa` a materialised (B, 1, N, N) causal mask
+instead (its check for packed rows in `position_ids` cannot run while tracing), and SDPA then runs a masked kernel:
+`sdpa_causal` is the strongest SDPA baseline for a compiled step, exact for the train part's whole, unpadded rows.
+
 
     python -m benchmarks.hf_model
     CUDA_VISIBLE_DEVICES=0 python -m benchmarks.hf_model --parts train & \
@@ -30,6 +36,31 @@ SHAPES = {  # TinyLlama-1.1B's shape on a GPU; a toy one on a CPU
     False: dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=256, max_position_embeddings=256),
 }
+
+
+SDPA_CAUSAL = "sdpa_causal"  # a training-only baseline: see the module's docstring
+
+
+def sdpa_causal_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' sdpa attention with `is_causal=True` and no mask, for whole unpadded training rows (queries
+    and keys the same positions): whatever mask transformers built is dropped, so anything else is refused."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if query.shape[2] != key.shape[2]:
+        raise ValueError(f"{SDPA_CAUSAL}: for training rows only (queries and keys at the same positions); got "
+                         f"{query.shape[2]} queries over {key.shape[2]} keys (a KV cache)")
+    kwargs.pop("is_causal", None)
+    return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
+
+
+def register_sdpa_causal() -> str:
+    """Make `attn_implementation="sdpa_causal"` available (its mask function builds no mask). Returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(SDPA_CAUSAL, sdpa_causal_attention)
+    AttentionMaskInterface.register(SDPA_CAUSAL, lambda *args, **kwargs: None)
+    return SDPA_CAUSAL
 
 
 def build(implementation: str, dtype: torch.dtype, state: dict | None):
@@ -93,10 +124,12 @@ def main(argv=None) -> int:
     add_common_args(p, "hf_model")
     p.add_argument("--parts", nargs="+", choices=["train", "generate"], default=["train", "generate"],
                    help="what to measure; each part writes its own table (run them on two GPUs at once if you like)")
-    p.add_argument("--impls", nargs="+", default=["sdpa", "fsys", "flex_attention"] if ON_GPU else ["sdpa", "fsys"])
+    p.add_argument("--impls", nargs="+",
+                   default=["sdpa", SDPA_CAUSAL, "fsys", "flex_attention"] if ON_GPU else ["sdpa", SDPA_CAUSAL, "fsys"],
+                   help=f"attention implementations; {SDPA_CAUSAL} is timed in the train part only")
     p.add_argument("--train-batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=4096 if ON_GPU else 64)
-    p.add_argument("--compiled-impls", nargs="*", default=["fsys", "sdpa"] if ON_GPU else [],
+    p.add_argument("--compiled-impls", nargs="*", default=["fsys", "sdpa", SDPA_CAUSAL] if ON_GPU else [],
                    help="implementations whose compiled training step is timed (compiling takes minutes)")
     p.add_argument("--prompt-tokens", type=int, default=2048 if ON_GPU else 32)
     p.add_argument("--new-tokens", type=int, default=256 if ON_GPU else 8)
@@ -107,6 +140,7 @@ def main(argv=None) -> int:
     from flashsys.integrations.transformers import register
 
     register()
+    register_sdpa_causal()
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     state = build("sdpa", dtype, None).state_dict()
     rows, tokens = [], {}
@@ -120,7 +154,7 @@ def main(argv=None) -> int:
             cell = run_cell(lambda c=compiled: {"ms": train_ms(model, args.train_batch, args.seq, c)})
             row[key] = cell.get("ms", cell.get("error"))
             model.load_state_dict(state)  # generation starts from the same weights for every implementation
-        for batch, pad, label in _generate_cells(args) if "generate" in args.parts else ():
+        for batch, pad, label in _generate_cells(args) if "generate" in args.parts and impl != SDPA_CAUSAL else ():
             cell = run_cell(lambda b=batch, p=pad: decode_tokens_per_s(model, b, args.prompt_tokens, args.new_tokens,
                                                                        p))
             row[f"prefill_{label}_ms"] = cell.get("prefill_ms", cell.get("error"))
@@ -148,6 +182,7 @@ def write(rows: list[dict], tokens: dict, args, dtype: torch.dtype, n_params: fl
     """One table per part measured (`hf_model_<device>_train`, `..._generate`) of the rows so far, with each
     implementation's ratios to sdpa's row of the same run."""
     base = next((r for r in rows if r["impl"] == "sdpa"), None)
+    baselines = [r for r in rows if r["impl"] in ("sdpa", SDPA_CAUSAL)]
     out = []
     for r in rows:
         r = dict(r)
@@ -156,6 +191,11 @@ def write(rows: list[dict], tokens: dict, args, dtype: torch.dtype, n_params: fl
                 ref = base.get(key)
                 if isinstance(value, float) and isinstance(ref, float):
                     r[f"{key}_vs_sdpa"] = value / ref
+        if r["impl"] not in ("sdpa", SDPA_CAUSAL):
+            for key, value in list(r.items()):
+                refs = [b[key] for b in baselines if isinstance(b.get(key), float)]
+                if key.startswith("train_") and isinstance(value, float) and len(refs) > 1:
+                    r[f"{key}_vs_best_sdpa"] = value / min(refs)
             for _, _, label in _generate_cells(args):
                 if (r["impl"], label) in tokens and ("sdpa", label) in tokens:
                     same = tokens[(r["impl"], label)] == tokens[("sdpa", label)]
@@ -164,7 +204,10 @@ def write(rows: list[dict], tokens: dict, args, dtype: torch.dtype, n_params: fl
     model = f"{n_params:.2f}B parameters ({SHAPES[ON_GPU]}), random weights, {str(dtype)[6:]}."
     notes = {
         "train": f"Train: batch {args.train_batch} x {args.seq} tokens, one AdamW step (forward, backward, step), "
-                 "eager and torch.compile'd, median ms per step (*_vs_sdpa: < 1 is faster).",
+                 "eager and torch.compile'd, median ms per step (*_vs_sdpa: < 1 is faster; *_vs_best_sdpa: over the "
+                 f"faster of sdpa and {SDPA_CAUSAL}, transformers' sdpa attention with is_causal=True and no mask, "
+                 "which is what its eager step runs and its compiled step does not: under torch.compile transformers "
+                 "hands sdpa a materialised causal mask).",
         "generate": f"Generate: greedy, {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, dynamic "
                     "cache, eager (_leftpad: row b's prompt starts after b / batch of half the prompt as "
                     "padding, with its attention mask); prefill ms and decode tokens/s after the prefill "
@@ -177,7 +220,8 @@ def write(rows: list[dict], tokens: dict, args, dtype: torch.dtype, n_params: fl
     prefixes = {"train": ("train_",), "generate": ("prefill_", "decode_", "same_tokens_")}
     paths = []
     for part in args.parts:
-        part_rows = [{k: v for k, v in r.items() if k == "impl" or k.startswith(prefixes[part])} for r in out]
+        part_rows = [{k: v for k, v in r.items() if k == "impl" or k.startswith(prefixes[part])} for r in out
+                     if part == "train" or r["impl"] != SDPA_CAUSAL]
         name = f"hf_model_{'gpu' if ON_GPU else 'cpu'}_{part}"
         paths.append(write_table(part_rows, args.out, name, f"A Llama-architecture transformers model: {part}",
                                  [f"{model} {notes[part]}"], environment()))

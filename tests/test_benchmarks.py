@@ -203,3 +203,45 @@ def test_ddp_scaling_table_holds_the_variants_measured_at_every_world():
 def test_ddp_world_size_below_two_is_refused_by_name():
     r = _run("ddp", "--world-size", "2", "1", timeout=120)
     assert r.returncode == 2 and "--world-size" in r.stderr and "2 or more" in r.stderr, r.stderr[-500:]
+
+
+def test_hf_sdpa_causal_baseline_is_sdpa_without_the_mask_compile_builds():
+    """benchmarks.hf_model's `sdpa_causal` computes what `sdpa` computes on whole unpadded rows (the train part's
+    batches); under torch.compile transformers hands `sdpa` a materialised causal mask and `sdpa_causal` none (the
+    reason the baseline exists); with a KV cache (queries fewer than keys) it refuses, naming itself."""
+    pytest.importorskip("transformers")
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from benchmarks import hf_model
+
+    hf_model.register_sdpa_causal()
+    state = hf_model.build("sdpa", torch.float32, None).state_dict()
+    models = {impl: hf_model.build(impl, torch.float32, state).eval() for impl in ("sdpa", hf_model.SDPA_CAUSAL)}
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = {impl: m(input_ids=ids, use_cache=False).logits for impl, m in models.items()}
+    torch.testing.assert_close(logits[hf_model.SDPA_CAUSAL], logits["sdpa"], rtol=1e-5, atol=1e-5)
+
+    masks = []
+    originals = {impl: ALL_ATTENTION_FUNCTIONS[impl] for impl in models}
+
+    def recording(impl):
+        def attention(module, q, k, v, attention_mask, **kwargs):
+            masks.append((impl, None if attention_mask is None else attention_mask.dim()))
+            return originals[impl](module, q, k, v, attention_mask, **kwargs)
+        return attention
+
+    try:
+        for impl in models:
+            ALL_ATTENTION_FUNCTIONS._global_mapping[impl] = recording(impl)
+        with torch.no_grad():
+            for impl, m in models.items():
+                torch._dynamo.reset()
+                torch.compile(m, backend="eager")(input_ids=ids, use_cache=False)
+    finally:
+        ALL_ATTENTION_FUNCTIONS._global_mapping.update(originals)
+        torch._dynamo.reset()
+    assert {impl: {dim for i, dim in masks if i == impl} for impl in models} == {"sdpa": {4},
+                                                                                  hf_model.SDPA_CAUSAL: {None}}
+    with pytest.raises(ValueError, match="sdpa_causal: for training rows only"):
+        models[hf_model.SDPA_CAUSAL].generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
