@@ -10,7 +10,7 @@
 #   bash scripts/gpu_bench_single.sh attention_fa4        # beside FlashAttention-4 (importable: ../shared/tools/fa4_payload.sh)
 #   E2E_PRESETS=small bash scripts/gpu_bench_single.sh end_to_end_compiled   # one preset a call (small: ~300 s on an H200)
 #   E2E_PRESETS=medium E2E_CONTEXTS=512 bash scripts/gpu_bench_single.sh end_to_end_cudagraphs   # compiled vs CUDA graphs
-#   bash scripts/gpu_bench_single.sh hf_train         # transformers' 1.1B Llama: fsys, sdpa, flex_attention (one call)
+#   bash scripts/gpu_bench_single.sh hf_train         # transformers' 1.1B Llama: fsys, sdpa, sdpa_causal, flex (one call)
 #   bash scripts/gpu_bench_single.sh hf_generate      # its generation (a call of its own)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -111,7 +111,7 @@ for s in "${sections[@]}"; do
   hf_train)  # the 1.1B Llama's training step through transformers, fsys against sdpa and flex_attention (eager),
              # and compiled for fsys and sdpa (HF_IMPLS to choose; compiling takes minutes a model)
     timeout -k 10 ${HF_TIMEOUT:-560} python3 -m benchmarks.hf_model --no-progress --out "$OUT/hf_model" --parts train \
-      --impls ${HF_IMPLS:-sdpa fsys flex_attention} > "$OUT/hf_train.log" 2>&1
+      --impls ${HF_IMPLS:-sdpa sdpa_causal fsys flex_attention} > "$OUT/hf_train.log" 2>&1
     echo "hf_train exit: $?"; grep -E "^\| " "$OUT/hf_model/hf_model_gpu_train.md" ;;
   hf_generate)  # the same model's prefill and decode tokens/s (batch 1 and 16, and 16 left-padded)
     timeout -k 10 ${HF_TIMEOUT:-560} python3 -m benchmarks.hf_model --no-progress --out "$OUT/hf_model" --parts generate \
