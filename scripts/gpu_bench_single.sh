@@ -108,7 +108,7 @@ for s in "${sections[@]}"; do
     timeout -k 10 ${FEAT_TIMEOUT:-400} python3 -m benchmarks.attention_features --no-progress \
       --out "$OUT/attention_features" > "$OUT/attention_features.log" 2>&1
     echo "attention_features exit: $?"; grep -E "^\| " "$OUT/attention_features/attention_features_gpu.md" ;;
-  hf_train)  # the 1.1B Llama's training step through transformers, fsys against sdpa and flex_attention (eager),
+  hf_train)  # the 1.1B Llama's training step through transformers, fsys against sdpa, sdpa_causal and flex (eager),
              # and compiled for fsys and sdpa (HF_IMPLS to choose; compiling takes minutes a model)
     timeout -k 10 ${HF_TIMEOUT:-560} python3 -m benchmarks.hf_model --no-progress --out "$OUT/hf_model" --parts train \
       --impls ${HF_IMPLS:-sdpa sdpa_causal fsys flex_attention} > "$OUT/hf_train.log" 2>&1
