@@ -73,7 +73,8 @@ def synchronizing_calls(step) -> list[str]:
             step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return [str(w.message).splitlines()[0][:120] for w in caught if "synchroniz" in str(w.message)]
+    # torch's message for each ("called a synchronizing CUDA operation"), not the mode's one-time prototype notice
+    return [str(w.message).splitlines()[0][:120] for w in caught if "called a synchronizing" in str(w.message)]
 
 
 def time_steps(step, iters: int) -> tuple[float, float]:
