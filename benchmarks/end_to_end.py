@@ -49,8 +49,9 @@ class Model:
     """One row of the table: a model (preset, context, attention, mode: one of MODES) built, warmed up and its phases
     timed, then its whole steps timed in rounds (`time_steps`), and its peak memory measured last (`result`)."""
 
-    def __init__(self, preset_name: str, context: int, attention: str, mode: str, args):
-        self.device, self.iters, self.warmup, self.mode = DEVICE, args.iters, args.warmup, mode
+    def __init__(self, preset_name: str, context: int, attention: str, mode: str, args,
+                 device: torch.device = DEVICE):
+        self.device, self.iters, self.warmup, self.mode = device, args.iters, args.warmup, mode
         cfg = preset(preset_name, vocab_size=10_000, context_length=context, attention_backend=attention)
         model = TransformerLM.from_config(cfg, device=self.device)
         self.model = model if MODES[mode] is None else torch.compile(model, mode=MODES[mode])
@@ -82,7 +83,8 @@ class Model:
                 fwd.append(t_f), bwd.append(t_b), step.append(t_s)
         return summarize(fwd), summarize(bwd), summarize(step)
 
-    def _train_step(self) -> None:
+    def train_step(self) -> None:
+        """One whole step: forward (under autocast for bf16), loss, backward, optimizer step, zero_grad."""
         with self.autocast():
             logits = self.model(self.x)
         self._loss(logits).backward()
@@ -93,12 +95,13 @@ class Model:
         """One round: `iters` whole steps back to back, each timed, and the host's time to issue each (until the
         step's last launch returns); the round's medians are kept."""
         steps, host = [], []
-        for _ in range(self.iters):
-            def issue():
-                start = time.perf_counter()
-                self._train_step()
-                host.append((time.perf_counter() - start) * 1e3)
 
+        def issue():
+            start = time.perf_counter()
+            self.train_step()
+            host.append((time.perf_counter() - start) * 1e3)
+
+        for _ in range(self.iters):
             steps.append(time_call(issue, self.device)[1])
         self.rounds.append(summarize(steps).median)
         self.host_rounds.append(summarize(host).median)
@@ -114,7 +117,7 @@ class Model:
             with peak_memory() as mem_fwd, torch.no_grad(), self.autocast():
                 self.model(self.x)
             with peak_memory() as mem_step:
-                self._train_step()
+                self.train_step()
         sync()
         f, b, s = self.phases
         return {"step_ms": statistics.median(self.rounds), "host_ms": statistics.median(self.host_rounds),

@@ -1,12 +1,12 @@
 """Profile training steps of `benchmarks.end_to_end`'s TransformerLM under each attention backend (GPU probe).
 
 Why: the benchmark gives a step's time; where a step waits on the host (small models, short contexts, compiled
-graphs), the GPU's kernels do not say where it goes. The backends' models are built side by side; this prints the
-graph breaks each compile made, then rounds of steps in turns, each backend's step timed back to back (one sync at
-the end: what training sees) and synchronised on its own (what the benchmark's step_ms times), and then per backend:
-the synchronising calls a step makes (torch's sync debug mode: each stops the host from running ahead), the GPU's
-busy time and the kernels by GPU time, the host operations by their own CPU time, and how many compiled graphs a step
-enters.
+graphs), the GPU's kernels do not say where it goes. The backends' models (the benchmark's own `Model`: its model,
+bf16 autocast, AdamW and step) are built side by side; this prints the graph breaks each compile made, then rounds of
+steps in turns, each backend's step timed back to back (one sync at the end: what training sees) and synchronised on
+its own (what the benchmark's step_ms times), and then per backend: the synchronising calls a step makes (torch's sync
+debug mode: each stops the host from running ahead), the GPU's busy time and the kernels by GPU time, the host
+operations by their own CPU time, and how many compiled graphs a step enters.
 
     python scripts/profile_lm_step.py --preset medium --context 512 --mode compiled
     python scripts/profile_lm_step.py --preset small --context 2048 --mode eager --attention flash --top 30
@@ -23,39 +23,20 @@ import time
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this tree's benchmarks, flashsys
 
-from benchmarks.end_to_end import MODES  # noqa: E402
-from benchmarks.harness import token_batch  # noqa: E402
-from flashsys.nn import TransformerLM, preset  # noqa: E402
+from benchmarks.end_to_end import MODES, Model  # noqa: E402
+from benchmarks.harness import at_least_one  # noqa: E402
+from flashsys.nn import PRESETS  # noqa: E402
+from flashsys.ops.attention import ATTENTION_BACKENDS  # noqa: E402
 from flashsys.timing import time_call  # noqa: E402
 
 PROFILED_STEPS = 2
 # Host events that mark entering a compiled graph (their names differ across torch versions).
 GRAPH_ENTRIES = ("Torch-Compiled Region", "CompiledFunction", "CompiledFunctionBackward")
-
-
-def build_step(preset_name: str, context: int, attention: str, mode: str, batch: int, device: str = "cuda"):
-    """A bf16-autocast AdamW training step of a fresh model, as `benchmarks.end_to_end` runs it."""
-    cfg = preset(preset_name, vocab_size=10_000, context_length=context, attention_backend=attention)
-    model = TransformerLM.from_config(cfg, device=device)
-    run = model if MODES[mode] is None else torch.compile(model, mode=MODES[mode])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(0)
-    x, y = token_batch(cfg, batch, device, gen), token_batch(cfg, batch, device, gen)
-
-    def step():
-        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
-            logits = run(x)
-        F.cross_entropy(logits.float().view(-1, cfg.vocab_size), y.view(-1)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
 
 
 def _sync() -> None:
@@ -119,25 +100,27 @@ def profile_step(step, top: int) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="medium")
+    p.add_argument("--preset", default="medium", choices=list(PRESETS))
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--mode", choices=list(MODES), default="compiled")
-    p.add_argument("--attention", nargs="+", default=["flash", "sdpa"])
-    p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--attention", nargs="+", default=["flash", "sdpa"], choices=list(ATTENTION_BACKENDS))
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before the benchmark's phase timing")
+    p.add_argument("--iters", type=int, default=10, help="steps a round (and steps of the phase timing)")
+    p.add_argument("--rounds", type=at_least_one, default=3)
     p.add_argument("--top", type=int, default=15, help="kernels and host operations listed per backend")
     p.add_argument("--device", default="cuda", help="cpu runs it too (host operations only; a check of the script)")
     args = p.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("needs a CUDA GPU (or --device cpu)")
+    # The benchmark's own model and step (bf16 autocast, AdamW); building one times its phases over --warmup +
+    # --iters steps, which are this script's warm-up.
+    settings = argparse.Namespace(iters=args.iters, warmup=args.warmup, batch=args.batch, dtype="bf16", nvtx=False)
     steps = {}
     for attention in args.attention:
         breaks_before = sum(counters["graph_break"].values())
-        steps[attention] = build_step(args.preset, args.context, attention, args.mode, args.batch, args.device)
-        for _ in range(args.warmup):
-            steps[attention]()
+        model = Model(args.preset, args.context, attention, args.mode, settings, torch.device(args.device))
+        steps[attention] = model.train_step
         breaks = sum(counters["graph_break"].values()) - breaks_before
         print(f"{attention}: {breaks} graph breaks while compiling", flush=True)
     print(f"\n{args.preset}, context {args.context}, batch {args.batch}, {args.mode}; ms a step, the attention "
@@ -148,7 +131,7 @@ def main(argv=None) -> int:
               flush=True)
     for attention, step in steps.items():
         print(f"\n=== {attention}")
-        if torch.cuda.is_available():
+        if args.device.startswith("cuda"):
             syncs = synchronizing_calls(step)
             print(f"  {len(syncs)} synchronizing calls a step" + "".join(f"\n    {m}" for m in syncs[:8]))
         profile_step(step, args.top)

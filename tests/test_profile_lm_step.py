@@ -36,3 +36,11 @@ def test_a_gpu_device_without_a_gpu_is_refused_naming_the_fallback():
     done = subprocess.run([sys.executable, str(SCRIPT), "--preset", "demo"], capture_output=True, text=True, cwd=ROOT,
                           timeout=120)
     assert done.returncode == 2 and "--device cpu" in done.stderr
+
+
+@pytest.mark.parametrize("bad, option", [(["--preset", "huge"], "--preset"), (["--rounds", "0"], "--rounds"),
+                                         (["--attention", "dense"], "--attention")])
+def test_bad_options_are_refused_naming_them(bad, option):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", *bad], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert done.returncode == 2 and f"argument {option}" in done.stderr, done.stderr[-1000:]
