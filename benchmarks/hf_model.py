@@ -14,7 +14,6 @@ two parts can run at once on two GPUs.
 instead (its check for packed rows in `position_ids` cannot run while tracing), and SDPA then runs a masked kernel:
 `sdpa_causal` is the strongest SDPA baseline for a compiled step, exact for the train part's whole, unpadded rows.
 
-
     python -m benchmarks.hf_model
     CUDA_VISIBLE_DEVICES=0 python -m benchmarks.hf_model --parts train & \
     CUDA_VISIBLE_DEVICES=1 python -m benchmarks.hf_model --parts generate
@@ -41,24 +40,28 @@ SHAPES = {  # TinyLlama-1.1B's shape on a GPU; a toy one on a CPU
 SDPA_CAUSAL = "sdpa_causal"  # a training-only baseline: see the module's docstring
 
 
-def sdpa_causal_attention(module, query, key, value, attention_mask, **kwargs):
-    """transformers' sdpa attention with `is_causal=True` and no mask, for whole unpadded training rows (queries
-    and keys the same positions): whatever mask transformers built is dropped, so anything else is refused."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+def sdpa_causal_attention(sdpa_attention_forward):
+    """transformers' sdpa attention (`sdpa_attention_forward`) called with `is_causal=True` and no mask, for whole
+    unpadded training rows (queries and keys the same positions): whatever mask transformers built is dropped, so
+    anything else is refused."""
 
-    if query.shape[2] != key.shape[2]:
-        raise ValueError(f"{SDPA_CAUSAL}: for training rows only (queries and keys at the same positions); got "
-                         f"{query.shape[2]} queries over {key.shape[2]} keys (a KV cache)")
-    kwargs.pop("is_causal", None)
-    return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        if query.shape[2] != key.shape[2]:
+            raise ValueError(f"{SDPA_CAUSAL}: for training rows only (queries and keys at the same positions); got "
+                             f"{query.shape[2]} queries over {key.shape[2]} keys (a KV cache)")
+        kwargs.pop("is_causal", None)
+        return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
+
+    return attention
 
 
 def register_sdpa_causal() -> str:
     """Make `attn_implementation="sdpa_causal"` available (its mask function builds no mask). Returns the name."""
     from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(SDPA_CAUSAL, sdpa_causal_attention)
+    AttentionInterface.register(SDPA_CAUSAL, sdpa_causal_attention(sdpa_attention_forward))
     AttentionMaskInterface.register(SDPA_CAUSAL, lambda *args, **kwargs: None)
     return SDPA_CAUSAL
 
@@ -186,20 +189,18 @@ def write(rows: list[dict], tokens: dict, args, dtype: torch.dtype, n_params: fl
     out = []
     for r in rows:
         r = dict(r)
-        if base is not None and r["impl"] != "sdpa":
-            for key, value in list(r.items()):
-                ref = base.get(key)
-                if isinstance(value, float) and isinstance(ref, float):
-                    r[f"{key}_vs_sdpa"] = value / ref
-        if r["impl"] not in ("sdpa", SDPA_CAUSAL):
-            for key, value in list(r.items()):
-                refs = [b[key] for b in baselines if isinstance(b.get(key), float)]
-                if key.startswith("train_") and isinstance(value, float) and len(refs) > 1:
-                    r[f"{key}_vs_best_sdpa"] = value / min(refs)
-            for _, _, label in _generate_cells(args):
-                if (r["impl"], label) in tokens and ("sdpa", label) in tokens:
-                    same = tokens[(r["impl"], label)] == tokens[("sdpa", label)]
-                    r[f"same_tokens_{label}"] = same.float().mean().item()
+        for key, value in list(r.items()) if r["impl"] != "sdpa" else ():
+            refs = [b[key] for b in baselines if isinstance(b.get(key), float)]
+            if not isinstance(value, float) or not refs:
+                continue
+            if base is not None and isinstance(base.get(key), float):
+                r[f"{key}_vs_sdpa"] = value / base[key]
+            if key.startswith("train_") and len(refs) > 1 and r["impl"] != SDPA_CAUSAL:
+                r[f"{key}_vs_best_sdpa"] = value / min(refs)
+        for _, _, label in _generate_cells(args):
+            if (r["impl"], label) in tokens and ("sdpa", label) in tokens and r["impl"] != "sdpa":
+                same = tokens[(r["impl"], label)] == tokens[("sdpa", label)]
+                r[f"same_tokens_{label}"] = same.float().mean().item()
         out.append(r)
     model = f"{n_params:.2f}B parameters ({SHAPES[ON_GPU]}), random weights, {str(dtype)[6:]}."
     notes = {

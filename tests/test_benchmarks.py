@@ -245,3 +245,28 @@ def test_hf_sdpa_causal_baseline_is_sdpa_without_the_mask_compile_builds():
                                                                                   hf_model.SDPA_CAUSAL: {None}}
     with pytest.raises(ValueError, match="sdpa_causal: for training rows only"):
         models[hf_model.SDPA_CAUSAL].generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+
+
+def test_hf_train_ratios_take_sdpa_and_the_faster_sdpa_baseline(tmp_path):
+    """Each implementation's train columns over sdpa's (`*_vs_sdpa`) and over the faster of sdpa and sdpa_causal
+    (`*_vs_best_sdpa`); the baselines get no ratio to themselves, and sdpa_causal has no generate row."""
+    import argparse
+    import csv
+
+    from benchmarks import hf_model
+
+    args = argparse.Namespace(parts=["train", "generate"], out=tmp_path, gen_batches=[2], left_pad_batches=[],
+                              train_batch=2, seq=64, prompt_tokens=8, new_tokens=4)
+    rows = [{"impl": "sdpa", "train_eager_ms": 10.0, "train_compiled_ms": 12.0, "prefill_b2_ms": 4.0},
+            {"impl": hf_model.SDPA_CAUSAL, "train_eager_ms": 11.0, "train_compiled_ms": 8.0},
+            {"impl": "fsys", "train_eager_ms": 9.0, "train_compiled_ms": 6.0, "prefill_b2_ms": 2.0}]
+    hf_model.write(rows, {}, args, torch.float32, 0.001)
+    train = {r["impl"]: r for r in csv.DictReader(open(tmp_path / "hf_model_cpu_train.csv"))}
+    assert float(train["fsys"]["train_eager_ms_vs_sdpa"]) == 0.9
+    assert float(train["fsys"]["train_compiled_ms_vs_sdpa"]) == 0.5
+    assert float(train["fsys"]["train_eager_ms_vs_best_sdpa"]) == 0.9      # sdpa the faster eager
+    assert float(train["fsys"]["train_compiled_ms_vs_best_sdpa"]) == 0.75  # sdpa_causal the faster compiled
+    assert train[hf_model.SDPA_CAUSAL]["train_compiled_ms_vs_best_sdpa"] == ""
+    assert float(train[hf_model.SDPA_CAUSAL]["train_compiled_ms_vs_sdpa"]) == 8.0 / 12.0
+    generate = [r["impl"] for r in csv.DictReader(open(tmp_path / "hf_model_cpu_generate.csv"))]
+    assert generate == ["sdpa", "fsys"]

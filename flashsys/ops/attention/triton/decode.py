@@ -15,7 +15,6 @@ the forward's too, so the backward kernels take them unchanged.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
