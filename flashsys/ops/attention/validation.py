@@ -7,11 +7,12 @@ memory access. Every message names the argument and the offending shape, dtype o
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable
 
 import numpy as np
 import torch
+
+from .readback import read_once
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256  # the Triton op's largest head dim (its biggest tile table)
@@ -112,26 +113,10 @@ def check_offsets(cu, total: int, max_seqlen, device: torch.device, *, name: str
                          f"({longest_found}), got {max_seqlen!r}")
 
 
-# GPU index tensors already read (offsets, cache starts): (id, what the check is) -> (weak reference, storage
-# address, version, what was read). The weak reference proves the same live tensor (an id can be reused once a tensor
-# dies); the version counter changes with every in-place write through torch. CPU tensors are not cached: a numpy
-# view writes them without bumping the version, and reading them back costs no device wait.
-_checked: dict[tuple[int, str], tuple[weakref.ref, int, int, object]] = {}
-
-
 def _read_once(t: torch.Tensor, kind: str, check: Callable[[list[int]], object]) -> object:
-    """check(t.tolist()) (which may raise on a bad tensor), read back once per unchanged GPU tensor and `kind` of check.
-    What `check` returns must not depend on anything but the values: the caller compares it with the call's sizes."""
-    cached = t.device.type != "cpu"
-    known = _checked.get((id(t), kind)) if cached else None
-    if known is not None and known[0]() is t and known[1:3] == (t.data_ptr(), t._version):
-        return known[3]
-    result = check(t.tolist())
-    if cached:
-        if len(_checked) > 1024:
-            _checked.clear()
-        _checked[(id(t), kind)] = (weakref.ref(t), t.data_ptr(), t._version, result)
-    return result
+    """check(t.tolist()) (which may raise on a bad tensor), once per unchanged GPU tensor and `kind` of check. What
+    `check` returns must not depend on anything but the values: the caller compares it with the call's sizes."""
+    return read_once(t, kind, lambda values: check(values.tolist()))
 
 
 def _offsets_summary(cu: torch.Tensor, name: str, op: str) -> tuple[int, int]:
@@ -153,6 +138,23 @@ def _offsets_summary(cu: torch.Tensor, name: str, op: str) -> tuple[int, int]:
 
 def _shown(values: list[int]) -> list:
     return values if len(values) <= 12 else values[:6] + ["..."] + values[-3:]
+
+
+def check_position_ids(position_ids, batch: int, n: int, device: torch.device, *, op: str) -> None:
+    """Check position ids for `batch` rows of `n` tokens: an integer (batch, n) or (1, n) tensor on `device`.
+
+    Raises:
+        ValueError: naming position_ids and what is wrong.
+    """
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dtype.is_floating_point \
+            or position_ids.dtype.is_complex or position_ids.dtype == torch.bool:
+        what = position_ids.dtype if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
+        raise ValueError(f"{op}: position_ids must be an integer tensor, got {what}")
+    if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != n:
+        raise ValueError(f"{op}: position_ids must be ({batch}, {n}) or (1, {n}) for {batch} rows of {n} tokens, got "
+                         f"{tuple(position_ids.shape)}")
+    if position_ids.device != device:
+        raise ValueError(f"{op}: position_ids is on {position_ids.device}, q on {device}")
 
 
 def check_cache_start(cache_start, batch: int, n_keys: int, device: torch.device, *, op: str) -> torch.Tensor:
