@@ -27,15 +27,21 @@ a padding mask with holes, a head dim above 256 or key and value head dims that 
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..ops.attention import MAX_HEAD_DIM, flash_attention, flash_attention_decode, flash_attention_varlen
+from ..ops.attention import (
+    MAX_HEAD_DIM,
+    flash_attention,
+    flash_attention_decode,
+    flash_attention_packed,
+    flash_attention_varlen,
+)
 from ..ops.attention.cache_decode import grad_requested
+from ..ops.attention.readback import read_once
 from ..ops.attention.validation import decode_fits
 
 NAME = "fsys"
@@ -94,6 +100,10 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window = _window(sliding_window, causal)
     batch, n_q, n_k = query.shape[0], query.shape[2], key.shape[2]
+    if _by_positions(kwargs, attention_mask, n_q, n_k):
+        out = flash_attention_packed(query, key, value, kwargs["position_ids"], causal=causal, softmax_scale=scaling,
+                                     window_size=window)
+        return out.transpose(1, 2).contiguous(), None
     packed = _packed_rows(kwargs, attention_mask, batch, n_q, n_k)
     if packed is not None and packed.key_start is not None and _decodes(query, key, value):
         out = flash_attention_decode(query, key, value, cache_start=packed.key_start, causal=causal,
@@ -173,49 +183,32 @@ class _Packed:
         self.rows_q, self.rows_k, self.key_start = rows_q, rows_k, key_start
 
 
-# Every layer of a forward gets the same mask and position_ids tensors: reading them back (a device wait) is done
-# once per tensor while it is unchanged, not once per layer. By id, with a weak reference that proves the same live
-# tensor (ids are reused once a tensor dies) and its version counter (bumped by every in-place write).
-_plans: dict[int, tuple[weakref.ref, int, tuple, _Packed | None]] = {}
-
-
-def _cached(t: Tensor, shape: tuple, build: Callable[[], _Packed | None]) -> _Packed | None:
-    known = _plans.get(id(t))
-    if known is not None and known[0]() is t and known[1:3] == (t._version, shape):
-        return known[3]
-    plan = build()
-    if len(_plans) > 256:
-        _plans.clear()
-    _plans[id(t)] = (weakref.ref(t), t._version, shape, plan)
-    return plan
+def _by_positions(kwargs: dict, attention_mask: Tensor | None, n_q: int, n_k: int) -> bool:
+    """Whether only `position_ids` can say how the rows split (no offsets, no mask, and queries at the keys'
+    positions): `flash_attention_packed` reads them, inside a compiled graph too. With a cache, or one query per
+    row, positions that do not go on by one are left padding's, not packing (its mask says the rest)."""
+    return (kwargs.get("cu_seq_lens_q") is None and kwargs.get("cu_seq_lens_k") is None and attention_mask is None
+            and kwargs.get("position_ids") is not None and n_q == n_k > 1)
 
 
 def _packed_rows(kwargs: dict, attention_mask: Tensor | None, batch: int, n_q: int, n_k: int) -> _Packed | None:
-    """How a batch splits into sequences, or None for whole rows (the dense kernels): the collator's offsets, else
-    the padding mask's real tokens, else documents where `position_ids` restart (without a cache: n_q == n_k).
-
-    Whole rows that no tensor has to be read to recognise (no offsets, mask or positions, or positions with a cache
-    or one query per row) are decided here, so that a compiled model does not break its graph at every layer there
-    (decoding one token); the rest is read back, outside the graph (`_read_packed_rows`)."""
-    if (kwargs.get("cu_seq_lens_q") is None and kwargs.get("cu_seq_lens_k") is None and attention_mask is None
-            and (kwargs.get("position_ids") is None or n_q != n_k or n_q == 1)):
+    """How a batch with the collator's offsets or a padding mask splits into sequences, or None for whole rows (the
+    dense kernels). Whole rows that no tensor has to be read to recognise (neither offsets nor a mask) are decided
+    here, so that a compiled model does not break its graph at every layer there; the rest is read back, outside the
+    graph (`_read_packed_rows`)."""
+    if kwargs.get("cu_seq_lens_q") is None and kwargs.get("cu_seq_lens_k") is None and attention_mask is None:
         return None
     return _read_packed_rows(kwargs, attention_mask, batch, n_q, n_k)
 
 
-@torch.compiler.disable  # reads the mask or positions back: outside a compiled graph
-def _read_packed_rows(kwargs: dict, attention_mask: Tensor | None, batch: int, n_q: int, n_k: int
-                      ) -> _Packed | None:
+@torch.compiler.disable  # reads the offsets or the mask back: outside a compiled graph
+def _read_packed_rows(kwargs: dict, attention_mask: Tensor, batch: int, n_q: int, n_k: int) -> _Packed:
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None or cu_k is not None:
         return _from_offsets(cu_q, cu_k, kwargs.get("max_length_q"), kwargs.get("max_length_k"), batch * n_q,
                              batch * n_k)
-    if attention_mask is not None:
-        return _cached(attention_mask, (batch, n_q, n_k), lambda: _from_padding(attention_mask.bool(), n_q, n_k))
-    positions = kwargs.get("position_ids")  # present, with n_q == n_k > 1: `_packed_rows` decided the rest
-    # Keyed on the tensor the model passes every layer (often (1, N) for the whole batch): an expanded view would be
-    # a new tensor in each layer, and each would be read back again.
-    return _cached(positions, (batch, n_q), lambda: _from_positions(positions.expand(batch, -1)))
+    return read_once(attention_mask, f"padding of {batch} rows, {n_q} queries, {n_k} keys",
+                     lambda mask: _from_padding(mask.bool(), n_q, n_k))
 
 
 def _from_offsets(cu_q, cu_k, max_q, max_k, total_q: int, total_k: int) -> _Packed:
@@ -252,18 +245,3 @@ def _from_padding(mask: Tensor, n_q: int, n_k: int) -> _Packed:
     decoding = n_q < n_k and summary[3] == n_q
     return _Packed(cu_q, cu_k, summary[1], summary[2], mask_q.reshape(-1).nonzero().view(-1),
                    mask.reshape(-1).nonzero().view(-1), n_k - lengths_k if decoding else None)
-
-
-def _from_positions(positions: Tensor) -> _Packed | None:
-    """Documents where a row's positions do not go on by one (as transformers' `find_packed_sequence_indices`),
-    or None when every row is one sequence."""
-    batch, n = positions.shape
-    starts = torch.ones_like(positions, dtype=torch.bool)
-    starts[:, 1:] = positions[:, 1:] - positions[:, :-1] != 1
-    if not bool(starts[:, 1:].any()):
-        return None
-    flat_starts = starts.reshape(-1).nonzero().view(-1).to(torch.int32)
-    end = torch.tensor([batch * n], dtype=torch.int32, device=positions.device)
-    cu = torch.cat([flat_starts, end])
-    longest = int((cu[1:] - cu[:-1]).max())
-    return _Packed(cu, cu, longest, longest)

@@ -105,9 +105,13 @@ class _DeviceReads(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @pytest.mark.parametrize("positions", ["none", "one row for the batch", "one row each"])
-def test_a_forward_reads_the_positions_back_once_not_once_per_layer(positions):
+def test_a_forward_reads_the_positions_back_once_not_once_per_layer(positions, monkeypatch):
     """Deciding whether a batch is packed reads `position_ids` back (a wait for the GPU); every layer gets the same
-    tensor, so it is read once per forward whatever the number of layers and whatever its batch dimension."""
+    tensor, so it is read once per forward whatever the number of layers and whatever its batch dimension. (Readings
+    are remembered on a GPU only: here CPU tensors stand in for GPU ones.)"""
+    from flashsys.ops.attention import readback
+
+    monkeypatch.setattr(readback, "cacheable", lambda t: True)
     ref, ours = _pair("llama-gqa", num_hidden_layers=6)
     x = _tokens(2, 12)
     given = {"none": None, "one row for the batch": torch.arange(12)[None],
@@ -120,12 +124,15 @@ def test_a_forward_reads_the_positions_back_once_not_once_per_layer(positions):
     assert counts[1] <= counts[0] + 1, f"sdpa's forward reads back {counts[0]} times, flashsys' {counts[1]}"
 
 
-def test_whole_rows_compile_without_a_graph_break_and_packed_rows_still_split():
-    """Under torch.compile a call whose rows are whole without reading a tensor (one new query per row with its
-    positions, or no positions at all) compiles as one graph; packed positions still take the varlen kernels."""
+def test_layers_compile_without_a_graph_break_and_packed_rows_still_split():
+    """Under torch.compile a layer's call stays in one graph: one new query per row with its positions, no positions
+    at all, and queries at the keys' positions, whose packing `flash_attention_packed` reads when the graph runs;
+    packed positions still take the varlen kernels."""
     module = torch.nn.Module()
     q1, k, v = (torch.randn(2, 4, n, 16, dtype=torch.float64) for n in (1, 10, 10))
-    for query, extra in ((q1, {"position_ids": torch.full((2, 1), 9)}), (torch.randn(2, 4, 10, 16).double(), {})):
+    whole = torch.arange(10)[None]
+    for query, extra in ((q1, {"position_ids": torch.full((2, 1), 9)}), (torch.randn(2, 4, 10, 16).double(), {}),
+                         (torch.randn(2, 4, 10, 16).double(), {"position_ids": whole})):
         torch._dynamo.reset()
         compiled = torch.compile(attention_forward, backend="eager", fullgraph=True)
         out, _ = compiled(module, query, k, v, None, **extra)
@@ -134,10 +141,37 @@ def test_whole_rows_compile_without_a_graph_break_and_packed_rows_still_split():
         torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-10, atol=1e-10)
     torch._dynamo.reset()
     positions = torch.cat([torch.arange(4), torch.arange(6)])[None].expand(2, -1)
-    out, _ = torch.compile(attention_forward, backend="eager")(module, k, k, v, None, position_ids=positions)
+    compiled = torch.compile(attention_forward, backend="eager", fullgraph=True)
+    out, _ = compiled(module, k, k, v, None, position_ids=positions)
     documents = [torch.nn.functional.scaled_dot_product_attention(k[..., a:b, :], k[..., a:b, :], v[..., a:b, :],
                                                                   is_causal=True) for a, b in ((0, 4), (4, 10))]
     torch.testing.assert_close(out, torch.cat(documents, 2).transpose(1, 2), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["whole rows", "packed rows"])
+def test_a_compiled_training_step_is_one_graph_and_matches_eager(packed):
+    """A compiled model's forward and backward make one graph (no break in any layer, where reading the positions
+    back used to split each), with the eager model's loss and gradients, for whole and packed rows."""
+    _, ours = _pair("qwen2-mixed")
+    ours.train()
+    x = _tokens(2, 16)
+    positions = torch.cat([torch.arange(9), torch.arange(7)])[None] if packed else torch.arange(16)[None]
+
+    def loss(model):
+        model.zero_grad(set_to_none=True)
+        out = model(x, labels=x, position_ids=positions, use_cache=False).loss
+        out.backward()
+        return out.detach(), [p.grad for p in model.parameters()]
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(lambda: ours(x, labels=x, position_ids=positions, use_cache=False).loss)()
+    assert explained.graph_break_count == 0, [b.reason.splitlines()[0] for b in explained.break_reasons]
+    eager_loss, eager_grads = loss(ours)
+    torch._dynamo.reset()
+    compiled_loss, compiled_grads = loss(torch.compile(ours, backend="aot_eager"))
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-12, atol=1e-12)
+    for got, expected in zip(compiled_grads, eager_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
 
 
 class _Copies(torch.utils._python_dispatch.TorchDispatchMode):
@@ -161,11 +195,13 @@ def test_a_training_step_through_the_triton_kernels_copies_no_more_than_sdpa(mon
     import functools
 
     import flashsys.integrations.transformers as integration
-    from flashsys.ops.attention import flash_attention, get_backend
+    from flashsys.ops.attention import flash_attention, flash_attention_packed, get_backend
 
     if (why := get_backend("flash-triton").unavailable_reason("cpu")) is not None:
         pytest.skip(why)
     monkeypatch.setattr(integration, "flash_attention", functools.partial(flash_attention, backend="triton"))
+    monkeypatch.setattr(integration, "flash_attention_packed",
+                        functools.partial(flash_attention_packed, backend="triton"))
     ref, ours = _pair("llama-gqa", num_hidden_layers=3)
     x = _tokens(2, 20)
     counts = []

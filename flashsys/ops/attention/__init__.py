@@ -21,9 +21,16 @@ from .backends import (
 from .cache_decode import flash_attention_decode
 from .determinism import deterministic_backward, set_deterministic_backward
 from .flash_torch import FlashAttention2Torch, FlashAttentionVarlenTorch
+from .packed_rows import PackedRows, as_rows, documents, flat_tokens
 from .reference import attention_reference, causal_mask, window_mask
 from .triton_env import interpreter_active
-from .validation import MAX_HEAD_DIM
+from .validation import (
+    FLOAT_DTYPES,
+    MAX_HEAD_DIM,
+    check_attention_inputs,
+    check_position_ids,
+    normalize_window,
+)
 
 
 # Plain module state, not functools.cache: a compiled model traces `triton_op` on every flash call, and Dynamo
@@ -155,6 +162,66 @@ def flash_attention_varlen(
                     window_size)
 
 
+def flash_attention_packed(
+    q: Float[Tensor, "B Hq N D"],
+    k: Float[Tensor, "B Hkv N D"],
+    v: Float[Tensor, "B Hkv N D"],
+    position_ids: Int[Tensor, "B_or_1 N"],
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] | None = None,
+    backend: Backend = "auto",
+) -> Float[Tensor, "B Hq N D"]:
+    """FlashAttention-2 over rows that may each pack several documents, told apart by their position ids: a document
+    starts wherever a row's positions do not go on by one (0 1 2 0 1 0 1 2 3 is three documents), and attends only
+    within itself. Rows whose positions never restart run the dense kernels; packed ones the varlen kernels, with
+    the offsets found from the positions (no padding computed). This is how a model trained on packed sequences
+    passes them (transformers' `position_ids`), without a collator's `cu_seqlens`.
+
+    Under torch.compile the call stays in the graph (no graph break in each layer): which kernels run is decided when
+    the graph runs, by an opaque op that reads the positions back then (a wait for the device once per positions
+    tensor, as the eager call's). That op is not captured in CUDA graphs.
+
+    Args:
+        q, k, v: (B, Hq, N, D) and (B, Hkv, N, D), Hq a multiple of Hkv; queries and keys the same positions.
+        position_ids: an integer (B, N) or (1, N) tensor (one row of positions for the whole batch), on q's device.
+        causal, softmax_scale, window_size, backend: as in `flash_attention`; causality and the window apply within
+            each document.
+
+    Returns:
+        The attention output, shaped and typed like q; differentiable in q, k and v.
+
+    Raises:
+        ValueError, TypeError: for bad shapes, dtypes, devices or position ids, naming the argument.
+    """
+    op = "flash_attention_packed"
+    if backend not in FLASH_ALIASES:
+        raise ValueError(f"{op}: backend must be one of {tuple(FLASH_ALIASES)}, got {backend!r}")
+    triton = flash_runs_triton(FLASH_ALIASES[backend], q)
+    allowed = FLOAT_DTYPES if triton else FLOAT_DTYPES + (torch.float64,)
+    scale = check_attention_inputs(q, k, v, causal, softmax_scale, op=op, allowed_dtypes=allowed,
+                                   max_head_dim=MAX_HEAD_DIM)
+    if q.dim() != 4 or q.shape[2] != k.shape[2]:
+        raise ValueError(f"{op}: q, k and v must be (B, H, N, D) with queries and keys the same N, got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}")
+    check_position_ids(position_ids, q.shape[0], q.shape[2], q.device, op=op)
+    if not torch.compiler.is_compiling():
+        found = documents(position_ids, q.shape[0])
+        if found is None:
+            return flash_attention(q, k, v, causal=causal, softmax_scale=scale, window_size=window_size,
+                                   backend=backend)
+        out = flash_attention_varlen(*(flat_tokens(t) for t in (q, k, v)), found.cu_seqlens, found.cu_seqlens,
+                                     found.longest, found.longest, causal=causal, softmax_scale=scale,
+                                     window_size=window_size, backend=backend)
+        return as_rows(out, q)
+    if triton and q.device.type != "cuda" and not interpreter_active():
+        raise ValueError(f"{op}: backend {backend!r} runs the Triton kernels, which need CUDA tensors or "
+                         "TRITON_INTERPRET=1 on a CPU; q is on {q.device}")
+    window = normalize_window(window_size, bool(causal), op, q.shape[2], k.shape[2])
+    return PackedRows.apply(q, k, v, position_ids, window, scale, triton)
+
+
 __all__ = [
     "ATTENTION_BACKENDS",
     "CORE_BACKENDS",
@@ -172,6 +239,7 @@ __all__ = [
     "deterministic_backward",
     "flash_attention",
     "flash_attention_decode",
+    "flash_attention_packed",
     "flash_attention_varlen",
     "get_backend",
     "interpreter_active",
