@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 
 from flashsys.ops.attention import attention_reference, flash_attention_packed, get_backend, packed_rows
 from flashsys.ops.attention.layout import empty_output
@@ -87,21 +88,20 @@ def test_the_compiled_ops_return_the_layout_their_fake_kernels_promise(positions
     position_ids = POSITIONS[positions](batch, n).to(DEVICE)
     for inputs in ((q, k, v, do), tuple(t.contiguous() for t in (q, k, v, do))):
         q, k, v, do = inputs
+        plan = torch.ops.flashsys.find_documents(position_ids, batch)
         for triton in (False, True) if get_backend("flash-triton").unavailable_reason(DEVICE) is None else (False,):
-            o, lse = torch.ops.flashsys.packed_rows_forward(q, k, v, position_ids, -1, 0, 0.25, triton)
+            o, lse = torch.ops.flashsys.packed_rows_forward(q, k, v, plan, -1, 0, 0.25, triton)
             assert o.stride() == empty_output(q).stride() and lse.shape == q.shape[:-1] and lse.is_contiguous()
-            grads = torch.ops.flashsys.packed_rows_backward(q, k, v, o, lse, do, position_ids, -1, 0, 0.25, triton)
+            grads = torch.ops.flashsys.packed_rows_backward(q, k, v, o, lse, do, plan, -1, 0, 0.25, triton)
             for g, x in zip(grads, (q, k, v)):
                 assert g.shape == x.shape and g.stride() == empty_output(x).stride()
 
 
-def test_a_compiled_step_reads_the_positions_once(monkeypatch):
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_a_compiled_step_reads_the_positions_once(compiler, monkeypatch):
     """Every layer of a compiled model gets the same positions tensor: the documents are found once per step (a
-    wait for the GPU each time), not once per layer or again in the backward. (Readings are remembered on a GPU
-    only: here CPU tensors stand in for GPU ones.)"""
-    from flashsys.ops.attention import readback
-
-    monkeypatch.setattr(readback, "cacheable", lambda t: True)
+    wait for the GPU each time), not once per layer or again in the backward (AOTAutograd merges the layers'
+    identical `find_documents` calls)."""
     reads = []
     find = packed_rows._find_documents
     monkeypatch.setattr(packed_rows, "_find_documents", lambda p: reads.append(1) or find(p))
@@ -114,13 +114,48 @@ def test_a_compiled_step_reads_the_positions_once(monkeypatch):
         return q
 
     torch._dynamo.reset()
-    step = torch.compile(layers, backend="aot_eager", fullgraph=True)
-    for _ in range(2):
+    step = torch.compile(layers, backend=compiler, fullgraph=True)
+    for positions in ("one packed row for the batch", "whole rows", "rows packed differently"):
         reads.clear()
-        position_ids = POSITIONS["one packed row for the batch"](2, 24).to(DEVICE)
+        position_ids = POSITIONS[positions](2, 24).to(DEVICE)
         x = q.detach().requires_grad_()
-        step(x, k, v, position_ids).backward(do)
+        out = step(x, k, v, position_ids)
+        out.backward(do)
         assert len(reads) == 1
+        expected = x.detach()
+        for w in weights:
+            expected = flash_attention_packed(expected @ w, k, v, position_ids, causal=True, backend="torch")
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)  # Inductor may fuse the matmuls' rounding
+
+
+class _Reads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts reads of a tensor's value back to the host (each a wait for the device on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("positions", list(POSITIONS))
+def test_a_plan_is_used_without_reading_it_back(positions):
+    """The kernels' ops learn a plan's documents from the note `find_documents` made, not by reading the plan (an
+    alias of it too, as a backward gets a saved tensor); where the note is gone they read it, to the same result."""
+    position_ids = POSITIONS[positions](2, 24).to(DEVICE)
+    plan = torch.ops.flashsys.find_documents(position_ids, 2)
+    expected = packed_rows.documents(position_ids, 2)
+    with _Reads() as reads:
+        noted = packed_rows.plan_documents(plan[:])
+    assert reads.count == 0
+    packed_rows._plan_notes.clear()
+    read = packed_rows.plan_documents(plan)
+    for found in (noted, read):
+        assert (found is None) == (expected is None)
+        if expected is not None:
+            assert found.longest == expected.longest and found.cu_seqlens.tolist() == expected.cu_seqlens.tolist()
 
 
 def test_documents_are_where_positions_do_not_go_on_by_one():

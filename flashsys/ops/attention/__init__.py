@@ -181,7 +181,7 @@ def flash_attention_packed(
 
     Under torch.compile the call stays in the graph (no graph break in each layer): which kernels run is decided when
     the graph runs, by an opaque op that reads the positions back then (a wait for the device once per positions
-    tensor, as the eager call's). That op is not captured in CUDA graphs.
+    tensor shared by the layers, as the eager call's). That op is not captured in CUDA graphs.
 
     Args:
         q, k, v: (B, Hq, N, D) and (B, Hkv, N, D), Hq a multiple of Hkv; queries and keys the same positions.
@@ -219,7 +219,8 @@ def flash_attention_packed(
         raise ValueError(f"{op}: backend {backend!r} runs the Triton kernels, which need CUDA tensors or "
                          "TRITON_INTERPRET=1 on a CPU; q is on {q.device}")
     window = normalize_window(window_size, bool(causal), op, q.shape[2], k.shape[2])
-    return PackedRows.apply(q, k, v, position_ids, window, scale, triton)
+    plan = torch.ops.flashsys.find_documents(position_ids, q.shape[0])  # one per graph: see packed_rows
+    return PackedRows.apply(q, k, v, plan, window, scale, triton)
 
 
 __all__ = [

@@ -5,9 +5,18 @@ point; this module finds the documents and holds the op pair a compiled graph ca
 Whether a batch is packed is known only by reading its positions back from the device. An eager call reads them
 (once per positions tensor, `readback`) and takes the dense kernels for whole rows or the varlen kernels for packed
 ones. A traced call cannot branch on a tensor's values: Dynamo would break the graph around the reading, in every
-layer. It calls `flashsys::packed_rows_forward` / `_backward` instead, opaque ops whose bodies make the same reading
-and the same choice when the graph runs. Both kinds of rows give O, the logsumexp and the gradients one layout, so
-the graph does not depend on the choice. The reading waits for the device, so the ops are kept out of CUDA graphs.
+layer. It calls opaque ops instead, which read and choose when the graph runs:
+
+- `flashsys::find_documents(position_ids, batch)` reads the positions (a wait for the device) and returns a *plan*:
+  an int32 tensor holding the documents' count, the longest one's length and their offsets. Every layer calls it
+  with the same positions, so AOTAutograd's common-subexpression pass leaves one call per graph: one reading a step,
+  forward and backward together, however many layers share the positions.
+- `flashsys::packed_rows_forward` / `_backward` take the plan and run the dense or the varlen kernels. They learn
+  the plan's count and longest document without reading it back: `find_documents` notes them by the plan's address
+  (only that op makes plans, and it notes every one it makes, so an address's note is its live plan's).
+
+Whole and packed rows give O, the logsumexp and the gradients one layout, so the graph does not depend on the choice.
+The reading waits for the device, so these ops are kept out of CUDA graphs.
 """
 
 from __future__ import annotations
@@ -56,6 +65,35 @@ def _find_documents(positions: Tensor) -> Documents | None:
     return Documents(cu, int((cu[1:] - cu[:-1]).max()))
 
 
+PLAN_HEADER = 2  # a plan's count of documents (0: whole rows) and longest document, before its offsets
+# (device, address) of each plan `find_documents` made -> (count, longest). Bounded: a plan whose note was dropped is
+# read back instead.
+_plan_notes: dict[tuple[torch.device, int], tuple[int, int]] = {}
+
+
+def find_documents(position_ids: Tensor, batch: int) -> Tensor:
+    """`flashsys::find_documents`' body: the plan of `batch` rows with these (1 or batch, N) positions, an int32
+    (PLAN_HEADER + batch * N + 1,) tensor: [count, longest, offsets...], count 0 for whole rows."""
+    found = _find_documents(position_ids.expand(batch, -1))
+    plan = torch.empty(PLAN_HEADER + batch * position_ids.shape[1] + 1, dtype=torch.int32,
+                       device=position_ids.device)
+    count, longest = (0, 0) if found is None else (found.cu_seqlens.numel() - 1, found.longest)
+    plan[0], plan[1] = count, longest
+    if found is not None:
+        plan[PLAN_HEADER:PLAN_HEADER + count + 1].copy_(found.cu_seqlens)
+    if len(_plan_notes) > 256:
+        _plan_notes.clear()
+    _plan_notes[(plan.device, plan.data_ptr())] = (count, longest)
+    return plan
+
+
+def plan_documents(plan: Tensor) -> Documents | None:
+    """The documents a `find_documents` plan holds (None: whole rows), from its note, or read back where the note
+    was dropped."""
+    count, longest = _plan_notes.get((plan.device, plan.data_ptr())) or plan[:PLAN_HEADER].tolist()
+    return None if count == 0 else Documents(plan[PLAN_HEADER:PLAN_HEADER + count + 1], longest)
+
+
 def flat_tokens(t: Tensor) -> Tensor:
     """(B, H, N, D) as the varlen kernels' (B * N, H, D) tokens: a view where `t` keeps its heads inside its
     sequence dimension (a model's projections), else a copy."""
@@ -92,12 +130,12 @@ def _lse_tokens(lse: Tensor) -> Tensor:
     return lse.transpose(0, 1).reshape(lse.shape[1], -1)
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, window_left: int, window_right: int,
+def forward(q: Tensor, k: Tensor, v: Tensor, plan: Tensor, window_left: int, window_right: int,
             softmax_scale: float, triton: bool) -> tuple[Tensor, Tensor]:
-    """(O laid out as `empty_output(q)`, L (B, Hq, N)) for rank-4 q, k, v whose rows' documents the position ids
-    give; `triton` picks the Triton kernels over the tiled PyTorch ones."""
+    """(O laid out as `empty_output(q)`, L (B, Hq, N)) for rank-4 q, k, v whose rows' documents `plan` holds;
+    `triton` picks the Triton kernels over the tiled PyTorch ones."""
     window, batch = (window_left, window_right), q.shape[0]
-    found = documents(position_ids, batch)
+    found = plan_documents(plan)
     if found is None:
         if triton:
             from . import library_ops
@@ -119,13 +157,13 @@ def forward(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, window_left: 
     return as_rows(o, q), _lse_rows(lse, batch)
 
 
-def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, position_ids: Tensor,
+def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, plan: Tensor,
              window_left: int, window_right: int, softmax_scale: float, triton: bool
              ) -> tuple[Tensor, Tensor, Tensor]:
     """(dQ, dK, dV), each laid out as `empty_output` lays out its input, from `forward`'s O and L; dO may have
     any strides."""
-    window, batch = (window_left, window_right), q.shape[0]
-    found = documents(position_ids, batch)
+    window = (window_left, window_right)
+    found = plan_documents(plan)
     if found is None:
         if triton:
             from . import library_ops
@@ -152,43 +190,50 @@ def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor
 # the ops are called inside `PackedRows`' forward and backward and never differentiated themselves).
 _OPS = torch.library.Library("flashsys", "FRAGMENT")
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
-_OPS.define("packed_rows_forward(Tensor q, Tensor k, Tensor v, Tensor position_ids, int window_left, "
+_OPS.define("find_documents(Tensor position_ids, int batch) -> Tensor", tags=_TAGS)
+_OPS.define("packed_rows_forward(Tensor q, Tensor k, Tensor v, Tensor plan, int window_left, "
             "int window_right, float softmax_scale, bool triton) -> (Tensor, Tensor)", tags=_TAGS)
 _OPS.define("packed_rows_backward(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do, "
-            "Tensor position_ids, int window_left, int window_right, float softmax_scale, bool triton) "
+            "Tensor plan, int window_left, int window_right, float softmax_scale, bool triton) "
             "-> (Tensor, Tensor, Tensor)", tags=_TAGS)
+_OPS.impl("find_documents", find_documents, "CompositeExplicitAutograd")
 _OPS.impl("packed_rows_forward", forward, "CompositeExplicitAutograd")
 _OPS.impl("packed_rows_backward", backward, "CompositeExplicitAutograd")
 
 
+@torch.library.register_fake("flashsys::find_documents", lib=_OPS)
+def _find_documents_fake(position_ids, batch):
+    return position_ids.new_empty(PLAN_HEADER + batch * position_ids.shape[1] + 1, dtype=torch.int32)
+
+
 @torch.library.register_fake("flashsys::packed_rows_forward", lib=_OPS)
-def _forward_fake(q, k, v, position_ids, window_left, window_right, softmax_scale, triton):
+def _forward_fake(q, k, v, plan, window_left, window_right, softmax_scale, triton):
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return empty_output(q), q.new_empty(q.shape[:-1], dtype=lse_dtype)
 
 
 @torch.library.register_fake("flashsys::packed_rows_backward", lib=_OPS)
-def _backward_fake(q, k, v, o, lse, do, position_ids, window_left, window_right, softmax_scale, triton):
+def _backward_fake(q, k, v, o, lse, do, plan, window_left, window_right, softmax_scale, triton):
     return empty_output(q), empty_output(k), empty_output(v)
 
 
 class PackedRows(torch.autograd.Function):
-    """`flash_attention_packed` in a traced (torch.compile) call: the op pair above, which find the documents when
-    the graph runs. `PackedRows.apply(q, k, v, position_ids, window, softmax_scale, triton)` with checked
+    """`flash_attention_packed` in a traced (torch.compile) call: the op pair above, over the documents a
+    `find_documents` plan holds. `PackedRows.apply(q, k, v, plan, window, softmax_scale, triton)` with checked
     arguments (the window as (left, right) bounds)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, window: Window, softmax_scale: float,
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: Tensor, window: Window, softmax_scale: float,
                 triton: bool) -> Tensor:
-        o, lse = torch.ops.flashsys.packed_rows_forward(q, k, v, position_ids, *window, softmax_scale, triton)
-        ctx.save_for_backward(q, k, v, o, lse, position_ids)
+        o, lse = torch.ops.flashsys.packed_rows_forward(q, k, v, plan, *window, softmax_scale, triton)
+        ctx.save_for_backward(q, k, v, o, lse, plan)
         ctx.window, ctx.scale, ctx.triton = window, softmax_scale, triton
         return o
 
     @staticmethod
     def backward(ctx, do: Tensor):
         refuse_double_backward("flash_attention_packed")
-        q, k, v, o, lse, position_ids = ctx.saved_tensors
-        dq, dk, dv = torch.ops.flashsys.packed_rows_backward(q, k, v, o, lse, do, position_ids, *ctx.window,
+        q, k, v, o, lse, plan = ctx.saved_tensors
+        dq, dk, dv = torch.ops.flashsys.packed_rows_backward(q, k, v, o, lse, do, plan, *ctx.window,
                                                              ctx.scale, ctx.triton)
         return dq, dk, dv, None, None, None, None

@@ -13,13 +13,11 @@ import torch
 
 T = TypeVar("T")
 
-# (what was read, the memory read: device, address, dtype, shape, strides) -> (weak reference to the tensor read,
-# its version then, result). Keyed by the memory, not the tensor object: autograd hands a backward a new tensor
-# object for a saved one. The weak reference keeps the entry valid only while that tensor lives (its memory cannot be
-# reused meanwhile); its version counter, shared by its views, changes with every in-place write through torch. CPU
-# tensors are not cached: a numpy view writes them without bumping the version, and reading them back costs no device
-# wait.
-_known: dict[tuple, tuple[weakref.ref, int, object]] = {}
+# (id, what was read) -> (weak reference, storage address, version, result). The weak reference proves the same live
+# tensor (an id can be reused once a tensor dies); the version counter changes with every in-place write through
+# torch. CPU tensors are not cached: a numpy view writes them without bumping the version, and reading them back
+# costs no device wait.
+_known: dict[tuple[int, str], tuple[weakref.ref, int, int, object]] = {}
 
 
 def cacheable(t: torch.Tensor) -> bool:
@@ -28,20 +26,16 @@ def cacheable(t: torch.Tensor) -> bool:
 
 
 def read_once(t: torch.Tensor, kind: str, read: Callable[[torch.Tensor], T]) -> T:
-    """read(t), computed once per unchanged GPU memory and `kind` of reading (the same tensor, or another view of the
-    same memory, as a backward gets its saved tensors). `kind` must name everything besides the tensor's values that
-    the result depends on (the sizes it is read for); `read` may raise on a bad tensor, and then nothing is
-    remembered."""
+    """read(t), computed once per unchanged GPU tensor and `kind` of reading. `kind` must name everything besides
+    the tensor's values that the result depends on (the sizes it is read for); `read` may raise on a bad tensor, and
+    then nothing is remembered."""
     cached = cacheable(t)
-    key = (kind, t.device, t.data_ptr(), t.dtype, t.shape, t.stride()) if cached else None
-    known = _known.get(key) if cached else None
-    if known is not None:
-        first = known[0]()
-        if first is not None and first._version == known[1]:
-            return known[2]
+    known = _known.get((id(t), kind)) if cached else None
+    if known is not None and known[0]() is t and known[1:3] == (t.data_ptr(), t._version):
+        return known[3]
     result = read(t)
     if cached:
         if len(_known) > 1024:
             _known.clear()
-        _known[key] = (weakref.ref(t), t._version, result)
+        _known[(id(t), kind)] = (weakref.ref(t), t.data_ptr(), t._version, result)
     return result
