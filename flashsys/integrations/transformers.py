@@ -38,6 +38,7 @@ from ..ops.attention import (
     flash_attention,
     flash_attention_decode,
     flash_attention_packed,
+    flash_attention_padded,
     flash_attention_varlen,
 )
 from ..ops.attention.cache_decode import grad_requested
@@ -75,11 +76,14 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
                  mask_function: Callable | None = None, attention_mask: Tensor | None = None,
                  **kwargs: Any) -> Tensor | None:
     """The mask transformers hands to `attention_forward`: the 2-D (batch, kv_length) boolean padding mask (its last
-    kv_length columns, as a sliding-window cache holds only those keys), or None when nothing is padded. Causality,
-    windows and packing are the attention function's, from its arguments."""
+    kv_length columns, as a sliding-window cache holds only those keys), or None when nothing is padded (under
+    torch.compile, without a cache, the mask as it is: whether it pads anything is read when the graph runs).
+    Causality, windows and packing are the attention function's, from its arguments."""
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:]
+    if torch.compiler.is_compiling() and q_length == kv_length:
+        return attention_mask  # whole rows or not, `flash_attention_padded` finds out when the graph runs
     if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
         return None
     return attention_mask
@@ -102,6 +106,10 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     batch, n_q, n_k = query.shape[0], query.shape[2], key.shape[2]
     if _by_positions(kwargs, attention_mask, n_q, n_k):
         out = flash_attention_packed(query, key, value, kwargs["position_ids"], causal=causal, softmax_scale=scaling,
+                                     window_size=window)
+        return out.transpose(1, 2).contiguous(), None
+    if _by_padding(kwargs, attention_mask, n_q, n_k):
+        out = flash_attention_padded(query, key, value, attention_mask, causal=causal, softmax_scale=scaling,
                                      window_size=window)
         return out.transpose(1, 2).contiguous(), None
     packed = _packed_rows(kwargs, attention_mask, batch, n_q, n_k)
@@ -191,11 +199,18 @@ def _by_positions(kwargs: dict, attention_mask: Tensor | None, n_q: int, n_k: in
             and kwargs.get("position_ids") is not None and n_q == n_k > 1)
 
 
+def _by_padding(kwargs: dict, attention_mask: Tensor | None, n_q: int, n_k: int) -> bool:
+    """Whether a padding mask says how the rows split, with queries at the keys' positions (no cache):
+    `flash_attention_padded` reads it, inside a compiled graph too."""
+    return (kwargs.get("cu_seq_lens_q") is None and kwargs.get("cu_seq_lens_k") is None
+            and attention_mask is not None and n_q == n_k and attention_mask.shape[1] == n_k)
+
+
 def _packed_rows(kwargs: dict, attention_mask: Tensor | None, batch: int, n_q: int, n_k: int) -> _Packed | None:
-    """How a batch with the collator's offsets or a padding mask splits into sequences, or None for whole rows (the
-    dense kernels). Whole rows that no tensor has to be read to recognise (neither offsets nor a mask) are decided
-    here, so that a compiled model does not break its graph at every layer there; the rest is read back, outside the
-    graph (`_read_packed_rows`)."""
+    """How a batch with the collator's offsets, or a padding mask over a cache, splits into sequences, or None for
+    whole rows (the dense kernels). Whole rows that no tensor has to be read to recognise (neither offsets nor a mask)
+    are decided here, so that a compiled model does not break its graph at every layer there; the rest is read back,
+    outside the graph (`_read_packed_rows`)."""
     if kwargs.get("cu_seq_lens_q") is None and kwargs.get("cu_seq_lens_k") is None and attention_mask is None:
         return None
     return _read_packed_rows(kwargs, attention_mask, batch, n_q, n_k)

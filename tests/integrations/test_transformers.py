@@ -148,23 +148,26 @@ def test_layers_compile_without_a_graph_break_and_packed_rows_still_split():
     torch.testing.assert_close(out, torch.cat(documents, 2).transpose(1, 2), rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["whole rows", "packed rows"])
-def test_a_compiled_training_step_is_one_graph_and_matches_eager(packed):
-    """A compiled model's forward and backward make one graph (no break in any layer, where reading the positions
-    back used to split each), with the eager model's loss and gradients, for whole and packed rows."""
+@pytest.mark.parametrize("rows", ["whole rows", "packed rows", "padded rows"])
+def test_a_compiled_training_step_is_one_graph_and_matches_eager(rows):
+    """A compiled model's forward and backward make one graph (no break in any layer, where reading the positions or
+    the padding mask back used to split each), with the eager model's loss and gradients."""
     _, ours = _pair("qwen2-mixed")
     ours.train()
     x = _tokens(2, 16)
-    positions = torch.cat([torch.arange(9), torch.arange(7)])[None] if packed else torch.arange(16)[None]
+    inputs = {"whole rows": {"position_ids": torch.arange(16)[None]},
+              "packed rows": {"position_ids": torch.cat([torch.arange(9), torch.arange(7)])[None]},
+              "padded rows": {"attention_mask": torch.stack([torch.arange(16) >= 5, torch.arange(16) < 12]).long()},
+              }[rows]
 
     def loss(model):
         model.zero_grad(set_to_none=True)
-        out = model(x, labels=x, position_ids=positions, use_cache=False).loss
+        out = model(x, labels=x, use_cache=False, **inputs).loss
         out.backward()
         return out.detach(), [p.grad for p in model.parameters()]
 
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(lambda: ours(x, labels=x, position_ids=positions, use_cache=False).loss)()
+    explained = torch._dynamo.explain(lambda: ours(x, labels=x, use_cache=False, **inputs).loss)()
     assert explained.graph_break_count == 0, [b.reason.splitlines()[0] for b in explained.break_reasons]
     eager_loss, eager_grads = loss(ours)
     torch._dynamo.reset()

@@ -21,13 +21,15 @@ from .backends import (
 from .cache_decode import flash_attention_decode
 from .determinism import deterministic_backward, set_deterministic_backward
 from .flash_torch import FlashAttention2Torch, FlashAttentionVarlenTorch
-from .packed_rows import PackedRows, as_rows, documents, flat_tokens
+from .packed_rows import PackedRows, document_plan, padding_plan, plan_sequences
+from .readback import read_once
 from .reference import attention_reference, causal_mask, window_mask
 from .triton_env import interpreter_active
 from .validation import (
     FLOAT_DTYPES,
     MAX_HEAD_DIM,
     check_attention_inputs,
+    check_padding_mask,
     check_position_ids,
     normalize_window,
 )
@@ -196,6 +198,59 @@ def flash_attention_packed(
         ValueError, TypeError: for bad shapes, dtypes, devices or position ids, naming the argument.
     """
     op = "flash_attention_packed"
+    scale, triton = _check_rows(q, k, v, causal, softmax_scale, backend, op)
+    check_position_ids(position_ids, q.shape[0], q.shape[2], q.device, op=op)
+    batch = q.shape[0]
+    if torch.compiler.is_compiling():
+        plan = torch.ops.flashsys.find_documents(position_ids, batch)  # one per graph: see packed_rows
+    else:
+        plan = read_once(position_ids, f"documents of {batch} rows", lambda p: document_plan(p, batch))
+    return _over_plan(q, k, v, plan, causal, scale, window_size, backend, triton, op)
+
+
+def flash_attention_padded(
+    q: Float[Tensor, "B Hq N D"],
+    k: Float[Tensor, "B Hkv N D"],
+    v: Float[Tensor, "B Hkv N D"],
+    padding_mask: Int[Tensor, "B N"],
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] | None = None,
+    backend: Backend = "auto",
+) -> Float[Tensor, "B Hq N D"]:
+    """FlashAttention-2 over padded rows: `padding_mask` marks each row's real tokens, one run of them per row (left
+    or right padding). Real tokens attend only to their row's real tokens, causality and the window counted among
+    them, as if each row held only those; pad tokens attend to nothing and output 0 (no gradient flows through them).
+    The real tokens run through the varlen kernels (pad tokens are not computed); a batch with no padding runs the
+    dense kernels. Under torch.compile the call stays in the graph, as `flash_attention_packed`'s does: the mask is
+    read when the graph runs, once per mask tensor shared by the layers.
+
+    Args:
+        q, k, v: (B, Hq, N, D) and (B, Hkv, N, D), Hq a multiple of Hkv; queries and keys the same positions.
+        padding_mask: a (B, N) bool or integer tensor on q's device, nonzero at real tokens (transformers'
+            `attention_mask`).
+        causal, softmax_scale, window_size, backend: as in `flash_attention`.
+
+    Returns:
+        The attention output, shaped and typed like q (0 at pad tokens); differentiable in q, k and v.
+
+    Raises:
+        ValueError, TypeError: for bad shapes, dtypes or devices, naming the argument, and (when the mask is read) for
+            a row with padding between real tokens.
+    """
+    op = "flash_attention_padded"
+    scale, triton = _check_rows(q, k, v, causal, softmax_scale, backend, op)
+    check_padding_mask(padding_mask, q.shape[0], q.shape[2], q.device, op=op)
+    if torch.compiler.is_compiling():
+        plan = torch.ops.flashsys.find_padding(padding_mask)  # one per graph: see packed_rows
+    else:
+        plan = read_once(padding_mask, "padding", padding_plan)
+    return _over_plan(q, k, v, plan, causal, scale, window_size, backend, triton, op)
+
+
+def _check_rows(q, k, v, causal, softmax_scale, backend, op: str) -> tuple[float, bool]:
+    """The checks of a call over rows of sequences; returns (the scale, whether the Triton kernels run)."""
     if backend not in FLASH_ALIASES:
         raise ValueError(f"{op}: backend must be one of {tuple(FLASH_ALIASES)}, got {backend!r}")
     triton = flash_runs_triton(FLASH_ALIASES[backend], q)
@@ -205,21 +260,18 @@ def flash_attention_packed(
     if q.dim() != 4 or q.shape[2] != k.shape[2]:
         raise ValueError(f"{op}: q, k and v must be (B, H, N, D) with queries and keys the same N, got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}")
-    check_position_ids(position_ids, q.shape[0], q.shape[2], q.device, op=op)
-    if not torch.compiler.is_compiling():
-        found = documents(position_ids, q.shape[0])
-        if found is None:
-            return flash_attention(q, k, v, causal=causal, softmax_scale=scale, window_size=window_size,
-                                   backend=backend)
-        out = flash_attention_varlen(*(flat_tokens(t) for t in (q, k, v)), found.cu_seqlens, found.cu_seqlens,
-                                     found.longest, found.longest, causal=causal, softmax_scale=scale,
-                                     window_size=window_size, backend=backend)
-        return as_rows(out, q)
     if triton and q.device.type != "cuda" and not interpreter_active():
         raise ValueError(f"{op}: backend {backend!r} runs the Triton kernels, which need CUDA tensors or "
-                         "TRITON_INTERPRET=1 on a CPU; q is on {q.device}")
+                         f"TRITON_INTERPRET=1 on a CPU; q is on {q.device}")
+    return scale, triton
+
+
+def _over_plan(q, k, v, plan, causal, scale, window_size, backend, triton: bool, op: str):
+    """Attention over the sequences of a `packed_rows` plan: whole rows of an eager call through `flash_attention`
+    (its replayed launches), the rest through the plan's ops."""
+    if not torch.compiler.is_compiling() and plan_sequences(plan) is None:
+        return flash_attention(q, k, v, causal=causal, softmax_scale=scale, window_size=window_size, backend=backend)
     window = normalize_window(window_size, bool(causal), op, q.shape[2], k.shape[2])
-    plan = torch.ops.flashsys.find_documents(position_ids, q.shape[0])  # one per graph: see packed_rows
     return PackedRows.apply(q, k, v, plan, window, scale, triton)
 
 
@@ -241,6 +293,7 @@ __all__ = [
     "flash_attention",
     "flash_attention_decode",
     "flash_attention_packed",
+    "flash_attention_padded",
     "flash_attention_varlen",
     "get_backend",
     "interpreter_active",

@@ -1,21 +1,24 @@
-"""Rows that may pack several documents, told apart by their position ids: a document starts wherever a row's
-positions do not go on by one (how transformers recognises packed sequences). `flash_attention_packed` is the entry
-point; this module finds the documents and holds the op pair a compiled graph calls.
+"""Rows that hold several sequences, or fewer tokens than their length: documents packed in a row, told apart by
+their position ids (a document starts wherever a row's positions do not go on by one, how transformers recognises
+packed sequences), or real tokens in a padded row, told by a padding mask. `flash_attention_packed` and
+`flash_attention_padded` are the entry points; this module finds the sequences and holds the ops both run.
 
-Whether a batch is packed is known only by reading its positions back from the device. An eager call reads them
-(once per positions tensor, `readback`) and takes the dense kernels for whole rows or the varlen kernels for packed
-ones. A traced call cannot branch on a tensor's values: Dynamo would break the graph around the reading, in every
-layer. It calls opaque ops instead, which read and choose when the graph runs:
+Which rows are packed or padded is known only by reading the positions or the mask back from the device. The
+reading makes a *plan*: an int32 tensor holding the sequences' count (0: whole rows, the dense kernels), the longest
+one's length, how many tokens are real (0: all of them), the sequences' offsets and the real tokens' indices. An eager
+call makes it once per positions or mask tensor (`readback`). A traced call cannot branch on a tensor's values:
+Dynamo would break the graph around the reading, in every layer. It calls opaque ops instead, which read and choose
+when the graph runs:
 
-- `flashsys::find_documents(position_ids, batch)` reads the positions (a wait for the device) and returns a *plan*:
-  an int32 tensor holding the documents' count, the longest one's length and their offsets. Every layer calls it
-  with the same positions, so AOTAutograd's common-subexpression pass leaves one call per graph: one reading a step,
-  forward and backward together, however many layers share the positions.
-- `flashsys::packed_rows_forward` / `_backward` take the plan and run the dense or the varlen kernels. They learn
-  the plan's count and longest document without reading it back: `find_documents` notes them by the plan's address
-  (only that op makes plans, and it notes every one it makes, so an address's note is its live plan's).
+- `flashsys::find_documents(position_ids, batch)` / `flashsys::find_padding(mask)` read (a wait for the device) and
+  return the plan. Every layer calls one with the same input, so AOTAutograd's common-subexpression pass leaves one
+  call per graph: one reading a step, forward and backward together, however many layers share it.
+- `flashsys::packed_rows_forward` / `_backward` take the plan and run the dense or the varlen kernels (on the real
+  tokens, gathered; pad tokens get O = 0, L = -inf and zero gradients). They learn the plan's counts without
+  reading it back: the op that made a plan notes them by its address (only these ops make plans, and they note every
+  one, so an address's note is its live plan's).
 
-Whole and packed rows give O, the logsumexp and the gradients one layout, so the graph does not depend on the choice.
+Every kind of rows gives O, the logsumexp and the gradients one layout, so the graph does not depend on the choice.
 The reading waits for the device, so these ops are kept out of CUDA graphs.
 """
 
@@ -33,27 +36,23 @@ from .flash_torch import (
     flash_varlen_forward_torch,
 )
 from .layout import empty_output, heads_inside
-from .readback import read_once
 from .validation import refuse_double_backward
 
 Window = tuple[int, int]
 
 
-class Documents(NamedTuple):
-    """The documents of a batch of rows, as the varlen kernels take them: int32 offsets of each document's first
-    token in the flattened (batch * N) tokens, ending at batch * N, and the longest document's length."""
+class Sequences(NamedTuple):
+    """The sequences in a batch of (B, N) rows, as the varlen kernels take them: int32 offsets of each sequence in the
+    tokens they run on (ending at their count), the longest sequence's length, and which of the B * N flattened
+    tokens those are (None: all of them, documents packed in the rows; else the real tokens of padded rows, in
+    order)."""
 
     cu_seqlens: Tensor
     longest: int
+    tokens: Tensor | None
 
 
-def documents(position_ids: Tensor, batch: int) -> Documents | None:
-    """The documents of `batch` rows with these (1 or batch, N) position ids, or None where every row is one
-    document. Read back once per unchanged positions tensor (a model hands every layer the same one)."""
-    return read_once(position_ids, f"documents of {batch} rows", lambda p: _find_documents(p.expand(batch, -1)))
-
-
-def _find_documents(positions: Tensor) -> Documents | None:
+def _find_documents(positions: Tensor) -> Sequences | None:
     batch, n = positions.shape
     starts = torch.ones_like(positions, dtype=torch.bool)
     starts[:, 1:] = positions[:, 1:] - positions[:, :-1] != 1
@@ -62,36 +61,74 @@ def _find_documents(positions: Tensor) -> Documents | None:
     flat_starts = starts.reshape(-1).nonzero().view(-1).to(torch.int32)
     end = torch.tensor([batch * n], dtype=torch.int32, device=positions.device)
     cu = torch.cat([flat_starts, end])
-    return Documents(cu, int((cu[1:] - cu[:-1]).max()))
+    return Sequences(cu, int((cu[1:] - cu[:-1]).max()), None)
 
 
-PLAN_HEADER = 2  # a plan's count of documents (0: whole rows) and longest document, before its offsets
-# (device, address) of each plan `find_documents` made -> (count, longest). Bounded: a plan whose note was dropped is
-# read back instead.
-_plan_notes: dict[tuple[torch.device, int], tuple[int, int]] = {}
+def _find_padding(mask: Tensor) -> Sequences | None:
+    mask = mask.bool()
+    runs = mask[:, 0].int() + (mask[:, 1:] & ~mask[:, :-1]).sum(1, dtype=torch.int32)
+    lengths = mask.sum(1, dtype=torch.int32)
+    most_runs, longest, real = torch.stack([runs.max(), lengths.max(), lengths.sum()]).tolist()
+    if most_runs > 1:
+        raise ValueError("padding_mask: a row has padding between real tokens; flashsys takes left or right padding "
+                         "(one run of real tokens per row)")
+    if real == mask.numel():
+        return None
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32, device=mask.device), lengths.cumsum(0, dtype=torch.int32)])
+    return Sequences(cu, longest, mask.reshape(-1).nonzero().view(-1).to(torch.int32))
 
 
-def find_documents(position_ids: Tensor, batch: int) -> Tensor:
-    """`flashsys::find_documents`' body: the plan of `batch` rows with these (1 or batch, N) positions, an int32
-    (PLAN_HEADER + batch * N + 1,) tensor: [count, longest, offsets...], count 0 for whole rows."""
-    found = _find_documents(position_ids.expand(batch, -1))
-    plan = torch.empty(PLAN_HEADER + batch * position_ids.shape[1] + 1, dtype=torch.int32,
-                       device=position_ids.device)
-    count, longest = (0, 0) if found is None else (found.cu_seqlens.numel() - 1, found.longest)
-    plan[0], plan[1] = count, longest
-    if found is not None:
-        plan[PLAN_HEADER:PLAN_HEADER + count + 1].copy_(found.cu_seqlens)
+PLAN_HEADER = 3  # a plan's count of sequences (0: whole rows), longest sequence, real tokens (0: all), then offsets
+# (device, address) of each plan made here -> its header. Bounded: a plan whose note was dropped is read back instead.
+_plan_notes: dict[tuple[torch.device, int], tuple[int, int, int]] = {}
+
+
+def plan_size(batch: int, n: int) -> int:
+    """A plan's length for `batch` rows of `n` tokens: the header, at most batch * n + 1 offsets, at most batch * n
+    real tokens."""
+    return PLAN_HEADER + 2 * batch * n + 1
+
+
+def _plan(found: Sequences | None, batch: int, n: int, device: torch.device) -> Tensor:
+    plan = torch.empty(plan_size(batch, n), dtype=torch.int32, device=device)
+    if found is None:
+        header = (0, 0, 0)
+    else:
+        header = (found.cu_seqlens.numel() - 1, found.longest, 0 if found.tokens is None else found.tokens.numel())
+        plan[PLAN_HEADER:PLAN_HEADER + header[0] + 1].copy_(found.cu_seqlens)
+        if found.tokens is not None:
+            start = PLAN_HEADER + header[0] + 1
+            plan[start:start + header[2]].copy_(found.tokens)
+    plan[0], plan[1], plan[2] = header
     if len(_plan_notes) > 256:
         _plan_notes.clear()
-    _plan_notes[(plan.device, plan.data_ptr())] = (count, longest)
+    _plan_notes[(plan.device, plan.data_ptr())] = header
     return plan
 
 
-def plan_documents(plan: Tensor) -> Documents | None:
-    """The documents a `find_documents` plan holds (None: whole rows), from its note, or read back where the note
-    was dropped."""
-    count, longest = _plan_notes.get((plan.device, plan.data_ptr())) or plan[:PLAN_HEADER].tolist()
-    return None if count == 0 else Documents(plan[PLAN_HEADER:PLAN_HEADER + count + 1], longest)
+def document_plan(position_ids: Tensor, batch: int) -> Tensor:
+    """`flashsys::find_documents`' body: the plan of `batch` rows with these (1 or batch, N) positions."""
+    n = position_ids.shape[1]
+    return _plan(_find_documents(position_ids.expand(batch, n)), batch, n, position_ids.device)
+
+
+def padding_plan(mask: Tensor) -> Tensor:
+    """`flashsys::find_padding`' body: the plan of rows with this (B, N) padding mask (nonzero: a real token), whose
+    real tokens form one run per row.
+
+    Raises:
+        ValueError: for a row with padding between real tokens.
+    """
+    return _plan(_find_padding(mask), *mask.shape, mask.device)
+
+
+def plan_sequences(plan: Tensor) -> Sequences | None:
+    """The sequences a plan holds (None: whole rows), from its note, or read back where the note was dropped."""
+    count, longest, real = _plan_notes.get((plan.device, plan.data_ptr())) or plan[:PLAN_HEADER].tolist()
+    if count == 0:
+        return None
+    start = PLAN_HEADER + count + 1
+    return Sequences(plan[PLAN_HEADER:start], longest, plan[start:start + real] if real else None)
 
 
 def flat_tokens(t: Tensor) -> Tensor:
@@ -130,12 +167,49 @@ def _lse_tokens(lse: Tensor) -> Tensor:
     return lse.transpose(0, 1).reshape(lse.shape[1], -1)
 
 
+def _varlen_forward(tq: Tensor, tk: Tensor, tv: Tensor, found: Sequences, window: Window, scale: float,
+                    triton: bool) -> tuple[Tensor, Tensor]:
+    cu, lengths = found.cu_seqlens, (found.longest, found.longest)
+    if not triton:
+        return flash_varlen_forward_torch(tq, tk, tv, cu, cu, *window, scale)
+    from . import calls, launcher
+
+    with calls.on_device(tq):
+        o, lse = launcher.varlen_forward(*calls.interpreter_upcast(tq, tk, tv), launcher.Offsets(cu, cu), lengths,
+                                         window, scale)
+    return calls.same_dtype((o,), (tq,))[0], lse
+
+
+def _varlen_backward(tokens: list[Tensor], lse: Tensor, found: Sequences, window: Window, scale: float,
+                     triton: bool) -> tuple[Tensor, ...]:
+    cu, lengths = found.cu_seqlens, (found.longest, found.longest)
+    if not triton:
+        return flash_varlen_backward_torch(*tokens[:4], lse, tokens[4], cu, cu, *window, scale)
+    from . import calls, launcher
+
+    with calls.on_device(tokens[0]):
+        grads = launcher.varlen_backward(*calls.interpreter_upcast(*tokens[:4]), lse,
+                                         calls.interpreter_upcast(tokens[4])[0], launcher.Offsets(cu, cu), lengths,
+                                         window, scale)
+    return calls.same_dtype(grads, tokens[:3])
+
+
+def _scatter(values: Tensor, index: Tensor | None, dim: int, total: int, fill: float) -> Tensor:
+    """`values` of the real tokens placed at `index` along `dim` of a `total`-long tensor filled with `fill` (padded
+    rows), or `values` itself (every token real)."""
+    if index is None:
+        return values
+    shape = list(values.shape)
+    shape[dim] = total
+    return values.new_full(shape, fill).index_copy_(dim, index.long(), values)
+
+
 def forward(q: Tensor, k: Tensor, v: Tensor, plan: Tensor, window_left: int, window_right: int,
             softmax_scale: float, triton: bool) -> tuple[Tensor, Tensor]:
-    """(O laid out as `empty_output(q)`, L (B, Hq, N)) for rank-4 q, k, v whose rows' documents `plan` holds;
+    """(O laid out as `empty_output(q)`, L (B, Hq, N)) for rank-4 q, k, v whose rows' sequences `plan` holds;
     `triton` picks the Triton kernels over the tiled PyTorch ones."""
-    window, batch = (window_left, window_right), q.shape[0]
-    found = plan_documents(plan)
+    window, (batch, n) = (window_left, window_right), (q.shape[0], q.shape[2])
+    found = plan_sequences(plan)
     if found is None:
         if triton:
             from . import library_ops
@@ -143,17 +217,12 @@ def forward(q: Tensor, k: Tensor, v: Tensor, plan: Tensor, window_left: int, win
             return library_ops.opaque_forward(q, k, v, window_left, window_right, softmax_scale)
         o, lse = flash_forward_torch(q, k, v, *window, softmax_scale)
         return _laid_out(o, q), lse
-    tq, tk, tv = (flat_tokens(t) for t in (q, k, v))
-    if triton:
-        from . import calls, launcher
-
-        with calls.on_device(q):
-            o, lse = launcher.varlen_forward(*calls.interpreter_upcast(tq, tk, tv),
-                                             launcher.Offsets(found.cu_seqlens, found.cu_seqlens),
-                                             (found.longest, found.longest), window, softmax_scale)
-        o = calls.same_dtype((o,), (q,))[0]
-    else:
-        o, lse = flash_varlen_forward_torch(tq, tk, tv, found.cu_seqlens, found.cu_seqlens, *window, softmax_scale)
+    tokens = [flat_tokens(t) for t in (q, k, v)]
+    if found.tokens is not None:
+        tokens = [t.index_select(0, found.tokens) for t in tokens]
+    o, lse = _varlen_forward(*tokens, found, window, softmax_scale, triton)
+    o = _scatter(o, found.tokens, 0, batch * n, 0.0)
+    lse = _scatter(lse, found.tokens, 1, batch * n, float("-inf"))
     return as_rows(o, q), _lse_rows(lse, batch)
 
 
@@ -162,8 +231,8 @@ def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor
              ) -> tuple[Tensor, Tensor, Tensor]:
     """(dQ, dK, dV), each laid out as `empty_output` lays out its input, from `forward`'s O and L; dO may have
     any strides."""
-    window = (window_left, window_right)
-    found = plan_documents(plan)
+    window, (batch, n) = (window_left, window_right), (q.shape[0], q.shape[2])
+    found = plan_sequences(plan)
     if found is None:
         if triton:
             from . import library_ops
@@ -171,19 +240,11 @@ def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor
             return library_ops.opaque_backward(q, k, v, o, lse, do, window_left, window_right, softmax_scale)
         grads = flash_backward_torch(q, k, v, o, lse, do, *window, softmax_scale)
         return tuple(_laid_out(g, x) for g, x in zip(grads, (q, k, v)))
-    tokens = [flat_tokens(t) for t in (q, k, v, o, do)]
-    lse, cu = _lse_tokens(lse), found.cu_seqlens
-    if triton:
-        from . import calls, launcher
-
-        with calls.on_device(q):
-            grads = launcher.varlen_backward(*calls.interpreter_upcast(*tokens[:4]), lse,
-                                             calls.interpreter_upcast(tokens[4])[0], launcher.Offsets(cu, cu),
-                                             (found.longest, found.longest), window, softmax_scale)
-        grads = calls.same_dtype(grads, (q, k, v))
-    else:
-        grads = flash_varlen_backward_torch(*tokens[:4], lse, tokens[4], cu, cu, *window, softmax_scale)
-    return tuple(as_rows(g, x) for g, x in zip(grads, (q, k, v)))
+    tokens, lse = [flat_tokens(t) for t in (q, k, v, o, do)], _lse_tokens(lse)
+    if found.tokens is not None:
+        tokens, lse = [t.index_select(0, found.tokens) for t in tokens], lse.index_select(1, found.tokens)
+    grads = _varlen_backward(tokens, lse, found, window, softmax_scale, triton)
+    return tuple(as_rows(_scatter(g, found.tokens, 0, batch * n, 0.0), x) for g, x in zip(grads, (q, k, v)))
 
 
 # Defined on a torch.library.Library, as `library_ops`' opaque ops are (no Python autograd kernel in the call path:
@@ -191,19 +252,26 @@ def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor
 _OPS = torch.library.Library("flashsys", "FRAGMENT")
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 _OPS.define("find_documents(Tensor position_ids, int batch) -> Tensor", tags=_TAGS)
+_OPS.define("find_padding(Tensor mask) -> Tensor", tags=_TAGS)
 _OPS.define("packed_rows_forward(Tensor q, Tensor k, Tensor v, Tensor plan, int window_left, "
             "int window_right, float softmax_scale, bool triton) -> (Tensor, Tensor)", tags=_TAGS)
 _OPS.define("packed_rows_backward(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do, "
             "Tensor plan, int window_left, int window_right, float softmax_scale, bool triton) "
             "-> (Tensor, Tensor, Tensor)", tags=_TAGS)
-_OPS.impl("find_documents", find_documents, "CompositeExplicitAutograd")
+_OPS.impl("find_documents", document_plan, "CompositeExplicitAutograd")
+_OPS.impl("find_padding", padding_plan, "CompositeExplicitAutograd")
 _OPS.impl("packed_rows_forward", forward, "CompositeExplicitAutograd")
 _OPS.impl("packed_rows_backward", backward, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("flashsys::find_documents", lib=_OPS)
 def _find_documents_fake(position_ids, batch):
-    return position_ids.new_empty(PLAN_HEADER + batch * position_ids.shape[1] + 1, dtype=torch.int32)
+    return position_ids.new_empty(plan_size(batch, position_ids.shape[1]), dtype=torch.int32)
+
+
+@torch.library.register_fake("flashsys::find_padding", lib=_OPS)
+def _find_padding_fake(mask):
+    return mask.new_empty(plan_size(*mask.shape), dtype=torch.int32)
 
 
 @torch.library.register_fake("flashsys::packed_rows_forward", lib=_OPS)
@@ -218,8 +286,7 @@ def _backward_fake(q, k, v, o, lse, do, plan, window_left, window_right, softmax
 
 
 class PackedRows(torch.autograd.Function):
-    """`flash_attention_packed` in a traced (torch.compile) call: the op pair above, over the documents a
-    `find_documents` plan holds. `PackedRows.apply(q, k, v, plan, window, softmax_scale, triton)` with checked
+    """`flash_attention_packed` and `flash_attention_padded` over a plan's sequences: the op pair above. `PackedRows.apply(q, k, v, plan, window, softmax_scale, triton)` with checked
     arguments (the window as (left, right) bounds)."""
 
     @staticmethod
@@ -232,7 +299,7 @@ class PackedRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do: Tensor):
-        refuse_double_backward("flash_attention_packed")
+        refuse_double_backward("flash_attention_packed / flash_attention_padded")
         q, k, v, o, lse, plan = ctx.saved_tensors
         dq, dk, dv = torch.ops.flashsys.packed_rows_backward(q, k, v, o, lse, do, plan, *ctx.window,
                                                              ctx.scale, ctx.triton)

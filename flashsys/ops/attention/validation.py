@@ -157,6 +157,22 @@ def check_position_ids(position_ids, batch: int, n: int, device: torch.device, *
         raise ValueError(f"{op}: position_ids is on {position_ids.device}, q on {device}")
 
 
+def check_padding_mask(mask, batch: int, n: int, device: torch.device, *, op: str) -> None:
+    """Check a padding mask for `batch` rows of `n` tokens: a bool or integer (batch, n) tensor on `device`.
+
+    Raises:
+        ValueError: naming padding_mask and what is wrong.
+    """
+    if not isinstance(mask, torch.Tensor) or mask.dtype.is_floating_point or mask.dtype.is_complex:
+        what = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"{op}: padding_mask must be a bool or integer tensor (nonzero: a real token), got {what}")
+    if tuple(mask.shape) != (batch, n):
+        raise ValueError(f"{op}: padding_mask must be ({batch}, {n}) for {batch} rows of {n} tokens, got "
+                         f"{tuple(mask.shape)}")
+    if mask.device != device:
+        raise ValueError(f"{op}: padding_mask is on {mask.device}, q on {device}")
+
+
 def check_cache_start(cache_start, batch: int, n_keys: int, device: torch.device, *, op: str) -> torch.Tensor:
     """Check a decode call's per-row first keys: an integer (batch,) tensor on `device`, each in [0, n_keys] (n_keys:
     the row sees no key). Returns it as the kernels read it (int32, contiguous). Read back once per unchanged GPU
