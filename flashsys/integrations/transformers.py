@@ -104,6 +104,11 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window = _window(sliding_window, causal)
     batch, n_q, n_k = query.shape[0], query.shape[2], key.shape[2]
+    if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None and n_q == n_k:
+        out = flash_attention_packed(query, key, value, cu_seqlens_q=kwargs["cu_seq_lens_q"],
+                                     cu_seqlens_k=kwargs["cu_seq_lens_k"], causal=causal, softmax_scale=scaling,
+                                     window_size=window)
+        return out.transpose(1, 2).contiguous(), None
     if _by_positions(kwargs, attention_mask, n_q, n_k):
         out = flash_attention_packed(query, key, value, kwargs["position_ids"], causal=causal, softmax_scale=scaling,
                                      window_size=window)
@@ -207,7 +212,7 @@ def _by_padding(kwargs: dict, attention_mask: Tensor | None, n_q: int, n_k: int)
 
 
 def _packed_rows(kwargs: dict, attention_mask: Tensor | None, batch: int, n_q: int, n_k: int) -> _Packed | None:
-    """How a batch with the collator's offsets, or a padding mask over a cache, splits into sequences, or None for
+    """How a batch with a cache and the collator's offsets or a padding mask splits into sequences, or None for
     whole rows (the dense kernels). Whole rows that no tensor has to be read to recognise (neither offsets nor a mask)
     are decided here, so that a compiled model does not break its graph at every layer there; the rest is read back,
     outside the graph (`_read_packed_rows`)."""

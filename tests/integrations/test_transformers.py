@@ -148,17 +148,23 @@ def test_layers_compile_without_a_graph_break_and_packed_rows_still_split():
     torch.testing.assert_close(out, torch.cat(documents, 2).transpose(1, 2), rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("rows", ["whole rows", "packed rows", "padded rows"])
+@pytest.mark.parametrize("rows", ["whole rows", "packed rows", "collated rows", "padded rows"])
 def test_a_compiled_training_step_is_one_graph_and_matches_eager(rows):
-    """A compiled model's forward and backward make one graph (no break in any layer, where reading the positions or
-    the padding mask back used to split each), with the eager model's loss and gradients."""
+    """A compiled model's forward and backward make one graph (no break in any layer, where reading the positions,
+    the collator's offsets or the padding mask back used to split each), with the eager model's loss and gradients."""
     _, ours = _pair("qwen2-mixed")
     ours.train()
     x = _tokens(2, 16)
     inputs = {"whole rows": {"position_ids": torch.arange(16)[None]},
               "packed rows": {"position_ids": torch.cat([torch.arange(9), torch.arange(7)])[None]},
+              "collated rows": {"position_ids": torch.cat([torch.arange(9), torch.arange(7), torch.arange(16)])[None],
+                                "cu_seq_lens_q": torch.tensor([0, 9, 16, 32], dtype=torch.int32),
+                                "cu_seq_lens_k": torch.tensor([0, 9, 16, 32], dtype=torch.int32),
+                                "max_length_q": 16, "max_length_k": 16},
               "padded rows": {"attention_mask": torch.stack([torch.arange(16) >= 5, torch.arange(16) < 12]).long()},
               }[rows]
+    if rows == "collated rows":  # a flattening collator's one row
+        x = x.reshape(1, -1)
 
     def loss(model):
         model.zero_grad(set_to_none=True)

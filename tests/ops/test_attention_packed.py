@@ -77,6 +77,8 @@ ROWS = {  # name: (what says how the rows split, its (B, N) tensor for batch 2)
                                      lambda n: torch.cat([torch.arange(7), torch.arange(n - 12), torch.arange(5)])[None]),
     "rows packed differently": ("positions",
                                 lambda n: torch.stack([torch.arange(n), torch.cat([torch.arange(3), torch.arange(n - 3)])])),
+    "offsets": ("offsets", lambda n: torch.tensor([0, 7, n, n + 3, 2 * n], dtype=torch.int32)),
+    "offsets of whole rows": ("offsets", lambda n: torch.tensor([0, n, 2 * n])),
     "left padding": ("mask", lambda n: torch.stack([torch.arange(n) >= 5, torch.arange(n) >= 0])),
     "right padding": ("mask", lambda n: torch.stack([torch.arange(n) < n - 7, torch.arange(n) < 3]).long()),
     "a row all padding": ("mask", lambda n: torch.stack([torch.zeros(n, dtype=torch.bool), torch.arange(n) >= 2])),
@@ -90,22 +92,37 @@ def _rows(name, n):
 
 
 def _call(kind, rows, q, k, v, **options):
-    attention = flash_attention_packed if kind == "positions" else flash_attention_padded
-    return attention(q, k, v, rows, **options)
+    if kind == "positions":
+        return flash_attention_packed(q, k, v, rows, **options)
+    if kind == "offsets":
+        return flash_attention_packed(q, k, v, cu_seqlens_q=rows, **options)
+    return flash_attention_padded(q, k, v, rows, **options)
 
 
 def _spans(kind, rows, batch):
+    if kind == "offsets":  # these examples' documents do not cross rows
+        n = rows[-1].item() // batch
+        return [(a // n, a % n, a % n + b - a) for a, b in zip(rows.tolist(), rows.tolist()[1:])]
     return _documents(rows, batch) if kind == "positions" else _real_runs(rows)
+
+
+FINDERS = {"positions": "_find_documents", "offsets": "_find_offsets", "mask": "_find_padding"}
 
 
 def _plan(kind, rows, batch):
     if kind == "positions":
         return torch.ops.flashsys.find_documents(rows, batch)
+    if kind == "offsets":
+        return torch.ops.flashsys.find_offsets(rows, rows, batch, rows[-1].item() // batch)
     return torch.ops.flashsys.find_padding(rows)
 
 
 def _find(kind, rows, batch):
-    return packed_rows._find_documents(rows.expand(batch, -1)) if kind == "positions" else packed_rows._find_padding(rows)
+    if kind == "positions":
+        return packed_rows._find_documents(rows.expand(batch, -1))
+    if kind == "offsets":
+        return packed_rows._find_offsets(rows, rows, batch, rows[-1].item() // batch)
+    return packed_rows._find_padding(rows)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -156,15 +173,14 @@ def test_the_compiled_ops_return_the_layout_their_fake_kernels_promise(rows):
 
 
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("kind", ["positions", "mask"])
+@pytest.mark.parametrize("kind", list(FINDERS))
 def test_a_compiled_step_reads_the_rows_once(kind, compiler, monkeypatch):
     """Every layer of a compiled model gets the same positions or mask tensor: the sequences are found once per
     step (a wait for the GPU each time), not once per layer or again in the backward (AOTAutograd merges the layers'
     identical calls of the op that finds them)."""
     reads = []
-    name = "_find_documents" if kind == "positions" else "_find_padding"
-    find = getattr(packed_rows, name)
-    monkeypatch.setattr(packed_rows, name, lambda p: reads.append(1) or find(p))
+    find = getattr(packed_rows, FINDERS[kind])
+    monkeypatch.setattr(packed_rows, FINDERS[kind], lambda *args: reads.append(1) or find(*args))
     q, k, v, do = _inputs(2, 24, hq=4, hkv=2, d=16)
     weights = torch.randn(3, 16, 16, device=DEVICE, dtype=DTYPE)
 
@@ -225,6 +241,20 @@ def test_documents_are_where_positions_do_not_go_on_by_one():
     found = packed_rows._find_documents(positions)
     assert found.cu_seqlens.tolist() == [0, 3, 5, 7, 14] and found.longest == 7 and found.tokens is None
     assert packed_rows._find_documents(torch.arange(5, 12)[None]) is None  # offset positions are still whole rows
+
+
+def test_offsets_are_checked_when_read():
+    q, k, v, _ = _inputs(2, 8, hq=2, hkv=2, d=16)
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="cu_seqlens_k differs from cu_seqlens_q"):
+        flash_attention_packed(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=torch.tensor([0, 6, 16], device=DEVICE))
+    for bad in ([0, 5, 15], [1, 5, 16], [0, 9, 5, 16]):
+        with pytest.raises(ValueError, match="cu_seqlens must start at 0, never decrease and end at the 16 tokens"):
+            flash_attention_packed(q, k, v, cu_seqlens_q=torch.tensor(bad, device=DEVICE))
+    with pytest.raises(ValueError, match="pass position_ids or the offsets"):
+        flash_attention_packed(q, k, v, torch.arange(8, device=DEVICE)[None], cu_seqlens_q=cu)
+    with pytest.raises(ValueError, match="cu_seqlens_q must be a 1-D integer tensor"):
+        flash_attention_packed(q, k, v, cu_seqlens_q=cu.float())
 
 
 def test_padding_finds_each_rows_real_tokens():

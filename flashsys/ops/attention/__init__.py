@@ -21,7 +21,7 @@ from .backends import (
 from .cache_decode import flash_attention_decode
 from .determinism import deterministic_backward, set_deterministic_backward
 from .flash_torch import FlashAttention2Torch, FlashAttentionVarlenTorch
-from .packed_rows import PackedRows, document_plan, padding_plan, plan_sequences
+from .packed_rows import PackedRows, document_plan, offsets_plan, padding_plan, plan_sequences
 from .readback import read_once
 from .reference import attention_reference, causal_mask, window_mask
 from .triton_env import interpreter_active
@@ -29,6 +29,7 @@ from .validation import (
     FLOAT_DTYPES,
     MAX_HEAD_DIM,
     check_attention_inputs,
+    check_index_vector,
     check_padding_mask,
     check_position_ids,
     normalize_window,
@@ -168,26 +169,31 @@ def flash_attention_packed(
     q: Float[Tensor, "B Hq N D"],
     k: Float[Tensor, "B Hkv N D"],
     v: Float[Tensor, "B Hkv N D"],
-    position_ids: Int[Tensor, "B_or_1 N"],
+    position_ids: Int[Tensor, "B_or_1 N"] | None = None,
     *,
+    cu_seqlens_q: Int[Tensor, "docs_plus_1"] | None = None,
+    cu_seqlens_k: Int[Tensor, "docs_plus_1"] | None = None,
     causal: bool = False,
     softmax_scale: float | None = None,
     window_size: tuple[int, int] | None = None,
     backend: Backend = "auto",
 ) -> Float[Tensor, "B Hq N D"]:
-    """FlashAttention-2 over rows that may each pack several documents, told apart by their position ids: a document
-    starts wherever a row's positions do not go on by one (0 1 2 0 1 0 1 2 3 is three documents), and attends only
-    within itself. Rows whose positions never restart run the dense kernels; packed ones the varlen kernels, with
-    the offsets found from the positions (no padding computed). This is how a model trained on packed sequences
-    passes them (transformers' `position_ids`), without a collator's `cu_seqlens`.
+    """FlashAttention-2 over rows that may each pack several documents, each attending only within itself. The
+    documents are told apart by their position ids (a document starts wherever a row's positions do not go on by
+    one: 0 1 2 0 1 0 1 2 3 is three documents; transformers' `position_ids`), or given by flash-attn's offsets into
+    the B * N flattened tokens (a collator's `cu_seq_lens_*`). Rows that hold one document each run the dense
+    kernels; packed ones the varlen kernels (no padding computed).
 
     Under torch.compile the call stays in the graph (no graph break in each layer): which kernels run is decided when
-    the graph runs, by an opaque op that reads the positions back then (a wait for the device once per positions
+    the graph runs, by an opaque op that reads the positions or offsets back then (a wait for the device once per
     tensor shared by the layers, as the eager call's). That op is not captured in CUDA graphs.
 
     Args:
         q, k, v: (B, Hq, N, D) and (B, Hkv, N, D), Hq a multiple of Hkv; queries and keys the same positions.
         position_ids: an integer (B, N) or (1, N) tensor (one row of positions for the whole batch), on q's device.
+        cu_seqlens_q, cu_seqlens_k: instead of position_ids, integer (documents + 1,) offsets on q's device: 0,
+            never decreasing, ending at B * N. Queries and keys are the same tokens, so the keys' offsets, where
+            given, must equal the queries' (checked when they are read).
         causal, softmax_scale, window_size, backend: as in `flash_attention`; causality and the window apply within
             each document.
 
@@ -199,12 +205,21 @@ def flash_attention_packed(
     """
     op = "flash_attention_packed"
     scale, triton = _check_rows(q, k, v, causal, softmax_scale, backend, op)
-    check_position_ids(position_ids, q.shape[0], q.shape[2], q.device, op=op)
-    batch = q.shape[0]
-    if torch.compiler.is_compiling():
-        plan = torch.ops.flashsys.find_documents(position_ids, batch)  # one per graph: see packed_rows
+    batch, n = q.shape[0], q.shape[2]
+    if (position_ids is None) == (cu_seqlens_q is None and cu_seqlens_k is None):
+        raise ValueError(f"{op}: pass position_ids or the offsets cu_seqlens_q (and cu_seqlens_k), one of the two")
+    compiling = torch.compiler.is_compiling()  # the plan ops then merge into one per graph: see packed_rows
+    if position_ids is not None:
+        check_position_ids(position_ids, batch, n, q.device, op=op)
+        plan = (torch.ops.flashsys.find_documents(position_ids, batch) if compiling else
+                read_once(position_ids, f"documents of {batch} rows", lambda p: document_plan(p, batch)))
     else:
-        plan = read_once(position_ids, f"documents of {batch} rows", lambda p: document_plan(p, batch))
+        cu_q = cu_seqlens_q if cu_seqlens_q is not None else cu_seqlens_k
+        cu_k = cu_seqlens_k if cu_seqlens_k is not None else cu_q
+        for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+            check_index_vector(cu, q.device, name=name, op=op)
+        plan = (torch.ops.flashsys.find_offsets(cu_q, cu_k, batch, n) if compiling else
+                read_once(cu_q, f"offsets of {batch} rows of {n}", lambda cu: offsets_plan(cu, cu_k, batch, n)))
     return _over_plan(q, k, v, plan, causal, scale, window_size, backend, triton, op)
 
 

@@ -1,6 +1,6 @@
 """Rows that hold several sequences, or fewer tokens than their length: documents packed in a row, told apart by
 their position ids (a document starts wherever a row's positions do not go on by one, how transformers recognises
-packed sequences), or real tokens in a padded row, told by a padding mask. `flash_attention_packed` and
+packed sequences) or by flash-attn's offsets, or real tokens in a padded row, told by a padding mask. `flash_attention_packed` and
 `flash_attention_padded` are the entry points; this module finds the sequences and holds the ops both run.
 
 Which rows are packed or padded is known only by reading the positions or the mask back from the device. The
@@ -10,8 +10,8 @@ call makes it once per positions or mask tensor (`readback`). A traced call cann
 Dynamo would break the graph around the reading, in every layer. It calls opaque ops instead, which read and choose
 when the graph runs:
 
-- `flashsys::find_documents(position_ids, batch)` / `flashsys::find_padding(mask)` read (a wait for the device) and
-  return the plan. Every layer calls one with the same input, so AOTAutograd's common-subexpression pass leaves one
+- `flashsys::find_documents(position_ids, batch)`, `flashsys::find_offsets(cu_seqlens_q, cu_seqlens_k, batch, n)`
+  and `flashsys::find_padding(mask)` read (a wait for the device) and return the plan. Every layer calls one with the same input, so AOTAutograd's common-subexpression pass leaves one
   call per graph: one reading a step, forward and backward together, however many layers share it.
 - `flashsys::packed_rows_forward` / `_backward` take the plan and run the dense or the varlen kernels (on the real
   tokens, gathered; pad tokens get O = 0, L = -inf and zero gradients). They learn the plan's counts without
@@ -70,7 +70,7 @@ def _find_padding(mask: Tensor) -> Sequences | None:
     lengths = mask.sum(1, dtype=torch.int32)
     most_runs, longest, real = torch.stack([runs.max(), lengths.max(), lengths.sum()]).tolist()
     if most_runs > 1:
-        raise ValueError("padding_mask: a row has padding between real tokens; flashsys takes left or right padding "
+        raise ValueError("flash_attention_padded: a row of padding_mask has padding between real tokens; flashsys takes left or right padding "
                          "(one run of real tokens per row)")
     if real == mask.numel():
         return None
@@ -120,6 +120,32 @@ def padding_plan(mask: Tensor) -> Tensor:
         ValueError: for a row with padding between real tokens.
     """
     return _plan(_find_padding(mask), *mask.shape, mask.device)
+
+
+def offsets_plan(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, batch: int, n: int) -> Tensor:
+    """`flashsys::find_offsets`' body: the plan of documents given by flash-attn's offsets into the batch * n
+    flattened tokens (any integer dtype), the queries' and the keys' the same.
+
+    Raises:
+        ValueError: for offsets that do not start at 0, decrease or end elsewhere than at batch * n, or queries'
+            and keys' offsets that differ.
+    """
+    return _plan(_find_offsets(cu_seqlens_q, cu_seqlens_k, batch, n), batch, n, cu_seqlens_q.device)
+
+
+def _find_offsets(cu_q: Tensor, cu_k: Tensor, batch: int, n: int) -> Sequences | None:
+    values = cu_q.tolist()
+    if cu_k.data_ptr() != cu_q.data_ptr() and cu_k.tolist() != values:
+        raise ValueError("flash_attention_packed: cu_seqlens_k differs from cu_seqlens_q; with queries and keys at "
+                         "the same positions (no cache) each document's keys are its queries")
+    steps = [b - a for a, b in zip(values, values[1:])]
+    if len(values) < 2 or values[0] != 0 or min(steps) < 0 or values[-1] != batch * n:
+        shown = values if len(values) <= 12 else values[:6] + ["..."] + values[-3:]
+        raise ValueError(f"flash_attention_packed: cu_seqlens must start at 0, never decrease and end at the "
+                         f"{batch * n} tokens of {batch} rows of {n}, got {shown}")
+    if values == list(range(0, batch * n + 1, n)):
+        return None  # a document a row: whole rows
+    return Sequences(cu_q.to(torch.int32), max(steps), None)
 
 
 def plan_sequences(plan: Tensor) -> Sequences | None:
@@ -253,6 +279,7 @@ _OPS = torch.library.Library("flashsys", "FRAGMENT")
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 _OPS.define("find_documents(Tensor position_ids, int batch) -> Tensor", tags=_TAGS)
 _OPS.define("find_padding(Tensor mask) -> Tensor", tags=_TAGS)
+_OPS.define("find_offsets(Tensor cu_seqlens_q, Tensor cu_seqlens_k, int batch, int n) -> Tensor", tags=_TAGS)
 _OPS.define("packed_rows_forward(Tensor q, Tensor k, Tensor v, Tensor plan, int window_left, "
             "int window_right, float softmax_scale, bool triton) -> (Tensor, Tensor)", tags=_TAGS)
 _OPS.define("packed_rows_backward(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do, "
@@ -260,6 +287,7 @@ _OPS.define("packed_rows_backward(Tensor q, Tensor k, Tensor v, Tensor o, Tensor
             "-> (Tensor, Tensor, Tensor)", tags=_TAGS)
 _OPS.impl("find_documents", document_plan, "CompositeExplicitAutograd")
 _OPS.impl("find_padding", padding_plan, "CompositeExplicitAutograd")
+_OPS.impl("find_offsets", offsets_plan, "CompositeExplicitAutograd")
 _OPS.impl("packed_rows_forward", forward, "CompositeExplicitAutograd")
 _OPS.impl("packed_rows_backward", backward, "CompositeExplicitAutograd")
 
@@ -267,6 +295,11 @@ _OPS.impl("packed_rows_backward", backward, "CompositeExplicitAutograd")
 @torch.library.register_fake("flashsys::find_documents", lib=_OPS)
 def _find_documents_fake(position_ids, batch):
     return position_ids.new_empty(plan_size(batch, position_ids.shape[1]), dtype=torch.int32)
+
+
+@torch.library.register_fake("flashsys::find_offsets", lib=_OPS)
+def _find_offsets_fake(cu_seqlens_q, cu_seqlens_k, batch, n):
+    return cu_seqlens_q.new_empty(plan_size(batch, n), dtype=torch.int32)
 
 
 @torch.library.register_fake("flashsys::find_padding", lib=_OPS)

@@ -157,6 +157,20 @@ def check_position_ids(position_ids, batch: int, n: int, device: torch.device, *
         raise ValueError(f"{op}: position_ids is on {position_ids.device}, q on {device}")
 
 
+def check_index_vector(t, device: torch.device, *, name: str, op: str) -> None:
+    """Check that `t` is a 1-D integer tensor on `device` (offsets, starts); its values are checked when read.
+
+    Raises:
+        ValueError: naming `name` and what is wrong.
+    """
+    if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool \
+            or t.dim() != 1:
+        what = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{op}: {name} must be a 1-D integer tensor, got {what}")
+    if t.device != device:
+        raise ValueError(f"{op}: {name} is on {t.device}, q on {device}")
+
+
 def check_padding_mask(mask, batch: int, n: int, device: torch.device, *, op: str) -> None:
     """Check a padding mask for `batch` rows of `n` tokens: a bool or integer (batch, n) tensor on `device`.
 
