@@ -52,16 +52,23 @@ class Sequences(NamedTuple):
     tokens: Tensor | None
 
 
+# Each finder reads back once (one wait for the device): the counts first, in one tensor, so that the indices can
+# then be gathered at a size known on the host (`nonzero_static`) instead of by `nonzero`, which waits again.
+
+
 def _find_documents(positions: Tensor) -> Sequences | None:
     batch, n = positions.shape
     starts = torch.ones_like(positions, dtype=torch.bool)
     starts[:, 1:] = positions[:, 1:] - positions[:, :-1] != 1
-    if not bool(starts[:, 1:].any()):
+    starts = starts.reshape(-1)
+    index = torch.arange(batch * n, device=positions.device)
+    # A token's place in its document: its index less its document's start (the last start at or before it).
+    place = index - torch.where(starts, index, 0).cummax(0).values
+    count, longest = torch.stack([starts.sum(), place.max() + 1]).tolist()
+    if count == batch:  # one start a row: whole rows
         return None
-    flat_starts = starts.reshape(-1).nonzero().view(-1).to(torch.int32)
-    end = torch.tensor([batch * n], dtype=torch.int32, device=positions.device)
-    cu = torch.cat([flat_starts, end])
-    return Sequences(cu, int((cu[1:] - cu[:-1]).max()), None)
+    cu = torch.cat([starts.nonzero_static(size=count).view(-1), index[-1:] + 1]).to(torch.int32)
+    return Sequences(cu, longest, None)
 
 
 def _find_padding(mask: Tensor) -> Sequences | None:
@@ -70,12 +77,12 @@ def _find_padding(mask: Tensor) -> Sequences | None:
     lengths = mask.sum(1, dtype=torch.int32)
     most_runs, longest, real = torch.stack([runs.max(), lengths.max(), lengths.sum()]).tolist()
     if most_runs > 1:
-        raise ValueError("flash_attention_padded: a row of padding_mask has padding between real tokens; flashsys takes left or right padding "
-                         "(one run of real tokens per row)")
+        raise ValueError("flash_attention_padded: a row of padding_mask has padding between real tokens; flashsys "
+                         "takes left or right padding (one run of real tokens per row)")
     if real == mask.numel():
         return None
     cu = torch.cat([torch.zeros(1, dtype=torch.int32, device=mask.device), lengths.cumsum(0, dtype=torch.int32)])
-    return Sequences(cu, longest, mask.reshape(-1).nonzero().view(-1).to(torch.int32))
+    return Sequences(cu, longest, mask.reshape(-1).nonzero_static(size=real).view(-1).to(torch.int32))
 
 
 PLAN_HEADER = 3  # a plan's count of sequences (0: whole rows), longest sequence, real tokens (0: all), then offsets
