@@ -307,3 +307,16 @@ def test_queries_and_keys_must_be_the_same_positions():
         flash_attention_packed(q, k, v, torch.arange(8, device=DEVICE)[None])
     with pytest.raises(ValueError, match="backend must be one of"):
         flash_attention_packed(q, q, q, torch.arange(8, device=DEVICE)[None], backend="cudnn")
+
+
+def test_readings_of_tensors_that_died_are_dropped(monkeypatch):
+    """An eager training loop passes a new positions tensor every step: the plans read from the ones that died (GPU
+    tensors, up to 2 * B * N int32 each) must not pile up."""
+    from flashsys.ops.attention import readback
+
+    monkeypatch.setattr(readback, "cacheable", lambda t: True)
+    monkeypatch.setattr(readback, "_known", {})
+    q, k, v, _ = _inputs(2, 24, hq=2, hkv=2, d=16)
+    for _ in range(100):
+        flash_attention_packed(q, k, v, ROWS["one packed row for the batch"][1](24).to(DEVICE), backend="torch")
+    assert len(readback._known) <= 32

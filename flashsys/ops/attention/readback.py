@@ -35,7 +35,10 @@ def read_once(t: torch.Tensor, kind: str, read: Callable[[torch.Tensor], T]) -> 
         return known[3]
     result = read(t)
     if cached:
-        if len(_known) > 1024:
+        if len(_known) >= 32:  # results can be device tensors (plans): keep none for tensors that died
+            for key in [key for key, entry in _known.items() if entry[0]() is None]:
+                del _known[key]
+        if len(_known) >= 1024:
             _known.clear()
         _known[(id(t), kind)] = (weakref.ref(t), t.data_ptr(), t._version, result)
     return result
