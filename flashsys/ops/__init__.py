@@ -6,12 +6,15 @@ from .attention import (
     deterministic_backward,
     flash_attention,
     flash_attention_decode,
+    flash_attention_packed,
+    flash_attention_padded,
     flash_attention_varlen,
     set_deterministic_backward,
 )
 
 __all__ = ["FlashAttention2Torch", "FlashAttention2Triton", "attention_reference", "deterministic_backward",
-           "flash_attention", "flash_attention_decode", "flash_attention_varlen", "set_deterministic_backward"]
+           "flash_attention", "flash_attention_decode", "flash_attention_packed", "flash_attention_padded",
+           "flash_attention_varlen", "set_deterministic_backward"]
 
 
 def __getattr__(name: str):
