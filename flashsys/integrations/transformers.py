@@ -104,19 +104,11 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window = _window(sliding_window, causal)
     batch, n_q, n_k = query.shape[0], query.shape[2], key.shape[2]
-    if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None and n_q == n_k:
-        out = flash_attention_packed(query, key, value, cu_seqlens_q=kwargs["cu_seq_lens_q"],
-                                     cu_seqlens_k=kwargs["cu_seq_lens_k"], causal=causal, softmax_scale=scaling,
-                                     window_size=window)
-        return out.transpose(1, 2).contiguous(), None
-    if _by_positions(kwargs, attention_mask, n_q, n_k):
-        out = flash_attention_packed(query, key, value, kwargs["position_ids"], causal=causal, softmax_scale=scaling,
-                                     window_size=window)
-        return out.transpose(1, 2).contiguous(), None
-    if _by_padding(kwargs, attention_mask, n_q, n_k):
-        out = flash_attention_padded(query, key, value, attention_mask, causal=causal, softmax_scale=scaling,
-                                     window_size=window)
-        return out.transpose(1, 2).contiguous(), None
+    if n_q == n_k:  # no cache
+        out = _split_rows(query, key, value, attention_mask, kwargs, causal=causal, softmax_scale=scaling,
+                          window_size=window)
+        if out is not None:
+            return out.transpose(1, 2).contiguous(), None
     packed = _packed_rows(kwargs, attention_mask, batch, n_q, n_k)
     if packed is not None and packed.key_start is not None and _decodes(query, key, value):
         out = flash_attention_decode(query, key, value, cache_start=packed.key_start, causal=causal,
@@ -196,19 +188,23 @@ class _Packed:
         self.rows_q, self.rows_k, self.key_start = rows_q, rows_k, key_start
 
 
-def _by_positions(kwargs: dict, attention_mask: Tensor | None, n_q: int, n_k: int) -> bool:
-    """Whether only `position_ids` can say how the rows split (no offsets, no mask, and queries at the keys'
-    positions): `flash_attention_packed` reads them, inside a compiled graph too. With a cache, or one query per
-    row, positions that do not go on by one are left padding's, not packing (its mask says the rest)."""
-    return (kwargs.get("cu_seq_lens_q") is None and kwargs.get("cu_seq_lens_k") is None and attention_mask is None
-            and kwargs.get("position_ids") is not None and n_q == n_k > 1)
-
-
-def _by_padding(kwargs: dict, attention_mask: Tensor | None, n_q: int, n_k: int) -> bool:
-    """Whether a padding mask says how the rows split, with queries at the keys' positions (no cache):
-    `flash_attention_padded` reads it, inside a compiled graph too."""
-    return (kwargs.get("cu_seq_lens_q") is None and kwargs.get("cu_seq_lens_k") is None
-            and attention_mask is not None and n_q == n_k and attention_mask.shape[1] == n_k)
+def _split_rows(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, kwargs: dict,
+                **options: Any) -> Tensor | None:
+    """Attention over rows without a cache whose split the collator's offsets, a padding mask or restarting
+    `position_ids` give (read inside a compiled graph too, once a step), or None where nothing splits them or the
+    offsets are not both given (`_packed_rows` then decides). One position per row cannot be packed."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None and cu_k is not None:
+        return flash_attention_packed(query, key, value, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **options)
+    if cu_q is not None or cu_k is not None:
+        return None
+    if attention_mask is not None:
+        if attention_mask.shape[1] != key.shape[2]:
+            return None
+        return flash_attention_padded(query, key, value, attention_mask, **options)
+    if kwargs.get("position_ids") is not None and query.shape[2] > 1:
+        return flash_attention_packed(query, key, value, kwargs["position_ids"], **options)
+    return None
 
 
 def _packed_rows(kwargs: dict, attention_mask: Tensor | None, batch: int, n_q: int, n_k: int) -> _Packed | None:

@@ -21,8 +21,7 @@ from .backends import (
 from .cache_decode import flash_attention_decode
 from .determinism import deterministic_backward, set_deterministic_backward
 from .flash_torch import FlashAttention2Torch, FlashAttentionVarlenTorch
-from .packed_rows import PackedRows, document_plan, offsets_plan, padding_plan, plan_sequences
-from .readback import read_once
+from .packed_rows import PackedRows, find_plan, plan_sequences
 from .reference import attention_reference, causal_mask, window_mask
 from .triton_env import interpreter_active
 from .validation import (
@@ -208,18 +207,15 @@ def flash_attention_packed(
     batch, n = q.shape[0], q.shape[2]
     if (position_ids is None) == (cu_seqlens_q is None and cu_seqlens_k is None):
         raise ValueError(f"{op}: pass position_ids or the offsets cu_seqlens_q (and cu_seqlens_k), one of the two")
-    compiling = torch.compiler.is_compiling()  # the plan ops then merge into one per graph: see packed_rows
     if position_ids is not None:
         check_position_ids(position_ids, batch, n, q.device, op=op)
-        plan = (torch.ops.flashsys.find_documents(position_ids, batch) if compiling else
-                read_once(position_ids, f"documents of {batch} rows", lambda p: document_plan(p, batch)))
+        plan = find_plan("find_documents", position_ids, f"documents of {batch} rows", batch)
     else:
         cu_q = cu_seqlens_q if cu_seqlens_q is not None else cu_seqlens_k
         cu_k = cu_seqlens_k if cu_seqlens_k is not None else cu_q
         for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
             check_index_vector(cu, q.device, name=name, op=op)
-        plan = (torch.ops.flashsys.find_offsets(cu_q, cu_k, batch, n) if compiling else
-                read_once(cu_q, f"offsets of {batch} rows of {n}", lambda cu: offsets_plan(cu, cu_k, batch, n)))
+        plan = find_plan("find_offsets", cu_q, f"offsets of {batch} rows of {n}", cu_k, batch, n)
     return _over_plan(q, k, v, plan, causal, scale, window_size, backend, triton, op)
 
 
@@ -257,10 +253,7 @@ def flash_attention_padded(
     op = "flash_attention_padded"
     scale, triton = _check_rows(q, k, v, causal, softmax_scale, backend, op)
     check_padding_mask(padding_mask, q.shape[0], q.shape[2], q.device, op=op)
-    if torch.compiler.is_compiling():
-        plan = torch.ops.flashsys.find_padding(padding_mask)  # one per graph: see packed_rows
-    else:
-        plan = read_once(padding_mask, "padding", padding_plan)
+    plan = find_plan("find_padding", padding_mask, "padding")
     return _over_plan(q, k, v, plan, causal, scale, window_size, backend, triton, op)
 
 

@@ -36,7 +36,8 @@ from .flash_torch import (
     flash_varlen_forward_torch,
 )
 from .layout import empty_output, heads_inside
-from .validation import refuse_double_backward
+from .readback import read_once
+from .validation import _shown, refuse_double_backward
 
 Window = tuple[int, int]
 
@@ -147,12 +148,20 @@ def _find_offsets(cu_q: Tensor, cu_k: Tensor, batch: int, n: int) -> Sequences |
                          "the same positions (no cache) each document's keys are its queries")
     steps = [b - a for a, b in zip(values, values[1:])]
     if len(values) < 2 or values[0] != 0 or min(steps) < 0 or values[-1] != batch * n:
-        shown = values if len(values) <= 12 else values[:6] + ["..."] + values[-3:]
         raise ValueError(f"flash_attention_packed: cu_seqlens must start at 0, never decrease and end at the "
-                         f"{batch * n} tokens of {batch} rows of {n}, got {shown}")
+                         f"{batch * n} tokens of {batch} rows of {n}, got {_shown(values)}")
     if values == list(range(0, batch * n + 1, n)):
         return None  # a document a row: whole rows
     return Sequences(cu_q.to(torch.int32), max(steps), None)
+
+
+def find_plan(finder: str, t: Tensor, kind: str, *args) -> Tensor:
+    """The plan `flashsys::<finder>(t, *args)` makes: the op itself in a traced call (AOTAutograd merges the layers'
+    identical calls into one per graph), else made once per unchanged tensor (`readback`; `kind` as it asks)."""
+    op = getattr(torch.ops.flashsys, finder)
+    if torch.compiler.is_compiling():
+        return op(t, *args)
+    return read_once(t, kind, lambda read: op(read, *args))
 
 
 def plan_sequences(plan: Tensor) -> Sequences | None:
@@ -164,13 +173,13 @@ def plan_sequences(plan: Tensor) -> Sequences | None:
     return Sequences(plan[PLAN_HEADER:start], longest, plan[start:start + real] if real else None)
 
 
-def flat_tokens(t: Tensor) -> Tensor:
+def _flat_tokens(t: Tensor) -> Tensor:
     """(B, H, N, D) as the varlen kernels' (B * N, H, D) tokens: a view where `t` keeps its heads inside its
     sequence dimension (a model's projections), else a copy."""
     return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
 
 
-def as_rows(tokens: Tensor, like: Tensor) -> Tensor:
+def _as_rows(tokens: Tensor, like: Tensor) -> Tensor:
     """(B * N, H, D) tokens as the (B, H, N, D) tensor shaped like `like`, laid out as `layout.empty_output(like)`
     lays it out (the compiled ops' fake kernels promise that layout): a view where the memory already is, else a
     copy."""
@@ -250,13 +259,13 @@ def forward(q: Tensor, k: Tensor, v: Tensor, plan: Tensor, window_left: int, win
             return library_ops.opaque_forward(q, k, v, window_left, window_right, softmax_scale)
         o, lse = flash_forward_torch(q, k, v, *window, softmax_scale)
         return _laid_out(o, q), lse
-    tokens = [flat_tokens(t) for t in (q, k, v)]
+    tokens = [_flat_tokens(t) for t in (q, k, v)]
     if found.tokens is not None:
         tokens = [t.index_select(0, found.tokens) for t in tokens]
     o, lse = _varlen_forward(*tokens, found, window, softmax_scale, triton)
     o = _scatter(o, found.tokens, 0, batch * n, 0.0)
     lse = _scatter(lse, found.tokens, 1, batch * n, float("-inf"))
-    return as_rows(o, q), _lse_rows(lse, batch)
+    return _as_rows(o, q), _lse_rows(lse, batch)
 
 
 def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, plan: Tensor,
@@ -273,11 +282,11 @@ def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor
             return library_ops.opaque_backward(q, k, v, o, lse, do, window_left, window_right, softmax_scale)
         grads = flash_backward_torch(q, k, v, o, lse, do, *window, softmax_scale)
         return tuple(_laid_out(g, x) for g, x in zip(grads, (q, k, v)))
-    tokens, lse = [flat_tokens(t) for t in (q, k, v, o, do)], _lse_tokens(lse)
+    tokens, lse = [_flat_tokens(t) for t in (q, k, v, o, do)], _lse_tokens(lse)
     if found.tokens is not None:
         tokens, lse = [t.index_select(0, found.tokens) for t in tokens], lse.index_select(1, found.tokens)
     grads = _varlen_backward(tokens, lse, found, window, softmax_scale, triton)
-    return tuple(as_rows(_scatter(g, found.tokens, 0, batch * n, 0.0), x) for g, x in zip(grads, (q, k, v)))
+    return tuple(_as_rows(_scatter(g, found.tokens, 0, batch * n, 0.0), x) for g, x in zip(grads, (q, k, v)))
 
 
 # Defined on a torch.library.Library, as `library_ops`' opaque ops are (no Python autograd kernel in the call path:

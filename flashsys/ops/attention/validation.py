@@ -140,14 +140,19 @@ def _shown(values: list[int]) -> list:
     return values if len(values) <= 12 else values[:6] + ["..."] + values[-3:]
 
 
+def _integer(t) -> bool:
+    """Whether `t` is a tensor of an integer dtype (bool is not one)."""
+    return (isinstance(t, torch.Tensor) and not t.dtype.is_floating_point and not t.dtype.is_complex
+            and t.dtype != torch.bool)
+
+
 def check_position_ids(position_ids, batch: int, n: int, device: torch.device, *, op: str) -> None:
     """Check position ids for `batch` rows of `n` tokens: an integer (batch, n) or (1, n) tensor on `device`.
 
     Raises:
         ValueError: naming position_ids and what is wrong.
     """
-    if not isinstance(position_ids, torch.Tensor) or position_ids.dtype.is_floating_point \
-            or position_ids.dtype.is_complex or position_ids.dtype == torch.bool:
+    if not _integer(position_ids):
         what = position_ids.dtype if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
         raise ValueError(f"{op}: position_ids must be an integer tensor, got {what}")
     if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != n:
@@ -163,8 +168,7 @@ def check_index_vector(t, device: torch.device, *, name: str, op: str) -> None:
     Raises:
         ValueError: naming `name` and what is wrong.
     """
-    if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool \
-            or t.dim() != 1:
+    if not _integer(t) or t.dim() != 1:
         what = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
         raise ValueError(f"{op}: {name} must be a 1-D integer tensor, got {what}")
     if t.device != device:
@@ -177,7 +181,7 @@ def check_padding_mask(mask, batch: int, n: int, device: torch.device, *, op: st
     Raises:
         ValueError: naming padding_mask and what is wrong.
     """
-    if not isinstance(mask, torch.Tensor) or mask.dtype.is_floating_point or mask.dtype.is_complex:
+    if not (_integer(mask) or isinstance(mask, torch.Tensor) and mask.dtype == torch.bool):
         what = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(f"{op}: padding_mask must be a bool or integer tensor (nonzero: a real token), got {what}")
     if tuple(mask.shape) != (batch, n):
