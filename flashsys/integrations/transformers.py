@@ -18,7 +18,8 @@ Every attention layer then calls `attention_forward`, which computes what the `s
   `cu_seq_lens_q`/`cu_seq_lens_k` with `max_length_q`/`max_length_k`, through the varlen kernels;
 - KV-cache decoding: the new queries are the last positions of the cache (bottom-right causal alignment); one to 16
   queries take the split-key decode kernels, a left-padded batch too (`flash_attention_decode` skips each row's
-  padding in the cache instead of gathering its real keys).
+  padding in the cache instead of gathering its real keys). A static cache's slots past the keys so far are empty:
+  the mask function's result ends where the keys end, and the attention function reads that many.
 
 What flashsys does not compute is refused with an error that says what and why: attention dropout in training,
 logit softcapping (Gemma 2), attention sinks (`s_aux`, GPT-OSS), position biases (T5), an arbitrary 4-D mask,
@@ -72,19 +73,35 @@ def register(name: str = NAME) -> str:
     return name
 
 
-def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int | Tensor = 0, kv_offset: int = 0,
                  mask_function: Callable | None = None, attention_mask: Tensor | None = None,
                  **kwargs: Any) -> Tensor | None:
-    """The mask transformers hands to `attention_forward`: the 2-D (batch, kv_length) boolean padding mask (its last
-    kv_length columns, as a sliding-window cache holds only those keys), or None when nothing is padded (under
-    torch.compile, without a cache, the mask as it is: whether it pads anything is read when the graph runs).
-    Causality, windows and packing are the attention function's, from its arguments."""
+    """The mask transformers hands to `attention_forward`: a 2-D (batch, keys) boolean padding mask over the keys the
+    cache holds, or None when every key is real (under torch.compile, without a cache, the mask as it is: whether it
+    pads anything is read when the graph runs). Causality, windows and packing are the attention function's, from
+    its arguments.
+
+    The mask's columns are the cache's first `filled` keys, filled = q_offset + q_length - kv_offset: a static cache
+    holds kv_length slots, of which those past `filled` are empty, and the mask's width tells the attention function
+    where its keys end (the new queries are the last q_length of them). The given mask's last column is the last
+    query's position, as `generate()` keeps it and as this function returns it (transformers may hand the result
+    back to it for the model's own mask).
+
+    Raises:
+        ValueError: for a mask that does not cover every key the cache holds so far.
+    """
+    filled = int(q_offset) + q_length - kv_offset  # a static cache's offset is a tensor: read once per step
     if attention_mask is None:
-        return None
-    attention_mask = attention_mask[:, -kv_length:]
+        if filled == kv_length:
+            return None
+        return torch.ones(batch_size, filled, dtype=torch.bool, device=kwargs.get("device"))
+    if attention_mask.shape[1] < filled:
+        raise ValueError(f"flashsys attention: the attention mask has {attention_mask.shape[1]} columns, but the "
+                         f"cache holds {filled} keys up to the last query; pass a mask over every position so far")
+    attention_mask = attention_mask[:, -filled:].bool()
     if torch.compiler.is_compiling() and q_length == kv_length:
         return attention_mask  # whole rows or not, `flash_attention_padded` finds out when the graph runs
-    if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+    if filled == kv_length and bool(attention_mask.all()):
         return None
     return attention_mask
 
@@ -103,6 +120,9 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     _refuse_what_is_not_computed(module, query, key, value, attention_mask, dropout, softcap, kwargs)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window = _window(sliding_window, causal)
+    if attention_mask is not None and query.shape[2] <= attention_mask.shape[1] < key.shape[2]:
+        # A static cache: its slots past the mask's width are empty (`padding_mask`); the queries are the last keys.
+        key, value = (t[:, :, :attention_mask.shape[1]] for t in (key, value))
     batch, n_q, n_k = query.shape[0], query.shape[2], key.shape[2]
     if n_q == n_k:  # no cache
         out = _split_rows(query, key, value, attention_mask, kwargs, causal=causal, softmax_scale=scaling,

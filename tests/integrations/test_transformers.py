@@ -264,6 +264,32 @@ def test_greedy_generation_of_a_left_padded_batch_gives_sdpas_tokens(family, mon
     assert not starts
 
 
+@pytest.mark.parametrize("family", ["llama-gqa", "mistral-window", "qwen2-mixed"])
+def test_generation_with_a_static_cache_gives_sdpas_tokens(family):
+    """A static cache hands every layer all its slots, the empty ones after the keys so far included; the mask
+    function's width says where the keys end (the sliding layers' static caches roll once full)."""
+    ref, ours = _pair(family)
+    x = _tokens(3, 9, seed=5)
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, :6], mask[2, :2] = 0, 0
+    for kwargs in (dict(attention_mask=mask), {}):
+        kwargs.update(max_new_tokens=10, do_sample=False, pad_token_id=0, cache_implementation="static")
+        torch.testing.assert_close(ours.generate(x, **kwargs), ref.generate(x, **kwargs), rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")  # its successor `cache` is newer than 5.17
+def test_a_static_cache_without_a_mask_attends_to_the_keys_so_far_only():
+    """A forward call given a half-empty static cache and no mask: its empty slots are not keys."""
+    ref, ours = _pair("llama-gqa")
+    x = _tokens(2, 12, seed=6)
+    logits = []
+    for model in (ref, ours):
+        cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+        model(x[:, :8], past_key_values=cache, use_cache=True)
+        logits.append(model(x[:, 8:], past_key_values=cache, use_cache=True).logits)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-10, atol=1e-10)
+
+
 def _layer_call(**kwargs):
     """One direct call of the attention function on a Llama attention layer, as transformers makes it."""
     _, ours = _pair("llama-gqa")
