@@ -318,3 +318,101 @@ def test_repeated_decode_op_calls_replay_their_plan(decode_calls, split_path):
         flash_attention_decode(q.requires_grad_(), k, v, cache_start=starts, causal=True, backend="triton")
     int32 = flash_attention_decode(q.detach(), k, v, cache_start=starts.int(), causal=True, backend="triton")
     assert torch.equal(int32, first) and len(decode_calls) == 2  # int32 starts (int64 above): a signature of its own
+
+
+# ------------------------------------------------------------------ flash_attention_decode: key masks
+
+
+def _masked_reference(q, k, v, key_mask, causal, window, dtype):
+    """softmax over the keys each row's key_mask holds and its window allows (bottom-right aligned over the whole
+    cache), in `dtype`; a query that sees no key outputs 0."""
+    rank3 = q.dim() == 3
+    q, k, v = (t[:, None] if rank3 else t for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    q, k, v = q.to(dtype), k.repeat_interleave(group, 1).to(dtype), v.repeat_interleave(group, 1).to(dtype)
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    left, right = window if window is not None else (-1, 0 if causal else -1)
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    i = torch.arange(n_q, device=q.device)[:, None] + (n_k - n_q)
+    j = torch.arange(n_k, device=q.device)[None, :]
+    seen = key_mask[:, None, None, :].expand(-1, 1, n_q, -1)
+    if right >= 0:
+        seen = seen & (j <= i + right)
+    if left >= 0:
+        seen = seen & (j >= i - left)
+    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    p = torch.softmax(s.masked_fill(~seen, float("-inf")).float(), -1).nan_to_num(0.0).to(dtype)
+    out = p @ v
+    return out[:, 0] if rank3 else out
+
+
+@pytest.mark.parametrize("case", DECODE_CASES,
+                         ids=lambda c: f"nq{c[0]}-nk{c[1]}-h{c[2]}/{c[3]}-d{c[4]}-c{c[5]}-w{c[6]}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_key_mask_hides_each_rows_masked_keys(case, dtype, decode_backend, decode_calls):
+    n_q, n_k, heads, kv_heads, d, causal, window = case
+    q, k, v, _ = make_qkv(4, heads, n_q, n_k, d, dtype, DEVICE, seed=n_k + 2 * n_q, kv_heads=kv_heads)
+    g = torch.Generator().manual_seed(n_k)
+    key_mask = torch.rand(4, n_k, generator=g) > 0.3  # holes anywhere
+    key_mask[1, n_k - 80:] = False  # a static cache's empty slots
+    key_mask[2] = True
+    key_mask[3] = False  # a row that sees no key
+    key_mask = key_mask.to(DEVICE)
+    out = flash_attention_decode(q, k, v, key_mask=key_mask, causal=causal, window_size=window,
+                                 backend=decode_backend)
+    exact = _masked_reference(q, k, v, key_mask, causal, window, torch.float64)
+    plain = _masked_reference(q, k, v, key_mask, causal, window, dtype)
+    assert out.dtype == dtype and out.shape == q.shape
+    tolerance = 2 * (plain.double() - exact).abs().max().item() + 1e-6
+    assert (out.double() - exact).abs().max().item() <= tolerance
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+    assert bool(decode_calls) == (decode_backend == "triton")
+
+
+def test_key_mask_and_cache_start_together(decode_backend):
+    q, k, v, _ = make_qkv(3, 4, 1, 200, 32, torch.float32, DEVICE, seed=12, kv_heads=2)
+    starts = torch.tensor([0, 40, 150], device=DEVICE)
+    key_mask = (torch.rand(3, 200, generator=torch.Generator().manual_seed(5)) > 0.5).to(DEVICE)
+    out = flash_attention_decode(q, k, v, cache_start=starts, key_mask=key_mask, causal=True, backend=decode_backend)
+    both = key_mask & (torch.arange(200, device=DEVICE) >= starts[:, None])
+    expected = _masked_reference(q, k, v, both, True, None, torch.float64)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_compiled_call_with_a_key_mask_is_one_op_in_one_graph(backend, decode_backend):
+    """No host reading: the call stays in the graph (fullgraph) as `flashsys::flash_attention_decode`, with the
+    eager call's result, and its output in the op's promised layout."""
+    q, k, v, _ = make_qkv(2, 4, 1, 150, 16, torch.float32, DEVICE, seed=13, kv_heads=2)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # a model's heads-inside view
+    key_mask = (torch.rand(2, 150, generator=torch.Generator().manual_seed(6)) > 0.4).to(DEVICE)
+    ops = []
+
+    def counting(gm, inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward if backend == "aot_eager" else torch._inductor.compile(gm, inputs)
+
+    def step(q, k, v, key_mask):
+        return flash_attention_decode(q, k, v, key_mask=key_mask, causal=True, backend=decode_backend) * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend=counting if backend == "aot_eager" else "inductor")
+    with torch.no_grad():
+        out = compiled(q, k, v, key_mask)
+        expected = step(q, k, v, key_mask)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+    if backend == "aot_eager":
+        assert any("flashsys.flash_attention_decode" in op for op in ops)
+
+
+@pytest.mark.parametrize("key_mask,match", [
+    (torch.ones(2, 60, dtype=torch.uint8), r"bool tensor of shape \(batch, Nk\) = \(2, 60\)"),
+    (torch.ones(2, 59, dtype=torch.bool), r"bool tensor of shape \(batch, Nk\) = \(2, 60\)"),
+    (torch.ones(60, 2, dtype=torch.bool).t(), "adjacent in memory"),
+], ids=["dtype", "shape", "strides"])
+def test_decode_refuses_a_bad_key_mask(key_mask, match):
+    q = torch.randn(2, 4, 1, 16)
+    k, v = (torch.randn(2, 2, 60, 16) for _ in range(2))
+    with pytest.raises(ValueError, match=match):
+        flash_attention_decode(q, k, v, key_mask=key_mask, causal=True, backend="torch")

@@ -14,11 +14,12 @@ batches runs `flash_attention_varlen`).
 from __future__ import annotations
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from .backends import FLASH_ALIASES, Backend, flash_runs_triton
 from .flash_torch import acc_dtype
+from .layout import empty_output, laid_out
 from .replay import plans
 from .validation import (
     FLOAT_DTYPES,
@@ -27,6 +28,7 @@ from .validation import (
     MAX_HEAD_DIM,
     check_attention_inputs,
     check_cache_start,
+    check_key_mask,
     decode_fits,
     normalize_window,
 )
@@ -34,13 +36,13 @@ from .validation import (
 KEY_CHUNK = 4096  # keys per step of the PyTorch path's online softmax: bounds its fp32 scores
 
 
-@torch.compiler.disable  # the cache starts are read back on the host to check them
 def flash_attention_decode(
     q: Float[Tensor, "*batch Nq D"],
     k: Float[Tensor, "*batch Nk D"],
     v: Float[Tensor, "*batch Nk D"],
     *,
     cache_start: Int[Tensor, " batch"] | None = None,
+    key_mask: Bool[Tensor, "batch Nk"] | None = None,
     causal: bool = False,
     softmax_scale: float | None = None,
     window_size: tuple[int, int] | None = None,
@@ -55,7 +57,11 @@ def flash_attention_decode(
         k, v: the cache, (batch, Nk, head_dim) or (batch, Hkv, Nk, head_dim), Hq a multiple of Hkv (grouped-query
             attention reads each K/V head once for its group; nothing is copied).
         cache_start: int32/int64 (batch,): row b's keys before cache_start[b] are padding and never attended to
-            (flash-attn's `cache_leftpad`); in [0, Nk]. None: every key is real.
+            (flash-attn's `cache_leftpad`); in [0, Nk]. None: every key is real. Read back on the host to check it:
+            a compiled graph runs a call with it outside the graph.
+        key_mask: bool (batch, Nk): row b attends to key j only where key_mask[b, j] (any pattern: a static cache's
+            empty slots, padding anywhere). Never read on the host: a compiled graph keeps the call inside, as one
+            op (and a CUDA graph captures it). None: every key is real.
         causal, softmax_scale, window_size: as in `flash_attention`, bottom-right aligned over the whole cache (the
             positions are cache indices, padding included, as transformers' masks count them). A query that sees no
             key outputs 0.
@@ -69,18 +75,29 @@ def flash_attention_decode(
         ValueError, TypeError: for bad shapes, dtypes, devices or cache starts, naming the argument.
         RuntimeError: where q, k or v requires grad with grad mode on (this op computes no gradients).
     """
+    if torch.compiler.is_compiling() and cache_start is None:
+        return torch.ops.flashsys.flash_attention_decode(q, k, v, key_mask, bool(causal), softmax_scale,
+                                                         _window_list(window_size), backend)
+    return _decode(q, k, v, cache_start, key_mask, causal, softmax_scale, window_size, backend)
+
+
+@torch.compiler.disable  # the cache starts are read back on the host to check them
+def _decode(q: Tensor, k: Tensor, v: Tensor, cache_start: Tensor | None, key_mask: Tensor | None, causal: bool,
+            softmax_scale: float | None, window_size: tuple[int, int] | None, backend: str) -> Tensor:
+    """`flash_attention_decode`'s eager call (and its op's body)."""
     op = "flash_attention_decode"
     if backend not in FLASH_ALIASES:
         raise ValueError(f"{op}: backend must be one of {tuple(FLASH_ALIASES)}, got {backend!r}")
     # A signature seen before (every layer of every generation step) replays its plan: its shapes, dtypes and flags
     # were checked at its first call; what can change between calls with one signature is checked again.
-    key = _plan_key(q, k, v, cache_start, causal, softmax_scale, window_size, backend)
+    key = _plan_key(q, k, v, cache_start, key_mask, causal, softmax_scale, window_size, backend)
     plan = plans.decode_plans.get(key)
     if plan is not None and plans.on_current_device(q):
         _refuse_grad(q, k, v, op)
         starts = () if cache_start is None else (check_cache_start(cache_start, q.shape[0], k.shape[-2], q.device,
                                                                    op=op),)
-        return plan.launch(q, k, v, *starts)[0]
+        masks = () if key_mask is None else (key_mask.view(torch.uint8),)  # checked with the signature
+        return plan.launch(q, k, v, *starts, *masks)[0]
     triton = flash_runs_triton(FLASH_ALIASES[backend], q)
     scale = check_attention_inputs(q, k, v, causal, softmax_scale, op=op,
                                    max_head_dim=MAX_HEAD_DIM if triton else None,
@@ -95,9 +112,11 @@ def flash_attention_decode(
     window = normalize_window(window_size, bool(causal), op, n_q, n_k)
     if cache_start is not None:
         cache_start = check_cache_start(cache_start, q.shape[0], n_k, q.device, op=op)
+    if key_mask is not None:
+        check_key_mask(key_mask, q.shape[0], n_k, q.device, op=op)
     if triton:
-        return _decode_triton(q, k, v, cache_start, window, scale, op, key)
-    return _decode_torch(q, k, v, cache_start, window, scale)
+        return _decode_triton(q, k, v, cache_start, key_mask, window, scale, op, key)
+    return _decode_torch(q, k, v, cache_start, key_mask, window, scale)
 
 
 def grad_requested(q: Tensor, k: Tensor, v: Tensor) -> bool:
@@ -111,34 +130,36 @@ def _refuse_grad(q: Tensor, k: Tensor, v: Tensor, op: str) -> None:
                            "or torch.inference_mode(), or train with flash_attention / flash_attention_varlen")
 
 
-def _plan_key(q, k, v, cache_start, causal, softmax_scale, window_size, backend: str) -> tuple | None:
+def _plan_key(q, k, v, cache_start, key_mask, causal, softmax_scale, window_size, backend: str) -> tuple | None:
     """A call's signature as its arguments give it (before any check), or None where no plan applies."""
     key = plans.forward_key(q, k, v, causal, softmax_scale, window_size)
     if key is None:
         return None
-    if cache_start is None:
-        return key, backend, None
-    if type(cache_start) is not torch.Tensor:
-        return None
-    return key, backend, (cache_start.shape, cache_start.dtype, cache_start.get_device())
+    extra = []
+    for t in (cache_start, key_mask):
+        if t is not None and type(t) is not torch.Tensor:
+            return None
+        extra.append(None if t is None else (t.shape, t.stride(), t.dtype, t.get_device()))
+    return key, backend, *extra
 
 
-def _decode_triton(q: Tensor, k: Tensor, v: Tensor, cache_start: Tensor | None, window: tuple[int, int],
-                   scale: float, op: str, key: tuple | None) -> Tensor:
+def _decode_triton(q: Tensor, k: Tensor, v: Tensor, cache_start: Tensor | None, key_mask: Tensor | None,
+                   window: tuple[int, int], scale: float, op: str, key: tuple | None) -> Tensor:
     """The decode kernels, recording their launches as the plan of `key` (a replay of later calls)."""
     from . import calls, launcher  # import Triton: only where the kernels run
 
     calls.check_device(q, op, f"{op}(..., backend='torch')")
     qk, kk, vk = calls.interpreter_upcast(q, k, v)
     with calls.on_device(q):
-        o, _, plan = launcher.forward(qk, kk, vk, window, scale, key_start=cache_start)
+        o, _, plan = launcher.forward(qk, kk, vk, window, scale, key_start=cache_start,
+                                      key_mask=None if key_mask is None else key_mask.view(torch.uint8))
     if qk is q:  # the interpreter's upcast copies: those calls are not replayed
         plans.decode_plans.remember(key, plan)
     return calls.same_dtype((o,), (q,))[0]
 
 
-def _decode_torch(q: Tensor, k: Tensor, v: Tensor, cache_start: Tensor | None, window: tuple[int, int],
-                  scale: float) -> Tensor:
+def _decode_torch(q: Tensor, k: Tensor, v: Tensor, cache_start: Tensor | None, key_mask: Tensor | None,
+                  window: tuple[int, int], scale: float) -> Tensor:
     """The same result in PyTorch, in float32 (float64 for float64 inputs): an online softmax over KEY_CHUNK keys
     at a time, each query head group's rows against its one K/V head (no copy per query head)."""
     shape = q.shape
@@ -165,6 +186,8 @@ def _decode_torch(q: Tensor, k: Tensor, v: Tensor, cache_start: Tensor | None, w
         seen = seen[None, None]
         if cache_start is not None:
             seen = seen & (j[None, :] >= cache_start[:, None])[:, None, None, :]
+        if key_mask is not None:
+            seen = seen & key_mask[:, None, None, lo:lo + kc.shape[2]]
         s = torch.matmul(qg, kc.transpose(-1, -2)).mul_(scale).masked_fill_(~seen, float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
         m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)
@@ -175,3 +198,29 @@ def _decode_torch(q: Tensor, k: Tensor, v: Tensor, cache_start: Tensor | None, w
         m = m_new
     out = acc / torch.where(total > 0, total, 1.0)[..., None]
     return out.reshape(shape).to(q.dtype)
+
+
+def _window_list(window_size) -> list[int] | None:
+    """`window_size` as the op's schema takes it (an int list); the op's body checks it."""
+    return None if window_size is None else [int(w) for w in window_size]
+
+
+def _decode_op(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, causal: bool, softmax_scale: float | None,
+               window_size: list[int] | None, backend: str) -> Tensor:
+    out = _decode(q, k, v, None, key_mask, causal, softmax_scale, None if window_size is None else tuple(window_size),
+                  backend)
+    return laid_out(out, q)
+
+
+def _decode_fake(q, k, v, key_mask, causal, softmax_scale, window_size, backend):
+    return empty_output(q)
+
+
+# The op a compiled graph calls (one per layer and step, no host reading: a CUDA graph captures it). Defined on a
+# torch.library.Library as the attention ops are: no autograd kernel (the call computes no gradients, and refuses
+# inputs that ask for them).
+_DECODE_OPS = torch.library.Library("flashsys", "FRAGMENT")
+_DECODE_OPS.define("flash_attention_decode(Tensor q, Tensor k, Tensor v, Tensor? key_mask, bool causal, "
+                   "float? softmax_scale, int[]? window_size, str backend) -> Tensor")
+_DECODE_OPS.impl("flash_attention_decode", _decode_op, "CompositeExplicitAutograd")
+torch.library.register_fake("flashsys::flash_attention_decode", _decode_fake, lib=_DECODE_OPS)

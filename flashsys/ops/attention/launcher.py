@@ -98,20 +98,21 @@ def _tl_forward(g: Geometry, t: ForwardTensors, cu: Offsets, window: Window, sca
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, window: Window, scale: float, traced: bool = False,
-            key_start: Tensor | None = None) -> tuple[Tensor, Tensor, plans.ForwardPlan | None]:
+            key_start: Tensor | None = None, key_mask: Tensor | None = None
+            ) -> tuple[Tensor, Tensor, plans.ForwardPlan | None]:
     """(O like q, L float32 of shape q.shape[:-1], the plan that replays this call or None): the forward of rank-3/4
     q, k, v (k, v may have fewer heads: grouped-query). `window` is (left, right), -1 unbounded (causal: (-1, 0)).
     With `traced` (inside a triton_op) the `tl` kernel is launched through wrap_triton and no plan is made; eager
     calls make one once compiled kernels ran (None while the autotuner runs). `key_start` (int32, one per batch row:
-    `flash_attention_decode`'s cache starts) sends the call to the decode kernels and is the plan's input after O
-    and L."""
+    `flash_attention_decode`'s cache starts) and `key_mask` (uint8 (batch, Nk): its key mask) send the call to the
+    decode kernels and are the plan's inputs after O and L, in that order."""
     o = empty_output(q)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     t = ForwardTensors(q, k, v, o, lse)
-    inputs = () if key_start is None else (key_start,)
+    inputs = tuple(t for t in (key_start, key_mask) if t is not None)
     recorded, scratch = None, ()
-    if key_start is not None or dispatch.takes_decode(q, k):
-        recorded, scratch = decode.forward(q, k, v, o, lse, window, scale, traced, key_start)
+    if inputs or dispatch.takes_decode(q, k):
+        recorded, scratch = decode.forward(q, k, v, o, lse, window, scale, traced, key_start, key_mask)
     elif not traced and dispatch.takes_forward(q, k, v, window):
         key = dispatch.ChoiceKey.of(q, k, window, "forward")
         variant = choose_variant(key, lambda var: gluon_launch.launch(var, t, window, scale, record=False))

@@ -27,3 +27,12 @@ def empty_output(t: Tensor) -> Tensor:
         b, h, n, d = t.shape
         return t.new_empty((b, n, h, d)).transpose(1, 2)
     return torch.empty_like(t, memory_format=torch.contiguous_format)  # the cheapest allocation call
+
+
+def laid_out(t: Tensor, like: Tensor) -> Tensor:
+    """A result shaped like `like` in `empty_output(like)`'s layout: `t` itself where it has it, else a copy (a path
+    that computes in another layout, under an op whose fake kernel promises this one)."""
+    if heads_inside(like):
+        out = empty_output(like)
+        return t if t.stride() == out.stride() else out.copy_(t)
+    return t.contiguous()

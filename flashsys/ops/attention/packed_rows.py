@@ -35,7 +35,7 @@ from .flash_torch import (
     flash_varlen_backward_torch,
     flash_varlen_forward_torch,
 )
-from .layout import empty_output, heads_inside
+from .layout import empty_output, heads_inside, laid_out
 from .readback import read_once
 from .validation import _shown, refuse_double_backward
 
@@ -191,14 +191,6 @@ def _as_rows(tokens: Tensor, like: Tensor) -> Tensor:
     return out.copy_(rows)
 
 
-def _laid_out(t: Tensor, like: Tensor) -> Tensor:
-    """A dense (B, H, N, D) result in `empty_output(like)`'s layout."""
-    if heads_inside(like):
-        out = empty_output(like)
-        return out.copy_(t)
-    return t.contiguous()
-
-
 def _lse_rows(lse: Tensor, batch: int) -> Tensor:
     """The varlen kernels' (H, B * N) logsumexp as the dense kernels' (B, H, N)."""
     return lse.view(lse.shape[0], batch, -1).transpose(0, 1).contiguous()
@@ -258,7 +250,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, plan: Tensor, window_left: int, win
 
             return library_ops.opaque_forward(q, k, v, window_left, window_right, softmax_scale)
         o, lse = flash_forward_torch(q, k, v, *window, softmax_scale)
-        return _laid_out(o, q), lse
+        return laid_out(o, q), lse
     tokens = [_flat_tokens(t) for t in (q, k, v)]
     if found.tokens is not None:
         tokens = [t.index_select(0, found.tokens) for t in tokens]
@@ -281,7 +273,7 @@ def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor
 
             return library_ops.opaque_backward(q, k, v, o, lse, do, window_left, window_right, softmax_scale)
         grads = flash_backward_torch(q, k, v, o, lse, do, *window, softmax_scale)
-        return tuple(_laid_out(g, x) for g, x in zip(grads, (q, k, v)))
+        return tuple(laid_out(g, x) for g, x in zip(grads, (q, k, v)))
     tokens, lse = [_flat_tokens(t) for t in (q, k, v, o, do)], _lse_tokens(lse)
     if found.tokens is not None:
         tokens, lse = [t.index_select(0, found.tokens) for t in tokens], lse.index_select(1, found.tokens)

@@ -214,6 +214,25 @@ def check_cache_start(cache_start, batch: int, n_keys: int, device: torch.device
     return cache_start.to(torch.int32).contiguous()
 
 
+def check_key_mask(key_mask, batch: int, n_keys: int, device: torch.device, *, op: str) -> None:
+    """Check a decode call's key mask: a bool (batch, n_keys) tensor on `device` whose keys are adjacent in memory
+    (the kernels read each row as bytes). Its values are not read.
+
+    Raises:
+        ValueError: naming key_mask and showing what is wrong.
+    """
+    if not isinstance(key_mask, torch.Tensor) or key_mask.dtype != torch.bool or key_mask.shape != (batch, n_keys):
+        what = (f"{key_mask.dtype} of shape {tuple(key_mask.shape)}" if isinstance(key_mask, torch.Tensor)
+                else type(key_mask).__name__)
+        raise ValueError(f"{op}: key_mask must be a bool tensor of shape (batch, Nk) = ({batch}, {n_keys}), got "
+                         f"{what}")
+    if key_mask.device != device:
+        raise ValueError(f"{op}: key_mask is on {key_mask.device}, the queries on {device}")
+    if n_keys > 1 and key_mask.stride(1) != 1:
+        raise ValueError(f"{op}: key_mask's keys must be adjacent in memory (stride 1 along Nk), got strides "
+                         f"{tuple(key_mask.stride())}; pass key_mask.contiguous()")
+
+
 def _checked_scale(q: torch.Tensor, is_causal, softmax_scale, op: str) -> float:
     if not isinstance(is_causal, (bool, np.bool_)):  # 2 or 0.5 would be "truthy" and silently mean causal
         raise TypeError(f"{op}: is_causal must be True or False, got {type(is_causal).__name__} {is_causal!r}")

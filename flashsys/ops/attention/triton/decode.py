@@ -37,22 +37,23 @@ CPU_PROGRAMS = 4  # the interpreter's stand-in for a GPU's SM count: small test 
 
 @triton.jit
 def flash_decode_split_kernel(
-    Q, K, V, O, L, PartO, PartL, KeyStart,
+    Q, K, V, O, L, PartO, PartL, KeyStart, KeyMask,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_on, stride_od,
+    stride_ob, stride_oh, stride_on, stride_od, mask_row_stride,
     n_heads, kv_group, n_q, n_k, n_splits, split_len, window_left, window_right, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BOUND_RIGHT: tl.constexpr, BOUND_LEFT: tl.constexpr, FP32_IEEE: tl.constexpr, DIRECT: tl.constexpr,
-    HAS_KEY_START: tl.constexpr,
+    HAS_KEY_START: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
     """One program = one (batch, K/V head) and one split of the keys: rows r < kv_group * n_q are query head
     kv_head * kv_group + r // n_q, query r % n_q. Writes, per row and split, the split's normalised output and its
     logsumexp (natural log; -inf where the split holds no visible key) to PartO (rows, splits, HEAD_DIM) and
     PartL (rows, splits) float32, rows in (batch, query head, query) order. DIRECT (one split): writes O (in its
     dtype, as the combine kernel would) and L instead, and PartO, PartL are not read. HAS_KEY_START: batch row b
-    sees no key before KeyStart[b] (int32; a left-padded cache), which is not read otherwise."""
+    sees no key before KeyStart[b] (int32; a left-padded cache), which is not read otherwise. HAS_KEY_MASK: batch row
+    b sees key j only where KeyMask[b * mask_row_stride + j] is nonzero (uint8; a padding mask over the cache)."""
     qk_scale = as_fp32(qk_scale)
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -99,6 +100,9 @@ def flash_decode_split_kernel(
                        BOUND_RIGHT, BOUND_LEFT)
         if HAS_KEY_START:
             seen = seen & (cols[None, :] >= first)
+        if HAS_KEY_MASK:
+            real = tl.load(KeyMask + b * mask_row_stride + cols, mask=cols < hi, other=0)
+            seen = seen & (real[None, :] != 0)
         qk = tl.where(seen, qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -231,12 +235,14 @@ def tiling(programs: int, target: int, n_k: int, block_d: int, element_size: int
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, window: tuple[int, int], scale: float,
-            traced: bool, key_start: Tensor | None = None) -> tuple[list[Recorded | None], tuple[Tensor, Tensor]]:
+            traced: bool, key_start: Tensor | None = None, key_mask: Tensor | None = None
+            ) -> tuple[list[Recorded | None], tuple[Tensor, Tensor]]:
     """Write O and L of rank-3/4 q over k, v (the forward's contract) with the decode kernels: the split kernel alone
     where one split suffices (`splits`), else the split and the combine kernels. Returns the launches as a plan
     records them, and the scratch tensors they use (the partial outputs and logsumexps; none for one split), which a
     replay allocates anew. `key_start` (int32, one per batch row): the first key each row sees (`cache_start` of
-    `flash_attention_decode`)."""
+    `flash_attention_decode`). `key_mask` (uint8 (batch, n_k), unit stride along the keys): the keys each row sees
+    (`key_mask` of `flash_attention_decode`)."""
     rank4 = q.dim() == 4
     batch, n_heads = q.shape[0], q.shape[1] if rank4 else 1
     kv_heads = k.shape[1] if rank4 else 1
@@ -254,12 +260,15 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, window: tup
     part_l = lse if direct else torch.empty((rows, n_splits), dtype=torch.float32, device=q.device)
     fp32 = q.dtype == torch.float32
     split_named = dict(Q=q, K=k, V=v, O=o, L=lse, PartO=part_o, PartL=part_l,
-                       KeyStart=lse if key_start is None else key_start, n_heads=n_heads, kv_group=kv_group,
-                       n_q=n_q, n_k=n_k, n_splits=n_splits, split_len=split_len, window_left=window[0],
+                       KeyStart=lse if key_start is None else key_start,
+                       KeyMask=lse if key_mask is None else key_mask,
+                       mask_row_stride=0 if key_mask is None else key_mask.stride(0), n_heads=n_heads,
+                       kv_group=kv_group, n_q=n_q, n_k=n_k, n_splits=n_splits, split_len=split_len, window_left=window[0],
                        window_right=window[1], qk_scale=scale * 1.4426950408889634)
     split_constexprs = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
                             BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0, FP32_IEEE=fp32, DIRECT=direct,
-                            HAS_KEY_START=key_start is not None, num_warps=4, num_stages=num_stages)
+                            HAS_KEY_START=key_start is not None, HAS_KEY_MASK=key_mask is not None, num_warps=4,
+                            num_stages=num_stages)
     combine_named = dict(PartO=part_o, PartL=part_l, O=o, L=lse, n_heads=n_heads, n_q=n_q, n_splits=n_splits)
     combine_constexprs = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(n_splits)),
                               num_warps=4)
