@@ -3,7 +3,7 @@
 
 - train: one AdamW step on batch x seq tokens (forward, backward, step), eager and torch.compile'd; median ms;
 - generate: greedy generation of --new-tokens after a --prompt-tokens prompt, at each --gen-batches, eager with
-  transformers' dynamic cache; decode tokens/s (new tokens x batch over the time after the prefill); at each
+  transformers' dynamic cache (--cache static: the static cache, whose decoding step transformers compiles on a GPU); decode tokens/s (new tokens x batch over the time after the prefill); at each
   --left-pad-batches also a left-padded batch (row b's prompt starts after b / batch of half the prompt as padding).
 
 Each part (--parts train generate) writes its own table, every implementation beside sdpa in the same process; the
@@ -96,18 +96,22 @@ def train_ms(model, batch: int, seq: int, compiled: bool) -> float:
     return ms
 
 
-def decode_tokens_per_s(model, batch: int, prompt: int, new: int, left_pad: bool = False) -> dict:
+def decode_tokens_per_s(model, batch: int, prompt: int, new: int, left_pad: bool = False,
+                        cache: str = "dynamic") -> dict:
     model.eval()
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(1, model.config.vocab_size, (batch, prompt), generator=g).to(DEVICE)
-    kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None, cache_implementation=cache)
     if left_pad:
         pads = torch.arange(batch, device=DEVICE) * prompt // (2 * batch)
         mask = torch.arange(prompt, device=DEVICE) >= pads[:, None]
         ids = ids.masked_fill(~mask, 0)
         kwargs["attention_mask"] = mask.long()
+    # Warm-up. A static cache is sized for the prompt and the new tokens, and the compiled decoding step is
+    # specialised to its size: the warm-up generates as many tokens as the timed run, or that run would compile.
+    warm = new if cache == "static" else 4
     with torch.no_grad():
-        model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kwargs)  # warm-up
+        model.generate(ids, max_new_tokens=warm, min_new_tokens=warm, **kwargs)
         sync()
         start = time.perf_counter()
         model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
@@ -137,6 +141,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=2048 if ON_GPU else 32)
     p.add_argument("--new-tokens", type=int, default=256 if ON_GPU else 8)
     p.add_argument("--gen-batches", nargs="+", type=int, default=[1, 16] if ON_GPU else [2])
+    p.add_argument("--cache", choices=["dynamic", "static"], default="dynamic",
+                   help="generate's KV cache: static is the one transformers compiles the decoding step for "
+                        "(torch.compile, CUDA graphs) on a GPU")
     p.add_argument("--left-pad-batches", nargs="*", type=int, default=[16] if ON_GPU else [2],
                    help="batches also generated left-padded (row b: b / batch of half the prompt is padding)")
     args = p.parse_args(argv)
@@ -159,7 +166,7 @@ def main(argv=None) -> int:
             model.load_state_dict(state)  # generation starts from the same weights for every implementation
         for batch, pad, label in _generate_cells(args) if "generate" in args.parts and impl != SDPA_CAUSAL else ():
             cell = run_cell(lambda b=batch, p=pad: decode_tokens_per_s(model, b, args.prompt_tokens, args.new_tokens,
-                                                                       p))
+                                                                       p, args.cache))
             row[f"prefill_{label}_ms"] = cell.get("prefill_ms", cell.get("error"))
             row[f"decode_{label}_tok_s"] = cell.get("decode_tok_per_s")
             if "tokens" in cell:
@@ -209,8 +216,10 @@ def write(rows: list[dict], tokens: dict, args, dtype: torch.dtype, n_params: fl
                  f"faster of sdpa and {SDPA_CAUSAL} (of those measured), transformers' sdpa attention with is_causal=True and no mask, "
                  "which is what its eager step runs and its compiled step does not: under torch.compile transformers "
                  "hands sdpa a materialised causal mask).",
-        "generate": f"Generate: greedy, {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, dynamic "
-                    "cache, eager (_leftpad: row b's prompt starts after b / batch of half the prompt as "
+        "generate": f"Generate: greedy, {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, "
+                    + ("dynamic cache, eager" if args.cache == "dynamic" else
+                       "static cache (transformers compiles the decoding step: torch.compile, CUDA graphs)")
+                    + " (_leftpad: row b's prompt starts after b / batch of half the prompt as "
                     "padding, with its attention mask); prefill ms and decode tokens/s after the prefill "
                     "(*_vs_sdpa: > 1 is faster); "
                     "same_tokens: the fraction of generated tokens equal to sdpa's (bf16 rounding can flip a "
@@ -226,7 +235,8 @@ def write(rows: list[dict], tokens: dict, args, dtype: torch.dtype, n_params: fl
     for part in args.parts:
         part_rows = [{k: v for k, v in r.items() if k == "impl" or k.startswith(prefixes[part])} for r in out
                      if part == "train" or r["impl"] != SDPA_CAUSAL]
-        name = f"hf_model_{'gpu' if ON_GPU else 'cpu'}_{part}"
+        name = f"hf_model_{'gpu' if ON_GPU else 'cpu'}_{part}" + ("_static" if part == "generate" and
+                                                                  args.cache == "static" else "")
         paths.append(write_table(part_rows, args.out, name, f"A Llama-architecture transformers model: {part}",
                                  [f"{model} {notes[part]}"], env))
     return paths

@@ -87,10 +87,17 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int |
     query's position, as `generate()` keeps it and as this function returns it (transformers may hand the result
     back to it for the model's own mask).
 
+    A static cache's decoding step (one query, the cache's offset a tensor) gets a (batch, 1, 1, kv_length) key mask
+    instead, made on the device without reading anything, so that a compiled decoding step is one graph:
+    `attention_forward` hands it to `flash_attention_decode` as its key mask (transformers passes 4-D masks through
+    unchanged when it makes the model's own mask).
+
     Raises:
         ValueError: for a mask that does not cover every key the cache holds so far.
     """
-    filled = int(q_offset) + q_length - kv_offset  # a static cache's offset is a tensor: read once per step
+    if isinstance(q_offset, Tensor) and q_length == 1 and _decode_step_fits(kwargs.get("config")):
+        return _static_decode_mask(batch_size, kv_length, q_offset, kv_offset, attention_mask)
+    filled = int(q_offset) + q_length - kv_offset  # a static cache's prefill: read once a forward
     if attention_mask is None:
         if filled == kv_length:
             return None
@@ -104,6 +111,33 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int |
     if filled == kv_length and bool(attention_mask.all()):
         return None
     return attention_mask
+
+
+def _decode_step_fits(config: Any) -> bool:
+    """Whether one query per sequence of this model takes the decode kernels: its query heads per K/V head fit a
+    decode program, and no gradient is asked for (the model is generating)."""
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return (isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads == 0
+            and decode_fits(1, heads // kv_heads) and not torch.is_grad_enabled())
+
+
+def _static_decode_mask(batch_size: int, kv_length: int, q_offset: Tensor, kv_offset: int,
+                        attention_mask: Tensor | None) -> Tensor:
+    """(batch, 1, 1, kv_length) bool: which of a static cache's slots the step's one query sees. Slot j holds position
+    kv_offset + j; slots from the query's position + 1 on are empty; the given 2-D mask's last column is the query's
+    position."""
+    end = q_offset + 1
+    slots = torch.arange(kv_length, device=q_offset.device) + kv_offset
+    keys = slots < end
+    if attention_mask is None:
+        keys = keys.expand(batch_size, -1)
+    else:
+        width = attention_mask.shape[1]
+        column = slots - end + width
+        real = attention_mask.bool().gather(1, column.clamp(0, width - 1).expand(batch_size, -1))
+        keys = keys & (column >= 0) & real
+    return keys[:, None, None, :]
 
 
 def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -120,6 +154,10 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     _refuse_what_is_not_computed(module, query, key, value, attention_mask, dropout, softcap, kwargs)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window = _window(sliding_window, causal)
+    if attention_mask is not None and attention_mask.dim() == 4:  # one query over a static cache (`padding_mask`)
+        out = flash_attention_decode(query, key, value, key_mask=attention_mask[:, 0, 0], causal=causal,
+                                     softmax_scale=scaling, window_size=window)
+        return out.transpose(1, 2).contiguous(), None
     if attention_mask is not None and query.shape[2] <= attention_mask.shape[1] < key.shape[2]:
         # A static cache: its slots past the mask's width are empty (`padding_mask`); the queries are the last keys.
         key, value = (t[:, :, :attention_mask.shape[1]] for t in (key, value))
@@ -173,7 +211,8 @@ def _refuse_what_is_not_computed(module, query, key, value, attention_mask, drop
     if kwargs.get("position_bias") is not None:
         raise ValueError(f"flashsys attention ({model}): additive position biases (position_bias) are not "
                          "implemented; use attn_implementation='sdpa' or 'eager' for this model")
-    if attention_mask is not None and (not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2):
+    if attention_mask is not None and not _key_mask_of_one_query(attention_mask, query, key) and (
+            not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2):
         what = f"a {attention_mask.dim()}-D {attention_mask.dtype} tensor" if isinstance(attention_mask, Tensor) \
             else type(attention_mask).__name__
         raise ValueError(f"flashsys attention ({model}): the attention mask is {what}; flashsys takes None or a 2-D "
@@ -186,6 +225,13 @@ def _refuse_what_is_not_computed(module, query, key, value, attention_mask, drop
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"flashsys attention ({model}): head_dim {head_dim} is above flashsys' maximum "
                          f"{MAX_HEAD_DIM}")
+
+
+def _key_mask_of_one_query(mask: Any, query: Tensor, key: Tensor) -> bool:
+    """Whether `mask` is a (batch, 1, 1, keys) bool mask for one query per sequence that the decode kernels take (as
+    `padding_mask` makes for a static cache): for one query it means what it means to `sdpa`."""
+    return (isinstance(mask, Tensor) and mask.dtype == torch.bool and mask.dim() == 4 and query.shape[2] == 1
+            and mask.shape == (query.shape[0], 1, 1, key.shape[2]) and _decodes(query, key, key))
 
 
 def _decodes(query: Tensor, key: Tensor, value: Tensor) -> bool:

@@ -290,6 +290,33 @@ def test_a_static_cache_without_a_mask_attends_to_the_keys_so_far_only():
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+def test_a_compiled_decoding_step_over_a_static_cache_is_one_graph():
+    """What `generate()` compiles for a static cache: one query per row, a padded batch, fullgraph; the mask is made
+    on the device and every layer runs `flashsys::flash_attention_decode` with it (nothing read back)."""
+    ref, ours = _pair("llama-gqa")
+    x = _tokens(3, 9, seed=7)
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, :6], mask[2, :2] = 0, 0
+    step_ids, step_mask = _tokens(3, 1, seed=8), torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
+    logits, ops = [], []
+
+    def recording(gm, inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
+        return gm.forward
+
+    for model in (ref, ours):
+        cache = transformers.StaticCache(config=model.config, max_cache_len=24)
+        with torch.no_grad():
+            model(x, attention_mask=mask, past_key_values=cache, use_cache=True)
+            torch._dynamo.reset()
+            step = torch.compile(model, fullgraph=True, backend=recording if model is ours else "aot_eager")
+            logits.append(step(step_ids, attention_mask=step_mask, past_key_values=cache, use_cache=True).logits)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-10, atol=1e-10)
+    assert sum("flashsys.flash_attention_decode" in op for op in ops) == ours.config.num_hidden_layers
+    assert not {"item", "tolist"} & set(ops)  # under fullgraph a read would have failed the compile already
+
+
 def _layer_call(**kwargs):
     """One direct call of the attention function on a Llama attention layer, as transformers makes it."""
     _, ours = _pair("llama-gqa")
