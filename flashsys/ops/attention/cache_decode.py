@@ -7,6 +7,9 @@ left-padded batch otherwise goes through the varlen kernels, gathering every row
 the whole cache at every step, one query per 128-row tile. Here the decode kernels skip each row's leading keys
 instead (`cache_start`), reading the cache in place.
 
+A key mask (`key_mask`, any pattern) hides keys without being read on the host: a static cache's empty slots and
+padding, in a decoding step that torch.compile keeps in one graph (the op `flashsys::flash_attention_decode`).
+
 Forward only: generation needs no gradients, and the backward kernels take no per-row start (training on padded
 batches runs `flash_attention_varlen`).
 """
