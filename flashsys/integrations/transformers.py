@@ -19,7 +19,8 @@ Every attention layer then calls `attention_forward`, which computes what the `s
 - KV-cache decoding: the new queries are the last positions of the cache (bottom-right causal alignment); one to 16
   queries take the split-key decode kernels, a left-padded batch too (`flash_attention_decode` skips each row's
   padding in the cache instead of gathering its real keys). A static cache's slots past the keys so far are empty:
-  the mask function's result ends where the keys end, and the attention function reads that many.
+  the mask function's result ends where the keys end, and the attention function reads that many; a decoding step
+  (one query) gets a key mask made on the device instead, so that torch.compile keeps it in one graph.
 
 What flashsys does not compute is refused with an error that says what and why: attention dropout in training,
 logit softcapping (Gemma 2), attention sinks (`s_aux`, GPT-OSS), position biases (T5), an arbitrary 4-D mask,
@@ -87,16 +88,19 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int |
     query's position, as `generate()` keeps it and as this function returns it (transformers may hand the result
     back to it for the model's own mask).
 
-    A static cache's decoding step (one query, the cache's offset a tensor) gets a (batch, 1, 1, kv_length) key mask
-    instead, made on the device without reading anything, so that a compiled decoding step is one graph:
+    A decoding step (one query) over a static cache (its offset a tensor), or over a padded dynamic cache under
+    torch.compile, gets a (batch, 1, 1, kv_length) key mask instead, made on the device without reading anything, so
+    that a compiled decoding step is one graph (eager, a padded dynamic cache's step reads where each row's keys
+    start, and the decode kernels skip the padding before it):
     `attention_forward` hands it to `flash_attention_decode` as its key mask (transformers passes 4-D masks through
     unchanged when it makes the model's own mask).
 
     Raises:
         ValueError: for a mask that does not cover every key the cache holds so far.
     """
-    if isinstance(q_offset, Tensor) and q_length == 1 and _decode_step_fits(kwargs.get("config")):
-        return _static_decode_mask(batch_size, kv_length, q_offset, kv_offset, attention_mask)
+    if (q_length == 1 and (isinstance(q_offset, Tensor) or torch.compiler.is_compiling() and attention_mask is not None)
+            and _decode_step_fits(kwargs.get("config"))):
+        return _decode_step_mask(batch_size, kv_length, q_offset, kv_offset, attention_mask)
     filled = int(q_offset) + q_length - kv_offset  # a static cache's prefill: read once a forward
     if attention_mask is None:
         if filled == kv_length:
@@ -122,13 +126,14 @@ def _decode_step_fits(config: Any) -> bool:
             and decode_fits(1, heads // kv_heads) and not torch.is_grad_enabled())
 
 
-def _static_decode_mask(batch_size: int, kv_length: int, q_offset: Tensor, kv_offset: int,
-                        attention_mask: Tensor | None) -> Tensor:
-    """(batch, 1, 1, kv_length) bool: which of a static cache's slots the step's one query sees. Slot j holds position
-    kv_offset + j; slots from the query's position + 1 on are empty; the given 2-D mask's last column is the query's
-    position."""
+def _decode_step_mask(batch_size: int, kv_length: int, q_offset: int | Tensor, kv_offset: int,
+                      attention_mask: Tensor | None) -> Tensor:
+    """(batch, 1, 1, kv_length) bool: which of the cache's slots the step's one query sees. Slot j holds position
+    kv_offset + j; slots from the query's position + 1 on are empty (a static cache's); the given 2-D mask's last
+    column is the query's position."""
     end = q_offset + 1
-    slots = torch.arange(kv_length, device=q_offset.device) + kv_offset
+    device = q_offset.device if isinstance(q_offset, Tensor) else attention_mask.device
+    slots = torch.arange(kv_length, device=device) + kv_offset
     keys = slots < end
     if attention_mask is None:
         keys = keys.expand(batch_size, -1)

@@ -291,9 +291,11 @@ def test_a_static_cache_without_a_mask_attends_to_the_keys_so_far_only():
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
-def test_a_compiled_decoding_step_over_a_static_cache_is_one_graph():
-    """What `generate()` compiles for a static cache: one query per row, a padded batch, fullgraph; the mask is made
-    on the device and every layer runs `flashsys::flash_attention_decode` with it (nothing read back)."""
+@pytest.mark.parametrize("cache_kind", ["static", "dynamic"])
+def test_a_compiled_decoding_step_of_a_padded_batch_is_one_graph(cache_kind):
+    """What `generate()` compiles for a static cache (and a dynamic one compiled by hand): one query per row, a
+    padded batch, fullgraph; the mask is made on the device and every layer runs `flashsys::flash_attention_decode`
+    with it (nothing read back)."""
     ref, ours = _pair("llama-gqa")
     x = _tokens(3, 9, seed=7)
     mask = torch.ones(3, 9, dtype=torch.long)
@@ -306,7 +308,8 @@ def test_a_compiled_decoding_step_over_a_static_cache_is_one_graph():
         return gm.forward
 
     for model in (ref, ours):
-        cache = transformers.StaticCache(config=model.config, max_cache_len=24)
+        cache = (transformers.StaticCache(config=model.config, max_cache_len=24) if cache_kind == "static" else
+                 transformers.DynamicCache(config=model.config))
         with torch.no_grad():
             model(x, attention_mask=mask, past_key_values=cache, use_cache=True)
             torch._dynamo.reset()
