@@ -199,19 +199,23 @@ def check_cache_start(cache_start, batch: int, n_keys: int, device: torch.device
     Raises:
         ValueError: naming cache_start and showing what is wrong.
     """
-    if (not isinstance(cache_start, torch.Tensor) or cache_start.dtype not in (torch.int32, torch.int64)
-            or cache_start.shape != (batch,)):
-        what = (f"{cache_start.dtype} of shape {tuple(cache_start.shape)}" if isinstance(cache_start, torch.Tensor)
-                else type(cache_start).__name__)
-        raise ValueError(f"{op}: cache_start must be an int32 or int64 tensor of shape (batch,) = ({batch},), got "
-                         f"{what}")
-    if cache_start.device != device:
-        raise ValueError(f"{op}: cache_start is on {cache_start.device}, the queries on {device}")
+    _check_row_tensor(cache_start, "cache_start", (torch.int32, torch.int64), (batch,),
+                      f"an int32 or int64 tensor of shape (batch,) = ({batch},)", device, op)
     lowest, highest, shown = _read_once(cache_start, "cache_start",
                                         lambda s: (min(s, default=0), max(s, default=0), _shown(s)))
     if lowest < 0 or highest > n_keys:
         raise ValueError(f"{op}: cache_start must lie in [0, {n_keys}] (the keys), got {shown}")
     return cache_start.to(torch.int32).contiguous()
+
+
+def _check_row_tensor(t, name: str, dtypes: tuple, shape: tuple, wanted: str, device: torch.device,
+                      op: str) -> None:
+    """The checks a decode call's per-row tensors share: a tensor of one of `dtypes`, of `shape`, on `device`."""
+    if not isinstance(t, torch.Tensor) or t.dtype not in dtypes or t.shape != shape:
+        what = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{op}: {name} must be {wanted}, got {what}")
+    if t.device != device:
+        raise ValueError(f"{op}: {name} is on {t.device}, the queries on {device}")
 
 
 def check_key_mask(key_mask, batch: int, n_keys: int, device: torch.device, *, op: str) -> None:
@@ -221,13 +225,8 @@ def check_key_mask(key_mask, batch: int, n_keys: int, device: torch.device, *, o
     Raises:
         ValueError: naming key_mask and showing what is wrong.
     """
-    if not isinstance(key_mask, torch.Tensor) or key_mask.dtype != torch.bool or key_mask.shape != (batch, n_keys):
-        what = (f"{key_mask.dtype} of shape {tuple(key_mask.shape)}" if isinstance(key_mask, torch.Tensor)
-                else type(key_mask).__name__)
-        raise ValueError(f"{op}: key_mask must be a bool tensor of shape (batch, Nk) = ({batch}, {n_keys}), got "
-                         f"{what}")
-    if key_mask.device != device:
-        raise ValueError(f"{op}: key_mask is on {key_mask.device}, the queries on {device}")
+    _check_row_tensor(key_mask, "key_mask", (torch.bool,), (batch, n_keys),
+                      f"a bool tensor of shape (batch, Nk) = ({batch}, {n_keys})", device, op)
     if n_keys > 1 and key_mask.stride(1) != 1:
         raise ValueError(f"{op}: key_mask's keys must be adjacent in memory (stride 1 along Nk), got strides "
                          f"{tuple(key_mask.stride())}; pass key_mask.contiguous()")
