@@ -3,8 +3,9 @@
 
 - train: one AdamW step on batch x seq tokens (forward, backward, step), eager and torch.compile'd; median ms;
 - generate: greedy generation of --new-tokens after a --prompt-tokens prompt, at each --gen-batches, eager with
-  transformers' dynamic cache (--cache static: the static cache, whose decoding step transformers compiles on a GPU); decode tokens/s (new tokens x batch over the time after the prefill); at each
-  --left-pad-batches also a left-padded batch (row b's prompt starts after b / batch of half the prompt as padding).
+  transformers' dynamic cache (--cache static: the static cache, whose decoding step transformers compiles on a
+  GPU); decode tokens/s (new tokens x batch over the time after the prefill); at each --left-pad-batches also a
+  left-padded batch (row b's prompt starts after b / batch of half the prompt as padding).
 
 Each part (--parts train generate) writes its own table, every implementation beside sdpa in the same process; the
 two parts can run at once on two GPUs.

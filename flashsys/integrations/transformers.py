@@ -90,16 +90,16 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int |
 
     A decoding step (one query) over a static cache (its offset a tensor), or over a padded dynamic cache under
     torch.compile, gets a (batch, 1, 1, kv_length) key mask instead, made on the device without reading anything, so
-    that a compiled decoding step is one graph (eager, a padded dynamic cache's step reads where each row's keys
-    start, and the decode kernels skip the padding before it):
-    `attention_forward` hands it to `flash_attention_decode` as its key mask (transformers passes 4-D masks through
-    unchanged when it makes the model's own mask).
+    that a compiled decoding step is one graph; `attention_forward` hands it to `flash_attention_decode` as its key
+    mask (transformers passes a 4-D mask through unchanged when it makes the model's own mask from ours). An eager
+    step over a padded dynamic cache keeps the 2-D mask: where each row's keys start is read once a step, and the
+    decode kernels skip the padding's tiles.
 
     Raises:
         ValueError: for a mask that does not cover every key the cache holds so far.
     """
-    if (q_length == 1 and (isinstance(q_offset, Tensor) or torch.compiler.is_compiling() and attention_mask is not None)
-            and _decode_step_fits(kwargs.get("config"))):
+    on_device = isinstance(q_offset, Tensor) or (torch.compiler.is_compiling() and attention_mask is not None)
+    if q_length == 1 and on_device and _decode_step_fits(kwargs.get("config")):
         return _decode_step_mask(batch_size, kv_length, q_offset, kv_offset, attention_mask)
     filled = int(q_offset) + q_length - kv_offset  # a static cache's prefill: read once a forward
     if attention_mask is None:
@@ -159,7 +159,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     _refuse_what_is_not_computed(module, query, key, value, attention_mask, dropout, softcap, kwargs)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window = _window(sliding_window, causal)
-    if attention_mask is not None and attention_mask.dim() == 4:  # one query over a static cache (`padding_mask`)
+    if attention_mask is not None and attention_mask.dim() == 4:  # one query's key mask (`padding_mask`)
         out = flash_attention_decode(query, key, value, key_mask=attention_mask[:, 0, 0], causal=causal,
                                      softmax_scale=scaling, window_size=window)
         return out.transpose(1, 2).contiguous(), None

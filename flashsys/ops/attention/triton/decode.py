@@ -263,8 +263,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, window: tup
                        KeyStart=lse if key_start is None else key_start,
                        KeyMask=lse if key_mask is None else key_mask,
                        mask_row_stride=0 if key_mask is None else key_mask.stride(0), n_heads=n_heads,
-                       kv_group=kv_group, n_q=n_q, n_k=n_k, n_splits=n_splits, split_len=split_len, window_left=window[0],
-                       window_right=window[1], qk_scale=scale * 1.4426950408889634)
+                       kv_group=kv_group, n_q=n_q, n_k=n_k, n_splits=n_splits, split_len=split_len,
+                       window_left=window[0], window_right=window[1], qk_scale=scale * 1.4426950408889634)
     split_constexprs = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
                             BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0, FP32_IEEE=fp32, DIRECT=direct,
                             HAS_KEY_START=key_start is not None, HAS_KEY_MASK=key_mask is not None, num_warps=4,
