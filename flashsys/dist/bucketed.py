@@ -329,12 +329,12 @@ class BucketedDDP(DataParallelBase):
 
     @staticmethod
     def _set_used_flags(flags: torch.Tensor, absent: list[int]) -> None:
-        """1 for each parameter of the bucket that had a gradient here, 0 for the `absent` ones: one fill, and a
-        write per absent parameter only. (A write per parameter, `flags[i] = 1`, is a host-to-device copy of a scalar
-        each: hundreds of them per backward of a large model, tens of milliseconds of host time.)"""
+        """1 for each parameter of the bucket that had a gradient here, 0 for the `absent` ones: fills on the device.
+        (An item assignment, `flags[i] = 1`, is a host-to-device copy of a scalar that waits: hundreds of them per
+        backward of a large model, tens of milliseconds of host time.)"""
         flags.fill_(1)
         for i in absent:
-            flags[i] = 0
+            flags[i].fill_(0)
 
     def _launch_full_buckets(self) -> None:
         while self._next_to_launch < len(self._buckets):

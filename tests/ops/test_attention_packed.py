@@ -236,6 +236,33 @@ def test_a_plan_is_used_without_reading_it_back(rows):
             assert found.tokens is None or found.tokens.tolist() == expected.tokens.tolist()
 
 
+class _HostValues(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts Python values made into tensors (`lift_fresh`): on a GPU each is a copy in from the host, which waits."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten.lift_fresh.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("rows", list(ROWS))
+def test_making_a_plan_copies_nothing_in_from_the_host(rows):
+    """A plan's one wait is its counts' reading: its header is filled on the device (an item assignment would copy
+    each value in from the host and wait three more times)."""
+    kind, split = _rows(rows, 24)
+    with _HostValues() as values:  # the ops' bodies: a mode does not see inside an op it dispatches
+        if kind == "positions":
+            packed_rows.document_plan(split, 2)
+        elif kind == "offsets":
+            packed_rows.offsets_plan(split, split, 2, split[-1].item() // 2)
+        else:
+            packed_rows.padding_plan(split)
+    assert values.count == 0
+
+
 def test_documents_are_where_positions_do_not_go_on_by_one():
     positions = torch.tensor([[0, 1, 2, 0, 1, 5, 6], [3, 4, 5, 6, 7, 8, 9]])
     found = packed_rows._find_documents(positions)

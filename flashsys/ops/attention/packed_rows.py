@@ -107,7 +107,8 @@ def _plan(found: Sequences | None, batch: int, n: int, device: torch.device) -> 
         if found.tokens is not None:
             start = PLAN_HEADER + header[0] + 1
             plan[start:start + header[2]].copy_(found.tokens)
-    plan[0], plan[1], plan[2] = header
+    for i, value in enumerate(header):  # fill_, not `plan[i] = value`: that copies a host tensor in, and waits
+        plan[i].fill_(value)
     if len(_plan_notes) > 256:
         _plan_notes.clear()
     _plan_notes[(plan.device, plan.data_ptr())] = header
