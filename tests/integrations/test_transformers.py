@@ -264,14 +264,16 @@ def test_greedy_generation_of_a_left_padded_batch_gives_sdpas_tokens(family, mon
     assert not starts
 
 
+@pytest.mark.parametrize("prompt", [9, 3], ids=["prompt-past-the-window", "prompt-inside-the-window"])
 @pytest.mark.parametrize("family", ["llama-gqa", "mistral-window", "qwen2-mixed"])
-def test_generation_with_a_static_cache_gives_sdpas_tokens(family):
-    """A static cache hands every layer all its slots, the empty ones after the keys so far included; the mask
-    function's width says where the keys end (the sliding layers' static caches roll once full)."""
+def test_generation_with_a_static_cache_gives_sdpas_tokens(family, prompt):
+    """A static cache hands every layer all its slots, the empty ones after the keys so far included: a prompt's
+    mask ends where its keys end, a decoding step's key mask hides the empty slots (the sliding layers' static
+    caches fill, then roll)."""
     ref, ours = _pair(family)
-    x = _tokens(3, 9, seed=5)
-    mask = torch.ones(3, 9, dtype=torch.long)
-    mask[1, :6], mask[2, :2] = 0, 0
+    x = _tokens(3, prompt, seed=5)
+    mask = torch.ones(3, prompt, dtype=torch.long)
+    mask[1, :prompt - 3], mask[2, :2] = 0, 0
     for kwargs in (dict(attention_mask=mask), {}):
         kwargs.update(max_new_tokens=10, do_sample=False, pad_token_id=0, cache_implementation="static")
         torch.testing.assert_close(ours.generate(x, **kwargs), ref.generate(x, **kwargs), rtol=0, atol=0)
