@@ -12,6 +12,7 @@
 #   E2E_PRESETS=medium E2E_CONTEXTS=512 bash scripts/gpu_bench_single.sh end_to_end_cudagraphs   # compiled vs CUDA graphs
 #   bash scripts/gpu_bench_single.sh hf_train         # transformers' 1.1B Llama: fsys, sdpa, sdpa_causal, flex (one call)
 #   bash scripts/gpu_bench_single.sh hf_generate      # its generation (a call of its own)
+#   bash scripts/gpu_bench_single.sh hf_generate_static   # generation with a static cache (transformers compiles it)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -117,6 +118,10 @@ for s in "${sections[@]}"; do
     timeout -k 10 ${HF_TIMEOUT:-560} python3 -m benchmarks.hf_model --no-progress --out "$OUT/hf_model" --parts generate \
       --impls ${HF_IMPLS:-sdpa fsys flex_attention} > "$OUT/hf_generate.log" 2>&1
     echo "hf_generate exit: $?"; grep -E "^\| " "$OUT/hf_model/hf_model_gpu_generate.md" | cut -c1-400 ;;
+  hf_generate_static)  # the same with a static cache: transformers compiles the decoding step (CUDA graphs)
+    timeout -k 10 ${HF_TIMEOUT:-560} python3 -m benchmarks.hf_model --no-progress --out "$OUT/hf_model" --parts generate \
+      --cache static --impls ${HF_IMPLS:-sdpa fsys} > "$OUT/hf_generate_static.log" 2>&1
+    echo "hf_generate_static exit: $?"; grep -E "^\| " "$OUT/hf_model/hf_model_gpu_generate_static.md" | cut -c1-400 ;;
   *) echo "unknown section $s"; exit 2 ;;
   esac
 done
