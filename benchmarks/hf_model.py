@@ -1,7 +1,8 @@
 """A Hugging Face Llama-architecture model (about 1.1B parameters, TinyLlama's shape, random weights) with
 `attn_implementation` flashsys against sdpa (and flex_attention), in one run:
 
-- train: one AdamW step on batch x seq tokens (forward, backward, step), eager and torch.compile'd; median ms;
+- train: one AdamW step on batch x seq tokens (forward, backward, step), eager and torch.compile'd; every step is
+  built first, then all are timed in --rounds rounds that take them in turn; the median ms over the rounds;
 - generate: greedy generation of --new-tokens after a --prompt-tokens prompt, at each --gen-batches, eager with
   transformers' dynamic cache (--cache static: the static cache, whose decoding step transformers compiles on a
   GPU); decode tokens/s (new tokens x batch over the time after the prefill); at each --left-pad-batches also a
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import time
 
 import torch
@@ -79,9 +81,10 @@ def build(implementation: str, dtype: torch.dtype, state: dict | None):
     return model
 
 
-def train_ms(model, batch: int, seq: int, compiled: bool) -> float:
+def train_step(model, opt, batch: int, seq: int, compiled: bool):
+    """One training step of `model` (eager or torch.compile'd) with optimizer `opt`, warmed up: compiled,
+    autotuned, the optimizer's state allocated."""
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=ON_GPU)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g).to(DEVICE)
     forward = torch.compile(model) if compiled else model
@@ -91,10 +94,44 @@ def train_ms(model, batch: int, seq: int, compiled: bool) -> float:
         forward(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         opt.step()
 
-    for _ in range(2):  # compile, autotune, allocate the optimizer state
+    for _ in range(2):
         step()
-    ms = bench_ms(step, rep_ms=400, warmup_ms=0)
-    return ms
+    return step
+
+
+def train_rounds(impls: list[str], compiled_impls: list[str], dtype: torch.dtype, state: dict, batch: int,
+                 seq: int, rounds: int) -> dict[str, dict]:
+    """{impl: {"train_eager_ms": ..., "train_compiled_ms": ...}}: every implementation's steps built first, then
+    timed in `rounds` rounds that take the steps in turn, each round starting one step later, and the median over
+    the rounds. Why: a GPU held at its power cap slows as it warms, and one implementation timed after the other
+    pays for it (timed one after the other, the same sdpa kernels read 1.2% apart). A cell that fails holds its
+    error."""
+    steps, results = {}, {impl: {} for impl in impls}
+    for impl in impls:
+        model = build(impl, dtype, state)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=ON_GPU)  # one per model: eager and compiled
+        for compiled in (False, True):
+            if compiled and impl not in compiled_impls:
+                continue
+            key = f"train_{'compiled' if compiled else 'eager'}_ms"
+            cell = run_cell(lambda c=compiled: {"step": train_step(model, opt, batch, seq, c)})
+            if "step" in cell:
+                steps[(impl, key)] = cell["step"]
+            else:
+                results[impl][key] = cell["error"]
+    times = {cell: [] for cell in steps}
+    order = list(steps)
+    for r in range(rounds):
+        for cell in order[r % len(order):] + order[:r % len(order)] if order else ():
+            timed = run_cell(lambda c=cell: {"ms": bench_ms(steps[c], rep_ms=400, warmup_ms=0)})
+            if "ms" in timed:
+                times[cell].append(timed["ms"])
+            else:
+                results[cell[0]][cell[1]] = timed["error"]
+    for (impl, key), ms in times.items():
+        if ms and key not in results[impl]:
+            results[impl][key] = statistics.median(ms)
+    return results
 
 
 def decode_tokens_per_s(model, batch: int, prompt: int, new: int, left_pad: bool = False,
@@ -137,6 +174,8 @@ def main(argv=None) -> int:
                    help=f"attention implementations; {SDPA_CAUSAL} is timed in the train part only")
     p.add_argument("--train-batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=4096 if ON_GPU else 64)
+    p.add_argument("--rounds", type=int, default=3 if ON_GPU else 1,
+                   help="rounds of the training steps, taken in turns (the median over rounds)")
     p.add_argument("--compiled-impls", nargs="*", default=["fsys", "sdpa", SDPA_CAUSAL] if ON_GPU else [],
                    help="implementations whose compiled training step is timed (compiling takes minutes)")
     p.add_argument("--prompt-tokens", type=int, default=2048 if ON_GPU else 32)
@@ -154,30 +193,32 @@ def main(argv=None) -> int:
     register_sdpa_causal()
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     state = build("sdpa", dtype, None).state_dict()
-    rows, tokens = [], {}
-    for impl in args.impls:
+    n_params = sum(t.numel() for t in state.values()) / 1e9
+    rows = [{"impl": impl} for impl in args.impls]
+    tokens, paths = {}, []
+    if "train" in args.parts:
+        trained = train_rounds(args.impls, args.compiled_impls, dtype, state, args.train_batch, args.seq, args.rounds)
+        for row in rows:
+            row.update(trained[row["impl"]])
+        if ON_GPU:
+            torch.cuda.empty_cache()
+        paths = write(rows, tokens, args, dtype, n_params)
+    for row in rows if "generate" in args.parts else ():
+        impl = row["impl"]
+        if impl == SDPA_CAUSAL:
+            continue
         model = build(impl, dtype, state)
-        row = {"impl": impl}
-        for compiled in (False, True) if "train" in args.parts else ():
-            if compiled and impl not in args.compiled_impls:
-                continue
-            key = f"train_{'compiled' if compiled else 'eager'}_ms"
-            cell = run_cell(lambda c=compiled: {"ms": train_ms(model, args.train_batch, args.seq, c)})
-            row[key] = cell.get("ms", cell.get("error"))
-            model.load_state_dict(state)  # generation starts from the same weights for every implementation
-        for batch, pad, label in _generate_cells(args) if "generate" in args.parts and impl != SDPA_CAUSAL else ():
+        for batch, pad, label in _generate_cells(args):
             cell = run_cell(lambda b=batch, p=pad: decode_tokens_per_s(model, b, args.prompt_tokens, args.new_tokens,
                                                                        p, args.cache))
             row[f"prefill_{label}_ms"] = cell.get("prefill_ms", cell.get("error"))
             row[f"decode_{label}_tok_s"] = cell.get("decode_tok_per_s")
             if "tokens" in cell:
                 tokens[(impl, label)] = cell["tokens"]
-        rows.append(row)
         model = None
         if ON_GPU:
             torch.cuda.empty_cache()
-        paths = write(rows, tokens, args, dtype, sum(t.numel() for t in state.values()) / 1e9)  # after each: a
-        # run cut short keeps what it measured
+        paths = write(rows, tokens, args, dtype, n_params)  # after each: a run cut short keeps what it measured
     for path in paths:
         print(path.read_text())
     return 0
@@ -213,7 +254,8 @@ def write(rows: list[dict], tokens: dict, args, dtype: torch.dtype, n_params: fl
     model = f"{n_params:.2f}B parameters ({SHAPES[ON_GPU]}), random weights, {str(dtype)[6:]}."
     notes = {
         "train": f"Train: batch {args.train_batch} x {args.seq} tokens, one AdamW step (forward, backward, step), "
-                 "eager and torch.compile'd, median ms per step (*_vs_sdpa: < 1 is faster; *_vs_best_sdpa: over the "
+                 f"eager and torch.compile'd, median ms per step over {args.rounds} rounds that take the steps in "
+                 "turn (*_vs_sdpa: < 1 is faster; *_vs_best_sdpa: over the "
                  f"faster of sdpa and {SDPA_CAUSAL} (of those measured), transformers' sdpa attention with is_causal=True and no mask, "
                  "which is what its eager step runs and its compiled step does not: under torch.compile transformers "
                  "hands sdpa a materialised causal mask).",

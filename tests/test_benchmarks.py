@@ -256,7 +256,8 @@ def test_hf_train_ratios_take_sdpa_and_the_faster_sdpa_baseline(tmp_path):
     from benchmarks import hf_model
 
     args = argparse.Namespace(parts=["train", "generate"], out=tmp_path, gen_batches=[2], left_pad_batches=[],
-                              train_batch=2, seq=64, prompt_tokens=8, new_tokens=4)
+                              train_batch=2, seq=64, prompt_tokens=8, new_tokens=4, cache="dynamic",
+                              rounds=1)
     rows = [{"impl": "sdpa", "train_eager_ms": 10.0, "train_compiled_ms": 12.0, "prefill_b2_ms": 4.0},
             {"impl": hf_model.SDPA_CAUSAL, "train_eager_ms": 11.0, "train_compiled_ms": 8.0},
             {"impl": "fsys", "train_eager_ms": 9.0, "train_compiled_ms": 6.0, "prefill_b2_ms": 2.0}]
@@ -277,3 +278,34 @@ def test_hf_train_ratios_take_sdpa_and_the_faster_sdpa_baseline(tmp_path):
     train = {r["impl"]: r for r in csv.DictReader(open(tmp_path / "hf_model_cpu_train.csv"))}
     assert float(train["fsys"]["train_compiled_ms_vs_best_sdpa"]) == 0.75
     assert "train_compiled_ms_vs_sdpa" not in train["fsys"]
+    # A static cache's generation is a table of its own; the train table keeps its name.
+    args.cache = "static"
+    hf_model.write(rows, {}, args, torch.float32, 0.001)
+    assert (tmp_path / "hf_model_cpu_generate_static.md").exists()
+    assert "static cache" in (tmp_path / "hf_model_cpu_generate_static.md").read_text()
+
+
+def test_hf_train_steps_are_timed_in_turns_and_their_median_kept(monkeypatch):
+    """Every step is built before any is timed; each round takes them in turn, starting one later than the round
+    before (no implementation always timed first or last); a step that fails keeps its error."""
+    from benchmarks import hf_model
+
+    monkeypatch.setattr(hf_model, "build", lambda impl, dtype, state: torch.nn.Linear(2, 2))
+    built, timed = [], []
+
+    def step_of(model, opt, batch, seq, compiled):
+        name = (type(model).__name__, compiled, len(built))
+        built.append(name)
+        if len(built) == 3:
+            raise RuntimeError("compile failed")
+        return lambda: name
+
+    monkeypatch.setattr(hf_model, "train_step", step_of)
+    monkeypatch.setattr(hf_model, "bench_ms", lambda step, **kw: timed.append(step()) or float(len(timed)))
+    results = hf_model.train_rounds(["a", "b"], ["a", "b"], torch.float32, {}, 2, 8, rounds=3)
+    assert len(built) == 4 and len(timed) == 9  # three steps built (one failed), each timed three times
+    first_of_round = [timed[0], timed[3], timed[6]]
+    assert len(set(first_of_round)) == 3
+    # Times are the call's place in the whole run: a's eager step was timed 1st, 6th and 8th.
+    assert results["a"] == {"train_eager_ms": 6.0, "train_compiled_ms": 4.0}
+    assert results["b"]["train_compiled_ms"] == 5.0 and isinstance(results["b"]["train_eager_ms"], str)
