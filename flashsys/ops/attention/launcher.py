@@ -109,7 +109,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, window: Window, scale: float, trace
     o = empty_output(q)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     t = ForwardTensors(q, k, v, o, lse)
-    inputs = tuple(t for t in (key_start, key_mask) if t is not None)
+    inputs = tuple(x for x in (key_start, key_mask) if x is not None)
     recorded, scratch = None, ()
     if inputs or dispatch.takes_decode(q, k):
         recorded, scratch = decode.forward(q, k, v, o, lse, window, scale, traced, key_start, key_mask)
