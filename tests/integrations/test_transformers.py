@@ -322,6 +322,30 @@ def test_a_compiled_decoding_step_of_a_padded_batch_is_one_graph(cache_kind):
     assert not {"item", "tolist"} & set(ops)  # under fullgraph a read would have failed the compile already
 
 
+def test_generate_compiles_its_static_cache_decoding_step_into_one_graph():
+    """transformers' own compiled generation (a static cache; `_compile_all_devices` lets it compile on a CPU), with
+    fullgraph: one graph holding a decode op per layer, and sdpa's tokens."""
+    ref, ours = _pair("llama-gqa")
+    x = _tokens(3, 9, seed=9)
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, :6], mask[2, :2] = 0, 0
+    graphs = []
+
+    def counting(gm, inputs):
+        graphs.append(sum("flash_attention_decode" in str(n.target) for n in gm.graph.nodes))
+        return gm.forward
+
+    config = transformers.CompileConfig(fullgraph=True, mode="default", backend=counting)
+    config._compile_all_devices = True
+    out = []
+    for model in (ref, ours):
+        torch._dynamo.reset()
+        out.append(model.generate(x, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                                  cache_implementation="static", compile_config=config))
+    torch.testing.assert_close(out[1], out[0], rtol=0, atol=0)
+    assert graphs == [0, ours.config.num_hidden_layers]  # sdpa's graph, then ours: each compiled once
+
+
 def _layer_call(**kwargs):
     """One direct call of the attention function on a Llama attention layer, as transformers makes it."""
     _, ours = _pair("llama-gqa")
