@@ -24,7 +24,8 @@ Every attention layer then calls `attention_forward`, which computes what the `s
 
 What flashsys does not compute is refused with an error that says what and why: attention dropout in training,
 logit softcapping (Gemma 2), attention sinks (`s_aux`, GPT-OSS), position biases (T5), an arbitrary 4-D mask,
-a padding mask with holes, a head dim above 256 or key and value head dims that differ (MLA).
+a padding mask with holes (a decoding step that takes a key mask computes any mask), a head dim above 256 or key
+and value head dims that differ (MLA).
 """
 
 from __future__ import annotations
