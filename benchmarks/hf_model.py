@@ -40,6 +40,7 @@ SHAPES = {  # TinyLlama-1.1B's shape on a GPU; a toy one on a CPU
 }
 
 
+PREFILL_CALLS = 3  # the prefill's time: the median of this many generate(max_new_tokens=1) calls
 SDPA_CAUSAL = "sdpa_causal"  # a training-only baseline: see the module's docstring
 
 
@@ -150,11 +151,14 @@ def decode_tokens_per_s(model, batch: int, prompt: int, new: int, left_pad: bool
     warm = new if cache == "static" else 4
     with torch.no_grad():
         model.generate(ids, max_new_tokens=warm, min_new_tokens=warm, **kwargs)
-        sync()
-        start = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
-        sync()
-        prefill_s = time.perf_counter() - start
+        prefills = []
+        for _ in range(PREFILL_CALLS):  # one call is a noisy sample of a step this short
+            sync()
+            start = time.perf_counter()
+            model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+            sync()
+            prefills.append(time.perf_counter() - start)
+        prefill_s = statistics.median(prefills)
         start = time.perf_counter()
         out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kwargs)
         sync()
@@ -263,7 +267,8 @@ def write(rows: list[dict], tokens: dict, args, dtype: torch.dtype, n_params: fl
                     + ("dynamic cache, eager" if args.cache == "dynamic" else
                        "static cache (transformers compiles the decoding step: torch.compile, CUDA graphs)")
                     + " (_leftpad: row b's prompt starts after b / batch of half the prompt as "
-                    "padding, with its attention mask); prefill ms and decode tokens/s after the prefill "
+                    f"padding, with its attention mask); prefill ms (the median of {PREFILL_CALLS} calls) and decode "
+                    "tokens/s after the prefill "
                     "(*_vs_sdpa: > 1 is faster); "
                     "same_tokens: the fraction of generated tokens equal to sdpa's (bf16 rounding can flip a "
                     "near-tie, and every token after a flip follows a different sequence: with random weights the "
