@@ -180,8 +180,10 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=4096 if ON_GPU else 64)
     p.add_argument("--rounds", type=int, default=3 if ON_GPU else 1,
                    help="rounds of the training steps, taken in turns (the median over rounds)")
-    p.add_argument("--compiled-impls", nargs="*", default=["fsys", "sdpa", SDPA_CAUSAL] if ON_GPU else [],
-                   help="implementations whose compiled training step is timed (compiling takes minutes)")
+    p.add_argument("--compiled-impls", nargs="*",
+                   default=["fsys", SDPA_CAUSAL, "flex_attention"] if ON_GPU else [],
+                   help="implementations whose compiled training step is timed (compiling takes minutes; plain sdpa "
+                        "compiled runs a materialised mask, slower than sdpa_causal: add it to see)")
     p.add_argument("--prompt-tokens", type=int, default=2048 if ON_GPU else 32)
     p.add_argument("--new-tokens", type=int, default=256 if ON_GPU else 8)
     p.add_argument("--gen-batches", nargs="+", type=int, default=[1, 16] if ON_GPU else [2])

@@ -110,7 +110,7 @@ for s in "${sections[@]}"; do
       --out "$OUT/attention_features" > "$OUT/attention_features.log" 2>&1
     echo "attention_features exit: $?"; grep -E "^\| " "$OUT/attention_features/attention_features_gpu.md" ;;
   hf_train)  # the 1.1B Llama's training step through transformers, fsys against sdpa, sdpa_causal and flex (eager),
-             # and compiled for fsys, sdpa and sdpa_causal (HF_IMPLS to choose; compiling takes minutes a model)
+             # and compiled for fsys, sdpa_causal and flex (HF_IMPLS to choose; compiling takes minutes a model)
     timeout -k 10 ${HF_TIMEOUT:-560} python3 -m benchmarks.hf_model --no-progress --out "$OUT/hf_model" --parts train \
       --impls ${HF_IMPLS:-sdpa sdpa_causal fsys flex_attention} > "$OUT/hf_train.log" 2>&1
     echo "hf_train exit: $?"; grep -E "^\| " "$OUT/hf_model/hf_model_gpu_train.md" ;;
