@@ -204,15 +204,16 @@ def test_a_compiled_step_reads_the_rows_once(kind, compiler, monkeypatch):
         torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)  # Inductor may fuse the matmuls' rounding
 
 
-class _Reads(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts reads of a tensor's value back to the host (each a wait for the device on a GPU)."""
+class _Counting(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the calls of one aten op: `_local_scalar_dense`, a read of a tensor's value back to the host, or
+    `lift_fresh`, a Python value made into a tensor (on a GPU a copy in from the host); each waits for the device."""
 
-    def __init__(self):
+    def __init__(self, op):
         super().__init__()
-        self.count = 0
+        self.op, self.count = op, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func is torch.ops.aten._local_scalar_dense.default
+        self.count += func is self.op
         return func(*args, **(kwargs or {}))
 
 
@@ -223,7 +224,7 @@ def test_a_plan_is_used_without_reading_it_back(rows):
     kind, split = _rows(rows, 24)
     plan = _plan(kind, split, 2)
     expected = _find(kind, split, 2)
-    with _Reads() as reads:
+    with _Counting(torch.ops.aten._local_scalar_dense.default) as reads:
         noted = packed_rows.plan_sequences(plan[:])
     assert reads.count == 0
     packed_rows._plan_notes.clear()
@@ -236,24 +237,12 @@ def test_a_plan_is_used_without_reading_it_back(rows):
             assert found.tokens is None or found.tokens.tolist() == expected.tokens.tolist()
 
 
-class _HostValues(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts Python values made into tensors (`lift_fresh`): on a GPU each is a copy in from the host, which waits."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func is torch.ops.aten.lift_fresh.default
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("rows", list(ROWS))
 def test_making_a_plan_copies_nothing_in_from_the_host(rows):
     """A plan's one wait is its counts' reading: its header is filled on the device (an item assignment would copy
     each value in from the host and wait three more times)."""
     kind, split = _rows(rows, 24)
-    with _HostValues() as values:  # the ops' bodies: a mode does not see inside an op it dispatches
+    with _Counting(torch.ops.aten.lift_fresh.default) as values:  # the ops' bodies: a mode does not see inside an op it dispatches
         if kind == "positions":
             packed_rows.document_plan(split, 2)
         elif kind == "offsets":
