@@ -399,3 +399,12 @@ def test_models_flashsys_cannot_run_are_refused_clearly():
         gemma(_tokens(1, 4))
     with pytest.raises(ValueError, match="containing 'flash'"):
         register("flashsys")
+
+
+def test_a_mask_that_does_not_cover_the_keys_so_far_is_refused():
+    """Four positions so far (three cached, one new) and a mask over two: which keys are padding is unknown."""
+    from flashsys.integrations.transformers import padding_mask
+
+    with pytest.raises(ValueError, match="the attention mask has 2 columns, but the cache holds 4 keys"):
+        padding_mask(2, 1, 10, q_offset=3, attention_mask=torch.ones(2, 2, dtype=torch.bool))
+    assert padding_mask(2, 1, 10, q_offset=3, attention_mask=torch.ones(2, 4, dtype=torch.bool)).shape == (2, 4)
