@@ -185,18 +185,36 @@ def test_repeated_decode_calls_replay_their_plan(decode_calls, split_path, which
 # ------------------------------------------------------------------ flash_attention_decode: left-padded caches
 
 
+def _masked_reference(q, k, v, key_mask, causal, window, dtype):
+    """softmax over the keys each row's key_mask holds and its window allows (bottom-right aligned over the whole
+    cache), in `dtype`; a query that sees no key outputs 0."""
+    rank3 = q.dim() == 3
+    q, k, v = (t[:, None] if rank3 else t for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    q, k, v = q.to(dtype), k.repeat_interleave(group, 1).to(dtype), v.repeat_interleave(group, 1).to(dtype)
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    left, right = window if window is not None else (-1, 0 if causal else -1)
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    i = torch.arange(n_q, device=q.device)[:, None] + (n_k - n_q)
+    j = torch.arange(n_k, device=q.device)[None, :]
+    seen = key_mask[:, None, None, :].expand(-1, 1, n_q, -1)
+    if right >= 0:
+        seen = seen & (j <= i + right)
+    if left >= 0:
+        seen = seen & (j >= i - left)
+    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    s = s.masked_fill(~seen, float("-inf"))
+    p = torch.softmax(s if dtype == torch.float64 else s.float(), -1).nan_to_num(0.0).to(dtype)
+    out = p @ v
+    return out[:, 0] if rank3 else out
+
+
 def _per_row_reference(q, k, v, starts, causal, window, dtype):
-    """Each batch row alone over its keys from its start on, in `dtype`: the positions stay cache indices, since
-    the queries are the last ones and the alignment is bottom-right. A row that starts past its last key sees
-    nothing and outputs 0."""
-    rows = []
-    for b, s in enumerate(starts.tolist()):
-        if s == k.shape[-2]:
-            rows.append(torch.zeros_like(q[b:b + 1], dtype=dtype))
-            continue
-        rows.append(attention_reference(*(t[b:b + 1].to(dtype) for t in (q, k[..., s:, :], v[..., s:, :])), causal,
-                                        None, window)[0])
-    return torch.cat(rows)
+    """Each batch row over its keys from its start on (positions stay cache indices: the queries are the last ones
+    and the alignment is bottom-right), in `dtype`; a row that starts past its last key outputs 0."""
+    keys = torch.arange(k.shape[-2], device=k.device)[None, :] >= starts.to(k.device)[:, None]
+    return _masked_reference(q, k, v, keys, causal, window, dtype)
 
 
 DECODE_CASES = [  # (n_q, n_k, heads, kv_heads, head_dim, causal, window)
@@ -327,30 +345,6 @@ def test_repeated_decode_op_calls_replay_their_plan(decode_calls, split_path):
 
 
 # ------------------------------------------------------------------ flash_attention_decode: key masks
-
-
-def _masked_reference(q, k, v, key_mask, causal, window, dtype):
-    """softmax over the keys each row's key_mask holds and its window allows (bottom-right aligned over the whole
-    cache), in `dtype`; a query that sees no key outputs 0."""
-    rank3 = q.dim() == 3
-    q, k, v = (t[:, None] if rank3 else t for t in (q, k, v))
-    group = q.shape[1] // k.shape[1]
-    q, k, v = q.to(dtype), k.repeat_interleave(group, 1).to(dtype), v.repeat_interleave(group, 1).to(dtype)
-    n_q, n_k = q.shape[-2], k.shape[-2]
-    left, right = window if window is not None else (-1, 0 if causal else -1)
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
-    i = torch.arange(n_q, device=q.device)[:, None] + (n_k - n_q)
-    j = torch.arange(n_k, device=q.device)[None, :]
-    seen = key_mask[:, None, None, :].expand(-1, 1, n_q, -1)
-    if right >= 0:
-        seen = seen & (j <= i + right)
-    if left >= 0:
-        seen = seen & (j >= i - left)
-    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    p = torch.softmax(s.masked_fill(~seen, float("-inf")).float(), -1).nan_to_num(0.0).to(dtype)
-    out = p @ v
-    return out[:, 0] if rank3 else out
 
 
 @pytest.mark.parametrize("case", DECODE_CASES,
