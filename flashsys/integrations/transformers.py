@@ -45,6 +45,7 @@ from ..ops.attention import (
     flash_attention_varlen,
 )
 from ..ops.attention.cache_decode import grad_requested
+from ..ops.attention.packed_rows import real_runs
 from ..ops.attention.readback import read_once
 from ..ops.attention.validation import decode_fits
 
@@ -318,11 +319,11 @@ def _from_padding(mask: Tensor, n_q: int, n_k: int) -> _Packed:
     query is real and there is a cache (left-padded decoding), also each row's first real key."""
     if mask.shape[1] != n_k:
         raise ValueError(f"flashsys attention: the padding mask covers {mask.shape[1]} keys, the layer has {n_k}")
-    runs = mask[:, 0].int() + (mask[:, 1:] & ~mask[:, :-1]).sum(1)
+    runs = real_runs(mask)
     lengths_k = mask.sum(1, dtype=torch.int32)
     mask_q = mask[:, n_k - n_q:]
     lengths_q = mask_q.sum(1, dtype=torch.int32)
-    summary = torch.stack([runs.max().to(torch.int32), lengths_q.max(), lengths_k.max(), lengths_q.min()]).tolist()
+    summary = torch.stack([runs.max(), lengths_q.max(), lengths_k.max(), lengths_q.min()]).tolist()
     if summary[0] > 1:
         raise ValueError("flashsys attention: a row of the padding mask has padding between real tokens; flashsys "
                          "takes left or right padding (one run of real tokens per row)")

@@ -72,9 +72,15 @@ def _find_documents(positions: Tensor) -> Sequences | None:
     return Sequences(cu, longest, None)
 
 
+def real_runs(mask: Tensor) -> Tensor:
+    """(B,) int32: how many runs of real tokens each row of a bool (B, N) padding mask holds (left or right padding:
+    one; a row with padding between real tokens: more), on the mask's device."""
+    return mask[:, 0].int() + (mask[:, 1:] & ~mask[:, :-1]).sum(1, dtype=torch.int32)
+
+
 def _find_padding(mask: Tensor) -> Sequences | None:
     mask = mask.bool()
-    runs = mask[:, 0].int() + (mask[:, 1:] & ~mask[:, :-1]).sum(1, dtype=torch.int32)
+    runs = real_runs(mask)
     lengths = mask.sum(1, dtype=torch.int32)
     most_runs, longest, real = torch.stack([runs.max(), lengths.max(), lengths.sum()]).tolist()
     if most_runs > 1:
