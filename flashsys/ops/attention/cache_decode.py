@@ -23,6 +23,7 @@ from torch import Tensor
 from .backends import FLASH_ALIASES, Backend, flash_runs_triton
 from .flash_torch import acc_dtype
 from .layout import empty_output, laid_out
+from .op_library import define_op
 from .replay import plans
 from .validation import (
     FLOAT_DTYPES,
@@ -79,8 +80,7 @@ def flash_attention_decode(
         RuntimeError: where q, k or v requires grad with grad mode on (this op computes no gradients).
     """
     if torch.compiler.is_compiling() and cache_start is None:
-        return torch.ops.flashsys.flash_attention_decode(q, k, v, key_mask, bool(causal), softmax_scale,
-                                                         _window_list(window_size), backend)
+        return _DECODE_OP(q, k, v, key_mask, bool(causal), softmax_scale, _window_list(window_size), backend)
     return _decode(q, k, v, cache_start, key_mask, causal, softmax_scale, window_size, backend)
 
 
@@ -219,11 +219,8 @@ def _decode_fake(q, k, v, key_mask, causal, softmax_scale, window_size, backend)
     return empty_output(q)
 
 
-# The op a compiled graph calls (one per layer and step, no host reading: a CUDA graph captures it). Defined on a
-# torch.library.Library as the attention ops are: no autograd kernel (the call computes no gradients, and refuses
-# inputs that ask for them).
-_DECODE_OPS = torch.library.Library("flashsys", "FRAGMENT")
-_DECODE_OPS.define("flash_attention_decode(Tensor q, Tensor k, Tensor v, Tensor? key_mask, bool causal, "
-                   "float? softmax_scale, int[]? window_size, str backend) -> Tensor")
-_DECODE_OPS.impl("flash_attention_decode", _decode_op, "CompositeExplicitAutograd")
-torch.library.register_fake("flashsys::flash_attention_decode", _decode_fake, lib=_DECODE_OPS)
+# The op a compiled graph calls (one per layer and step, no host reading: a CUDA graph captures it), opaque as the
+# attention ops are (`op_library.define_op`): no autograd kernel (the call computes no gradients, and refuses inputs
+# that ask for them).
+_DECODE_OP = define_op("flash_attention_decode", "(Tensor q, Tensor k, Tensor v, Tensor? key_mask, bool causal, "
+                       "float? softmax_scale, int[]? window_size, str backend) -> Tensor", _decode_op, _decode_fake)

@@ -19,6 +19,7 @@ from torch.library import triton_op
 
 from . import calls, dispatch, launcher
 from .layout import empty_output
+from .op_library import define_op
 from .replay import plans
 
 Window = tuple[int, int]
@@ -68,12 +69,9 @@ def opaque_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do:
         return calls.backward(q, k, v, o, lse, do, window, scale)
 
 
-# The opaque ops are defined on a torch.library.Library rather than by torch.library.custom_op: a custom_op's call
-# passes through a Python autograd kernel and wrappers before its body, which cost a compiled graph host time on
-# every call. The ops are called inside the autograd.Function's forward and backward and never differentiated, so
-# they need no autograd kernel. CompositeExplicitAutograd serves CPU and CUDA alike; the fake kernels give
-# torch.compile the output shapes.
-_OPAQUE_OPS = torch.library.Library("flashsys", "FRAGMENT")
+# The opaque ops are defined on a torch.library.Library (`op_library.define_op`) rather than by
+# torch.library.custom_op: a custom_op's call passes through a Python autograd kernel and wrappers before its body,
+# which cost a compiled graph host time on every call. The fake kernels give torch.compile the output shapes.
 _FORWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, int window_left, int window_right, float softmax_scale) "
                    "-> (Tensor, Tensor)")
 _BACKWARD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do, int window_left, "
@@ -88,22 +86,12 @@ def _backward_fake(q, k, v, o, lse, do, window_left, window_right, softmax_scale
     return empty_output(q), empty_output(k), empty_output(v)
 
 
-def _define_opaque_op(name: str, schema: str, body, fake):
-    """Define flashsys::`name` with this body (CPU and CUDA) and fake kernel; return its OpOverload."""
-    _OPAQUE_OPS.define(name + schema)
-    _OPAQUE_OPS.impl(name, body, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"flashsys::{name}", fake, lib=_OPAQUE_OPS)
-    return getattr(torch.ops.flashsys, name).default
-
-
-gluon_forward_op = _define_opaque_op("flash_attention_forward_gluon", _FORWARD_SCHEMA, opaque_forward,
-                                     _forward_fake)
-interpreted_forward_op = _define_opaque_op("flash_attention_forward_interpreted", _FORWARD_SCHEMA, opaque_forward,
-                                           _forward_fake)
-gluon_backward_op = _define_opaque_op("flash_attention_backward_gluon", _BACKWARD_SCHEMA, opaque_backward,
-                                      _backward_fake)
-interpreted_backward_op = _define_opaque_op("flash_attention_backward_interpreted", _BACKWARD_SCHEMA,
-                                            opaque_backward, _backward_fake)
+gluon_forward_op = define_op("flash_attention_forward_gluon", _FORWARD_SCHEMA, opaque_forward, _forward_fake)
+interpreted_forward_op = define_op("flash_attention_forward_interpreted", _FORWARD_SCHEMA, opaque_forward,
+                                   _forward_fake)
+gluon_backward_op = define_op("flash_attention_backward_gluon", _BACKWARD_SCHEMA, opaque_backward, _backward_fake)
+interpreted_backward_op = define_op("flash_attention_backward_interpreted", _BACKWARD_SCHEMA, opaque_backward,
+                                    _backward_fake)
 
 
 def traced_forward(q: Tensor, k: Tensor, v: Tensor, window: Window):

@@ -36,6 +36,7 @@ from .flash_torch import (
     flash_varlen_forward_torch,
 )
 from .layout import empty_output, heads_inside, laid_out
+from .op_library import define_op
 from .readback import read_once
 from .validation import _shown, refuse_double_backward
 
@@ -165,7 +166,7 @@ def _find_offsets(cu_q: Tensor, cu_k: Tensor, batch: int, n: int) -> Sequences |
 def find_plan(finder: str, t: Tensor, kind: str, *args) -> Tensor:
     """The plan `flashsys::<finder>(t, *args)` makes: the op itself in a traced call (AOTAutograd merges the layers'
     identical calls into one per graph), else made once per unchanged tensor (`readback`; `kind` as it asks)."""
-    op = getattr(torch.ops.flashsys, finder)
+    op = _FINDERS[finder]
     if torch.compiler.is_compiling():
         return op(t, *args)
     return read_once(t, kind, lambda read: op(read, *args))
@@ -288,49 +289,43 @@ def backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor
     return tuple(_as_rows(_scatter(g, found.tokens, 0, batch * n, 0.0), x) for g, x in zip(grads, (q, k, v)))
 
 
-# Defined on a torch.library.Library, as `library_ops`' opaque ops are (no Python autograd kernel in the call path:
-# the ops are called inside `PackedRows`' forward and backward and never differentiated themselves).
-_OPS = torch.library.Library("flashsys", "FRAGMENT")
-_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
-_OPS.define("find_documents(Tensor position_ids, int batch) -> Tensor", tags=_TAGS)
-_OPS.define("find_padding(Tensor mask) -> Tensor", tags=_TAGS)
-_OPS.define("find_offsets(Tensor cu_seqlens_q, Tensor cu_seqlens_k, int batch, int n) -> Tensor", tags=_TAGS)
-_OPS.define("packed_rows_forward(Tensor q, Tensor k, Tensor v, Tensor plan, int window_left, "
-            "int window_right, float softmax_scale, bool triton) -> (Tensor, Tensor)", tags=_TAGS)
-_OPS.define("packed_rows_backward(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do, "
-            "Tensor plan, int window_left, int window_right, float softmax_scale, bool triton) "
-            "-> (Tensor, Tensor, Tensor)", tags=_TAGS)
-_OPS.impl("find_documents", document_plan, "CompositeExplicitAutograd")
-_OPS.impl("find_padding", padding_plan, "CompositeExplicitAutograd")
-_OPS.impl("find_offsets", offsets_plan, "CompositeExplicitAutograd")
-_OPS.impl("packed_rows_forward", forward, "CompositeExplicitAutograd")
-_OPS.impl("packed_rows_backward", backward, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("flashsys::find_documents", lib=_OPS)
 def _find_documents_fake(position_ids, batch):
     return position_ids.new_empty(plan_size(batch, position_ids.shape[1]), dtype=torch.int32)
 
 
-@torch.library.register_fake("flashsys::find_offsets", lib=_OPS)
 def _find_offsets_fake(cu_seqlens_q, cu_seqlens_k, batch, n):
     return cu_seqlens_q.new_empty(plan_size(batch, n), dtype=torch.int32)
 
 
-@torch.library.register_fake("flashsys::find_padding", lib=_OPS)
 def _find_padding_fake(mask):
     return mask.new_empty(plan_size(*mask.shape), dtype=torch.int32)
 
 
-@torch.library.register_fake("flashsys::packed_rows_forward", lib=_OPS)
 def _forward_fake(q, k, v, plan, window_left, window_right, softmax_scale, triton):
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return empty_output(q), q.new_empty(q.shape[:-1], dtype=lse_dtype)
 
 
-@torch.library.register_fake("flashsys::packed_rows_backward", lib=_OPS)
 def _backward_fake(q, k, v, o, lse, do, plan, window_left, window_right, softmax_scale, triton):
     return empty_output(q), empty_output(k), empty_output(v)
+
+
+# Opaque ops (`op_library.define_op`), as `library_ops`' are: no Python autograd kernel in the call path (the ops are
+# called inside `PackedRows`' forward and backward and never differentiated themselves).
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+_FINDERS = {  # the ops that make a plan, by name (`find_plan`)
+    "find_documents": define_op("find_documents", "(Tensor position_ids, int batch) -> Tensor", document_plan,
+                                _find_documents_fake, _TAGS),
+    "find_padding": define_op("find_padding", "(Tensor mask) -> Tensor", padding_plan, _find_padding_fake, _TAGS),
+    "find_offsets": define_op("find_offsets", "(Tensor cu_seqlens_q, Tensor cu_seqlens_k, int batch, int n) -> Tensor",
+                              offsets_plan, _find_offsets_fake, _TAGS),
+}
+_FORWARD_OP = define_op("packed_rows_forward", "(Tensor q, Tensor k, Tensor v, Tensor plan, int window_left, "
+                        "int window_right, float softmax_scale, bool triton) -> (Tensor, Tensor)", forward,
+                        _forward_fake, _TAGS)
+_BACKWARD_OP = define_op("packed_rows_backward", "(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do, "
+                         "Tensor plan, int window_left, int window_right, float softmax_scale, bool triton) "
+                         "-> (Tensor, Tensor, Tensor)", backward, _backward_fake, _TAGS)
 
 
 class PackedRows(torch.autograd.Function):
@@ -340,7 +335,7 @@ class PackedRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: Tensor, window: Window, softmax_scale: float,
                 triton: bool) -> Tensor:
-        o, lse = torch.ops.flashsys.packed_rows_forward(q, k, v, plan, *window, softmax_scale, triton)
+        o, lse = _FORWARD_OP(q, k, v, plan, *window, softmax_scale, triton)
         ctx.save_for_backward(q, k, v, o, lse, plan)
         ctx.window, ctx.scale, ctx.triton = window, softmax_scale, triton
         return o
@@ -349,6 +344,5 @@ class PackedRows(torch.autograd.Function):
     def backward(ctx, do: Tensor):
         refuse_double_backward("flash_attention_packed / flash_attention_padded")
         q, k, v, o, lse, plan = ctx.saved_tensors
-        dq, dk, dv = torch.ops.flashsys.packed_rows_backward(q, k, v, o, lse, do, plan, *ctx.window,
-                                                             ctx.scale, ctx.triton)
+        dq, dk, dv = _BACKWARD_OP(q, k, v, o, lse, do, plan, *ctx.window, ctx.scale, ctx.triton)
         return dq, dk, dv, None, None, None, None
