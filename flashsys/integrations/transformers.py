@@ -76,8 +76,9 @@ def register(name: str = NAME) -> str:
     return name
 
 
-def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int | Tensor = 0, kv_offset: int = 0,
-                 mask_function: Callable | None = None, attention_mask: Tensor | None = None,
+def padding_mask(batch_size: int, q_length: int | None = None, kv_length: int | None = None,
+                 q_offset: int | Tensor = 0, kv_offset: int = 0, mask_function: Callable | None = None,
+                 attention_mask: Tensor | None = None, cache_position: Tensor | None = None,
                  **kwargs: Any) -> Tensor | None:
     """The mask transformers hands to `attention_forward`: a 2-D (batch, keys) boolean padding mask over the keys the
     cache holds, or None when every key is real (under torch.compile, without a cache, the mask as it is: whether it
@@ -97,13 +98,23 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int |
     step over a padded dynamic cache keeps the 2-D mask: where each row's keys start is read once a step, and the
     decode kernels skip the padding's tiles.
 
+    transformers before 5.4 passes the queries' positions (`cache_position`) instead of q_length and q_offset; the
+    first position is read back outside a compiled graph (inside one it stays a tensor, as a static cache's offset).
+
     Raises:
         ValueError: for a mask that does not cover every key the cache holds so far.
     """
+    if q_length is None:
+        if cache_position is None:
+            raise TypeError("padding_mask: transformers passed neither q_length nor cache_position")
+        q_length = cache_position.shape[0]
+        q_offset = cache_position[0] if torch.compiler.is_compiling() else int(cache_position[0])
     on_device = isinstance(q_offset, Tensor) or (torch.compiler.is_compiling() and attention_mask is not None)
     if q_length == 1 and on_device and _decode_step_fits(kwargs.get("config")):
         return _decode_step_mask(batch_size, kv_length, q_offset, kv_offset, attention_mask)
-    filled = int(q_offset) + q_length - kv_offset  # a static cache's prefill: read once a forward
+    # The keys so far: all of them where the queries are all the keys (no cache before them), else read once a
+    # forward (a static cache's prompt).
+    filled = kv_length if q_length == kv_length else int(q_offset) + q_length - kv_offset
     if attention_mask is None:
         if filled == kv_length:
             return None

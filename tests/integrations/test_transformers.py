@@ -408,3 +408,21 @@ def test_a_mask_that_does_not_cover_the_keys_so_far_is_refused():
     with pytest.raises(ValueError, match="the attention mask has 2 columns, but the cache holds 4 keys"):
         padding_mask(2, 1, 10, q_offset=3, attention_mask=torch.ones(2, 2, dtype=torch.bool))
     assert padding_mask(2, 1, 10, q_offset=3, attention_mask=torch.ones(2, 4, dtype=torch.bool)).shape == (2, 4)
+
+
+def test_the_mask_function_takes_the_queries_positions_as_transformers_before_5_4_passes_them():
+    """transformers 4.56–5.3 calls the mask function with `cache_position` (the queries' positions) where later
+    versions pass q_length and q_offset: both describe the same keys."""
+    from flashsys.integrations.transformers import padding_mask
+
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1, :3] = False
+    for n_q, n_k, offset in ((9, 9, 0), (9, 12, 0), (4, 9, 5), (1, 12, 8)):  # training, static prompt, chunk, step
+        given = mask[:, :offset + n_q]
+        old = padding_mask(batch_size=2, cache_position=torch.arange(offset, offset + n_q), kv_length=n_k,
+                           kv_offset=0, attention_mask=given)
+        new = padding_mask(2, n_q, n_k, q_offset=offset, kv_offset=0, attention_mask=given)
+        assert torch.equal(old, new) and old.shape == (2, offset + n_q), (n_q, n_k, offset)
+    assert padding_mask(batch_size=2, cache_position=torch.arange(9), kv_length=9, attention_mask=None) is None
+    with pytest.raises(TypeError, match="neither q_length nor cache_position"):
+        padding_mask(batch_size=2, kv_length=9)
