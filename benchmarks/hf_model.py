@@ -102,9 +102,10 @@ def train_step(model, opt, batch: int, seq: int, compiled: bool):
 
 def train_rounds(impls: list[str], compiled_impls: list[str], dtype: torch.dtype, state: dict, batch: int,
                  seq: int, rounds: int) -> dict[str, dict]:
-    """{impl: {"train_eager_ms": ..., "train_compiled_ms": ...}}: every implementation's steps built first, then
-    timed in `rounds` rounds that take the steps in turn, each round starting one step later, and the median over
-    the rounds. Why: a GPU held at its power cap slows as it warms, and one implementation timed after the other
+    """{impl: {"train_eager_ms": ..., "train_compiled_ms": ..., and each one's "_spread"}}: every implementation's
+    steps built first, then timed in `rounds` rounds that take the steps in turn, each round starting one step later;
+    the median over the rounds, and their spread (slowest less fastest, over the median: how far a ratio of two
+    medians can be trusted). Why: a GPU held at its power cap slows as it warms, and one implementation timed after the other
     pays for it (timed one after the other, the same sdpa kernels read 1.2% apart). A cell that fails holds its
     error."""
     steps, results = {}, {impl: {} for impl in impls}
@@ -132,6 +133,7 @@ def train_rounds(impls: list[str], compiled_impls: list[str], dtype: torch.dtype
     for (impl, key), ms in times.items():
         if ms and key not in results[impl]:
             results[impl][key] = statistics.median(ms)
+            results[impl][f"{key}_spread"] = (max(ms) - min(ms)) / results[impl][key]
     return results
 
 
@@ -245,6 +247,8 @@ def write(rows: list[dict], tokens: dict, args, dtype: torch.dtype, n_params: fl
     for r in rows:
         r = dict(r)
         for key, value in list(r.items()) if r["impl"] != "sdpa" else ():
+            if key.endswith("_spread"):
+                continue
             refs = [b[key] for b in baselines if isinstance(b.get(key), float)]
             if not isinstance(value, float) or not refs:
                 continue
@@ -261,7 +265,8 @@ def write(rows: list[dict], tokens: dict, args, dtype: torch.dtype, n_params: fl
     notes = {
         "train": f"Train: batch {args.train_batch} x {args.seq} tokens, one AdamW step (forward, backward, step), "
                  f"eager and torch.compile'd, median ms per step over {args.rounds} rounds that take the steps in "
-                 "turn (*_vs_sdpa: < 1 is faster; *_vs_best_sdpa: over the "
+                 "turn (*_spread: the slowest round less the fastest, over the median; *_vs_sdpa: < 1 is faster; "
+                 "*_vs_best_sdpa: over the "
                  f"faster of sdpa and {SDPA_CAUSAL} (of those measured), transformers' sdpa attention with is_causal=True and no mask, "
                  "which is what its eager step runs and its compiled step does not: under torch.compile transformers "
                  "hands sdpa a materialised causal mask).",

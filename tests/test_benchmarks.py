@@ -260,7 +260,9 @@ def test_hf_train_ratios_take_sdpa_and_the_faster_sdpa_baseline(tmp_path):
                               rounds=1)
     rows = [{"impl": "sdpa", "train_eager_ms": 10.0, "train_compiled_ms": 12.0, "prefill_b2_ms": 4.0},
             {"impl": hf_model.SDPA_CAUSAL, "train_eager_ms": 11.0, "train_compiled_ms": 8.0},
-            {"impl": "fsys", "train_eager_ms": 9.0, "train_compiled_ms": 6.0, "prefill_b2_ms": 2.0}]
+            {"impl": "fsys", "train_eager_ms": 9.0, "train_compiled_ms": 6.0, "prefill_b2_ms": 2.0,
+             "train_eager_ms_spread": 0.01}]
+    rows[0]["train_eager_ms_spread"] = 0.02
     hf_model.write(rows, {}, args, torch.float32, 0.001)
     train = {r["impl"]: r for r in csv.DictReader(open(tmp_path / "hf_model_cpu_train.csv"))}
     assert float(train["fsys"]["train_eager_ms_vs_sdpa"]) == 0.9
@@ -268,6 +270,8 @@ def test_hf_train_ratios_take_sdpa_and_the_faster_sdpa_baseline(tmp_path):
     assert float(train["fsys"]["train_eager_ms_vs_best_sdpa"]) == 0.9      # sdpa the faster eager
     assert float(train["fsys"]["train_compiled_ms_vs_best_sdpa"]) == 0.75  # sdpa_causal the faster compiled
     assert train[hf_model.SDPA_CAUSAL]["train_compiled_ms_vs_best_sdpa"] == ""
+    assert float(train["fsys"]["train_eager_ms_spread"]) == 0.01
+    assert not any(k.startswith("train_eager_ms_spread_") for k in train["fsys"])  # a spread is no time to compare
     assert float(train[hf_model.SDPA_CAUSAL]["train_compiled_ms_vs_sdpa"]) == 8.0 / 12.0
     generate = [r["impl"] for r in csv.DictReader(open(tmp_path / "hf_model_cpu_generate.csv"))]
     assert generate == ["sdpa", "fsys"]
@@ -307,5 +311,8 @@ def test_hf_train_steps_are_timed_in_turns_and_their_median_kept(monkeypatch):
     first_of_round = [timed[0], timed[3], timed[6]]
     assert len(set(first_of_round)) == 3
     # Times are the call's place in the whole run: a's eager step was timed 1st, 6th and 8th.
-    assert results["a"] == {"train_eager_ms": 6.0, "train_compiled_ms": 4.0}
+    assert {k: v for k, v in results["a"].items() if not k.endswith("_spread")} == {"train_eager_ms": 6.0,
+                                                                                   "train_compiled_ms": 4.0}
+    assert results["a"]["train_eager_ms_spread"] == (8.0 - 1.0) / 6.0  # slowest less fastest, over the median
     assert results["b"]["train_compiled_ms"] == 5.0 and isinstance(results["b"]["train_eager_ms"], str)
+    assert "train_eager_ms_spread" not in results["b"]
