@@ -105,9 +105,9 @@ def train_rounds(impls: list[str], compiled_impls: list[str], dtype: torch.dtype
     """{impl: {"train_eager_ms": ..., "train_compiled_ms": ..., and each one's "_spread"}}: every implementation's
     steps built first, then timed in `rounds` rounds that take the steps in turn, each round starting one step later;
     the median over the rounds, and their spread (slowest less fastest, over the median: how far a ratio of two
-    medians can be trusted). Why: a GPU held at its power cap slows as it warms, and one implementation timed after the other
-    pays for it (timed one after the other, the same sdpa kernels read 1.2% apart). A cell that fails holds its
-    error."""
+    medians can be trusted). Why: a GPU held at its power cap slows as it warms, and one implementation timed after
+    the other pays for it (timed one after the other, the same sdpa kernels read 1.2% apart). A cell that fails
+    holds its error."""
     steps, results = {}, {impl: {} for impl in impls}
     for impl in impls:
         model = build(impl, dtype, state)

@@ -25,23 +25,10 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this tree's benchmarks, flashsys
 
-from benchmarks.hf_model import SDPA_CAUSAL, build, register_sdpa_causal  # noqa: E402
+from benchmarks.hf_model import SDPA_CAUSAL, build, register_sdpa_causal, train_step  # noqa: E402
 from flashsys.integrations.transformers import register  # noqa: E402
 
 HOST_WAITS = ("aten::item", "cudaStreamSynchronize", "cudaMemcpyAsync")
-
-
-def _step(model: torch.nn.Module, ids: torch.Tensor, compiled: bool):
-    """One training step of `model` (AdamW), as a closure."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    forward = torch.compile(model) if compiled else model
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        forward(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-        opt.step()
-
-    return step
 
 
 def _wall_ms(step, steps: int = 5) -> float:
@@ -116,8 +103,11 @@ def main(argv=None) -> int:
     if SDPA_CAUSAL in args.impls:
         register_sdpa_causal()
     state = build("sdpa", torch.bfloat16, None).state_dict()
-    ids = torch.randint(0, 32000, (args.batch, args.seq), generator=torch.Generator().manual_seed(1)).cuda()
-    steps = {impl: _step(build(impl, torch.bfloat16, state).train(), ids, args.compiled) for impl in args.impls}
+    steps = {}
+    for impl in args.impls:  # the benchmark's own step: the same batch, optimizer and warm-up
+        model = build(impl, torch.bfloat16, state)
+        steps[impl] = train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True), args.batch,
+                                 args.seq, args.compiled)
     profile_steps(steps, args.top, args.rounds)
     return 0
 

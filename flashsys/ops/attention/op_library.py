@@ -7,8 +7,9 @@ the shapes the cached code was compiled for, is not part of the key: a graph com
 outputs (a plan that grew a field) would be found again and run with the old shapes. With the digest in the name,
 changed code defines differently named ops, and graphs that call the old ones are not found. Callers call the op
 `define_op` returns, not its packet (`torch.ops.flashsys.find_padding`): a traced graph records the packet as it is
-called, and a packet's name has no overload, so graphs would be keyed without the digest. The `triton_op`s of `library_ops` need none: a compiled graph holds their traced bodies, whose
-Triton kernels' sources are part of Inductor's key.
+called, and a packet's name has no overload, so graphs would be keyed without the digest. The `triton_op`s of
+`library_ops` need none: a compiled graph holds their traced bodies, whose Triton kernels' sources are part of
+Inductor's key. The digest costs about 1 ms at import (reading the package's ~40 source files once).
 """
 
 from __future__ import annotations
