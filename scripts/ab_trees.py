@@ -5,7 +5,7 @@ code in one process: each tree must import its own flashsys. Here each tree gets
 tree with the tree first on its path, and the driver asks the workers in turn to time each cell, so only one of
 them uses the GPU at a time and the clocks' drift falls on both alike. Each round alternates which tree goes first.
 
-Each worker also returns a digest of the first backward's dQ, dK and dV. Two trees whose deterministic backwards add
+Each worker also returns a digest of the first backward's dQ, dK and dV (of the output, for `--what fwd`). Two trees whose deterministic backwards add
 the same sums in the same order must give the same digest; the table says whether they did. Each tree makes its own
 timed kernel choices, which may differ: under FLASHSYS_TRITON_AUTOTUNE=0 both take their tables' first candidates,
 the way to compare bits (not times).
@@ -18,7 +18,7 @@ CPU, where the times say nothing about kernels: that is for trying the script, w
 names the attention backend of each tree's registry (`flashsys.ops.attention.ATTENTION_BACKENDS`; flash-triton by
 default, as the sweep's) or the sweep's flash-triton-nondet (determinism off), timed with each tree's
 `benchmarks.harness.bench_ms`. `--what bwd` (the default) times the
-backward alone, `fwd_bwd` a forward and its backward; `--baseline` also times sdpa-cudnn (GPU only) in the first
+backward alone, `fwd` the forward alone (no autograd graph), `fwd_bwd` a forward and its backward; `--baseline` also times sdpa-cudnn (GPU only) in the first
 tree's worker.
 """
 
@@ -81,7 +81,7 @@ def _digest(tensors) -> str:
 
 def worker(tokens: int, heads: int) -> int:
     """Serve the driver: one JSON request a line on stdin ({"cell": [D, causal, N], "impl": a registry backend,
-    "what": "bwd" or "fwd_bwd"}), one REPLY line each ({"ms": ..., "digest": ...}, or {"error": ...})."""
+    "what": "bwd", "fwd" or "fwd_bwd"}), one REPLY line each ({"ms": ..., "digest": ...}, or {"error": ...})."""
     sys.path.insert(0, os.getcwd())  # this tree's flashsys and benchmarks before any other
     import torch
 
@@ -114,14 +114,23 @@ def worker(tokens: int, heads: int) -> int:
         q, k, v, do = tensors
         leaves = tuple(t.clone().requires_grad_() for t in (q, k, v))
         try:
-            out = backend(*leaves, causal)
-            grads = torch.autograd.grad(out, leaves, do, retain_graph=True)
+            if request["what"] == "fwd":  # the forward's own output: no backward kernel is built or timed
+                with torch.no_grad():
+                    out = backend(*leaves, causal)
+                grads = (out,)
+            else:
+                out = backend(*leaves, causal)
+                grads = torch.autograd.grad(out, leaves, do, retain_graph=True)
         except Exception as exc:  # noqa: BLE001  the driver stops with it, naming the tree
             _reply({"error": f"--impl {request['impl']} at D {d}, N {n}: {type(exc).__name__}: {exc}"})
             continue
         if request["what"] == "bwd":
             def step():
                 return torch.autograd.grad(out, leaves, do, retain_graph=True)
+        elif request["what"] == "fwd":
+            def step():
+                with torch.no_grad():
+                    return backend(*leaves, causal)
         else:
             def step():
                 return torch.autograd.grad(backend(*leaves, causal), leaves, do)
@@ -193,6 +202,8 @@ def run(trees: list[Path], cells: list[Cell], rounds: int, impl: str, what: str,
                     times.setdefault("sdpa-cudnn", []).append(
                         workers[0].ask(cell=list(cell), impl="sdpa-cudnn", what=what)["ms"])
             results.append({"cell": cell, "times": times, "digests": digests})
+            # each cell's row as it is timed (stderr; the table comes at the end): a run cut short keeps its rows
+            print("# " + table(results[-1:], trees).splitlines()[-1], file=sys.stderr, flush=True)
         return results
     finally:
         for w in workers:
@@ -234,7 +245,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=at_least_one, default=5)
     ap.add_argument("--impl", default="flash-triton",
                     help="a backend of the trees' registry (default flash-triton), or flash-triton-nondet")
-    ap.add_argument("--what", choices=["bwd", "fwd_bwd"], default="bwd")
+    ap.add_argument("--what", choices=["bwd", "fwd", "fwd_bwd"], default="bwd")
     ap.add_argument("--baseline", action="store_true", help="also time sdpa-cudnn (GPU only)")
     ap.add_argument("--tokens", type=int, default=16384, help="batch x N per cell")
     ap.add_argument("--heads", type=int, default=16)
