@@ -160,16 +160,46 @@ def compiled(group: str | None = None, all_masks: bool = False) -> Iterator[tupl
             yield label, result
 
 
-def verdict(kernel: object) -> str:
+def verdict(kernel: object, label: str = "") -> str:
     """"ok", or why a kernel cannot run: its compile failed, or it needs more shared memory than sm_90 gives a program
-    (it compiles, and only its launch fails)."""
+    (it compiles, and only its launch fails); or, for a Gluon forward (label "D .. <mask> plain|pingpong|persistent
+    .."), why it would run slowly: a key tile's softmax that does not run under its P V product
+    (`exponentials_under_pv`)."""
     from flashsys.ops.attention.gluon.launch import SM90_SHARED_BYTES
 
     if isinstance(kernel, Exception):
         return f"{type(kernel).__name__}: {str(kernel)[-1500:]}"
     if kernel.metadata.shared > SM90_SHARED_BYTES:
         return f"needs {kernel.metadata.shared} bytes of shared memory, sm_90 allows {SM90_SHARED_BYTES}"
+    if label.startswith("D ") and label.split(" ")[3] in _STAGES["forward"]:
+        counts = exponentials_under_pv(kernel.asm["sass"])
+        if not counts or min(counts) < MIN_EXPONENTIALS_UNDER_PV:
+            return (f"the softmax does not run under P V: exponentials between each wait for S and the wait for "
+                    f"P V {counts} (want {MIN_EXPONENTIALS_UNDER_PV} or more each)")
     return "ok"
+
+
+# A forward's thread computes (tile rows x key columns) / 128 exponentials a tile: 32 for the smallest tiles
+# (64 x 64 per warpgroup).
+MIN_EXPONENTIALS_UNDER_PV = 32
+
+
+def exponentials_under_pv(sass: str) -> list[int]:
+    """For each wait in a kernel's SASS that lets one warpgroup MMA run on (`WARPGROUP.DEPBAR.LE gsb0, 0x1`: the
+    forward's wait for S_t, P_{t-1} V_{t-1} still running), the MUFU.EX2 instructions before the next wait for every
+    MMA (0x0, that P V's). The forward issues S_t and P_{t-1} V_{t-1} together so that S_t's softmax runs while the
+    tensor cores finish P V; ptxas moves a wait up to the start of its basic block, and with the softmax in the same
+    block as the P V wait, this count was 0."""
+    counts, running = [], None
+    for line in sass.splitlines():
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+            running = 0
+        elif running is not None and "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line:
+            counts.append(running)
+            running = None
+        elif running is not None and "MUFU.EX2" in line:
+            running += 1
+    return counts
 
 
 def main() -> None:
@@ -183,7 +213,7 @@ def main() -> None:
         return
     if args.group is not None and args.group not in groups():
         p.error(f"--group must be one of {groups()}, got {args.group!r}")
-    print(json.dumps({label: verdict(kernel) for label, kernel in compiled(args.group, args.all_masks)}))
+    print(json.dumps({label: verdict(kernel, label) for label, kernel in compiled(args.group, args.all_masks)}))
 
 
 if __name__ == "__main__":

@@ -150,6 +150,31 @@ def test_the_compile_check_fails_a_variant_past_sm90_shared_memory():
     assert verdict(ValueError("no layout")) == "ValueError: no layout"
 
 
+def test_the_compile_check_fails_a_forward_whose_softmax_waits_for_p_v():
+    """The forward's softmax must run while its P V product is on the tensor cores; ptxas hoists a wait to the start
+    of its basic block, so a source change can undo that without changing a result. The check counts the
+    exponentials between the wait for S (one product left running) and the wait for P V in the SASS: a kernel
+    with them after the P V wait fails, one with them before passes, and a kernel of another kind is not asked."""
+    from types import SimpleNamespace
+
+    from tests.ops.kernel_compile import MIN_EXPONENTIALS_UNDER_PV, exponentials_under_pv, verdict
+
+    exps = "\n".join(f"/*{i:04x}*/ MUFU.EX2 R{i}, R{i};" for i in range(MIN_EXPONENTIALS_UNDER_PV))
+    under = f"HGMMA.64x128x16.F32.BF16 R24, gdesc[UR16], RZ;\nWARPGROUP.DEPBAR.LE gsb0, 0x1 ;\n{exps}\n" \
+            "WARPGROUP.DEPBAR.LE gsb0, 0x0 ;\nFMUL R88, R88, R3;"
+    after = under.replace(exps, "FMNMX R7, R24, R25, !PT;").replace("FMUL R88", f"{exps}\nFMUL R88")
+    assert exponentials_under_pv(under * 2) == [MIN_EXPONENTIALS_UNDER_PV] * 2
+    assert exponentials_under_pv(after) == [0]
+
+    def kernel(sass):
+        return SimpleNamespace(metadata=SimpleNamespace(shared=1024), asm={"sass": sass})
+
+    assert verdict(kernel(under), "D 64 causal pingpong 128x128 3buf 240 regs") == "ok"
+    assert "does not run under P V" in verdict(kernel(after), "D 64 causal pingpong 128x128 3buf 240 regs")
+    assert "does not run under P V" in verdict(kernel(""), "D 128 full plain 64x64 3buf")
+    assert verdict(kernel(after), "D 64 causal dq 64x128 2buf") == "ok"
+
+
 # (batch, heads, kv heads, Nq, Nk, window, rank-3 / (B, N, H, D) layout, dtype): each case masks something.
 CASES = [
     (2, 4, 4, 1000, 1000, (-1, 0), "bhnd", torch.bfloat16),  # causal, ragged last tile

@@ -70,25 +70,80 @@ def masked_scores(s, offs_m, kn, n_k, right_offset, left_offset, lo_full, hi_ful
     [lo_full, hi_full) (from `key_tile_range`) is visible to every query and is returned as it is (a uniform
     branch)."""
     if (kn < lo_full) | (kn >= hi_full):
-        offs_n = kn + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-        seen = offs_n[None, :] < n_k
-        if BOUND_RIGHT:
-            seen = seen & (offs_n[None, :] <= offs_m[:, None] + right_offset)
-        if BOUND_LEFT:
-            seen = seen & (offs_n[None, :] >= offs_m[:, None] + left_offset)
-        s = gl.where(seen, s, float("-inf"))
+        s = _hide_unseen(s, offs_m, kn, n_k, right_offset, left_offset, BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
     return s
+
+
+@gluon.jit
+def _hide_unseen(s, offs_m, kn, n_k, right_offset, left_offset, BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr,
+                 BOUND_LEFT: gl.constexpr):
+    """S of the key tile starting at kn with every key a query may not see at -inf."""
+    offs_n = kn + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+    seen = offs_n[None, :] < n_k
+    if BOUND_RIGHT:
+        seen = seen & (offs_n[None, :] <= offs_m[:, None] + right_offset)
+    if BOUND_LEFT:
+        seen = seen & (offs_n[None, :] >= offs_m[:, None] + left_offset)
+    return gl.where(seen, s, float("-inf"))
+
+
+@gluon.jit
+def _fold_columns(x):
+    """max(left half, right half) of each row of x, column by column. In a wgmma accumulator's layout a thread holds
+    column c and c + width/2 of its rows alike, so this moves no data between threads."""
+    ROWS: gl.constexpr = x.shape[0]
+    HALF: gl.constexpr = x.shape[1] // 2
+    left, right = x.reshape([ROWS, 2, HALF]).permute((0, 2, 1)).split()
+    return gl.maximum(left, right)
+
+
+@gluon.jit
+def row_max(s):
+    """gl.max(s, 1) of a wgmma accumulator, as a tree. A thread's own columns reduced one after the other make a
+    chain of dependent max instructions (31 for a 128-column tile), whose latency every tile's softmax waits out
+    before its first exponential; halving the columns four times makes the chain 5 deep. Max is exact, so the
+    result is gl.max's bit for bit."""
+    x = s
+    for _ in gl.static_range(_column_folds(s.shape[1])):
+        x = _fold_columns(x)
+    return gl.convert_layout(gl.max(x, 1), gl.SliceLayout(1, s.type.layout))
+
+
+@gluon.constexpr_function
+def _column_folds(cols):
+    """How many times `row_max` halves a tile's columns: down to 8, where each thread of a wgmma accumulator holds
+    two columns of each of its rows (a pair of neighbours)."""
+    folds = 0
+    while cols > 8:
+        cols //= 2
+        folds += 1
+    return folds
 
 
 @gluon.jit
 def softmax_step(s, m_i, l_i, qk_scale):
     """(P, new row max, alpha, new row sum) after one key tile, scores in log2 units after qk_scale. A row that has
     seen no key yet keeps m = -inf; its exponentials subtract 0 instead, so nothing is NaN."""
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_new = gl.maximum(m_i, row_max(s) * qk_scale)
     m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
     p = gl.exp2(s * qk_scale - m_sub[:, None])
     alpha = gl.exp2(m_i - m_sub)
     return p, m_new, alpha, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def masked_softmax_step(s, m_i, l_i, qk_scale, offs_m, kn, n_k, right_offset, left_offset, lo_full, hi_full,
+                        BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr):
+    """`softmax_step` of the key tile starting at kn, masked as `masked_scores` masks it. The softmax is written
+    out in both arms of the mask's branch, so that it ends in a basic block of its own: the forward waits for its
+    P V product after the softmax, and in the same block ptxas hoists that wait to the block's start, above the row
+    max, so the softmax would overlap nothing. `tests/ops/kernel_compile.py` checks the SASS for it."""
+    if (kn < lo_full) | (kn >= hi_full):
+        s = _hide_unseen(s, offs_m, kn, n_k, right_offset, left_offset, BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
+        p, m_new, alpha, l_new = softmax_step(s, m_i, l_i, qk_scale)
+    else:
+        p, m_new, alpha, l_new = softmax_step(s, m_i, l_i, qk_scale)
+    return p, m_new, alpha, l_new
 
 
 @gluon.jit

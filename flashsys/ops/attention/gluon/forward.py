@@ -9,9 +9,10 @@ with per-partition register budgets. Each kernel issues
     S_t = Q K_tᵀ (async); O += P_{t-1} V_{t-1} (async); wait for S_t only; softmax(S_t) -> P_t; wait for P V;
     rescale O; hand the freed K/V buffers back (or refill them, TMA).
 
-ptxas moves the wait for P V (which reads P from registers) up to just after the row max, so the exponentials run
-after it; pinning them under P V was slower. The overlap that pays is the ping-pong kernels', one warpgroup's softmax
-under the other's products (docs/attention-kernels.md).
+so S_t's softmax runs while the tensor cores finish P_{t-1} V_{t-1}. That takes the softmax in a basic block of its
+own (`masked_softmax_step`): ptxas moves a wait to the start of its block, and with the softmax in the P V wait's
+block every exponential waited for P V. The ping-pong kernels add the other overlap, one warpgroup's softmax under
+the other's products (docs/attention-kernels.md).
 
 - `attention_forward`: one warpgroup per program, several programs per SM (best at D 64 and short sequences).
 - `attention_forward_pingpong`: warp-specialised. A producer warp issues the TMA copies into a ring of buffers; two
@@ -44,6 +45,7 @@ from .common import (
     load_pair,
     load_tile,
     masked_scores,
+    masked_softmax_step,
     mma_layout,
     query_program,
     row_broadcast,
@@ -110,9 +112,9 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
             s = warpgroup_mma_wait(1, deps=[s_tok])  # S_t is done; P_{t-1} V_{t-1} may still run
             if PINGPONG and V_FREE > 0:
                 mbarrier.arrive(empty_bar.index(slot))
-            s = masked_scores(s, offs_m, lo + t * BLOCK_N, n_k, right_offset, left_offset, full_lo, full_hi,
-                               BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
-            p, m_i, alpha, l_i = softmax_step(s, m_i, l_i, qk_scale)
+            p, m_i, alpha, l_i = masked_softmax_step(s, m_i, l_i, qk_scale, offs_m, lo + t * BLOCK_N, n_k,
+                                                     right_offset, left_offset, full_lo, full_hi, BLOCK_N,
+                                                     BOUND_RIGHT, BOUND_LEFT)
             acc = warpgroup_mma_wait(0, deps=[acc_tok])
             # Buffer `prev` is free: this warpgroup's wait above covers every product of its own that read it.
             if PINGPONG:
