@@ -34,6 +34,18 @@ def test_two_trees_are_timed_cell_by_cell_and_their_bits_compared(tmp_path):
     assert all(row.endswith("| yes |") for row in rows)
 
 
+def test_the_forward_alone_is_timed_and_each_row_is_shown_as_it_is_timed(tmp_path):
+    """`--what fwd` times the forward without building a backward (its digest is the output's, the same in both
+    copies of the tree); each cell's row goes to stderr as soon as it is timed, so a call cut short keeps its rows,
+    while the table on stdout lists each cell once."""
+    done = _run("--trees", str(ROOT), str(ROOT), "--cells", "16:causal:64", "--rounds", "1", "--tokens", "64",
+                "--heads", "1", "--what", "fwd", "--impl", "flash-torch")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| D ")]
+    assert len(rows) == 1 and rows[0].startswith("| D 16 causal N 64") and rows[0].endswith("| yes |")
+    assert f"# {rows[0]}" in done.stderr.splitlines()
+
+
 def test_a_worker_that_imports_another_trees_flashsys_is_refused(tmp_path):
     """A tree whose `import flashsys` resolves elsewhere (here a package that says it lives in another folder) would
     time the wrong code: the driver stops and names both paths."""
