@@ -9,9 +9,9 @@ with per-partition register budgets. Each kernel issues
     S_t = Q K_tᵀ (async); O += P_{t-1} V_{t-1} (async); wait for S_t only; softmax(S_t) -> P_t; wait for P V;
     rescale O; hand the freed K/V buffers back (or refill them, TMA).
 
-so S_t's softmax runs while the tensor cores finish P_{t-1} V_{t-1}. That takes the softmax in a basic block of its
-own (`masked_softmax_step`): ptxas moves a wait to the start of its block, and with the softmax in the P V wait's
-block every exponential waited for P V. The ping-pong kernels add the other overlap, one warpgroup's softmax under
+so that S_t's softmax runs while the tensor cores finish P_{t-1} V_{t-1}. That needs the softmax in a basic block of
+its own (`masked_softmax_step`): ptxas moves a wait to the start of its block, and with the softmax in the P V
+wait's block every exponential waited for P V. The ping-pong kernels add the other overlap, one warpgroup's softmax under
 the other's products (docs/attention-kernels.md).
 
 - `attention_forward`: one warpgroup per program, several programs per SM (best at D 64 and short sequences).
