@@ -5,10 +5,10 @@ code in one process: each tree must import its own flashsys. Here each tree gets
 tree with the tree first on its path, and the driver asks the workers in turn to time each cell, so only one of
 them uses the GPU at a time and the clocks' drift falls on both alike. Each round alternates which tree goes first.
 
-Each worker also returns a digest of the first backward's dQ, dK and dV (of the output, for `--what fwd`). Two trees whose deterministic backwards add
-the same sums in the same order must give the same digest; the table says whether they did. Each tree makes its own
-timed kernel choices, which may differ: under FLASHSYS_TRITON_AUTOTUNE=0 both take their tables' first candidates,
-the way to compare bits (not times).
+Each worker also returns a digest of the first backward's dQ, dK and dV (of the output, for `--what fwd`). Two trees
+whose deterministic backwards add the same sums in the same order must give the same digest; the table says whether
+they did. Each tree makes its own timed kernel choices, which may differ: under FLASHSYS_TRITON_AUTOTUNE=0 both take
+their tables' first candidates, the way to compare bits (not times).
 
     git worktree add --detach .ab/main main   # untracked, so the device tool carries it
     python scripts/ab_trees.py --trees .ab/main . --cells 128:full:16384 128:causal:16384 --rounds 5 --baseline
@@ -17,8 +17,8 @@ A cell is D:MASK:N (MASK full or causal), with batch = --tokens // N and --heads
 CPU, where the times say nothing about kernels: that is for trying the script, with `--impl flash-torch`). `--impl`
 names the attention backend of each tree's registry (`flashsys.ops.attention.ATTENTION_BACKENDS`; flash-triton by
 default, as the sweep's) or the sweep's flash-triton-nondet (determinism off), timed with each tree's
-`benchmarks.harness.bench_ms`. `--what bwd` (the default) times the
-backward alone, `fwd` the forward alone (no autograd graph), `fwd_bwd` a forward and its backward; `--baseline` also times sdpa-cudnn (GPU only) in the first
+`benchmarks.harness.bench_ms`. `--what bwd` (the default) times the backward alone, `fwd` the forward alone (no
+autograd graph), `fwd_bwd` a forward and its backward; `--baseline` also times sdpa-cudnn (GPU only) in the first
 tree's worker.
 """
 
@@ -113,29 +113,27 @@ def worker(tokens: int, heads: int) -> int:
                             for _ in range(4))
         q, k, v, do = tensors
         leaves = tuple(t.clone().requires_grad_() for t in (q, k, v))
+        # --what fwd: no autograd graph, so no backward kernel is built or timed, and the digest is the output's
+        forward_only = request["what"] == "fwd"
         try:
-            if request["what"] == "fwd":  # the forward's own output: no backward kernel is built or timed
-                with torch.no_grad():
-                    out = backend(*leaves, causal)
-                grads = (out,)
-            else:
+            with torch.set_grad_enabled(not forward_only):
                 out = backend(*leaves, causal)
-                grads = torch.autograd.grad(out, leaves, do, retain_graph=True)
+            digested = (out,) if forward_only else torch.autograd.grad(out, leaves, do, retain_graph=True)
         except Exception as exc:  # noqa: BLE001  the driver stops with it, naming the tree
             _reply({"error": f"--impl {request['impl']} at D {d}, N {n}: {type(exc).__name__}: {exc}"})
             continue
         if request["what"] == "bwd":
             def step():
                 return torch.autograd.grad(out, leaves, do, retain_graph=True)
-        elif request["what"] == "fwd":
+        elif forward_only:
+            @torch.no_grad()
             def step():
-                with torch.no_grad():
-                    return backend(*leaves, causal)
+                return backend(*leaves, causal)
         else:
             def step():
                 return torch.autograd.grad(backend(*leaves, causal), leaves, do)
-        _reply({"ms": bench_ms(step), "digest": _digest(grads)})
-        del out, grads, leaves
+        _reply({"ms": bench_ms(step), "digest": _digest(digested)})
+        del out, digested, leaves
     return 0
 
 
@@ -203,32 +201,33 @@ def run(trees: list[Path], cells: list[Cell], rounds: int, impl: str, what: str,
                         workers[0].ask(cell=list(cell), impl="sdpa-cudnn", what=what)["ms"])
             results.append({"cell": cell, "times": times, "digests": digests})
             # each cell's row as it is timed (stderr; the table comes at the end): a run cut short keeps its rows
-            print("# " + table(results[-1:], trees).splitlines()[-1], file=sys.stderr, flush=True)
+            print("# " + table_row(results[-1], len(trees)), file=sys.stderr, flush=True)
         return results
     finally:
         for w in workers:
             w.close()
 
 
+def table_row(result: dict, n_trees: int) -> str:
+    """One cell's Markdown row of `table`: its median per tree, each tree after the first against the first, the
+    baseline's median and each tree against it where it was timed, and whether the trees' digests agreed."""
+    med = {name: statistics.median(ts) for name, ts in result["times"].items()}
+    row = [result["cell"].label(), *(f"{med[f'tree {i}']:.3f}" for i in range(n_trees)),
+           *(f"{med[f'tree {i}'] / med['tree 0']:.3f}" for i in range(1, n_trees))]
+    if "sdpa-cudnn" in med:
+        row += [f"{med['sdpa-cudnn']:.3f}", *(f"{med[f'tree {i}'] / med['sdpa-cudnn']:.3f}" for i in range(n_trees))]
+    row.append("yes" if len(set(result["digests"].values())) == 1 else "no")
+    return "| " + " | ".join(row) + " |"
+
+
 def table(results: list[dict], trees: list[Path]) -> str:
-    """A Markdown table: each cell's median per tree, each tree after the first against the first, the baseline's
-    median and each tree against it, and whether the trees' gradients agreed bit for bit."""
+    """A Markdown table of every cell's `table_row`, under a legend naming the trees."""
     others = range(1, len(trees))
     head = ["cell", *(f"tree {i} ms" for i in range(len(trees))), *(f"tree {i} / tree 0" for i in others)]
-    baseline = any("sdpa-cudnn" in r["times"] for r in results)
-    if baseline:
+    if any("sdpa-cudnn" in r["times"] for r in results):
         head += ["sdpa-cudnn ms", *(f"tree {i} / cuDNN" for i in range(len(trees)))]
     head.append("same bits")
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in results:
-        med = {name: statistics.median(ts) for name, ts in r["times"].items()}
-        row = [r["cell"].label(), *(f"{med[f'tree {i}']:.3f}" for i in range(len(trees))),
-               *(f"{med[f'tree {i}'] / med['tree 0']:.3f}" for i in others)]
-        if baseline:
-            row += [f"{med['sdpa-cudnn']:.3f}", *(f"{med[f'tree {i}'] / med['sdpa-cudnn']:.3f}"
-                                                  for i in range(len(trees)))]
-        row.append("yes" if len(set(r["digests"].values())) == 1 else "no")
-        lines.append("| " + " | ".join(row) + " |")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *(table_row(r, len(trees)) for r in results)]
     legend = [f"tree {i}: {tree}" for i, tree in enumerate(trees)]
     return "\n".join([*legend, "", *lines])
 

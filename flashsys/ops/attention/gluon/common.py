@@ -69,9 +69,16 @@ def masked_scores(s, offs_m, kn, n_k, right_offset, left_offset, lo_full, hi_ful
     """S of the key tile starting at kn, with the keys a query may not see at -inf; a tile inside
     [lo_full, hi_full) (from `key_tile_range`) is visible to every query and is returned as it is (a uniform
     branch)."""
-    if (kn < lo_full) | (kn >= hi_full):
+    if partly_seen(kn, lo_full, hi_full):
         s = _hide_unseen(s, offs_m, kn, n_k, right_offset, left_offset, BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
     return s
+
+
+@gluon.jit
+def partly_seen(start, full_lo, full_hi):
+    """Whether the tile starting at `start` lies outside [full_lo, full_hi) (from `key_tile_range`): at a window edge
+    or past the end, where some pairs of it are not seen and must be masked."""
+    return (start < full_lo) | (start >= full_hi)
 
 
 @gluon.jit
@@ -138,7 +145,7 @@ def masked_softmax_step(s, m_i, l_i, qk_scale, offs_m, kn, n_k, right_offset, le
     out in both arms of the mask's branch, so that it ends in a basic block of its own: the forward waits for its
     P V product after the softmax, and in the same block ptxas hoists that wait to the block's start, above the row
     max, so the softmax would overlap nothing. `tests/ops/kernel_compile.py` checks the SASS for it."""
-    if (kn < lo_full) | (kn >= hi_full):
+    if partly_seen(kn, lo_full, hi_full):
         s = _hide_unseen(s, offs_m, kn, n_k, right_offset, left_offset, BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
         p, m_new, alpha, l_new = softmax_step(s, m_i, l_i, qk_scale)
     else:
@@ -258,7 +265,7 @@ def transposed_probabilities(k_tile, v_tile, q_tile, do_tile, do_ready, phase, s
     dp_tok = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(1, deps=[s_tok])  # dPᵀ may still run
     p = gl.exp2(s * qk_scale + vector_in(neg_lse2, col_layout)[None, :])
-    if (start_m < full_lo) | (start_m >= full_hi):  # a tile at a window edge or the end of the queries
+    if partly_seen(start_m, full_lo, full_hi):  # a query tile at a window edge or the end of the queries
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
         seen = visible(offs_m[None, :], offs_n[:, None], offs_m[None, :], n_q, right_offset, left_offset,
                        BOUND_RIGHT, BOUND_LEFT)

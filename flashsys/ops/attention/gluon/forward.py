@@ -11,8 +11,8 @@ with per-partition register budgets. Each kernel issues
 
 so that S_t's softmax runs while the tensor cores finish P_{t-1} V_{t-1}. That needs the softmax in a basic block of
 its own (`masked_softmax_step`): ptxas moves a wait to the start of its block, and with the softmax in the P V
-wait's block every exponential waited for P V. The ping-pong kernels add the other overlap, one warpgroup's softmax under
-the other's products (docs/attention-kernels.md).
+wait's block every exponential waited for P V. The ping-pong kernels add the other overlap, one warpgroup's softmax
+under the other's products (docs/attention-kernels.md).
 
 - `attention_forward`: one warpgroup per program, several programs per SM (best at D 64 and short sequences).
 - `attention_forward_pingpong`: warp-specialised. A producer warp issues the TMA copies into a ring of buffers; two
