@@ -16,8 +16,8 @@ under the other's products (docs/attention-kernels.md).
 
 - `attention_forward`: one warpgroup per program, several programs per SM (best at D 64 and short sequences).
 - `attention_forward_pingpong`: warp-specialised. A producer warp issues the TMA copies into a ring of buffers; two
-  consumer warpgroups of BLOCK_M // 2 query rows share the key tiles and take turns at issuing their products
-  (FlashAttention-3's inter-warpgroup ping-pong), so one's softmax runs while the other's products run.
+  or three consumer warpgroups of BLOCK_M // WGS query rows share the key tiles and take turns at issuing their
+  products (FlashAttention-3's inter-warpgroup ping-pong), so one's softmax runs while the others' products run.
 - `attention_forward_persistent`: the ping-pong kernel with one program per SM, each over pairs of query tiles, so
   that one tile's start and end overlap the previous tile's work (best below N 16384 and under causal masks).
 
@@ -59,17 +59,17 @@ from .compat import tma_load, tma_store
 
 @gluon.jit
 def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_hi, n_k, right_offset, left_offset,
-            qk_scale, k_desc, v_desc, b, h_kv, turn_bar, empty_bar, streamed, turns, HALF: gl.constexpr,
+            qk_scale, k_desc, v_desc, b, h_kv, turn_bar, empty_bar, streamed, turns, WG: gl.constexpr,
             ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr,
-            BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr, PINGPONG: gl.constexpr):
+            BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr, PINGPONG: gl.constexpr, WGS: gl.constexpr = 2):
     """(O unnormalised, row max, row sum) of one warpgroup's ROWS query rows over key tiles lo, lo + BLOCK_N, ...
     (n_tiles of them), with the intra-warpgroup overlap of the module docstring.
 
-    The plain kernel refills a freed K/V buffer itself (k_desc, v_desc, b, h_kv); a ping-pong consumer (PINGPONG)
-    instead waits for its turn before issuing products and passes it on after (turn_bar, HALF), and releases each
-    freed buffer to the producer (empty_bar): with two slots K's as soon as S has read it (slot) and V's after P V
-    (NBUF + slot), so that the next K tile loads while this tile's P V and softmax run; with more, both after P V
-    (slot; `v_free_barriers`). The arguments the other kind uses are None. `streamed` and `turns`:
+    The plain kernel refills a freed K/V buffer itself (k_desc, v_desc, b, h_kv); ping-pong consumer WG of WGS
+    (PINGPONG) instead waits for its turn before issuing products and passes it to consumer WG + 1 (round the ring)
+    after (turn_bar), and releases each freed buffer to the producer (empty_bar): with two slots K's as soon as S has
+    read it (slot) and V's after P V (NBUF + slot), so that the next K tile loads while this tile's P V and softmax
+    run; with more, both after P V (slot; `v_free_barriers`). The arguments the other kind uses are None. `streamed` and `turns`:
     the key tiles this program streamed through its ring and the turns this warpgroup took before (0, or a
     persistent program's earlier query tiles), which fix each buffer's slot and each barrier's phase."""
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
@@ -84,12 +84,12 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
         # Tile 0: S and its softmax; nothing to overlap yet.
         first = streamed % NBUF
         if PINGPONG:
-            mbarrier.wait(turn_bar.index(HALF), turns & 1)
+            mbarrier.wait(turn_bar.index(WG), turns & 1)
         mbarrier.wait(k_bar.index(first), (streamed // NBUF) & 1)
         s = warpgroup_mma(q, smem_tile(k_smem.index(first), BLOCK_N, HEAD_DIM).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
         if PINGPONG:
-            mbarrier.arrive(turn_bar.index(1 - HALF))
+            mbarrier.arrive(turn_bar.index((WG + 1) % WGS))
         s = warpgroup_mma_wait(0, deps=[s])
         if PINGPONG and V_FREE > 0:
             mbarrier.arrive(empty_bar.index(first))
@@ -100,7 +100,7 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
             slot = (streamed + t) % NBUF
             prev = (streamed + t - 1) % NBUF
             if PINGPONG:
-                mbarrier.wait(turn_bar.index(HALF), (turns + t) & 1)
+                mbarrier.wait(turn_bar.index(WG), (turns + t) & 1)
             mbarrier.wait(k_bar.index(slot), ((streamed + t) // NBUF) & 1)
             s_tok = warpgroup_mma(q, smem_tile(k_smem.index(slot), BLOCK_N, HEAD_DIM).permute((1, 0)), s_zero,
                                   use_acc=False, is_async=True)
@@ -108,7 +108,7 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
             acc_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), smem_tile(v_smem.index(prev), BLOCK_N,
                                                                                     HEAD_DIM), acc, is_async=True)
             if PINGPONG:
-                mbarrier.arrive(turn_bar.index(1 - HALF))
+                mbarrier.arrive(turn_bar.index((WG + 1) % WGS))
             s = warpgroup_mma_wait(1, deps=[s_tok])  # S_t is done; P_{t-1} V_{t-1} may still run
             if PINGPONG and V_FREE > 0:
                 mbarrier.arrive(empty_bar.index(slot))
@@ -125,12 +125,12 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
             acc = acc * row_broadcast(alpha, acc)
         last = (streamed + n_tiles - 1) % NBUF
         if PINGPONG:
-            mbarrier.wait(turn_bar.index(HALF), (turns + n_tiles) & 1)
+            mbarrier.wait(turn_bar.index(WG), (turns + n_tiles) & 1)
         mbarrier.wait(v_bar.index(last), ((streamed + n_tiles - 1) // NBUF) & 1)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), smem_tile(v_smem.index(last), BLOCK_N, HEAD_DIM),
                             acc, is_async=True)
         if PINGPONG:
-            mbarrier.arrive(turn_bar.index(1 - HALF))
+            mbarrier.arrive(turn_bar.index((WG + 1) % WGS))
         acc = warpgroup_mma_wait(0, deps=[acc])
         if PINGPONG:
             mbarrier.arrive(empty_bar.index(V_FREE + last))
@@ -192,7 +192,7 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, L, n_bh, n_heads, kv_group
 @gluon.jit
 def _produce_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, empty_bar, b, h_kv, row, g, NBUF: gl.constexpr):
     """A ping-pong producer's copy of the K and V tiles at `row`, the g-th tile it streams, into buffer g % NBUF:
-    each once both consumers have handed back the tile that slot held (tile g - NBUF, where there was one), K's and
+    each once every consumer has handed back the tile that slot held (tile g - NBUF, where there was one), K's and
     V's apart with two slots (`v_free_barriers`)."""
     V_FREE: gl.constexpr = v_free_barriers(NBUF)
     slot = g % NBUF
@@ -207,36 +207,38 @@ def _produce_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, empty_bar, b,
 
 @gluon.jit
 def _pingpong_producer(q_desc, k_desc, v_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar, b, h, h_kv,
-                       start_m, lo, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr):
-    """One warp: both halves' queries, then K tile t into buffer t % NBUF once both consumers' S products have read
-    K tile t - NBUF (with more than two slots: their P V products V tile t - NBUF), and V tile t once their P V
-    products have read V tile t - NBUF (`v_free_barriers`)."""
-    HALF_M: gl.constexpr = BLOCK_M // 2
-    for half in gl.static_range(2):
-        mbarrier.expect(q_bar.index(half), q_desc.block_type.nbytes)
-        tma_load(q_desc, [b, h, start_m + half * HALF_M, 0], q_bar.index(half), q_smem.index(half))
+                       start_m, lo, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr,
+                       WGS: gl.constexpr):
+    """One warp: every consumer's queries, then K tile t into buffer t % NBUF once all WGS consumers' S products
+    have read K tile t - NBUF (with more than two slots: their P V products V tile t - NBUF), and V tile t once their
+    P V products have read V tile t - NBUF (`v_free_barriers`)."""
+    WG_M: gl.constexpr = BLOCK_M // WGS
+    for wg in gl.static_range(WGS):
+        mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
+        tma_load(q_desc, [b, h, start_m + wg * WG_M, 0], q_bar.index(wg), q_smem.index(wg))
     for t in range(n_tiles):
         _produce_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, empty_bar, b, h_kv, lo + t * BLOCK_N, t, NBUF)
 
 
 @gluon.jit
 def _pingpong_consumer(o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar, turn_bar, b, h, n_q, n_k,
-                       start_m, lo, full_lo, full_hi, n_tiles, right_offset, left_offset, qk_scale, HALF: gl.constexpr,
+                       start_m, lo, full_lo, full_hi, n_tiles, right_offset, left_offset, qk_scale, WG: gl.constexpr,
                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr,
-                       BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr):
-    """One warpgroup: query rows start_m + HALF * BLOCK_M // 2 on. Both warpgroups run every key tile of the
-    program's range (a tile one half does not see is masked for it), so they take the same number of turns:
-    turn t (parity t & 1) is this warpgroup's t-th issue of products, and passing it lets the other one issue."""
-    HALF_M: gl.constexpr = BLOCK_M // 2
-    my_m = start_m + HALF * HALF_M
-    q_box = q_smem.index(HALF)
-    offs_m = my_m + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, mma_layout(BLOCK_N)))
-    mbarrier.wait(q_bar.index(HALF), 0)  # always: the query box is the output's staging buffer
-    acc, m_i, l_i = _attend(smem_tile(q_box, HALF_M, HEAD_DIM), offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo,
+                       BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr, WGS: gl.constexpr):
+    """Consumer warpgroup WG of WGS: query rows start_m + WG * BLOCK_M // WGS on. Every consumer runs every key
+    tile of the program's range (a tile its rows do not see is masked for them), so they take the same number of
+    turns: turn t (parity t & 1) is this warpgroup's t-th issue of products, and passing it lets the next one (WG + 1,
+    round the ring) issue."""
+    WG_M: gl.constexpr = BLOCK_M // WGS
+    my_m = start_m + WG * WG_M
+    q_box = q_smem.index(WG)
+    offs_m = my_m + gl.arange(0, WG_M, layout=gl.SliceLayout(1, mma_layout(BLOCK_N)))
+    mbarrier.wait(q_bar.index(WG), 0)  # always: the query box is the output's staging buffer
+    acc, m_i, l_i = _attend(smem_tile(q_box, WG_M, HEAD_DIM), offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo,
                             full_lo, full_hi, n_k, right_offset, left_offset, qk_scale, None, None, None, None,
-                            turn_bar, empty_bar, 0, 0, HALF, HALF_M, HEAD_DIM, BLOCK_N, NBUF, BOUND_RIGHT, BOUND_LEFT,
-                            True)
-    _store_out(acc, m_i, l_i, offs_m, L, n_q, o_desc, b, h, my_m, q_box, HALF_M, HEAD_DIM)
+                            turn_bar, empty_bar, 0, 0, WG, WG_M, HEAD_DIM, BLOCK_N, NBUF, BOUND_RIGHT, BOUND_LEFT,
+                            True, WGS)
+    _store_out(acc, m_i, l_i, offs_m, L, n_q, o_desc, b, h, my_m, q_box, WG_M, HEAD_DIM)
 
 
 @gluon.constexpr_function
@@ -248,8 +250,8 @@ def _query_boxes(persistent):
 
 
 @gluon.jit
-def _pingpong_buffers(q_desc, k_desc, v_desc, o_desc, HALF_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      BLOCK_N: gl.constexpr, NBUF: gl.constexpr, PERSISTENT: gl.constexpr):
+def _pingpong_buffers(q_desc, k_desc, v_desc, o_desc, WG_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      BLOCK_N: gl.constexpr, NBUF: gl.constexpr, PERSISTENT: gl.constexpr, WGS: gl.constexpr):
     """The ping-pong kernels' shared memory and barriers, initialised, warpgroup 0 holding the first turn: (query
     boxes (warpgroup h's at h * QBUF + slot, `_query_boxes`), K ring, V ring, query barriers (likewise), turn barriers,
     K, V and slot-free barriers: slot i's (K's with two slots) at i, with two slots V slot i's at NBUF + i,
@@ -260,20 +262,20 @@ def _pingpong_buffers(q_desc, k_desc, v_desc, o_desc, HALF_M: gl.constexpr, HEAD
     them after the ring's reorders the prologue (Triton 3.6 then adds a bar.sync)."""
     dtype: gl.constexpr = q_desc.dtype
     QBUF: gl.constexpr = _query_boxes(PERSISTENT)
-    q_smem = gl.allocate_shared_memory(dtype, [2 * QBUF, 1, 1, HALF_M, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [WGS * QBUF, 1, 1, WG_M, HEAD_DIM], q_desc.layout)
     if PERSISTENT:
-        o_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, HALF_M, HEAD_DIM], o_desc.layout)
+        o_smem = gl.allocate_shared_memory(dtype, [WGS, 1, 1, WG_M, HEAD_DIM], o_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [2 * QBUF, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [WGS * QBUF, 1], mbarrier.MBarrierLayout())
     if PERSISTENT:
-        q_empty = gl.allocate_shared_memory(gl.int64, [2 * QBUF, 1], mbarrier.MBarrierLayout())
-    turn_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [WGS * QBUF, 1], mbarrier.MBarrierLayout())
+    turn_bar = gl.allocate_shared_memory(gl.int64, [WGS, 1], mbarrier.MBarrierLayout())
     k_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     v_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     V_FREE: gl.constexpr = v_free_barriers(NBUF)
     empty_bar = gl.allocate_shared_memory(gl.int64, [V_FREE + NBUF, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+    for i in gl.static_range(WGS):
         for slot in gl.static_range(QBUF):
             mbarrier.init(q_bar.index(i * QBUF + slot), count=1)
             if PERSISTENT:
@@ -282,9 +284,9 @@ def _pingpong_buffers(q_desc, k_desc, v_desc, o_desc, HALF_M: gl.constexpr, HEAD
     for i in gl.static_range(NBUF):
         mbarrier.init(k_bar.index(i), count=1)
         mbarrier.init(v_bar.index(i), count=1)
-        mbarrier.init(empty_bar.index(i), count=2)
+        mbarrier.init(empty_bar.index(i), count=WGS)
         if V_FREE > 0:
-            mbarrier.init(empty_bar.index(V_FREE + i), count=2)
+            mbarrier.init(empty_bar.index(V_FREE + i), count=WGS)
     fence_async_shared()
     mbarrier.arrive(turn_bar.index(0))  # warpgroup 0 takes the first turn
     if PERSISTENT:
@@ -297,29 +299,49 @@ def _pingpong_buffers(q_desc, k_desc, v_desc, o_desc, HALF_M: gl.constexpr, HEAD
 def attention_forward_pingpong(q_desc, k_desc, v_desc, o_desc, L, n_bh, n_heads, kv_group, n_q, n_k,
                                window_left, window_right, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                                BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr,
-                               NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    """Warp-specialised: a producer warp (TMA) and two consumer warpgroups of BLOCK_M // 2 rows each that share the
-    key tiles and ping-pong (see _pingpong_consumer). q_desc and o_desc have BLOCK_M // 2-row boxes."""
-    HALF_M: gl.constexpr = BLOCK_M // 2
+                               NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr, WGS: gl.constexpr):
+    """Warp-specialised: a producer warp (TMA) and WGS (2 or 3) consumer warpgroups of BLOCK_M // WGS rows each that
+    share the key tiles and take turns at issuing their products (see _pingpong_consumer). q_desc and o_desc have
+    BLOCK_M // WGS-row boxes."""
+    WG_M: gl.constexpr = BLOCK_M // WGS
     bh, b, h, h_kv, start_m, right_offset, left_offset, lo, full_lo, full_hi, hi = query_program(
         n_bh, n_heads, kv_group, n_q, n_k, window_left, window_right, BLOCK_M, BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
     L = L + bh.to(gl.int64) * n_q
     q_smem, k_smem, v_smem, q_bar, turn_bar, k_bar, v_bar, empty_bar = _pingpong_buffers(
-        q_desc, k_desc, v_desc, o_desc, HALF_M, HEAD_DIM, BLOCK_N, NBUF, False)
-    # The argument tuples are written out in the call: a tuple bound to a name first passes its constexprs on
+        q_desc, k_desc, v_desc, o_desc, WG_M, HEAD_DIM, BLOCK_N, NBUF, False, WGS)
+    # The argument tuples are written out in each call: a tuple bound to a name first passes its constexprs on
     # wrapped twice (Triton 3.6), and arithmetic on them then fails.
-    gl.warp_specialize([(_pingpong_consumer, (o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar,
-                                              turn_bar, b, h, n_q, n_k, start_m, lo, full_lo, full_hi, n_tiles,
-                                              right_offset, left_offset, qk_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                              BOUND_RIGHT, BOUND_LEFT, NBUF)),
-                        (_pingpong_consumer, (o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar,
-                                              turn_bar, b, h, n_q, n_k, start_m, lo, full_lo, full_hi, n_tiles,
-                                              right_offset, left_offset, qk_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                              BOUND_RIGHT, BOUND_LEFT, NBUF)),
-                        (_pingpong_producer, (q_desc, k_desc, v_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
-                                              empty_bar, b, h, h_kv, start_m, lo, n_tiles, BLOCK_M, BLOCK_N, NBUF))],
-                       [4, 1], [CONSUMER_REGS, 24])
+    if WGS == 2:
+        gl.warp_specialize([(_pingpong_consumer, (o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar,
+                                                  turn_bar, b, h, n_q, n_k, start_m, lo, full_lo, full_hi, n_tiles,
+                                                  right_offset, left_offset, qk_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                                  BOUND_RIGHT, BOUND_LEFT, NBUF, WGS)),
+                            (_pingpong_consumer, (o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar,
+                                                  turn_bar, b, h, n_q, n_k, start_m, lo, full_lo, full_hi, n_tiles,
+                                                  right_offset, left_offset, qk_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                                  BOUND_RIGHT, BOUND_LEFT, NBUF, WGS)),
+                            (_pingpong_producer, (q_desc, k_desc, v_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
+                                                  empty_bar, b, h, h_kv, start_m, lo, n_tiles, BLOCK_M, BLOCK_N, NBUF,
+                                                  WGS))],
+                           [4, 1], [CONSUMER_REGS, 24])
+    else:
+        gl.warp_specialize([(_pingpong_consumer, (o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar,
+                                                  turn_bar, b, h, n_q, n_k, start_m, lo, full_lo, full_hi, n_tiles,
+                                                  right_offset, left_offset, qk_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                                  BOUND_RIGHT, BOUND_LEFT, NBUF, WGS)),
+                            (_pingpong_consumer, (o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar,
+                                                  turn_bar, b, h, n_q, n_k, start_m, lo, full_lo, full_hi, n_tiles,
+                                                  right_offset, left_offset, qk_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                                  BOUND_RIGHT, BOUND_LEFT, NBUF, WGS)),
+                            (_pingpong_consumer, (o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar,
+                                                  turn_bar, b, h, n_q, n_k, start_m, lo, full_lo, full_hi, n_tiles,
+                                                  right_offset, left_offset, qk_scale, 2, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                                  BOUND_RIGHT, BOUND_LEFT, NBUF, WGS)),
+                            (_pingpong_producer, (q_desc, k_desc, v_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
+                                                  empty_bar, b, h, h_kv, start_m, lo, n_tiles, BLOCK_M, BLOCK_N, NBUF,
+                                                  WGS))],
+                           [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
 @gluon.jit
@@ -356,12 +378,12 @@ def _persistent_steps(n_m_tiles, n_bh):
 def _persistent_producer(q_desc, k_desc, v_desc, q_smem, q_bar, q_empty, k_smem, v_smem, k_bar, v_bar, empty_bar,
                          n_bh, n_heads, kv_group, n_q, n_k, window_left, window_right, n_m_tiles,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr,
-                         BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr):
-    """One warp: for each of the program's query tiles, both halves' queries into the boxes their warpgroups freed
+                         BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr, WGS: gl.constexpr):
+    """One warp: for each of the program's query tiles, every consumer's queries into the boxes it freed
     QBUF tiles before (q_empty), then its K/V tiles through the ring, as `_pingpong_producer`; the ring's slots and
     phases run on across query tiles, so the next tile's queries and K/V stream in while this one's last products
     run."""
-    HALF_M: gl.constexpr = BLOCK_M // 2
+    WG_M: gl.constexpr = BLOCK_M // WGS
     QBUF: gl.constexpr = _query_boxes(True)
     streamed = 0
     i = 0
@@ -370,11 +392,11 @@ def _persistent_producer(q_desc, k_desc, v_desc, q_smem, q_bar, q_empty, k_smem,
             j, n_m_tiles, n_heads, kv_group, n_q, n_k, window_left, window_right, BLOCK_M, BLOCK_N, BOUND_RIGHT,
             BOUND_LEFT)
         if valid:
-            for half in gl.static_range(2):
-                box = half * QBUF + i % QBUF
+            for wg in gl.static_range(WGS):
+                box = wg * QBUF + i % QBUF
                 mbarrier.wait(q_empty.index(box), ((i // QBUF) - 1) & 1, pred=i >= QBUF)
                 mbarrier.expect(q_bar.index(box), q_desc.block_type.nbytes)
-                tma_load(q_desc, [b, h, start_m + half * HALF_M, 0], q_bar.index(box), q_smem.index(box))
+                tma_load(q_desc, [b, h, start_m + wg * WG_M, 0], q_bar.index(box), q_smem.index(box))
             n_tiles = gl.cdiv(hi - lo, BLOCK_N)
             for t in range(n_tiles):
                 _produce_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, empty_bar, b, h_kv, lo + t * BLOCK_N,
@@ -386,15 +408,15 @@ def _persistent_producer(q_desc, k_desc, v_desc, q_smem, q_bar, q_empty, k_smem,
 @gluon.jit
 def _persistent_consumer(o_desc, L, q_smem, q_bar, q_empty, o_smem, k_smem, v_smem, k_bar, v_bar, empty_bar, turn_bar,
                          n_bh, n_heads, kv_group, n_q, n_k, window_left, window_right, n_m_tiles, qk_scale,
-                         HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr):
+                         WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr, WGS: gl.constexpr):
     """One warpgroup of a persistent program: `_pingpong_consumer` over each of the program's query tiles in turn. It
     hands its query box back to the producer as soon as its last product has read it, and writes O through a box of
     its own without waiting for the store (it waits before writing the box again), so the next tile's queries load
     and its first products issue while this tile's output is still on its way out."""
-    HALF_M: gl.constexpr = BLOCK_M // 2
+    WG_M: gl.constexpr = BLOCK_M // WGS
     QBUF: gl.constexpr = _query_boxes(True)
-    staging = o_smem.index(HALF)
+    staging = o_smem.index(WG)
     streamed = 0
     turns = 0
     i = 0
@@ -404,17 +426,17 @@ def _persistent_consumer(o_desc, L, q_smem, q_bar, q_empty, o_smem, k_smem, v_sm
             BOUND_LEFT)
         if valid:
             n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-            my_m = start_m + HALF * HALF_M
-            offs_m = my_m + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, mma_layout(BLOCK_N)))
-            box = HALF * QBUF + i % QBUF
+            my_m = start_m + WG * WG_M
+            offs_m = my_m + gl.arange(0, WG_M, layout=gl.SliceLayout(1, mma_layout(BLOCK_N)))
+            box = WG * QBUF + i % QBUF
             mbarrier.wait(q_bar.index(box), (i // QBUF) & 1)
-            acc, m_i, l_i = _attend(smem_tile(q_smem.index(box), HALF_M, HEAD_DIM), offs_m, k_smem, v_smem, k_bar, v_bar,
+            acc, m_i, l_i = _attend(smem_tile(q_smem.index(box), WG_M, HEAD_DIM), offs_m, k_smem, v_smem, k_bar, v_bar,
                                     n_tiles, lo, full_lo, full_hi, n_k, right_offset, left_offset, qk_scale, None,
-                                    None, None, None, turn_bar, empty_bar, streamed, turns, HALF, HALF_M, HEAD_DIM,
-                                    BLOCK_N, NBUF, BOUND_RIGHT, BOUND_LEFT, True)
+                                    None, None, None, turn_bar, empty_bar, streamed, turns, WG, WG_M, HEAD_DIM,
+                                    BLOCK_N, NBUF, BOUND_RIGHT, BOUND_LEFT, True, WGS)
             mbarrier.arrive(q_empty.index(box))  # every product that read the queries has completed
             tma.store_wait(0)  # the last tile's output has left the staging box
-            _store_out(acc, m_i, l_i, offs_m, L + bh.to(gl.int64) * n_q, n_q, o_desc, b, h, my_m, staging, HALF_M,
+            _store_out(acc, m_i, l_i, offs_m, L + bh.to(gl.int64) * n_q, n_q, o_desc, b, h, my_m, staging, WG_M,
                        HEAD_DIM, False)
             streamed += n_tiles
             turns += gl.where(n_tiles > 0, n_tiles + 1, 0)
@@ -426,27 +448,46 @@ def _persistent_consumer(o_desc, L, q_smem, q_bar, q_empty, o_smem, k_smem, v_sm
 def attention_forward_persistent(q_desc, k_desc, v_desc, o_desc, L, n_bh, n_heads, kv_group, n_q, n_k,
                                  window_left, window_right, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                                  BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr,
-                                 NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                                 NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr, WGS: gl.constexpr):
     """`attention_forward_pingpong` as a persistent kernel: each program (one per SM) runs its share of the query
     tiles one after another, in pairs (`_persistent_tile`). What a program of that kernel does once per query tile
     (launch, load the queries, wait for the first K/V tiles, store the output) overlaps the previous tile's work here
-    (FlashAttention-3's persistent schedule). O has its own staging boxes (HALF_M rows each), and each warpgroup two
-    query boxes, so that the next tile's queries are loaded before this tile ends (it fits sm_90's shared memory at
-    D 128 with two 128-row K/V buffers)."""
-    HALF_M: gl.constexpr = BLOCK_M // 2
+    (FlashAttention-3's persistent schedule). O has its own staging boxes (BLOCK_M // WGS rows each), and each
+    warpgroup two query boxes, so that the next tile's queries are loaded before this tile ends (it fits sm_90's
+    shared memory at D 128 with two 128-row K/V buffers)."""
+    WG_M: gl.constexpr = BLOCK_M // WGS
     n_m_tiles = gl.cdiv(n_q, BLOCK_M)
     q_smem, k_smem, v_smem, q_bar, turn_bar, k_bar, v_bar, empty_bar, o_smem, q_empty = _pingpong_buffers(
-        q_desc, k_desc, v_desc, o_desc, HALF_M, HEAD_DIM, BLOCK_N, NBUF, True)
-    gl.warp_specialize([(_persistent_consumer, (o_desc, L, q_smem, q_bar, q_empty, o_smem, k_smem, v_smem, k_bar, v_bar,
-                                                empty_bar, turn_bar, n_bh, n_heads, kv_group, n_q, n_k,
-                                                window_left, window_right, n_m_tiles, qk_scale, 0, HEAD_DIM, BLOCK_M,
-                                                BLOCK_N, BOUND_RIGHT, BOUND_LEFT, NBUF)),
-                        (_persistent_consumer, (o_desc, L, q_smem, q_bar, q_empty, o_smem, k_smem, v_smem, k_bar, v_bar,
-                                                empty_bar, turn_bar, n_bh, n_heads, kv_group, n_q, n_k,
-                                                window_left, window_right, n_m_tiles, qk_scale, 1, HEAD_DIM, BLOCK_M,
-                                                BLOCK_N, BOUND_RIGHT, BOUND_LEFT, NBUF)),
-                        (_persistent_producer, (q_desc, k_desc, v_desc, q_smem, q_bar, q_empty, k_smem, v_smem, k_bar,
-                                                v_bar, empty_bar, n_bh, n_heads, kv_group, n_q, n_k,
-                                                window_left, window_right, n_m_tiles, BLOCK_M, BLOCK_N, BOUND_RIGHT,
-                                                BOUND_LEFT, NBUF))],
-                       [4, 1], [CONSUMER_REGS, 24])
+        q_desc, k_desc, v_desc, o_desc, WG_M, HEAD_DIM, BLOCK_N, NBUF, True, WGS)
+    if WGS == 2:
+        gl.warp_specialize([(_persistent_consumer, (o_desc, L, q_smem, q_bar, q_empty, o_smem, k_smem, v_smem, k_bar,
+                                                    v_bar, empty_bar, turn_bar, n_bh, n_heads, kv_group, n_q, n_k,
+                                                    window_left, window_right, n_m_tiles, qk_scale, 0, HEAD_DIM,
+                                                    BLOCK_M, BLOCK_N, BOUND_RIGHT, BOUND_LEFT, NBUF, WGS)),
+                            (_persistent_consumer, (o_desc, L, q_smem, q_bar, q_empty, o_smem, k_smem, v_smem, k_bar,
+                                                    v_bar, empty_bar, turn_bar, n_bh, n_heads, kv_group, n_q, n_k,
+                                                    window_left, window_right, n_m_tiles, qk_scale, 1, HEAD_DIM,
+                                                    BLOCK_M, BLOCK_N, BOUND_RIGHT, BOUND_LEFT, NBUF, WGS)),
+                            (_persistent_producer, (q_desc, k_desc, v_desc, q_smem, q_bar, q_empty, k_smem, v_smem,
+                                                    k_bar, v_bar, empty_bar, n_bh, n_heads, kv_group, n_q, n_k,
+                                                    window_left, window_right, n_m_tiles, BLOCK_M, BLOCK_N,
+                                                    BOUND_RIGHT, BOUND_LEFT, NBUF, WGS))],
+                           [4, 1], [CONSUMER_REGS, 24])
+    else:
+        gl.warp_specialize([(_persistent_consumer, (o_desc, L, q_smem, q_bar, q_empty, o_smem, k_smem, v_smem, k_bar,
+                                                    v_bar, empty_bar, turn_bar, n_bh, n_heads, kv_group, n_q, n_k,
+                                                    window_left, window_right, n_m_tiles, qk_scale, 0, HEAD_DIM,
+                                                    BLOCK_M, BLOCK_N, BOUND_RIGHT, BOUND_LEFT, NBUF, WGS)),
+                            (_persistent_consumer, (o_desc, L, q_smem, q_bar, q_empty, o_smem, k_smem, v_smem, k_bar,
+                                                    v_bar, empty_bar, turn_bar, n_bh, n_heads, kv_group, n_q, n_k,
+                                                    window_left, window_right, n_m_tiles, qk_scale, 1, HEAD_DIM,
+                                                    BLOCK_M, BLOCK_N, BOUND_RIGHT, BOUND_LEFT, NBUF, WGS)),
+                            (_persistent_consumer, (o_desc, L, q_smem, q_bar, q_empty, o_smem, k_smem, v_smem, k_bar,
+                                                    v_bar, empty_bar, turn_bar, n_bh, n_heads, kv_group, n_q, n_k,
+                                                    window_left, window_right, n_m_tiles, qk_scale, 2, HEAD_DIM,
+                                                    BLOCK_M, BLOCK_N, BOUND_RIGHT, BOUND_LEFT, NBUF, WGS)),
+                            (_persistent_producer, (q_desc, k_desc, v_desc, q_smem, q_bar, q_empty, k_smem, v_smem,
+                                                    k_bar, v_bar, empty_bar, n_bh, n_heads, kv_group, n_q, n_k,
+                                                    window_left, window_right, n_m_tiles, BLOCK_M, BLOCK_N,
+                                                    BOUND_RIGHT, BOUND_LEFT, NBUF, WGS))],
+                           [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])

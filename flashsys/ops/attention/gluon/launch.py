@@ -29,8 +29,9 @@ SM90_SHARED_BYTES = 232_448
 
 
 class Variant(NamedTuple):
-    """One kernel configuration: a forward's "plain" (one warpgroup), "pingpong" (producer warp + two consumer
-    warpgroups with `regs` registers per thread) or "persistent" (the ping-pong kernel, one program per SM), a
+    """One kernel configuration: a forward's "plain" (one warpgroup), "pingpong" (producer warp + `warpgroups`
+    consumer warpgroups, 2 or 3, of block_m // warpgroups rows with `regs` registers per thread) or "persistent" (the
+    ping-pong kernel, one program per SM), a
     backward's "dkdv", "dq", "one_pass" or "one_pass_det" (the whole backward, warp-specialised as the ping-pong),
     or "tl" (the `tl` kernels a Gluon choice times its variants against)."""
 
@@ -41,6 +42,7 @@ class Variant(NamedTuple):
     regs: int = 0
     stages: int = 1  # the one pass's sets of dQ staging boxes
     alternate: int = 0  # 1: the one pass's consumers take turns at each query tile's whole dQ (needs stages 2)
+    warpgroups: int = 2  # the forward ping-pong kernels' consumer warpgroups
 
     def label(self) -> str:
         if self.kind == "tl":
@@ -48,6 +50,7 @@ class Variant(NamedTuple):
         extra = f" {self.regs} regs" if self.regs else ""
         extra += f" {self.stages} stages" if self.stages > 1 else ""
         extra += " dQ alternating" if self.alternate else ""
+        extra += f" {self.warpgroups} warpgroups" if self.warpgroups != 2 else ""
         return f"{self.kind} {self.block_m}x{self.block_n} {self.nbuf}buf{extra}"
 
 
@@ -153,7 +156,7 @@ def _forward_parts(variant: Variant, t: ForwardTensors, window: Window, scale: f
     """The forward kernels' launch ("plain", "pingpong", "persistent")."""
     q4, k4, v4, o4 = (rank4(x) for x in (t.q, t.k, t.v, t.o))
     batch, n_heads, n_q, d = q4.shape
-    q_rows = variant.block_m if variant.kind == "plain" else variant.block_m // 2
+    q_rows = variant.block_m if variant.kind == "plain" else variant.block_m // variant.warpgroups
     n_programs = triton.cdiv(n_q, variant.block_m) * batch * n_heads
     args = (_descriptor(q4, q_rows), _descriptor(k4, variant.block_n), _descriptor(v4, variant.block_n),
             _descriptor(o4, q_rows), t.lse, batch * n_heads, n_heads, n_heads // k4.shape[1], n_q, k4.shape[2],
@@ -163,7 +166,7 @@ def _forward_parts(variant: Variant, t: ForwardTensors, window: Window, scale: f
     sources = tuple(t)
     if variant.kind == "plain":
         return LaunchParts(kernels().attention_forward, (n_programs,), args, kwargs, sources)
-    kwargs["CONSUMER_REGS"] = variant.regs
+    kwargs.update(CONSUMER_REGS=variant.regs, WGS=variant.warpgroups)
     if variant.kind == "persistent":  # one program per SM, over pairs of query tiles (the kernel's units)
         n_units = (triton.cdiv(n_q, variant.block_m) + 1) // 2 * batch * n_heads
         return LaunchParts(kernels().attention_forward_persistent, (min(n_units, usable_sms(q4)),), args, kwargs,
