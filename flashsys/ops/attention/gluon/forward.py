@@ -95,7 +95,7 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
             mbarrier.arrive(empty_bar.index(first))
         s = masked_scores(s, offs_m, lo, n_k, right_offset, left_offset, full_lo, full_hi, BLOCK_N, BOUND_RIGHT,
                            BOUND_LEFT)
-        p, m_i, alpha, l_i = softmax_step(s, m_i, l_i, qk_scale)
+        p, m_i, alpha, l_i = softmax_step(s, m_i, l_i, qk_scale, dtype, p_layout)
         for t in range(1, n_tiles):
             slot = (streamed + t) % NBUF
             prev = (streamed + t - 1) % NBUF
@@ -105,15 +105,14 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
             s_tok = warpgroup_mma(q, smem_tile(k_smem.index(slot), BLOCK_N, HEAD_DIM).permute((1, 0)), s_zero,
                                   use_acc=False, is_async=True)
             mbarrier.wait(v_bar.index(prev), ((streamed + t - 1) // NBUF) & 1)
-            acc_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), smem_tile(v_smem.index(prev), BLOCK_N,
-                                                                                    HEAD_DIM), acc, is_async=True)
+            acc_tok = warpgroup_mma(p, smem_tile(v_smem.index(prev), BLOCK_N, HEAD_DIM), acc, is_async=True)
             if PINGPONG:
                 mbarrier.arrive(turn_bar.index((WG + 1) % WGS))
             s = warpgroup_mma_wait(1, deps=[s_tok])  # S_t is done; P_{t-1} V_{t-1} may still run
             if PINGPONG and V_FREE > 0:
                 mbarrier.arrive(empty_bar.index(slot))
-            p, m_i, alpha, l_i = masked_softmax_step(s, m_i, l_i, qk_scale, offs_m, lo + t * BLOCK_N, n_k,
-                                                     right_offset, left_offset, full_lo, full_hi, BLOCK_N,
+            p, m_i, alpha, l_i = masked_softmax_step(s, m_i, l_i, qk_scale, dtype, p_layout, offs_m, lo + t * BLOCK_N,
+                                                     n_k, right_offset, left_offset, full_lo, full_hi, BLOCK_N,
                                                      BOUND_RIGHT, BOUND_LEFT)
             acc = warpgroup_mma_wait(0, deps=[acc_tok])
             # Buffer `prev` is free: this warpgroup's wait above covers every product of its own that read it.
@@ -127,8 +126,7 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
         if PINGPONG:
             mbarrier.wait(turn_bar.index(WG), (turns + n_tiles) & 1)
         mbarrier.wait(v_bar.index(last), ((streamed + n_tiles - 1) // NBUF) & 1)
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), smem_tile(v_smem.index(last), BLOCK_N, HEAD_DIM),
-                            acc, is_async=True)
+        acc = warpgroup_mma(p, smem_tile(v_smem.index(last), BLOCK_N, HEAD_DIM), acc, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn_bar.index((WG + 1) % WGS))
         acc = warpgroup_mma_wait(0, deps=[acc])
