@@ -3,7 +3,9 @@ FlashAttention-4 where it is installed (GPU probe).
 
 Why: a forward variant earns its place in `dispatch.FORWARD_VARIANTS` by being the fastest in some cell, and a new
 kernel idea is judged against the best of them and against FA4 in the same process (docs/attention-kernels.md §4, §8).
-The timed choice picks one variant per shape class and hides the others; this shows them all.
+The timed choice picks one variant per shape class and hides the others; this shows them all, and the variants on
+trial (`dispatch.FORWARD_TRIALS`, labelled "(trial)"), which no choice takes until a run like this one shows them
+fastest somewhere.
 
     python scripts/forward_variants.py                          # D 64 and 128, causal and full, N 1024/4096/16384
     python scripts/forward_variants.py --head-dims 64 --seq-lens 2048 --batch 4 --causal yes
@@ -64,6 +66,7 @@ def _cell(d: int, causal: bool, n: int, batch: int, heads: int, kv_heads: int
                 os.environ[dispatch.ENV] = saved
 
     calls = {variant.label(): variant_call(variant) for variant in dispatch.FORWARD_VARIANTS.get(d, ())}
+    calls |= {f"{variant.label()} (trial)": variant_call(variant) for variant in dispatch.FORWARD_TRIALS.get(d, ())}
     calls["tl forward"] = tl_forward
     for name in ("sdpa-cudnn", "fa4"):
         backend = ATTENTION_BACKENDS[name]

@@ -9,6 +9,7 @@ Groups: "tl" (the `tl` kernels: forward, dQ, dK/dV at D 64 and 128, bf16 and fp3
 one pass's prologue and epilogue; the decode kernels in each tiling), and one per Gluon (head dim, stage). A Gluon group compiles every variant under a
 causal mask, and its stage's first variant of each kind under a full mask and a window too: the masks select code
 paths (the paired order, the rotated ring and its dQ fold, the window's bounds), the variants tile sizes and buffers.
+Forward variants on trial (`dispatch.FORWARD_TRIALS`) compile under a full mask too, the cells they are tried for.
 `--all-masks` compiles every variant under every mask.
 """
 
@@ -18,6 +19,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 from collections.abc import Callable, Iterator
 
 import torch
@@ -135,9 +137,10 @@ def _gluon_kernels(device: str, head_dim: int, stage: str, all_masks: bool
     k = torch.randn(2, 2, 200, head_dim, dtype=torch.bfloat16, device=device)
     variants = [v for v in dispatch.gluon_variants(head_dim) if v.kind in _STAGES[stage]]
     firsts = {next(v for v in variants if v.kind == kind) for kind in {v.kind for v in variants}}
+    trials = set(dispatch.FORWARD_TRIALS.get(head_dim, ())) if stage == "forward" else set()
     for mask, window in MASKS:
         for variant in variants:
-            if mask == "causal" or all_masks or variant in firsts:
+            if mask == "causal" or all_masks or variant in firsts or (mask == "full" and variant in trials):
                 yield (f"D {head_dim} {mask} {variant.label()}",
                        lambda v=variant, w=window: gluon_launch.compile_only(v, q, k, k, w, 0.125))
 
@@ -164,7 +167,7 @@ def verdict(kernel: object, label: str = "") -> str:
     """"ok", or why a kernel cannot run: its compile failed, or it needs more shared memory than sm_90 gives a program
     (it compiles, and only its launch fails); or, for a Gluon forward (label "D .. <mask> plain|pingpong|persistent
     .."), why it would run slowly: a key tile's softmax that does not run under its P V product
-    (`exponentials_under_pv`)."""
+    (`exponentials_under_pv`), or one that spills a tile's worth of registers there (`local_memory_under_pv`)."""
     from flashsys.ops.attention.gluon.launch import SM90_SHARED_BYTES
 
     if isinstance(kernel, Exception):
@@ -176,6 +179,10 @@ def verdict(kernel: object, label: str = "") -> str:
         if not counts or min(counts) < MIN_EXPONENTIALS_UNDER_PV:
             return (f"the softmax does not run under P V: exponentials between each wait for S and the wait for "
                     f"P V {counts} (want {MIN_EXPONENTIALS_UNDER_PV} or more each)")
+        spilled = local_memory_under_pv(kernel.asm["sass"])
+        if max(spilled) > MAX_LOCAL_MEMORY_UNDER_PV:
+            return (f"spills in the softmax: local-memory loads and stores between each wait for S and the wait for "
+                    f"P V {spilled} (want {MAX_LOCAL_MEMORY_UNDER_PV} or fewer each)")
     return "ok"
 
 
@@ -190,6 +197,11 @@ def exponentials_under_pv(sass: str) -> list[int]:
     MMA (0x0, that P V's). The forward issues S_t and P_{t-1} V_{t-1} together so that S_t's softmax runs while the
     tensor cores finish P V; ptxas moves a wait up to the start of its basic block, and with the softmax in the same
     block as the P V wait, this count was 0."""
+    return _count_under_pv(sass, r"MUFU\.EX2")
+
+
+def _count_under_pv(sass: str, instruction: str) -> list[int]:
+    """The lines matching `instruction` between each `WARPGROUP.DEPBAR.LE gsb0, 0x1` and the next `0x0`."""
     counts, running = [], None
     for line in sass.splitlines():
         if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
@@ -197,9 +209,20 @@ def exponentials_under_pv(sass: str) -> list[int]:
         elif running is not None and "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line:
             counts.append(running)
             running = None
-        elif running is not None and "MUFU.EX2" in line:
+        elif running is not None and re.search(instruction, line):
             running += 1
     return counts
+
+
+# A float32 P carried across the key loop made three-warpgroup consumers (160 registers) spill 125-185 values in each
+# softmax; a scalar or two spilling (0-7 under Triton 3.9's ptxas) costs little.
+MAX_LOCAL_MEMORY_UNDER_PV = 16
+
+
+def local_memory_under_pv(sass: str) -> list[int]:
+    """For each softmax of a forward's SASS (as `exponentials_under_pv` finds them), its local-memory loads and stores
+    (LDL, STL): register spills, since the attention kernels keep no arrays in local memory."""
+    return _count_under_pv(sass, r"\b(?:LDL|STL)\b")
 
 
 def main() -> None:

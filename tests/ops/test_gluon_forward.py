@@ -98,9 +98,10 @@ def _compile_group(group: str) -> dict[str, str]:
 @pytest.mark.parametrize("group", [g for g in kernel_compile.groups() if g != "tl"])
 def test_every_gluon_variant_compiles_for_hopper(group):
     """Every Gluon variant of a (head dim, stage), causal, and the stage's first variant of each kind under a full
-    mask and a window too (the code paths those masks select), with grouped-query K/V and ragged lengths, compiles
-    for sm_90 on this machine's Triton (CI's newest one; a CPU needs no GPU to compile) and fits sm_90's shared
-    memory. One group a test, so that a run shows its progress."""
+    mask and a window too (the code paths those masks select), the forward's variants on trial under a full mask,
+    with grouped-query K/V and ragged lengths, compiles for sm_90 on this machine's Triton (CI's newest one; a CPU
+    needs no GPU to compile), fits sm_90's shared memory and passes the forward's SASS checks (`verdict`). One
+    group a test, so that a run shows its progress."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     if gluon.kernels() is None:
         pytest.skip("this Triton has no Gluon Hopper API")
@@ -111,6 +112,8 @@ def test_every_gluon_variant_compiles_for_hopper(group):
     firsts = [next(v for v in variants if v.kind == kind) for kind in sorted(kinds)]
     expected = {f"D {d} causal {v.label()}" for v in variants}
     expected |= {f"D {d} {mask} {v.label()}" for mask in ("full", "window") for v in firsts}
+    if stage == "forward":
+        expected |= {f"D {d} full {v.label()}" for v in dispatch.FORWARD_TRIALS.get(int(d), ())}
     assert set(compiled) == expected
     failed = {label: why for label, why in compiled.items() if why != "ok"}
     assert not failed, failed
@@ -175,6 +178,49 @@ def test_the_compile_check_fails_a_forward_whose_softmax_waits_for_p_v():
     assert verdict(kernel(after), "D 64 causal dq 64x128 2buf") == "ok"
 
 
+def test_the_compile_check_fails_a_forward_that_spills_in_its_softmax():
+    """A forward whose registers do not hold its softmax's state spills it to local memory in every key tile (a
+    float32 P carried from one tile to the next did so at 160 registers a consumer: 125-185 loads and stores each
+    softmax). The check counts them between the wait for S and the wait for P V and fails more than a few."""
+    from types import SimpleNamespace
+
+    from tests.ops.kernel_compile import (
+        MAX_LOCAL_MEMORY_UNDER_PV,
+        MIN_EXPONENTIALS_UNDER_PV,
+        local_memory_under_pv,
+        verdict,
+    )
+
+    exps = "\n".join(f"--:-:-:-:1\tMUFU.EX2 R{i}, R{i};" for i in range(MIN_EXPONENTIALS_UNDER_PV))
+
+    def softmax(spills):
+        body = "\n".join([exps] + [f"02:1:-:-:1\tSTL [R1+{4 * i:#x}], R2;" for i in range(spills)])
+        return f"--:-:-:-:2\tWARPGROUP.DEPBAR.LE gsb0, 0x1;\n{body}\n--:-:-:-:2\tWARPGROUP.DEPBAR.LE gsb0, 0x0;\n"
+
+    few, many = softmax(MAX_LOCAL_MEMORY_UNDER_PV), softmax(MAX_LOCAL_MEMORY_UNDER_PV + 1)
+    prologue = "--:-:2:-:1\tLDL.LU R20, [R1+0x4];\n" * 40  # outside every softmax: not counted
+    assert local_memory_under_pv(prologue + few + many) == [MAX_LOCAL_MEMORY_UNDER_PV, MAX_LOCAL_MEMORY_UNDER_PV + 1]
+
+    def kernel(sass):
+        return SimpleNamespace(metadata=SimpleNamespace(shared=1024), asm={"sass": sass})
+
+    label = "D 64 full pingpong 192x128 2buf 160 regs 3 warpgroups"
+    assert verdict(kernel(prologue + few + few), label) == "ok"
+    assert "spills in the softmax" in verdict(kernel(few + many), label)
+    assert verdict(kernel(few + many), "D 64 causal dq 64x128 2buf") == "ok"
+
+
+def test_variants_on_trial_are_not_chosen():
+    """A forward variant on trial compiles on every CI run and is tested and timed on a GPU, but the choice never
+    takes it: no choice key's candidates hold it."""
+    for d, trials in dispatch.FORWARD_TRIALS.items():
+        assert d in dispatch.HEAD_DIMS and trials
+        for bounds in ((True, False), (False, False), (True, True)):
+            for dtype in (torch.float16, torch.bfloat16):
+                key = dispatch.ChoiceKey(d, dtype, *bounds, 16384, "forward")
+                assert key.candidates() and not set(trials) & set(key.candidates())
+
+
 # (batch, heads, kv heads, Nq, Nk, window, rank-3 / (B, N, H, D) layout, dtype): each case masks something.
 CASES = [
     (2, 4, 4, 1000, 1000, (-1, 0), "bhnd", torch.bfloat16),  # causal, ragged last tile
@@ -203,7 +249,8 @@ def _inputs(batch, heads, kv_heads, n_q, n_k, d, layout, dtype, seed):
 @hopper_only
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[3]}x{c[4]}-w{c[5]}-{c[6]}-{str(c[7])[6:]}")
-@pytest.mark.parametrize("variant", [(d, v) for d, vs in dispatch.FORWARD_VARIANTS.items() for v in vs],
+@pytest.mark.parametrize("variant", [(d, v) for table in (dispatch.FORWARD_VARIANTS, dispatch.FORWARD_TRIALS)
+                                     for d, vs in table.items() for v in vs],
                          ids=lambda dv: f"d{dv[0]}-{dv[1].label().replace(' ', '-')}")
 def test_each_variant_matches_reference_gpu(variant, case):
     _check_variant(*variant, case)

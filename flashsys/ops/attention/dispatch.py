@@ -54,6 +54,13 @@ FORWARD_VARIANTS: dict[int, tuple[Variant, ...]] = {
     128: (Variant("persistent", 128, 128, 2, 240), Variant("pingpong", 128, 128, 2, 240),
           Variant("pingpong", 128, 64, 4, 240), Variant("plain", 64, 64, 3), Variant("persistent", 128, 64, 4, 240)),
 }
+# Forward variants on trial: compiled and checked for sm_90 by every CI run (tests/ops/kernel_compile.py), tested
+# against reference math and timed beside the candidates by scripts/forward_variants.py on a GPU, never chosen. One
+# joins FORWARD_VARIANTS once a GPU run shows it correct and fastest in some cell (docs/attention-kernels.md §4).
+# D 64: FlashAttention-3's and -4's tile there, 192 query rows over three consumer warpgroups of 160 registers.
+FORWARD_TRIALS: dict[int, tuple[Variant, ...]] = {
+    64: (Variant("pingpong", 192, 128, 2, 160, warpgroups=3), Variant("pingpong", 192, 128, 3, 160, warpgroups=3)),
+}
 # dK/dV ("dkdv": block_m query rows streamed through nbuf buffers, block_n key rows held by block_n // 16 warps).
 # D 128 only: at D 64 the `tl` dK/dV kernel is faster, so the head dim has no table and runs it.
 DKDV_VARIANTS: dict[int, tuple[Variant, ...]] = {
@@ -96,9 +103,10 @@ CHOICE_REP_MS = 100
 
 
 def gluon_variants(head_dim: int) -> tuple[Variant, ...]:
-    """Every Gluon kernel variant at this head dim: the forward's, dK/dV's, dQ's and the one pass's (the `tl`
-    candidates left out)."""
-    tables = (FORWARD_VARIANTS, DKDV_VARIANTS, DQ_VARIANTS, ONE_PASS_VARIANTS, DETERMINISTIC_ONE_PASS_VARIANTS)
+    """Every Gluon kernel variant at this head dim: the forward's (those on trial too), dK/dV's, dQ's and the one
+    pass's (the `tl` candidates left out)."""
+    tables = (FORWARD_VARIANTS, FORWARD_TRIALS, DKDV_VARIANTS, DQ_VARIANTS, ONE_PASS_VARIANTS,
+              DETERMINISTIC_ONE_PASS_VARIANTS)
     return tuple(v for table in tables for v in table.get(head_dim, ()) if v.kind != "tl")
 
 
