@@ -22,6 +22,19 @@ def env_switch(name: str) -> bool:
     raise ValueError(f"{name}={os.environ[name]!r}: set it to 0 (off) or 1 (on)")
 
 
+def fp_fusion_by_default() -> bool:
+    """Whether Triton fuses a multiply and an add into one FMA where a launch does not say: its default up to 3.9
+    (3.9 warns that 3.10 turns it off). Read from Triton's knobs without asking `fp_fusion_enabled`, which warns.
+    The kernels write their scores' scale-and-shift as an explicit FMA where this is False (a multiply and an add
+    each, unfused, doubled the forward's FP32 instructions)."""
+    import triton
+
+    language = getattr(getattr(triton, "knobs", None), "language", None)
+    if language is None or not hasattr(language, "default_fp_fusion"):
+        return os.environ.get("TRITON_DEFAULT_FP_FUSION", "1") == "1"
+    return bool(language.default_fp_fusion) and not getattr(language, "force_disable_fp_fusion", False)
+
+
 def autotune_enabled() -> bool:
     """FLASHSYS_TRITON_AUTOTUNE (on by default): time every candidate config on a key's first call; off, and under the
     interpreter, take the first candidate."""

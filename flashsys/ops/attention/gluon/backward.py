@@ -31,6 +31,7 @@ from .common import (
     program_tile,
     query_program,
     query_tile,
+    scaled_scores,
     smem_tile,
     stream_buffers,
     transposed_probabilities,
@@ -195,7 +196,7 @@ def attention_backward_dq(q_desc, k_desc, v_desc, do_desc, o_desc, dq_desc, L, L
         s = warpgroup_mma_wait(1, deps=[s_tok])  # dP may still run
         s = masked_scores(s, offs_m, lo + t * BLOCK_N, n_k, right_offset, left_offset, full_lo, full_hi, BLOCK_N,
                            BOUND_RIGHT, BOUND_LEFT)
-        p = gl.exp2(s * qk_scale + neg_lse2[:, None])
+        p = gl.exp2(scaled_scores(s, qk_scale, neg_lse2[:, None]))
         dp = warpgroup_mma_wait(0, deps=[dp_tok])
         ds = p * (dp - delta[:, None])
         dq_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), k_tile, dq, is_async=True)

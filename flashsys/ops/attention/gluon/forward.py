@@ -69,9 +69,10 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
     (PINGPONG) instead waits for its turn before issuing products and passes it to consumer WG + 1 (round the ring)
     after (turn_bar), and releases each freed buffer to the producer (empty_bar): with two slots K's as soon as S has
     read it (slot) and V's after P V (NBUF + slot), so that the next K tile loads while this tile's P V and softmax
-    run; with more, both after P V (slot; `v_free_barriers`). The arguments the other kind uses are None. `streamed` and `turns`:
-    the key tiles this program streamed through its ring and the turns this warpgroup took before (0, or a
-    persistent program's earlier query tiles), which fix each buffer's slot and each barrier's phase."""
+    run; with more, both after P V (slot; `v_free_barriers`). The arguments the other kind uses are None.
+    `streamed` and `turns`: the key tiles this program streamed through its ring and the turns this warpgroup took
+    before (0, or a persistent program's earlier query tiles), which fix each buffer's slot and each barrier's
+    phase."""
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout(HEAD_DIM), k_width=2)
     dtype: gl.constexpr = k_smem.dtype

@@ -27,11 +27,10 @@ name from that convention.
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
+from ..triton_env import fp_fusion_by_default
 from .tiles import (
     LN2_C,
     LOG2E_C,
@@ -45,17 +44,8 @@ from .tiles import (
 )
 
 
-def _fp_fusion_by_default() -> bool:
-    """Whether Triton fuses a multiply and an add into one FMA where a launch does not say: its default up to 3.9
-    (3.9 warns that 3.10 turns it off). Read from Triton's knobs without asking `fp_fusion_enabled`, which warns."""
-    language = getattr(getattr(triton, "knobs", None), "language", None)
-    if language is None or not hasattr(language, "default_fp_fusion"):
-        return os.environ.get("TRITON_DEFAULT_FP_FUSION", "1") == "1"
-    return bool(language.default_fp_fusion) and not getattr(language, "force_disable_fp_fusion", False)
-
-
 # Where Triton does not fuse a multiply and an add by default, the forward's scale-and-subtract is an explicit FMA.
-_FMA_SCORES: tl.constexpr = tl.constexpr(not _fp_fusion_by_default())
+_FMA_SCORES: tl.constexpr = tl.constexpr(not fp_fusion_by_default())
 
 
 @triton.jit
