@@ -8,6 +8,7 @@
 #   E2E_PRESETS=small bash scripts/gpu_bench_single.sh end_to_end_compare   # one preset per call: both presets'
 #   E2E_PRESETS=medium bash scripts/gpu_bench_single.sh end_to_end_compare  # 8 cells ran past 550 s on an H100
 #   bash scripts/gpu_bench_single.sh attention_fa4        # beside FlashAttention-4 (importable: ../shared/tools/fa4_payload.sh)
+#   bash scripts/gpu_bench_single.sh forward_trials       # the forward variants on trial: GPU tests, then timed (D 64)
 #   E2E_PRESETS=small bash scripts/gpu_bench_single.sh end_to_end_compiled   # one preset a call (small: ~300 s on an H200)
 #   E2E_PRESETS=medium E2E_CONTEXTS=512 bash scripts/gpu_bench_single.sh end_to_end_cudagraphs   # compiled vs CUDA graphs
 #   bash scripts/gpu_bench_single.sh hf_train         # transformers' 1.1B Llama: fsys, sdpa, sdpa_causal, flex (one call)
@@ -92,6 +93,15 @@ for s in "${sections[@]}"; do
       --modes compiled reduce-overhead --rounds 3 --warmup 3 --iters 5 > "$OUT/end_to_end_cudagraphs.log" 2>&1
     echo "end_to_end_cudagraphs exit: $?"; grep -E "^\| " \
       "$OUT"/end_to_end/end_to_end_gpu_bf16_flash-sdpa_compiled-reduce-overhead_w3.md | cut -d'|' -f2-9,16 ;;
+  forward_trials)  # the forward variants on trial (dispatch.FORWARD_TRIALS): checked against float64 on the GPU
+                   # tests' masked cases, then timed beside every candidate, cuDNN and FA4 (where importable)
+    FLASHSYS_TRITON_AUTOTUNE=0 timeout -k 10 ${TEST_TIMEOUT:-200} python3 -m pytest -n 8 -p no:cacheprovider \
+      -p no:pytest_benchmark --tb=short -rf -q tests/ops/test_gluon_forward.py -k "matches_reference_gpu" \
+      > "$OUT/pytest_forward_trials.log" 2>&1
+    echo "pytest exit: $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_forward_trials.log" | tail -8
+    timeout -k 10 ${ATT_TIMEOUT:-300} python3 scripts/forward_variants.py --head-dims 64 --seq-lens 4096 16384 \
+      --causal both --rounds 3 --rep 40 > "$OUT/forward_trials.log" 2>&1
+    echo "forward_variants exit: $?"; grep -E "^D |^\| " "$OUT/forward_trials.log" ;;
   host_cost)  # host µs per attention call vs SDPA, and where they go; "before" too when .old/ holds an older
               # tree (git archive <commit> | tar -x -C .old, carried to the device): same machine, same call
     if [ -d .old ]; then
