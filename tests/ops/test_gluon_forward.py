@@ -210,6 +210,19 @@ def test_the_compile_check_fails_a_forward_that_spills_in_its_softmax():
     assert verdict(kernel(few + many), "D 64 causal dq 64x128 2buf") == "ok"
 
 
+@pytest.mark.parametrize("variant", [gluon_launch.Variant("pingpong", 256, 128, 2, 160, warpgroups=4),
+                                     gluon_launch.Variant("persistent", 128, 128, 2, 240, warpgroups=1),
+                                     gluon_launch.Variant("pingpong", 160, 128, 2, 160, warpgroups=3)],
+                         ids=lambda v: v.label().replace(" ", "-"))
+def test_a_pingpong_variant_of_the_wrong_shape_is_refused_naming_it(variant):
+    """Two or three consumer warpgroups of a multiple of 64 rows each: another shape is refused before anything is
+    compiled, where the kernels would otherwise split the tile into the wrong number of boxes."""
+    q = torch.randn(1, 2, 256, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"warpgroups must be 2 or 3 and block_m a multiple of 64 \* warpgroups") as e:
+        gluon_launch.compile_only(variant, q, q, q, (-1, 0), 0.125)
+    assert variant.label() in str(e.value)
+
+
 def test_variants_on_trial_are_not_chosen():
     """A forward variant on trial compiles on every CI run and is tested and timed on a GPU, but the choice never
     takes it: no choice key's candidates hold it."""

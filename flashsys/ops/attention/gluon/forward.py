@@ -259,6 +259,7 @@ def _pingpong_buffers(q_desc, k_desc, v_desc, o_desc, WG_M: gl.constexpr, HEAD_D
 
     Their own K/V ring, not `stream_buffers`: the slots' free barriers are initialised in the same loop, and moving
     them after the ring's reorders the prologue (Triton 3.6 then adds a bar.sync)."""
+    gl.static_assert(WGS == 2 or WGS == 3, "the ping-pong kernels take two or three consumer warpgroups")
     dtype: gl.constexpr = q_desc.dtype
     QBUF: gl.constexpr = _query_boxes(PERSISTENT)
     q_smem = gl.allocate_shared_memory(dtype, [WGS * QBUF, 1, 1, WG_M, HEAD_DIM], q_desc.layout)

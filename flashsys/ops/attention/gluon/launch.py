@@ -152,11 +152,22 @@ def _bounds(window: Window) -> dict:
     return dict(BOUND_RIGHT=window[1] >= 0, BOUND_LEFT=window[0] >= 0)
 
 
+def _query_rows(variant: Variant) -> int:
+    """The rows of a forward's query (and output) boxes: the whole tile for "plain", one consumer warpgroup's share
+    for the ping-pong kinds, which take two or three warpgroups of a multiple of 64 rows (a wgmma's M)."""
+    if variant.kind == "plain":
+        return variant.block_m
+    if variant.warpgroups not in (2, 3) or variant.block_m % (64 * variant.warpgroups):
+        raise ValueError(f"{variant.label()}: warpgroups must be 2 or 3 and block_m a multiple of 64 * warpgroups, "
+                         f"got warpgroups={variant.warpgroups}, block_m={variant.block_m}")
+    return variant.block_m // variant.warpgroups
+
+
 def _forward_parts(variant: Variant, t: ForwardTensors, window: Window, scale: float) -> LaunchParts:
     """The forward kernels' launch ("plain", "pingpong", "persistent")."""
     q4, k4, v4, o4 = (rank4(x) for x in (t.q, t.k, t.v, t.o))
     batch, n_heads, n_q, d = q4.shape
-    q_rows = variant.block_m if variant.kind == "plain" else variant.block_m // variant.warpgroups
+    q_rows = _query_rows(variant)
     n_programs = triton.cdiv(n_q, variant.block_m) * batch * n_heads
     args = (_descriptor(q4, q_rows), _descriptor(k4, variant.block_n), _descriptor(v4, variant.block_n),
             _descriptor(o4, q_rows), t.lse, batch * n_heads, n_heads, n_heads // k4.shape[1], n_q, k4.shape[2],
