@@ -57,9 +57,11 @@ FORWARD_VARIANTS: dict[int, tuple[Variant, ...]] = {
 # Forward variants on trial: compiled and checked for sm_90 by every CI run (tests/ops/kernel_compile.py), tested
 # against reference math and timed beside the candidates by scripts/forward_variants.py on a GPU, never chosen. One
 # joins FORWARD_VARIANTS once a GPU run shows it correct and fastest in some cell (docs/attention-kernels.md §4).
-# D 64: FlashAttention-3's and -4's tile there, 192 query rows over three consumer warpgroups of 160 registers.
+# D 64: FlashAttention-3's and -4's tile there, 192 query rows over three consumer warpgroups of 160 registers, in
+# the ping-pong kernel and the persistent one.
 FORWARD_TRIALS: dict[int, tuple[Variant, ...]] = {
-    64: (Variant("pingpong", 192, 128, 2, 160, warpgroups=3), Variant("pingpong", 192, 128, 3, 160, warpgroups=3)),
+    64: (Variant("pingpong", 192, 128, 2, 160, warpgroups=3), Variant("pingpong", 192, 128, 3, 160, warpgroups=3),
+         Variant("persistent", 192, 128, 2, 160, warpgroups=3), Variant("persistent", 192, 128, 3, 160, warpgroups=3)),
 }
 # dK/dV ("dkdv": block_m query rows streamed through nbuf buffers, block_n key rows held by block_n // 16 warps).
 # D 128 only: at D 64 the `tl` dK/dV kernel is faster, so the head dim has no table and runs it.
