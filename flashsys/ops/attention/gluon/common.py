@@ -103,30 +103,33 @@ def partly_seen(start, full_lo, full_hi):
 @gluon.jit
 def _hide_unseen(s, offs_m, kn, n_k, right_offset, left_offset, BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr,
                  BOUND_LEFT: gl.constexpr):
-    """S of the key tile starting at kn with every key a query may not see at -inf.
-
-    Key kn + c is compared as `fixed <= bound - lane`, where c = fixed + lane splits the column into the bits the
-    thread's position sets (`lane`, one value a thread) and those its register sets (`fixed`, a constant per
-    register): each comparison takes an immediate and each row one subtraction. Compared whole, the thread's 32
-    column indices are loop-invariant, so they were computed once and kept in 31 registers across the key loop,
-    which spilled the three-warpgroup persistent forward at 160 registers. The split is exact for any bit mask."""
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-    lane = cols & _lane_column_bits(s.type.layout)
-    fixed = (cols - lane)[None, :]
-    lane = lane[None, :]
-    seen = fixed < (n_k - kn) - lane
-    if BOUND_RIGHT:
-        seen = seen & (fixed <= (offs_m + (right_offset - kn))[:, None] - lane)
-    if BOUND_LEFT:
-        seen = seen & (fixed >= (offs_m + (left_offset - kn))[:, None] - lane)
+    """S of the key tile starting at kn with every key a query may not see at -inf: key kn + fixed + lane
+    (`split_columns`) tested by `visible` against query offs_m - kn - lane."""
+    layout: gl.constexpr = s.type.layout
+    fixed, lane = split_columns(BLOCK_N, layout)
+    seen = visible(offs_m[:, None] - (kn + lane), fixed, fixed, (n_k - kn) - lane, right_offset, left_offset,
+                   BOUND_RIGHT, BOUND_LEFT)
     return gl.where(seen, s, float("-inf"))
+
+
+@gluon.jit
+def split_columns(n: gl.constexpr, layout: gl.constexpr):
+    """(fixed, lane), both (1, n) in `layout`, with fixed + lane = 0, 1, ..., n - 1: the bits of each column index
+    that the thread's lane sets (`lane`, one value a thread) and those its register sets (`fixed`, a constant per
+    register). A mask tests `fixed` against a bound less `lane` (one subtraction a row, an immediate a comparison)
+    instead of the whole index: whole, the thread's 32 column indices are loop-invariant, so they were computed once
+    and kept in 31 registers across the key loop, which spilled the three-warpgroup persistent forward at 160
+    registers. The split is exact for any bit mask; only the registers depend on `_lane_column_bits`."""
+    cols = gl.arange(0, n, layout=gl.SliceLayout(0, layout))
+    lane = cols & _lane_column_bits(layout)
+    return (cols - lane)[None, :], lane[None, :]
 
 
 @gluon.constexpr_function
 def _lane_column_bits(layout):
     """The bits of a column index that a thread's lane sets in a wgmma accumulator's layout (the four lanes of a
-    quad hold columns 0, 2, 4, 6 of each 8: bits 1 and 2); 0 for any other layout (`_hide_unseen` then compares
-    the whole index)."""
+    quad hold columns 0, 2, 4, 6 of each 8: bits 1 and 2); 0 for any other layout (the whole index is then
+    `fixed`)."""
     if isinstance(layout, gl.NVMMADistributedLayout) and layout.version[0] == 3:
         return 6
     return 0
@@ -311,6 +314,8 @@ def transposed_probabilities(k_tile, v_tile, q_tile, do_tile, do_ready, phase, s
     s = warpgroup_mma_wait(1, deps=[s_tok])  # dPᵀ may still run
     p = gl.exp2(scaled_scores(s, qk_scale, vector_in(neg_lse2, col_layout)[None, :]))
     if partly_seen(start_m, full_lo, full_hi):  # a query tile at a window edge or the end of the queries
+        # The whole query index, not `split_columns`: split, the one pass spilled twice as much (D 128 causal
+        # 108 -> 204 bytes, ptxas), its query tile's start changing every iteration.
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
         seen = visible(offs_m[None, :], offs_n[:, None], offs_m[None, :], n_q, right_offset, left_offset,
                        BOUND_RIGHT, BOUND_LEFT)
