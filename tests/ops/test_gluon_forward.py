@@ -145,7 +145,7 @@ def test_the_compile_check_fails_a_variant_past_sm90_shared_memory():
     from tests.ops.kernel_compile import verdict
 
     def kernel(shared):
-        return SimpleNamespace(metadata=SimpleNamespace(shared=shared))
+        return SimpleNamespace(metadata=SimpleNamespace(shared=shared), asm={"sass": "", "ptx": ""})
 
     assert verdict(kernel(gluon_launch.SM90_SHARED_BYTES)) == "ok"
     past = verdict(kernel(gluon_launch.SM90_SHARED_BYTES + 576))
@@ -170,7 +170,7 @@ def test_the_compile_check_fails_a_forward_whose_softmax_waits_for_p_v():
     assert exponentials_under_pv(after) == [0]
 
     def kernel(sass):
-        return SimpleNamespace(metadata=SimpleNamespace(shared=1024), asm={"sass": sass})
+        return SimpleNamespace(metadata=SimpleNamespace(shared=1024), asm={"sass": sass, "ptx": ""})
 
     assert verdict(kernel(under), "D 64 causal pingpong 128x128 3buf 240 regs") == "ok"
     assert "does not run under P V" in verdict(kernel(after), "D 64 causal pingpong 128x128 3buf 240 regs")
@@ -202,12 +202,37 @@ def test_the_compile_check_fails_a_forward_that_spills_in_its_softmax():
     assert local_memory_under_pv(prologue + few + many) == [MAX_LOCAL_MEMORY_UNDER_PV, MAX_LOCAL_MEMORY_UNDER_PV + 1]
 
     def kernel(sass):
-        return SimpleNamespace(metadata=SimpleNamespace(shared=1024), asm={"sass": sass})
+        return SimpleNamespace(metadata=SimpleNamespace(shared=1024), asm={"sass": sass, "ptx": ""})
 
     label = "D 64 full pingpong 192x128 2buf 160 regs 3 warpgroups"
     assert verdict(kernel(prologue + few + few), label) == "ok"
     assert "spills in the softmax" in verdict(kernel(few + many), label)
     assert verdict(kernel(few + many), "D 64 causal dq 64x128 2buf") == "ok"
+
+
+def test_the_compile_check_fails_a_kernel_whose_own_barriers_reach_the_turn_barriers():
+    """The ping-pong consumers pass their turns through named barriers (ids from `forward.TURN_BARRIER`, 256
+    threads), beside the ones Triton numbers from 0 for its warp partitions (128 threads, or the whole program). A
+    Triton that numbered one of its own into the turns' ids would complete a turn early or hang it: the check names
+    it, and passes the turns themselves and Triton's low ids."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from types import SimpleNamespace
+
+    from flashsys.ops.attention.gluon.forward import TURN_BARRIER
+    from tests.ops.kernel_compile import turn_barrier_clashes, verdict
+
+    ours = f"bar.sync {TURN_BARRIER}, 256;\n\tbar.arrive {TURN_BARRIER + 2}, 256;\n"
+    triton = "bar.sync 0, 128;\n\tbarrier.sync 1;\n\tbar.sync 3, 128;\n"
+    assert turn_barrier_clashes(ours + triton) == []
+    clash = f"bar.sync {TURN_BARRIER + 1}, 128;\n\tbarrier.sync.aligned {TURN_BARRIER};\n"
+    assert turn_barrier_clashes(ours + clash) == [f"id {TURN_BARRIER}, all threads",
+                                                  f"id {TURN_BARRIER + 1}, 128 threads"]
+
+    def kernel(ptx):
+        return SimpleNamespace(metadata=SimpleNamespace(shared=1024), asm={"sass": "", "ptx": ptx})
+
+    assert verdict(kernel(ours + triton), "D 64 causal dq 64x128 2buf") == "ok"
+    assert "reach the forward's turn barriers" in verdict(kernel(clash), "D 64 causal dq 64x128 2buf")
 
 
 @pytest.mark.parametrize("variant", [gluon_launch.Variant("pingpong", 256, 128, 2, 160, warpgroups=4),
