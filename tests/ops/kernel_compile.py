@@ -174,8 +174,8 @@ def verdict(kernel: object, label: str = "") -> str:
         return f"{type(kernel).__name__}: {str(kernel)[-1500:]}"
     if kernel.metadata.shared > SM90_SHARED_BYTES:
         return f"needs {kernel.metadata.shared} bytes of shared memory, sm_90 allows {SM90_SHARED_BYTES}"
-    if clashes := turn_barrier_clashes(kernel.asm["ptx"]):
-        return f"Triton's own named barriers reach the forward's turn barriers: {clashes}"
+    if clashes := named_barrier_clashes(kernel.asm["ptx"]):
+        return f"Triton's own named barriers reach the forward's: {clashes}"
     if label.startswith("D ") and label.split(" ")[3] in _STAGES["forward"]:
         counts = exponentials_under_pv(kernel.asm["sass"])
         if not counts or min(counts) < MIN_EXPONENTIALS_UNDER_PV:
@@ -188,16 +188,17 @@ def verdict(kernel: object, label: str = "") -> str:
     return "ok"
 
 
-def turn_barrier_clashes(ptx: str) -> list[str]:
-    """The named-barrier instructions of a kernel's PTX that use an id from the ping-pong forward's turn barriers
-    (`forward.TURN_BARRIER` on) without being one of them (256 threads): Triton numbers the barriers of its warp
-    partitions from 0, and one that reached those ids would complete a turn early or hang it."""
+def named_barrier_clashes(ptx: str) -> list[str]:
+    """The named-barrier instructions of a kernel's PTX that use an id from the ping-pong forward's own
+    (`named_barriers.FIRST_ID` on) without being one of them (256 threads for a turn, 32 + 128 * warpgroups for a
+    slot, whose id is a register): Triton numbers the barriers of its warp partitions from 0, and one of its own that
+    reached those ids would complete a turn or a slot early, or hang it."""
     found = re.findall(r"\b(?:bar|barrier)\.(?:sync|arrive|red)(?:\.\w+)*\s+(\d+)(?:,\s*(\d+))?", ptx)
     if not found:
         return []
-    from flashsys.ops.attention.gluon.forward import TURN_BARRIER
+    from flashsys.ops.attention.gluon.named_barriers import FIRST_ID
 
-    return sorted({f"id {i}, {n or 'all'} threads" for i, n in found if int(i) >= TURN_BARRIER and n != "256"})
+    return sorted({f"id {i}, {n or 'all'} threads" for i, n in found if int(i) >= FIRST_ID and n != "256"})
 
 
 # A forward's thread computes (tile rows x key columns) / 128 exponentials a tile: 32 for the smallest tiles

@@ -210,29 +210,29 @@ def test_the_compile_check_fails_a_forward_that_spills_in_its_softmax():
     assert verdict(kernel(few + many), "D 64 causal dq 64x128 2buf") == "ok"
 
 
-def test_the_compile_check_fails_a_kernel_whose_own_barriers_reach_the_turn_barriers():
-    """The ping-pong consumers pass their turns through named barriers (ids from `forward.TURN_BARRIER`, 256
-    threads), beside the ones Triton numbers from 0 for its warp partitions (128 threads, or the whole program). A
-    Triton that numbered one of its own into the turns' ids would complete a turn early or hang it: the check names
-    it, and passes the turns themselves and Triton's low ids."""
+def test_the_compile_check_fails_a_kernel_whose_own_barriers_reach_the_forwards_named_barriers():
+    """The ping-pong forward passes its turns and K/V slots through named barriers (ids from
+    `named_barriers.FIRST_ID`: turns of 256 threads, slots with the id in a register), beside the ones Triton
+    numbers from 0 for its warp partitions (128 threads, or the whole program). A Triton that numbered one of its own
+    into those ids would complete a turn early or hang it: the check names it, and passes the forward's own and
+    Triton's low ids."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     from types import SimpleNamespace
 
-    from flashsys.ops.attention.gluon.forward import TURN_BARRIER
-    from tests.ops.kernel_compile import turn_barrier_clashes, verdict
+    from flashsys.ops.attention.gluon.named_barriers import FIRST_ID
+    from tests.ops.kernel_compile import named_barrier_clashes, verdict
 
-    ours = f"bar.sync {TURN_BARRIER}, 256;\n\tbar.arrive {TURN_BARRIER + 2}, 256;\n"
+    ours = f"bar.sync {FIRST_ID}, 256;\n\tbar.arrive {FIRST_ID + 2}, 256;\n\tbar.arrive %r1070, 288;\n"
     triton = "bar.sync 0, 128;\n\tbarrier.sync 1;\n\tbar.sync 3, 128;\n"
-    assert turn_barrier_clashes(ours + triton) == []
-    clash = f"bar.sync {TURN_BARRIER + 1}, 128;\n\tbarrier.sync.aligned {TURN_BARRIER};\n"
-    assert turn_barrier_clashes(ours + clash) == [f"id {TURN_BARRIER}, all threads",
-                                                  f"id {TURN_BARRIER + 1}, 128 threads"]
+    assert named_barrier_clashes(ours + triton) == []
+    clash = f"bar.sync {FIRST_ID + 1}, 128;\n\tbarrier.sync.aligned {FIRST_ID};\n"
+    assert named_barrier_clashes(ours + clash) == [f"id {FIRST_ID}, all threads", f"id {FIRST_ID + 1}, 128 threads"]
 
     def kernel(ptx):
         return SimpleNamespace(metadata=SimpleNamespace(shared=1024), asm={"sass": "", "ptx": ptx})
 
     assert verdict(kernel(ours + triton), "D 64 causal dq 64x128 2buf") == "ok"
-    assert "reach the forward's turn barriers" in verdict(kernel(clash), "D 64 causal dq 64x128 2buf")
+    assert "reach the forward's" in verdict(kernel(clash), "D 64 causal dq 64x128 2buf")
 
 
 @pytest.mark.parametrize("variant", [gluon_launch.Variant("pingpong", 256, 128, 2, 160, warpgroups=4),

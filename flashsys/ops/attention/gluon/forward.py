@@ -55,52 +55,24 @@ from .common import (
     v_free_barriers,
 )
 from .compat import tma_load, tma_store
-
-
-# The consumers' turns are named hardware barriers (`bar.sync` / `bar.arrive`, FlashAttention-3's and -4's warp
-# scheduler barriers), warpgroup WG's at TURN_BARRIER + WG, each completing once 256 threads have come: the 128 of
-# the warpgroup passing the turn (arrive, which does not block) and the 128 of the one taking it (sync). An mbarrier
-# in shared memory took a spin on its phase to wait and, to pass, a barrier over the warpgroup before one thread's
-# arrive. Triton numbers its own named barriers from 0 by partition (0-4 here); `kernel_compile.verdict` fails a
-# kernel where one of them reaches TURN_BARRIER.
-TURN_BARRIER = 8
-
-
-@gluon.constexpr_function
-def _turn_asm(op, wg):
-    """PTX of a named-barrier `op` (sync, arrive) on warpgroup wg's turn barrier; inline asm must return a value."""
-    return f"bar.{op} {TURN_BARRIER + wg}, 256;\n\tmov.u32 $0, 0;"
-
-
-@gluon.jit
-def _wait_turn(WG: gl.constexpr):
-    """Consumer warpgroup WG waits for its turn to issue products."""
-    gl.inline_asm_elementwise(_turn_asm("sync", WG), "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _pass_turn(WG: gl.constexpr, WGS: gl.constexpr):
-    """Consumer warpgroup WG of WGS passes the turn to WG + 1, round the ring. Warpgroup 0 takes the first turn by
-    passing it to itself, as the last one would (`_pass_turn(WGS - 1, WGS)`, once, before its first wait): a turn
-    passed is counted by the barrier until it is taken, however late."""
-    gl.inline_asm_elementwise(_turn_asm("arrive", (WG + 1) % WGS), "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+from .named_barriers import pass_turn, release_slot, slot_barriers_fit, wait_for_slot, wait_turn
 
 
 @gluon.jit
 def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_hi, n_k, right_offset, left_offset,
-            qk_scale, k_desc, v_desc, b, h_kv, empty_bar, streamed, WG: gl.constexpr,
-            ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr,
-            BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr, PINGPONG: gl.constexpr, WGS: gl.constexpr = 2):
+            qk_scale, k_desc, v_desc, b, h_kv, streamed, WG: gl.constexpr, ROWS: gl.constexpr,
+            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr, BOUND_RIGHT: gl.constexpr,
+            BOUND_LEFT: gl.constexpr, PINGPONG: gl.constexpr, WGS: gl.constexpr = 2):
     """(O unnormalised, row max, row sum) of one warpgroup's ROWS query rows over key tiles lo, lo + BLOCK_N, ...
     (n_tiles of them), with the intra-warpgroup overlap of the module docstring.
 
     The plain kernel refills a freed K/V buffer itself (k_desc, v_desc, b, h_kv); ping-pong consumer WG of WGS
     (PINGPONG) instead waits for its turn before issuing products and passes it to consumer WG + 1 (round the ring)
-    after (`_wait_turn`, `_pass_turn`), and releases each freed buffer to the producer (empty_bar): with two slots K's
-    as soon as S has read it (slot) and V's after P V (NBUF + slot), so that the next K tile loads while this tile's
-    P V and softmax run; with more, both after P V (slot; `v_free_barriers`). The arguments the other kind uses are
-    None. `streamed`: the key tiles this program streamed through its ring before (0, or a persistent program's
-    earlier query tiles), which fix each buffer's slot and each barrier's phase."""
+    after, and hands each freed buffer back to the producer (`named_barriers`): with two slots K's as soon as S has
+    read it (slot barrier `slot`) and V's after P V (NBUF + slot), so that the next K tile loads while this tile's
+    P V and softmax run; with more, both after P V (`slot`; `v_free_barriers`). The arguments the other kind uses
+    are None. `streamed`: the key tiles this program streamed through its ring before (0, or a persistent program's
+    earlier query tiles), which fix each buffer's slot and each load barrier's phase."""
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout(HEAD_DIM), k_width=2)
     dtype: gl.constexpr = k_smem.dtype
@@ -113,15 +85,15 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
         # Tile 0: S and its softmax; nothing to overlap yet.
         first = streamed % NBUF
         if PINGPONG:
-            _wait_turn(WG)
+            wait_turn(WG)
         mbarrier.wait(k_bar.index(first), (streamed // NBUF) & 1)
         s = warpgroup_mma(q, smem_tile(k_smem.index(first), BLOCK_N, HEAD_DIM).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
         if PINGPONG:
-            _pass_turn(WG, WGS)
+            pass_turn(WG, WGS)
         s = warpgroup_mma_wait(0, deps=[s])
         if PINGPONG and V_FREE > 0:
-            mbarrier.arrive(empty_bar.index(first))
+            release_slot(first, WGS)
         s = masked_scores(s, offs_m, lo, n_k, right_offset, left_offset, full_lo, full_hi, BLOCK_N, BOUND_RIGHT,
                            BOUND_LEFT)
         p, m_i, alpha, l_i = softmax_step(s, m_i, l_i, qk_scale, dtype, p_layout)
@@ -129,38 +101,38 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
             slot = (streamed + t) % NBUF
             prev = (streamed + t - 1) % NBUF
             if PINGPONG:
-                _wait_turn(WG)
+                wait_turn(WG)
             mbarrier.wait(k_bar.index(slot), ((streamed + t) // NBUF) & 1)
             s_tok = warpgroup_mma(q, smem_tile(k_smem.index(slot), BLOCK_N, HEAD_DIM).permute((1, 0)), s_zero,
                                   use_acc=False, is_async=True)
             mbarrier.wait(v_bar.index(prev), ((streamed + t - 1) // NBUF) & 1)
             acc_tok = warpgroup_mma(p, smem_tile(v_smem.index(prev), BLOCK_N, HEAD_DIM), acc, is_async=True)
             if PINGPONG:
-                _pass_turn(WG, WGS)
+                pass_turn(WG, WGS)
             s = warpgroup_mma_wait(1, deps=[s_tok])  # S_t is done; P_{t-1} V_{t-1} may still run
             if PINGPONG and V_FREE > 0:
-                mbarrier.arrive(empty_bar.index(slot))
+                release_slot(slot, WGS)
             p, m_i, alpha, l_i = masked_softmax_step(s, m_i, l_i, qk_scale, dtype, p_layout, offs_m, lo + t * BLOCK_N,
                                                      n_k, right_offset, left_offset, full_lo, full_hi, BLOCK_N,
                                                      BOUND_RIGHT, BOUND_LEFT)
             acc = warpgroup_mma_wait(0, deps=[acc_tok])
             # Buffer `prev` is free: this warpgroup's wait above covers every product of its own that read it.
             if PINGPONG:
-                mbarrier.arrive(empty_bar.index(V_FREE + prev))
+                release_slot(V_FREE + prev, WGS)
             else:
                 load_pair(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, lo + (t - 1 + NBUF) * BLOCK_N, prev,
                            t - 1 + NBUF < n_tiles)
             acc = acc * row_broadcast(alpha, acc)
         last = (streamed + n_tiles - 1) % NBUF
         if PINGPONG:
-            _wait_turn(WG)
+            wait_turn(WG)
         mbarrier.wait(v_bar.index(last), ((streamed + n_tiles - 1) // NBUF) & 1)
         acc = warpgroup_mma(p, smem_tile(v_smem.index(last), BLOCK_N, HEAD_DIM), acc, is_async=True)
         if PINGPONG:
-            _pass_turn(WG, WGS)
+            pass_turn(WG, WGS)
         acc = warpgroup_mma_wait(0, deps=[acc])
         if PINGPONG:
-            mbarrier.arrive(empty_bar.index(V_FREE + last))
+            release_slot(V_FREE + last, WGS)
     return acc, m_i, l_i
 
 
@@ -208,8 +180,8 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, L, n_bh, n_heads, kv_group
     offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout(BLOCK_N)))
     mbarrier.wait(q_bar, 0)
     acc, m_i, l_i = _attend(smem_tile(q_box, BLOCK_M, HEAD_DIM), offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo,
-                            full_lo, full_hi, n_k, right_offset, left_offset, qk_scale, k_desc, v_desc, b, h_kv, None,
-                            0, 0, BLOCK_M, HEAD_DIM, BLOCK_N, NBUF, BOUND_RIGHT, BOUND_LEFT, False)
+                            full_lo, full_hi, n_k, right_offset, left_offset, qk_scale, k_desc, v_desc, b, h_kv, 0, 0,
+                            BLOCK_M, HEAD_DIM, BLOCK_N, NBUF, BOUND_RIGHT, BOUND_LEFT, False)
 
     invalidate_barriers(q_bar, k_bar, v_bar, NBUF)
     _store_out(acc, m_i, l_i, offs_m, L + bh.to(gl.int64) * n_q, n_q, o_desc, b, h, start_m, q_box, BLOCK_M,
@@ -217,23 +189,25 @@ def attention_forward(q_desc, k_desc, v_desc, o_desc, L, n_bh, n_heads, kv_group
 
 
 @gluon.jit
-def _produce_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, empty_bar, b, h_kv, row, g, NBUF: gl.constexpr):
+def _produce_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, row, g, NBUF: gl.constexpr,
+                     WGS: gl.constexpr):
     """A ping-pong producer's copy of the K and V tiles at `row`, the g-th tile it streams, into buffer g % NBUF:
-    each once every consumer has handed back the tile that slot held (tile g - NBUF, where there was one), K's and
-    V's apart with two slots (`v_free_barriers`)."""
+    each once all WGS consumers have handed back the tile that slot held (tile g - NBUF, where there was one;
+    `named_barriers`), K's and V's apart with two slots (`v_free_barriers`)."""
     V_FREE: gl.constexpr = v_free_barriers(NBUF)
     slot = g % NBUF
-    phase = ((g // NBUF) - 1) & 1
     reused = g >= NBUF
-    mbarrier.wait(empty_bar.index(slot), phase, pred=reused)
+    if reused:
+        wait_for_slot(slot, WGS)
     load_tile(k_desc, k_smem, k_bar, b, h_kv, row, slot, True)
     if V_FREE > 0:
-        mbarrier.wait(empty_bar.index(V_FREE + slot), phase, pred=reused)
+        if reused:
+            wait_for_slot(V_FREE + slot, WGS)
     load_tile(v_desc, v_smem, v_bar, b, h_kv, row, slot, True)
 
 
 @gluon.jit
-def _pingpong_producer(q_desc, k_desc, v_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar, b, h, h_kv,
+def _pingpong_producer(q_desc, k_desc, v_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, b, h, h_kv,
                        start_m, lo, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr,
                        WGS: gl.constexpr):
     """One warp: every consumer's queries, then K tile t into buffer t % NBUF once all WGS consumers' S products
@@ -244,27 +218,28 @@ def _pingpong_producer(q_desc, k_desc, v_desc, q_smem, q_bar, k_smem, v_smem, k_
         mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
         tma_load(q_desc, [b, h, start_m + wg * WG_M, 0], q_bar.index(wg), q_smem.index(wg))
     for t in range(n_tiles):
-        _produce_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, empty_bar, b, h_kv, lo + t * BLOCK_N, t, NBUF)
+        _produce_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, lo + t * BLOCK_N, t, NBUF,
+                         WGS)
 
 
 @gluon.jit
-def _pingpong_consumer(o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar, b, h, n_q, n_k,
+def _pingpong_consumer(o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, b, h, n_q, n_k,
                        start_m, lo, full_lo, full_hi, n_tiles, right_offset, left_offset, qk_scale, WG: gl.constexpr,
                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr,
                        BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr, WGS: gl.constexpr):
     """Consumer warpgroup WG of WGS: query rows start_m + WG * BLOCK_M // WGS on. Every consumer runs every key
     tile of the program's range (a tile its rows do not see is masked for them), so they take the same number of
-    turns at issuing products, round the ring (`_pass_turn`)."""
+    turns at issuing products, round the ring (`named_barriers`)."""
     WG_M: gl.constexpr = BLOCK_M // WGS
     my_m = start_m + WG * WG_M
     q_box = q_smem.index(WG)
     offs_m = my_m + gl.arange(0, WG_M, layout=gl.SliceLayout(1, mma_layout(BLOCK_N)))
     if WG == 0:
-        _pass_turn(WGS - 1, WGS)
+        pass_turn(WGS - 1, WGS)
     mbarrier.wait(q_bar.index(WG), 0)  # always: the query box is the output's staging buffer
     acc, m_i, l_i = _attend(smem_tile(q_box, WG_M, HEAD_DIM), offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo,
                             full_lo, full_hi, n_k, right_offset, left_offset, qk_scale, None, None, None, None,
-                            empty_bar, 0, WG, WG_M, HEAD_DIM, BLOCK_N, NBUF, BOUND_RIGHT, BOUND_LEFT, True, WGS)
+                            0, WG, WG_M, HEAD_DIM, BLOCK_N, NBUF, BOUND_RIGHT, BOUND_LEFT, True, WGS)
     _store_out(acc, m_i, l_i, offs_m, L, n_q, o_desc, b, h, my_m, q_box, WG_M, HEAD_DIM)
 
 
@@ -279,45 +254,32 @@ def _query_boxes(persistent):
 @gluon.jit
 def _pingpong_buffers(q_desc, k_desc, v_desc, o_desc, WG_M: gl.constexpr, HEAD_DIM: gl.constexpr,
                       BLOCK_N: gl.constexpr, NBUF: gl.constexpr, PERSISTENT: gl.constexpr, WGS: gl.constexpr):
-    """The ping-pong kernels' shared memory and barriers, initialised: (query boxes (warpgroup h's at h * QBUF + slot,
-    `_query_boxes`), K ring, V ring, query barriers (likewise), K, V and slot-free barriers: slot i's (K's with two
-    slots) at i, with two slots V slot i's at NBUF + i, `v_free_barriers`), and with PERSISTENT after them O's own
-    staging boxes and the query-box-free barriers (the ping-pong kernel stores O through the query box and loads its
-    queries once). The consumers' turns need no memory (`_pass_turn`).
-
-    Their own K/V ring, not `stream_buffers`: the slots' free barriers are initialised in the same loop, and moving
-    them after the ring's reorders the prologue (Triton 3.6 then adds a bar.sync)."""
+    """The ping-pong kernels' shared memory and mbarriers, initialised: (query boxes (warpgroup h's at h * QBUF +
+    slot, `_query_boxes`), K ring, V ring, query barriers (likewise), K and V load barriers), and with PERSISTENT
+    after them O's own staging boxes and the query-box-free barriers (the ping-pong kernel stores O through the
+    query box and loads its queries once). The consumers' turns and the slots they hand back are named barriers,
+    which take no memory (`named_barriers`)."""
     gl.static_assert(WGS == 2 or WGS == 3, "the ping-pong kernels take two or three consumer warpgroups")
+    gl.static_assert(slot_barriers_fit(v_free_barriers(NBUF) + NBUF), "more K/V slots than named barriers")
     dtype: gl.constexpr = q_desc.dtype
     QBUF: gl.constexpr = _query_boxes(PERSISTENT)
     q_smem = gl.allocate_shared_memory(dtype, [WGS * QBUF, 1, 1, WG_M, HEAD_DIM], q_desc.layout)
     if PERSISTENT:
         o_smem = gl.allocate_shared_memory(dtype, [WGS, 1, 1, WG_M, HEAD_DIM], o_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NBUF, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    k_smem, v_smem, k_bar, v_bar = stream_buffers(k_desc, v_desc, BLOCK_N, HEAD_DIM, NBUF)
     q_bar = gl.allocate_shared_memory(gl.int64, [WGS * QBUF, 1], mbarrier.MBarrierLayout())
     if PERSISTENT:
         q_empty = gl.allocate_shared_memory(gl.int64, [WGS * QBUF, 1], mbarrier.MBarrierLayout())
-    k_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    v_bar = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    V_FREE: gl.constexpr = v_free_barriers(NBUF)
-    empty_bar = gl.allocate_shared_memory(gl.int64, [V_FREE + NBUF, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(WGS):
         for slot in gl.static_range(QBUF):
             mbarrier.init(q_bar.index(i * QBUF + slot), count=1)
             if PERSISTENT:
                 mbarrier.init(q_empty.index(i * QBUF + slot), count=1)
-    for i in gl.static_range(NBUF):
-        mbarrier.init(k_bar.index(i), count=1)
-        mbarrier.init(v_bar.index(i), count=1)
-        mbarrier.init(empty_bar.index(i), count=WGS)
-        if V_FREE > 0:
-            mbarrier.init(empty_bar.index(V_FREE + i), count=WGS)
     fence_async_shared()
     if PERSISTENT:
-        return q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar, o_smem, q_empty
+        return q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, o_smem, q_empty
     else:
-        return q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar
+        return q_smem, k_smem, v_smem, q_bar, k_bar, v_bar
 
 
 @gluon.jit
@@ -333,38 +295,38 @@ def attention_forward_pingpong(q_desc, k_desc, v_desc, o_desc, L, n_bh, n_heads,
         n_bh, n_heads, kv_group, n_q, n_k, window_left, window_right, BLOCK_M, BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
     L = L + bh.to(gl.int64) * n_q
-    q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar = _pingpong_buffers(
+    q_smem, k_smem, v_smem, q_bar, k_bar, v_bar = _pingpong_buffers(
         q_desc, k_desc, v_desc, o_desc, WG_M, HEAD_DIM, BLOCK_N, NBUF, False, WGS)
     # The argument tuples are written out in each call: a tuple bound to a name first passes its constexprs on
     # wrapped twice (Triton 3.6), and arithmetic on them then fails.
     if WGS == 2:
-        gl.warp_specialize([(_pingpong_consumer, (o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar,
+        gl.warp_specialize([(_pingpong_consumer, (o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
                                                   b, h, n_q, n_k, start_m, lo, full_lo, full_hi, n_tiles,
                                                   right_offset, left_offset, qk_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
                                                   BOUND_RIGHT, BOUND_LEFT, NBUF, WGS)),
-                            (_pingpong_consumer, (o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar,
+                            (_pingpong_consumer, (o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
                                                   b, h, n_q, n_k, start_m, lo, full_lo, full_hi, n_tiles,
                                                   right_offset, left_offset, qk_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
                                                   BOUND_RIGHT, BOUND_LEFT, NBUF, WGS)),
                             (_pingpong_producer, (q_desc, k_desc, v_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
-                                                  empty_bar, b, h, h_kv, start_m, lo, n_tiles, BLOCK_M, BLOCK_N, NBUF,
+                                                  b, h, h_kv, start_m, lo, n_tiles, BLOCK_M, BLOCK_N, NBUF,
                                                   WGS))],
                            [4, 1], [CONSUMER_REGS, 24])
     else:
-        gl.warp_specialize([(_pingpong_consumer, (o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar,
+        gl.warp_specialize([(_pingpong_consumer, (o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
                                                   b, h, n_q, n_k, start_m, lo, full_lo, full_hi, n_tiles,
                                                   right_offset, left_offset, qk_scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
                                                   BOUND_RIGHT, BOUND_LEFT, NBUF, WGS)),
-                            (_pingpong_consumer, (o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar,
+                            (_pingpong_consumer, (o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
                                                   b, h, n_q, n_k, start_m, lo, full_lo, full_hi, n_tiles,
                                                   right_offset, left_offset, qk_scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
                                                   BOUND_RIGHT, BOUND_LEFT, NBUF, WGS)),
-                            (_pingpong_consumer, (o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar, empty_bar,
+                            (_pingpong_consumer, (o_desc, L, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
                                                   b, h, n_q, n_k, start_m, lo, full_lo, full_hi, n_tiles,
                                                   right_offset, left_offset, qk_scale, 2, HEAD_DIM, BLOCK_M, BLOCK_N,
                                                   BOUND_RIGHT, BOUND_LEFT, NBUF, WGS)),
                             (_pingpong_producer, (q_desc, k_desc, v_desc, q_smem, q_bar, k_smem, v_smem, k_bar, v_bar,
-                                                  empty_bar, b, h, h_kv, start_m, lo, n_tiles, BLOCK_M, BLOCK_N, NBUF,
+                                                  b, h, h_kv, start_m, lo, n_tiles, BLOCK_M, BLOCK_N, NBUF,
                                                   WGS))],
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
@@ -400,7 +362,7 @@ def _persistent_steps(n_m_tiles, n_bh):
 
 
 @gluon.jit
-def _persistent_producer(q_desc, k_desc, v_desc, q_smem, q_bar, q_empty, k_smem, v_smem, k_bar, v_bar, empty_bar,
+def _persistent_producer(q_desc, k_desc, v_desc, q_smem, q_bar, q_empty, k_smem, v_smem, k_bar, v_bar,
                          n_bh, n_heads, kv_group, n_q, n_k, window_left, window_right, n_m_tiles,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr,
                          BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr, WGS: gl.constexpr):
@@ -424,14 +386,14 @@ def _persistent_producer(q_desc, k_desc, v_desc, q_smem, q_bar, q_empty, k_smem,
                 tma_load(q_desc, [b, h, start_m + wg * WG_M, 0], q_bar.index(box), q_smem.index(box))
             n_tiles = gl.cdiv(hi - lo, BLOCK_N)
             for t in range(n_tiles):
-                _produce_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, empty_bar, b, h_kv, lo + t * BLOCK_N,
-                                 streamed + t, NBUF)
+                _produce_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, lo + t * BLOCK_N,
+                                 streamed + t, NBUF, WGS)
             streamed += n_tiles
             i += 1
 
 
 @gluon.jit
-def _persistent_consumer(o_desc, L, q_smem, q_bar, q_empty, o_smem, k_smem, v_smem, k_bar, v_bar, empty_bar,
+def _persistent_consumer(o_desc, L, q_smem, q_bar, q_empty, o_smem, k_smem, v_smem, k_bar, v_bar,
                          n_bh, n_heads, kv_group, n_q, n_k, window_left, window_right, n_m_tiles, qk_scale,
                          WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr, WGS: gl.constexpr):
@@ -445,7 +407,7 @@ def _persistent_consumer(o_desc, L, q_smem, q_bar, q_empty, o_smem, k_smem, v_sm
     streamed = 0
     i = 0
     if WG == 0:
-        _pass_turn(WGS - 1, WGS)
+        pass_turn(WGS - 1, WGS)
     for j in range(_persistent_steps(n_m_tiles, n_bh)):
         valid, bh, b, h, _, start_m, right_offset, left_offset, lo, full_lo, full_hi, hi = _persistent_tile(
             j, n_m_tiles, n_heads, kv_group, n_q, n_k, window_left, window_right, BLOCK_M, BLOCK_N, BOUND_RIGHT,
@@ -458,7 +420,7 @@ def _persistent_consumer(o_desc, L, q_smem, q_bar, q_empty, o_smem, k_smem, v_sm
             mbarrier.wait(q_bar.index(box), (i // QBUF) & 1)
             acc, m_i, l_i = _attend(smem_tile(q_smem.index(box), WG_M, HEAD_DIM), offs_m, k_smem, v_smem, k_bar, v_bar,
                                     n_tiles, lo, full_lo, full_hi, n_k, right_offset, left_offset, qk_scale, None,
-                                    None, None, None, empty_bar, streamed, WG, WG_M, HEAD_DIM, BLOCK_N, NBUF,
+                                    None, None, None, streamed, WG, WG_M, HEAD_DIM, BLOCK_N, NBUF,
                                     BOUND_RIGHT, BOUND_LEFT, True, WGS)
             mbarrier.arrive(q_empty.index(box))  # every product that read the queries has completed
             tma.store_wait(0)  # the last tile's output has left the staging box
@@ -482,37 +444,37 @@ def attention_forward_persistent(q_desc, k_desc, v_desc, o_desc, L, n_bh, n_head
     shared memory at D 128 with two 128-row K/V buffers)."""
     WG_M: gl.constexpr = BLOCK_M // WGS
     n_m_tiles = gl.cdiv(n_q, BLOCK_M)
-    q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar, o_smem, q_empty = _pingpong_buffers(
+    q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, o_smem, q_empty = _pingpong_buffers(
         q_desc, k_desc, v_desc, o_desc, WG_M, HEAD_DIM, BLOCK_N, NBUF, True, WGS)
     if WGS == 2:
         gl.warp_specialize([(_persistent_consumer, (o_desc, L, q_smem, q_bar, q_empty, o_smem, k_smem, v_smem, k_bar,
-                                                    v_bar, empty_bar, n_bh, n_heads, kv_group, n_q, n_k,
+                                                    v_bar, n_bh, n_heads, kv_group, n_q, n_k,
                                                     window_left, window_right, n_m_tiles, qk_scale, 0, HEAD_DIM,
                                                     BLOCK_M, BLOCK_N, BOUND_RIGHT, BOUND_LEFT, NBUF, WGS)),
                             (_persistent_consumer, (o_desc, L, q_smem, q_bar, q_empty, o_smem, k_smem, v_smem, k_bar,
-                                                    v_bar, empty_bar, n_bh, n_heads, kv_group, n_q, n_k,
+                                                    v_bar, n_bh, n_heads, kv_group, n_q, n_k,
                                                     window_left, window_right, n_m_tiles, qk_scale, 1, HEAD_DIM,
                                                     BLOCK_M, BLOCK_N, BOUND_RIGHT, BOUND_LEFT, NBUF, WGS)),
                             (_persistent_producer, (q_desc, k_desc, v_desc, q_smem, q_bar, q_empty, k_smem, v_smem,
-                                                    k_bar, v_bar, empty_bar, n_bh, n_heads, kv_group, n_q, n_k,
+                                                    k_bar, v_bar, n_bh, n_heads, kv_group, n_q, n_k,
                                                     window_left, window_right, n_m_tiles, BLOCK_M, BLOCK_N,
                                                     BOUND_RIGHT, BOUND_LEFT, NBUF, WGS))],
                            [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([(_persistent_consumer, (o_desc, L, q_smem, q_bar, q_empty, o_smem, k_smem, v_smem, k_bar,
-                                                    v_bar, empty_bar, n_bh, n_heads, kv_group, n_q, n_k,
+                                                    v_bar, n_bh, n_heads, kv_group, n_q, n_k,
                                                     window_left, window_right, n_m_tiles, qk_scale, 0, HEAD_DIM,
                                                     BLOCK_M, BLOCK_N, BOUND_RIGHT, BOUND_LEFT, NBUF, WGS)),
                             (_persistent_consumer, (o_desc, L, q_smem, q_bar, q_empty, o_smem, k_smem, v_smem, k_bar,
-                                                    v_bar, empty_bar, n_bh, n_heads, kv_group, n_q, n_k,
+                                                    v_bar, n_bh, n_heads, kv_group, n_q, n_k,
                                                     window_left, window_right, n_m_tiles, qk_scale, 1, HEAD_DIM,
                                                     BLOCK_M, BLOCK_N, BOUND_RIGHT, BOUND_LEFT, NBUF, WGS)),
                             (_persistent_consumer, (o_desc, L, q_smem, q_bar, q_empty, o_smem, k_smem, v_smem, k_bar,
-                                                    v_bar, empty_bar, n_bh, n_heads, kv_group, n_q, n_k,
+                                                    v_bar, n_bh, n_heads, kv_group, n_q, n_k,
                                                     window_left, window_right, n_m_tiles, qk_scale, 2, HEAD_DIM,
                                                     BLOCK_M, BLOCK_N, BOUND_RIGHT, BOUND_LEFT, NBUF, WGS)),
                             (_persistent_producer, (q_desc, k_desc, v_desc, q_smem, q_bar, q_empty, k_smem, v_smem,
-                                                    k_bar, v_bar, empty_bar, n_bh, n_heads, kv_group, n_q, n_k,
+                                                    k_bar, v_bar, n_bh, n_heads, kv_group, n_q, n_k,
                                                     window_left, window_right, n_m_tiles, BLOCK_M, BLOCK_N,
                                                     BOUND_RIGHT, BOUND_LEFT, NBUF, WGS))],
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
