@@ -5,8 +5,7 @@ the K/V slots they hand back to the producer warp.
 A named barrier completes once its count of threads has come, some arriving (which does not block) and some
 syncing (which waits for the completion), and then starts over. Passing a turn or a slot is one `bar.arrive` by
 every thread of the warpgroup. An mbarrier took, to pass, a barrier over the warpgroup before one thread's arrive,
-and to wait, a spin on its phase; Triton also puts a barrier over the warpgroup between an mbarrier arrive and the
-next wait. A barrier that completes and starts over has no phase to track: an arrival for round r + 1 cannot come
+and to wait, a spin on its phase. A barrier that completes and starts over has no phase to track: an arrival for round r + 1 cannot come
 before round r completes, because whoever arrives waits in between for something that round r's syncing side does
 after it.
 
