@@ -218,8 +218,7 @@ def _pingpong_producer(q_desc, k_desc, v_desc, q_smem, q_bar, k_smem, v_smem, k_
         mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
         tma_load(q_desc, [b, h, start_m + wg * WG_M, 0], q_bar.index(wg), q_smem.index(wg))
     for t in range(n_tiles):
-        _produce_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, lo + t * BLOCK_N, t, NBUF,
-                         WGS)
+        _produce_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, b, h_kv, lo + t * BLOCK_N, t, NBUF, WGS)
 
 
 @gluon.jit
