@@ -5,9 +5,9 @@ the K/V slots they hand back to the producer warp.
 A named barrier completes once its count of threads has come, some arriving (which does not block) and some
 syncing (which waits for the completion), and then starts over. Passing a turn or a slot is one `bar.arrive` by
 every thread of the warpgroup. An mbarrier took, to pass, a barrier over the warpgroup before one thread's arrive,
-and to wait, a spin on its phase. A barrier that completes and starts over has no phase to track: an arrival for round r + 1 cannot come
-before round r completes, because whoever arrives waits in between for something that round r's syncing side does
-after it.
+and to wait, a spin on its phase. A barrier that completes and starts over has no phase to track: an arrival for
+round r + 1 cannot come before round r completes, because whoever arrives waits in between for something that round
+r's syncing side does after it.
 
 Ids: Triton numbers the named barriers of its warp partitions from 0 (0-4 in these kernels); the turns take
 FIRST_ID.., the slots the ids after them, up to sm_90's 16. `tests/ops/kernel_compile.verdict` fails a kernel in
