@@ -169,35 +169,44 @@ def _column_folds(cols):
 
 
 @gluon.jit
-def softmax_step(s, m_i, l_i, qk_scale, P_DTYPE: gl.constexpr, P_LAYOUT: gl.constexpr):
+def softmax_step(s, m_i, l_i, qk_scale, P_DTYPE: gl.constexpr, P_LAYOUT: gl.constexpr, P_AS_OPERAND: gl.constexpr):
     """(P, new row max, alpha, new row sum) after one key tile, scores in log2 units after qk_scale. A row that has
     seen no key yet keeps m = -inf; its exponentials subtract 0 instead, so nothing is NaN.
 
-    P comes back as the P V product's operand (P_DTYPE, 16-bit, in P_LAYOUT), not as float32: the forward keeps P
-    from one tile's softmax to its P V product at the next tile, and a float32 P took 64 registers a thread there
-    (128-column tiles) where the operand takes 32; with three consumer warpgroups (160 registers) that spilled
-    2 KB a thread. The row sum is taken in float32 before the conversion, as before."""
+    P_AS_OPERAND: P comes back as the P V product's operand (P_DTYPE, 16-bit, in P_LAYOUT), otherwise in float32
+    (`pv_operand` converts it where the product is issued). The forward keeps P from one tile's softmax to its P V
+    product at the next tile: a float32 P takes 64 registers a thread there (128-column tiles), the operand 32. With
+    three consumer warpgroups (160 registers) float32 spilled 2 KB a thread; with two (240) converting at the issue
+    was 2-3% faster at D 128. The row sum is taken in float32 either way."""
     m_new = gl.maximum(m_i, row_max(s) * qk_scale)
     m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
     p = gl.exp2(scaled_scores(s, qk_scale, m_sub[:, None], SUBTRACT=True))
     alpha = gl.exp2(m_i - m_sub)
     l_new = l_i * alpha + gl.sum(p, 1)
-    return gl.convert_layout(p.to(P_DTYPE), P_LAYOUT), m_new, alpha, l_new
+    if P_AS_OPERAND:
+        p = pv_operand(p, P_DTYPE, P_LAYOUT)
+    return p, m_new, alpha, l_new
 
 
 @gluon.jit
-def masked_softmax_step(s, m_i, l_i, qk_scale, P_DTYPE: gl.constexpr, P_LAYOUT: gl.constexpr, offs_m, kn, n_k,
-                        right_offset, left_offset, lo_full, hi_full, BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr,
-                        BOUND_LEFT: gl.constexpr):
+def pv_operand(p, P_DTYPE: gl.constexpr, P_LAYOUT: gl.constexpr):
+    """P as the P V product's register operand (P_DTYPE in P_LAYOUT); P as it is where it already is one."""
+    return gl.convert_layout(p.to(P_DTYPE), P_LAYOUT)
+
+
+@gluon.jit
+def masked_softmax_step(s, m_i, l_i, qk_scale, P_DTYPE: gl.constexpr, P_LAYOUT: gl.constexpr,
+                        P_AS_OPERAND: gl.constexpr, offs_m, kn, n_k, right_offset, left_offset, lo_full, hi_full,
+                        BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr):
     """`softmax_step` of the key tile starting at kn, masked as `masked_scores` masks it. The softmax is written
     out in both arms of the mask's branch, so that it ends in a basic block of its own: the forward waits for its
     P V product after the softmax, and in the same block ptxas hoists that wait to the block's start, above the row
     max, so the softmax would overlap nothing. `tests/ops/kernel_compile.py` checks the SASS for it."""
     if partly_seen(kn, lo_full, hi_full):
         s = _hide_unseen(s, offs_m, kn, n_k, right_offset, left_offset, BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
-        p, m_new, alpha, l_new = softmax_step(s, m_i, l_i, qk_scale, P_DTYPE, P_LAYOUT)
+        p, m_new, alpha, l_new = softmax_step(s, m_i, l_i, qk_scale, P_DTYPE, P_LAYOUT, P_AS_OPERAND)
     else:
-        p, m_new, alpha, l_new = softmax_step(s, m_i, l_i, qk_scale, P_DTYPE, P_LAYOUT)
+        p, m_new, alpha, l_new = softmax_step(s, m_i, l_i, qk_scale, P_DTYPE, P_LAYOUT, P_AS_OPERAND)
     return p, m_new, alpha, l_new
 
 

@@ -47,6 +47,7 @@ from .common import (
     masked_scores,
     masked_softmax_step,
     mma_layout,
+    pv_operand,
     query_program,
     row_broadcast,
     smem_tile,
@@ -77,6 +78,7 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout(HEAD_DIM), k_width=2)
     dtype: gl.constexpr = k_smem.dtype
     V_FREE: gl.constexpr = v_free_barriers(NBUF)
+    P_AS_OPERAND: gl.constexpr = WGS == 3  # `softmax_step`: P carried in 16 bits where registers are short
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
@@ -96,7 +98,7 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
             release_slot(first, WGS)
         s = masked_scores(s, offs_m, lo, n_k, right_offset, left_offset, full_lo, full_hi, BLOCK_N, BOUND_RIGHT,
                            BOUND_LEFT)
-        p, m_i, alpha, l_i = softmax_step(s, m_i, l_i, qk_scale, dtype, p_layout)
+        p, m_i, alpha, l_i = softmax_step(s, m_i, l_i, qk_scale, dtype, p_layout, P_AS_OPERAND)
         for t in range(1, n_tiles):
             slot = (streamed + t) % NBUF
             prev = (streamed + t - 1) % NBUF
@@ -106,15 +108,16 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
             s_tok = warpgroup_mma(q, smem_tile(k_smem.index(slot), BLOCK_N, HEAD_DIM).permute((1, 0)), s_zero,
                                   use_acc=False, is_async=True)
             mbarrier.wait(v_bar.index(prev), ((streamed + t - 1) // NBUF) & 1)
-            acc_tok = warpgroup_mma(p, smem_tile(v_smem.index(prev), BLOCK_N, HEAD_DIM), acc, is_async=True)
+            acc_tok = warpgroup_mma(pv_operand(p, dtype, p_layout), smem_tile(v_smem.index(prev), BLOCK_N, HEAD_DIM),
+                                    acc, is_async=True)
             if PINGPONG:
                 pass_turn(WG, WGS)
             s = warpgroup_mma_wait(1, deps=[s_tok])  # S_t is done; P_{t-1} V_{t-1} may still run
             if PINGPONG and V_FREE > 0:
                 release_slot(slot, WGS)
-            p, m_i, alpha, l_i = masked_softmax_step(s, m_i, l_i, qk_scale, dtype, p_layout, offs_m, lo + t * BLOCK_N,
-                                                     n_k, right_offset, left_offset, full_lo, full_hi, BLOCK_N,
-                                                     BOUND_RIGHT, BOUND_LEFT)
+            p, m_i, alpha, l_i = masked_softmax_step(s, m_i, l_i, qk_scale, dtype, p_layout, P_AS_OPERAND, offs_m,
+                                                     lo + t * BLOCK_N, n_k, right_offset, left_offset, full_lo,
+                                                     full_hi, BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
             acc = warpgroup_mma_wait(0, deps=[acc_tok])
             # Buffer `prev` is free: this warpgroup's wait above covers every product of its own that read it.
             if PINGPONG:
@@ -127,7 +130,8 @@ def _attend(q, offs_m, k_smem, v_smem, k_bar, v_bar, n_tiles, lo, full_lo, full_
         if PINGPONG:
             wait_turn(WG)
         mbarrier.wait(v_bar.index(last), ((streamed + n_tiles - 1) // NBUF) & 1)
-        acc = warpgroup_mma(p, smem_tile(v_smem.index(last), BLOCK_N, HEAD_DIM), acc, is_async=True)
+        acc = warpgroup_mma(pv_operand(p, dtype, p_layout), smem_tile(v_smem.index(last), BLOCK_N, HEAD_DIM), acc,
+                            is_async=True)
         if PINGPONG:
             pass_turn(WG, WGS)
         acc = warpgroup_mma_wait(0, deps=[acc])
