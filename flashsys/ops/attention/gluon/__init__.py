@@ -2,6 +2,7 @@
 
 - `common`, `compat`: helpers every kernel shares, and the Gluon names that moved between Triton versions.
 - `forward`: three forward kernels (one warpgroup, ping-pong, persistent).
+- `named_barriers`: the ping-pong forward's hand-offs (turns, K/V slots) as named hardware barriers.
 - `backward`: the two-pass backward's dK/dV and dQ kernels.
 - `one_pass`: the whole backward in one pass (FlashAttention-3's layout), deterministic or not.
 - `launch`: kernel configurations (`Variant`), TMA descriptors, launches and their replays.

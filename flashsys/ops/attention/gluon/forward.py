@@ -18,6 +18,7 @@ under the other's products (docs/attention-kernels.md).
 - `attention_forward_pingpong`: warp-specialised. A producer warp issues the TMA copies into a ring of buffers; two
   or three consumer warpgroups of BLOCK_M // WGS query rows share the key tiles and take turns at issuing their
   products (FlashAttention-3's inter-warpgroup ping-pong), so one's softmax runs while the others' products run.
+  The turns and the buffers handed back to the producer are named hardware barriers (`named_barriers`).
 - `attention_forward_persistent`: the ping-pong kernel with one program per SM, each over pairs of query tiles, so
   that one tile's start and end overlap the previous tile's work (best below N 16384 and under causal masks).
 
