@@ -20,15 +20,17 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 FIRST_ID = 8
-_SLOT_IDS: gl.constexpr = gl.constexpr(FIRST_ID + 3)  # after the turns of up to three warpgroups
+TURN_THREADS = 256  # the warpgroup passing a turn and the one taking it
+_SLOT_FIRST = FIRST_ID + 3  # after the turns of up to three warpgroups
+_SLOT_IDS: gl.constexpr = gl.constexpr(_SLOT_FIRST)
 _IDS = 16  # sm_90's named barriers
 
 
 @gluon.constexpr_function
 def _turn_asm(op, wg):
-    """A named-barrier `op` (sync, arrive) on warpgroup wg's turn barrier, 256 threads: the warpgroup passing the
-    turn and the one taking it. Inline asm returns a value, unused."""
-    return f"bar.{op} {FIRST_ID + wg}, 256;\n\tmov.u32 $0, 0;"
+    """A named-barrier `op` (sync, arrive) on warpgroup wg's turn barrier (TURN_THREADS). Inline asm returns a
+    value, unused."""
+    return f"bar.{op} {FIRST_ID + wg}, {TURN_THREADS};\n\tmov.u32 $0, 0;"
 
 
 @gluon.jit
@@ -55,7 +57,7 @@ def _slot_asm(op, wgs):
 @gluon.constexpr_function
 def slot_barriers_fit(n):
     """Whether n slot barriers fit in the named barriers after the turns'."""
-    return FIRST_ID + 3 + n <= _IDS
+    return _SLOT_FIRST + n <= _IDS
 
 
 @gluon.jit
