@@ -16,7 +16,7 @@
 #   bash scripts/gpu_bench_single.sh hf_generate_static   # generation with a static cache (transformers compiles it)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # keeps what the caller put there (FA4)
 nvidia-smi -L | tee "$OUT/device.txt"
 sections=("$@"); [ ${#sections[@]} -eq 0 ] && sections=(tests leaderboard attention end_to_end attention_long attention_b1 attention_small attention_compiled attention_short)
 for s in "${sections[@]}"; do
