@@ -46,22 +46,24 @@ _DTYPES = (torch.float16, torch.bfloat16)
 MIN_WORK = 1 << 34
 ENV = "FLASHSYS_GLUON"
 
-# The forward's candidates per head dim. "persistent" wins most cells below N 16384 and under causal masks; at D 128
-# the 128x128 two-buffer kernels lead since K and V go back to the producer apart.
+# The forward's candidates per head dim. At D 64 FlashAttention-3's and -4's tile, 192 query rows over three consumer
+# warpgroups of 160 registers in the ping-pong kernel, leads at N 16384 and under full masks; "persistent" wins most
+# other cells below N 16384 under causal masks. At D 128 the 128x128 two-buffer kernels lead since K and V go back to
+# the producer apart.
 FORWARD_VARIANTS: dict[int, tuple[Variant, ...]] = {
-    64: (Variant("plain", 64, 128, 3), Variant("plain", 128, 64, 3), Variant("pingpong", 128, 128, 3, 240),
-         Variant("persistent", 128, 128, 3, 240)),
+    64: (Variant("pingpong", 192, 128, 2, 160, warpgroups=3), Variant("pingpong", 192, 128, 3, 160, warpgroups=3),
+         Variant("persistent", 128, 128, 3, 240), Variant("pingpong", 128, 128, 3, 240), Variant("plain", 64, 128, 3),
+         Variant("plain", 128, 64, 3)),
     128: (Variant("persistent", 128, 128, 2, 240), Variant("pingpong", 128, 128, 2, 240),
           Variant("pingpong", 128, 64, 4, 240), Variant("plain", 64, 64, 3), Variant("persistent", 128, 64, 4, 240)),
 }
 # Forward variants on trial: compiled and checked for sm_90 by every CI run (tests/ops/kernel_compile.py), tested
 # against reference math and timed beside the candidates by scripts/forward_variants.py on a GPU, never chosen. One
 # joins FORWARD_VARIANTS once a GPU run shows it correct and fastest in some cell (docs/attention-kernels.md §4).
-# D 64: FlashAttention-3's and -4's tile there, 192 query rows over three consumer warpgroups of 160 registers, in
-# the ping-pong kernel and the persistent one.
+# D 64: the 192-row tile in the persistent kernel, behind its 128-row sibling or the ping-pong kernel in every cell
+# timed so far.
 FORWARD_TRIALS: dict[int, tuple[Variant, ...]] = {
-    64: (Variant("pingpong", 192, 128, 2, 160, warpgroups=3), Variant("pingpong", 192, 128, 3, 160, warpgroups=3),
-         Variant("persistent", 192, 128, 2, 160, warpgroups=3), Variant("persistent", 192, 128, 3, 160, warpgroups=3)),
+    64: (Variant("persistent", 192, 128, 2, 160, warpgroups=3), Variant("persistent", 192, 128, 3, 160, warpgroups=3)),
 }
 # dK/dV ("dkdv": block_m query rows streamed through nbuf buffers, block_n key rows held by block_n // 16 warps).
 # D 128 only: at D 64 the `tl` dK/dV kernel is faster, so the head dim has no table and runs it.
