@@ -16,7 +16,9 @@ Each cell: bf16, --heads query heads over --kv-heads K/V heads (grouped-query at
 over. Every implementation is timed with `do_bench` (eager calls:
 each includes its launch's host path, so keep cells large enough to be GPU-bound) in --rounds interleaved rounds, and
 the median of the rounds' medians is printed with its ratio to cuDNN's and to FA4's, and the largest difference of its
-output from cuDNN's (a variant that computes something else shows here before its time means anything).
+output from cuDNN's (a variant that computes something else shows here before its time means anything). cuDNN and FA4
+get inputs that require grad, as in training and as `benchmarks.attention` times them: so they write the logsumexp
+that every flashsys variant writes (without grad, FA4 compiles a forward that writes none).
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ def _cell(d: int, causal: bool, n: int, batch: int, heads: int, kv_heads: int
     from flashsys.ops.attention.gluon import launch as gluon_launch
 
     g = torch.Generator(device="cuda").manual_seed(n + d)
-    q, k, v = (torch.randn(batch, n, h, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
-               for h in (heads, kv_heads, kv_heads))
+    leaves = [torch.randn(batch, n, h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+              for h in (heads, kv_heads, kv_heads)]
+    q_grad, k_grad, v_grad = (t.transpose(1, 2) for t in leaves)  # the baselines' inputs
+    q, k, v = (t.detach() for t in (q_grad, k_grad, v_grad))  # the same memory, for the kernels launched directly
     window, scale = ((-1, 0) if causal else (-1, -1)), d ** -0.5
     o = torch.empty(batch, heads, n, d, device="cuda", dtype=torch.bfloat16)
     lse = torch.empty(batch, heads, n, device="cuda", dtype=torch.float32)
@@ -71,7 +75,7 @@ def _cell(d: int, causal: bool, n: int, batch: int, heads: int, kv_heads: int
     for name in ("sdpa-cudnn", "fa4"):
         backend = ATTENTION_BACKENDS[name]
         if backend.unavailable_reason(q.device) is None:
-            calls[name] = lambda backend=backend: backend(q, k, v, causal, scale)
+            calls[name] = lambda backend=backend: backend(q_grad, k_grad, v_grad, causal, scale).detach()
         else:
             print(f"  {name}: {backend.unavailable_reason(q.device)}")
     return calls
