@@ -10,8 +10,9 @@ move with any edit), and compares two such dumps:
     python scripts/kernel_ptx.py dump /tmp/after --group "D 128 one_pass"    # one group (kernel_compile --list)
 
 `dump` also prints each kernel's shared memory, its registers and spills from Triton's bundled ptxas (for the
-ping-pong kernels the launch's count; `setmaxnreg` then moves registers from the producer to the consumers), and the
-warpgroup barriers, local loads and the instruction mix (FP32, MUFU, tensor-core) in its SASS.
+ping-pong kernels the launch's count; `setmaxnreg` then moves registers from the producer to the consumers), the
+warpgroup barriers, local loads and the instruction mix (FP32, MUFU, tensor-core) in its SASS, and the local loads
+and stores inside each tile loop (`tile_loop_local_memory`: the spills that cost every tile).
 Each kernel is `identical`, `reordered` (the same instructions, registers renamed, in another order: read the diff
 to see that the order does not matter, e.g. barrier initialisations before a fence; register names are erased, so
 swapped operands read as reordered too) or `differs` (lines changed). The exit status is 0 where every kernel is
@@ -77,6 +78,24 @@ def _sass_counts(sass: str) -> str:
     return f"{sass.count('BAR.SYNC')} BAR.SYNC, {sass.count('LDL')} LDL" + (f", {mix}" if mix else "") + " in its SASS"
 
 
+def tile_loop_local_memory(sass: str) -> list[tuple[int, int]]:
+    """(local loads, local stores) in each tile loop of a kernel's SASS: each innermost loop (a branch back to a label
+    above it) that issues tensor-core products. A spill there costs every tile, where the whole kernel's count
+    (`_sass_counts`) mixes it with the prologue's and the epilogue's."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\w+):\s*$", line))}
+    loops = {(labels[m.group(1)], i) for i, line in enumerate(lines)
+             if (m := re.search(r"\bBRA\s+(\w+)\s*;", line)) and labels.get(m.group(1), i) < i}
+    products = [loop for loop in loops if any("HGMMA" in line for line in lines[loop[0]:loop[1]])]
+    innermost = sorted(loop for loop in products
+                       if not any(other != loop and loop[0] <= other[0] and other[1] <= loop[1] for other in products))
+
+    def count(op: str, first: int, last: int) -> int:
+        return sum(1 for line in lines[first:last + 1] if re.search(rf"\b{op}\b", line))
+
+    return [(count("LDL", *loop), count("STL", *loop)) for loop in innermost]
+
+
 def dump(out: Path, group: str | None = None) -> int:
     import triton
 
@@ -94,8 +113,9 @@ def dump(out: Path, group: str | None = None) -> int:
             print(f"{name}: {type(kernel).__name__}: {str(kernel)[-500:]}")
             continue
         write_ptx(out / f"{name}.ptx", kernel.asm["ptx"])
+        loops = ", ".join(f"{loads}/{stores}" for loads, stores in tile_loop_local_memory(kernel.asm["sass"]))
         print(f"{name}: {kernel.metadata.shared} bytes of shared memory, {_ptxas_usage(out / f'{name}.ptx')}, "
-              f"{_sass_counts(kernel.asm['sass'])}")
+              f"{_sass_counts(kernel.asm['sass'])}; local loads/stores in its tile loops: {loops or 'no tile loop'}")
     print(f"triton {triton.__version__}: {failed} failed to compile")
     return 1 if failed else 0
 

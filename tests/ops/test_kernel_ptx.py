@@ -93,3 +93,27 @@ def test_sass_counts_give_the_instruction_mix_of_tritons_disassembly():
                       "0x000fe20000000f00\t@!P1 FFMA.FTZ R7, R8, R9, R10 ;", "0x000fe20000000f00\tHGMMA.64x64x16 R24 ;",
                       "0x000fe20000000f00\tBAR.SYNC.DEFER_BLOCKING 0x2, 0x80 ;"])
     assert kernel_ptx._sass_counts(sass) == "1 BAR.SYNC, 0 LDL, FFMA 2, MUFU 1, HGMMA 1 in its SASS"
+
+
+def test_tile_loop_local_memory_counts_only_the_innermost_loops_that_issue_products():
+    """Spills in a tile loop cost every tile; the prologue's, an outer loop's and a loop without tensor-core products
+    (the producer's, the writer's) are left out."""
+    sass = "\n".join([
+        "--:-:-:-:1\tSTL [R1+0x10], R2;",  # prologue
+        "LBB0:",  # outer loop (tiles of a persistent program)
+        "--:-:-:-:1\tLDL R3, [R1+0x10];",
+        "LBB1:",  # the tile loop
+        "--:-:-:-:1\tLDL.64 R4, [R1+0x18];",
+        "--:-:-:-:1\tHGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24;",
+        "--:-:-:-:1\tSTL.64 [R1+0x20], R6;",
+        "--:-:-:-:1\tLDL.LU R7, [R1+0x24];",
+        "--:-:-:-:5\t@!P0 BRA LBB1;",
+        "--:-:-:-:5\t@P1 BRA LBB0;",
+        "LBB2:",  # a loop without products
+        "--:-:-:-:1\tLDL R8, [R1+0x28];",
+        "--:-:-:-:5\t@!P2 BRA LBB2;",
+        "--:-:-:-:5\tBRA LBB3;",  # a forward branch is no loop
+        "LBB3:",
+    ])
+    assert kernel_ptx.tile_loop_local_memory(sass) == [(2, 1)]
+    assert kernel_ptx.tile_loop_local_memory(sass.replace("HGMMA", "FFMA")) == []
