@@ -7,8 +7,7 @@
 #   bash scripts/gpu_bench_single.sh host_cost mfu attention_features     # host cost, MFU, GQA/window/varlen
 #   E2E_PRESETS=small bash scripts/gpu_bench_single.sh end_to_end_compare   # one preset per call: both presets'
 #   E2E_PRESETS=medium bash scripts/gpu_bench_single.sh end_to_end_compare  # 8 cells ran past 550 s on an H100
-#   bash scripts/gpu_bench_single.sh attention_fa4        # beside FlashAttention-4 (importable: ../shared/tools/fa4_payload.sh);
-#                                                         # a call of its own (~400 s on a fresh H200)
+#   bash scripts/gpu_bench_single.sh attention_fa4        # beside FlashAttention-4 (importable: ../shared/tools/fa4_payload.sh); a call of its own
 #   bash scripts/gpu_bench_single.sh forward_trials       # the forward variants on trial: GPU tests, then timed (D 64)
 #   E2E_PRESETS=small bash scripts/gpu_bench_single.sh end_to_end_compiled   # one preset a call (small: ~300 s on an H200)
 #   E2E_PRESETS=medium E2E_CONTEXTS=512 bash scripts/gpu_bench_single.sh end_to_end_cudagraphs   # compiled vs CUDA graphs
