@@ -48,8 +48,8 @@ ENV = "FLASHSYS_GLUON"
 
 # The forward's candidates per head dim. At D 64 FlashAttention-3's and -4's tile, 192 query rows over three consumer
 # warpgroups of 160 registers in the ping-pong kernel, leads at N 16384 and under full masks from N 2048; the
-# persistent 128x128 kernel wins the causal cells below N 16384 and the full ones at N 1024. At D 128 the 128x128 two-buffer kernels
-# lead since K and V go back to the producer apart.
+# persistent 128x128 kernel wins the causal cells below N 16384 and the full ones at N 1024. At D 128 the 128x128
+# two-buffer kernels lead since K and V go back to the producer apart.
 FORWARD_VARIANTS: dict[int, tuple[Variant, ...]] = {
     64: (Variant("pingpong", 192, 128, 2, 160, warpgroups=3), Variant("pingpong", 192, 128, 3, 160, warpgroups=3),
          Variant("persistent", 128, 128, 3, 240)),
