@@ -190,16 +190,16 @@ def verdict(kernel: object, label: str = "") -> str:
 
 def named_barrier_clashes(ptx: str) -> list[str]:
     """The named-barrier instructions of a kernel's PTX that use an id from the ping-pong forward's own
-    (`named_barriers.FIRST_ID` on) without being one of them (TURN_THREADS for a turn, 32 + 128 * warpgroups for a
-    slot, whose id is a register): Triton numbers the barriers of its warp partitions from 0, and one of its own that
+    (`named_barriers.FIRST_ID` on) without being one of them (`literal_barriers`: a turn's id and thread count; a
+    slot's id is a register): Triton numbers the barriers of its warp partitions from 0, and one of its own that
     reached those ids would complete a turn or a slot early, or hang it."""
     found = re.findall(r"\b(?:bar|barrier)\.(?:sync|arrive|red)(?:\.\w+)*\s+(\d+)(?:,\s*(\d+))?", ptx)
     if not found:
         return []
-    from flashsys.ops.attention.gluon.named_barriers import FIRST_ID, TURN_THREADS
+    from flashsys.ops.attention.gluon.named_barriers import FIRST_ID, literal_barriers
 
-    return sorted({f"id {i}, {n or 'all'} threads" for i, n in found
-                   if int(i) >= FIRST_ID and n != str(TURN_THREADS)})
+    ours = {(str(i), str(n)) for i, n in literal_barriers()}
+    return sorted({f"id {i}, {n or 'all'} threads" for i, n in found if int(i) >= FIRST_ID and (i, n) not in ours})
 
 
 # A forward's thread computes (tile rows x key columns) / 128 exponentials a tile: 32 for the smallest tiles

@@ -227,6 +227,8 @@ def test_the_compile_check_fails_a_kernel_whose_own_barriers_reach_the_forwards_
     assert named_barrier_clashes(ours + triton) == []
     clash = f"bar.sync {FIRST_ID + 1}, 128;\n\tbarrier.sync.aligned {FIRST_ID};\n"
     assert named_barrier_clashes(ours + clash) == [f"id {FIRST_ID}, all threads", f"id {FIRST_ID + 1}, 128 threads"]
+    # A turn's thread count at an id past the turns' (a slot's, say) is not one of the forward's own.
+    assert named_barrier_clashes(ours + f"bar.sync {FIRST_ID + 3}, 256;\n") == [f"id {FIRST_ID + 3}, 256 threads"]
 
     def kernel(ptx):
         return SimpleNamespace(metadata=SimpleNamespace(shared=1024), asm={"sass": "", "ptx": ptx})

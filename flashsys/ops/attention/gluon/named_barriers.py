@@ -21,9 +21,16 @@ from triton.experimental.gluon import language as gl
 
 FIRST_ID = 8
 TURN_THREADS = 256  # the warpgroup passing a turn and the one taking it
-_SLOT_FIRST = FIRST_ID + 3  # after the turns of up to three warpgroups
+_MAX_WARPGROUPS = 3  # consumer warpgroups a ring of turns may have
+_SLOT_FIRST = FIRST_ID + _MAX_WARPGROUPS  # after the turns
 _SLOT_IDS: gl.constexpr = gl.constexpr(_SLOT_FIRST)
 _IDS = 16  # sm_90's named barriers
+
+
+def literal_barriers() -> set[tuple[int, int]]:
+    """The (id, thread count) pairs of the barriers here whose id is a literal in the PTX: the turns (the slots'
+    ids are registers)."""
+    return {(FIRST_ID + wg, TURN_THREADS) for wg in range(_MAX_WARPGROUPS)}
 
 
 @gluon.constexpr_function
