@@ -160,9 +160,9 @@ def main(argv=None) -> int:
                             + (f", the median over {args.rounds} rounds, the attention implementations of a cell "
                                "interleaved" if args.rounds > 1 else "") + "; host_ms: the host's time to "
                             "issue a step, on the same steps (where it comes close to step_ms, the step waits on the "
-                            "host); "
-                            f"phases: mean ± std over {args.iters} steps after {args.warmup} warm-up steps; peak memory "
-                            "is the extra allocated during a forward (no grad) and during a full training step."]
+                            f"host); phases: mean ± std over {args.iters} steps after {args.warmup} warm-up steps; "
+                            "peak memory is the extra allocated during a forward (no grad) and during a full "
+                            "training step."]
                            + ([] if done == len(groups) else
                               [f"**Partial: {done} of {len(groups)} (preset, context, mode) groups** (the run "
                                "stopped, or is still running, before the rest)."]), env)
