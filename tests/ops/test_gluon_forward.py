@@ -26,7 +26,7 @@ from .attention_checks import (
 )
 
 pytest.importorskip("triton")
-from flashsys.ops.attention import dispatch, gluon, launcher, library_ops  # noqa: E402
+from flashsys.ops.attention import device_limits, dispatch, gluon, launcher, library_ops  # noqa: E402
 from flashsys.ops.attention.gluon import launch as gluon_launch  # noqa: E402
 
 from . import kernel_compile  # noqa: E402
@@ -306,6 +306,33 @@ def test_persistent_programs_run_many_query_tiles_each_gpu(variant, case, monkey
     """The persistent forward with 5 programs: each runs query tiles of several heads (and of both ends of a causal
     head) one after another, its ring of buffers, turns and staging boxes carried from one to the next."""
     monkeypatch.setattr(gluon_launch, "usable_sms", lambda t: 5)
+    _check_variant(*variant, case)
+
+
+# Right-bounded cases whose grids, with an L2 that holds two K/V heads' K and V, run in several sections.
+SECTIONED_CASES = [
+    (2, 4, 4, 1000, 1000, (-1, 0), "bhnd", torch.bfloat16),  # four sections of two pairs
+    (1, 5, 5, 700, 700, (-1, 0), "bhnd", torch.float16),  # two, two and a short one
+    (2, 8, 2, 1000, 1000, (-1, 0), "bnhd", torch.bfloat16),  # grouped-query: two K/V heads are 8 pairs
+    (3, 1, 1, 512, 512, (128, 0), "bnd", torch.bfloat16),  # rank 3, a window: two and one
+]
+
+
+@hopper_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SECTIONED_CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}-{c[3]}-w{c[5]}-{c[6]}")
+@pytest.mark.parametrize("variant", [(d, v) for d, vs in dispatch.FORWARD_VARIANTS.items() for v in vs
+                                     if v.kind != "persistent"],
+                         ids=lambda dv: f"d{dv[0]}-{dv[1].label().replace(' ', '-')}")
+def test_a_grid_in_sections_computes_every_query_tile_once_gpu(variant, case, monkeypatch):
+    """The forwards of one program per query tile run a right-bounded grid in sections (`tiles.program_start`);
+    with the L2 read as holding two K/V heads' K and V, the sections hold fewer pairs than the grid: every query
+    tile of every (batch, head) still comes out right (O starts as NaN, so a tile no program ran fails)."""
+    d = variant[0]
+    batch, heads, kv_heads, n_q, n_k, window, layout, dtype = case
+    monkeypatch.setattr(device_limits, "_l2_bytes", lambda index: 2 * (2 * n_k * d * dtype.itemsize))
+    k = torch.empty(batch, kv_heads, n_k, d, dtype=dtype, device="cuda")
+    assert gluon_launch.heads_per_section(k, batch * heads, heads // kv_heads, window) < batch * heads
     _check_variant(*variant, case)
 
 

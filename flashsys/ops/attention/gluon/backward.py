@@ -63,7 +63,7 @@ def attention_backward_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L
     dtype: gl.constexpr = q_desc.dtype
 
     # The first key tiles are seen by the most queries: the grid's order already runs the heaviest first.
-    pid_n, bh_kv, b, h_kv, _ = program_tile(n_bh, n_heads // kv_group, 1, False)
+    pid_n, bh_kv, b, h_kv, _ = program_tile(n_bh, n_heads // kv_group, 1, 1, False)
     start_n = pid_n * BLOCK_N
     right_offset = n_k - n_q + window_right  # as in `query_program`
     left_offset = n_k - n_q - window_left
@@ -150,7 +150,7 @@ def attention_backward_dq(q_desc, k_desc, v_desc, do_desc, o_desc, dq_desc, L, L
     dtype: gl.constexpr = q_desc.dtype
 
     bh, b, h, h_kv, start_m, right_offset, left_offset, lo, full_lo, full_hi, hi = query_program(
-        n_bh, n_heads, kv_group, n_q, n_k, window_left, window_right, BLOCK_M, BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
+        n_bh, n_heads, kv_group, 1, n_q, n_k, window_left, window_right, BLOCK_M, BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
     n_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
 
     q_box = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)

@@ -41,10 +41,10 @@ def scaled_scores(s, scale, shift, SUBTRACT: gl.constexpr = False):
 
 
 @gluon.jit
-def program_tile(n_bh, n_heads, kv_group, HEAVIEST_FIRST: gl.constexpr):
-    """(query-tile index, flat batch*head index, batch, head, K/V head): the `tl` kernels' grid order
-    (`tiles.program_start`), with batch and head as int32 for TMA coordinates."""
-    pid_m, bh, b, h = program_start(n_bh, n_heads, HEAVIEST_FIRST)
+def program_tile(n_bh, n_heads, kv_group, section, HEAVIEST_FIRST: gl.constexpr):
+    """(tile index, flat batch*head index, batch, head, K/V head): the `tl` kernels' grid order in sections of
+    `section` (batch, head) pairs (`tiles.program_start`), with batch and head as int32 for TMA coordinates."""
+    pid_m, bh, b, h = program_start(n_bh, n_heads, section, HEAVIEST_FIRST)
     h = h.to(gl.int32)
     return pid_m, bh, b.to(gl.int32), h, h // kv_group
 
@@ -58,12 +58,13 @@ def paired_program_tile(n_bh, n_heads, n_k_tiles, group_heads):
 
 
 @gluon.jit
-def query_program(n_bh, n_heads, kv_group, n_q, n_k, window_left, window_right, BLOCK_M: gl.constexpr,
+def query_program(n_bh, n_heads, kv_group, section, n_q, n_k, window_left, window_right, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr):
     """Where a program over one query tile (the forwards, dQ) starts: (flat batch*head, batch, head, K/V head, first
-    query row, right offset, left offset, lo, full_lo, full_hi, hi). Query i sees key j iff
-    i + left_offset <= j <= i + right_offset; the key range is `key_tile_range`'s."""
-    pid_m, bh, b, h, h_kv = program_tile(n_bh, n_heads, kv_group, BOUND_RIGHT)
+    query row, right offset, left offset, lo, full_lo, full_hi, hi); the grid runs `section` (batch, head) pairs at a
+    time (`tiles.program_start`). Query i sees key j iff i + left_offset <= j <= i + right_offset; the key range is
+    `key_tile_range`'s."""
+    pid_m, bh, b, h, h_kv = program_tile(n_bh, n_heads, kv_group, section, BOUND_RIGHT)
     start_m = pid_m * BLOCK_M
     right_offset, left_offset, lo, full_lo, full_hi, hi = key_geometry(
         start_m, n_q, n_k, window_left, window_right, BLOCK_M, BLOCK_N, BOUND_RIGHT, BOUND_LEFT)

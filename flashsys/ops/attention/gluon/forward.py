@@ -160,15 +160,17 @@ def _store_out(acc, m_i, l_i, offs_m, L, n_q, o_desc, b, h, row, staging, ROWS: 
 
 
 @gluon.jit
-def attention_forward(q_desc, k_desc, v_desc, o_desc, L, n_bh, n_heads, kv_group, n_q, n_k, window_left,
+def attention_forward(q_desc, k_desc, v_desc, o_desc, L, n_bh, n_heads, kv_group, section, n_q, n_k, window_left,
                       window_right, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr, NBUF: gl.constexpr):
-    """One program (one warpgroup) = one query tile of one (batch, head); NBUF K/V buffers in flight.
-    L is (B, H, Nq) float32, contiguous; window bounds as the `tl` forward takes them (-1: unbounded)."""
+    """One program (one warpgroup) = one query tile of one (batch, head); NBUF K/V buffers in flight; the grid runs
+    `section` (batch, head) pairs at a time (`tiles.program_start`). L is (B, H, Nq) float32, contiguous; window
+    bounds as the `tl` forward takes them (-1: unbounded)."""
     dtype: gl.constexpr = q_desc.dtype
 
     bh, b, h, h_kv, start_m, right_offset, left_offset, lo, full_lo, full_hi, hi = query_program(
-        n_bh, n_heads, kv_group, n_q, n_k, window_left, window_right, BLOCK_M, BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
+        n_bh, n_heads, kv_group, section, n_q, n_k, window_left, window_right, BLOCK_M, BLOCK_N, BOUND_RIGHT,
+        BOUND_LEFT)
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
 
     q_box = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -287,16 +289,17 @@ def _pingpong_buffers(q_desc, k_desc, v_desc, o_desc, WG_M: gl.constexpr, HEAD_D
 
 
 @gluon.jit
-def attention_forward_pingpong(q_desc, k_desc, v_desc, o_desc, L, n_bh, n_heads, kv_group, n_q, n_k,
+def attention_forward_pingpong(q_desc, k_desc, v_desc, o_desc, L, n_bh, n_heads, kv_group, section, n_q, n_k,
                                window_left, window_right, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                                BLOCK_N: gl.constexpr, BOUND_RIGHT: gl.constexpr, BOUND_LEFT: gl.constexpr,
                                NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr, WGS: gl.constexpr):
     """Warp-specialised: a producer warp (TMA) and WGS (2 or 3) consumer warpgroups of BLOCK_M // WGS rows each that
     share the key tiles and take turns at issuing their products (see _pingpong_consumer). q_desc and o_desc have
-    BLOCK_M // WGS-row boxes."""
+    BLOCK_M // WGS-row boxes; the grid as `attention_forward`'s."""
     WG_M: gl.constexpr = BLOCK_M // WGS
     bh, b, h, h_kv, start_m, right_offset, left_offset, lo, full_lo, full_hi, hi = query_program(
-        n_bh, n_heads, kv_group, n_q, n_k, window_left, window_right, BLOCK_M, BLOCK_N, BOUND_RIGHT, BOUND_LEFT)
+        n_bh, n_heads, kv_group, section, n_q, n_k, window_left, window_right, BLOCK_M, BLOCK_N, BOUND_RIGHT,
+        BOUND_LEFT)
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
     L = L + bh.to(gl.int64) * n_q
     q_smem, k_smem, v_smem, q_bar, k_bar, v_bar = _pingpong_buffers(

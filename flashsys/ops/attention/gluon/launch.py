@@ -163,15 +163,31 @@ def _query_rows(variant: Variant) -> int:
     return variant.block_m // variant.warpgroups
 
 
+def heads_per_section(k4: Tensor, n_bh: int, kv_group: int, window: Window) -> int:
+    """The (batch, head) pairs a forward grid of one program per query tile runs at a time (`tiles.program_start`'s
+    sections): where the heaviest query tiles start first (a right bound), as many K/V heads as the GPU's L2 holds
+    the K and V of, rounded down to a power of two, times the query heads that share each (FlashAttention-3's and
+    -4's longest-processing-time-first schedule); one pair without a right bound, whose tiles all weigh the same."""
+    if window[1] < 0:
+        return 1
+    kv_bytes = 2 * k4.shape[2] * k4.shape[3] * k4.element_size()
+    kv_heads = max(1, device_limits.l2_cache_bytes(k4.device, stand_in=50 << 20) // kv_bytes)
+    return min(n_bh, (1 << (kv_heads.bit_length() - 1)) * kv_group)
+
+
 def _forward_parts(variant: Variant, t: ForwardTensors, window: Window, scale: float) -> LaunchParts:
     """The forward kernels' launch ("plain", "pingpong", "persistent")."""
     q4, k4, v4, o4 = (rank4(x) for x in (t.q, t.k, t.v, t.o))
     batch, n_heads, n_q, d = q4.shape
+    kv_group = n_heads // k4.shape[1]
     q_rows = _query_rows(variant)
     n_programs = triton.cdiv(n_q, variant.block_m) * batch * n_heads
-    args = (_descriptor(q4, q_rows), _descriptor(k4, variant.block_n), _descriptor(v4, variant.block_n),
-            _descriptor(o4, q_rows), t.lse, batch * n_heads, n_heads, n_heads // k4.shape[1], n_q, k4.shape[2],
-            window[0], window[1], scale * LOG2E)
+    leading = (_descriptor(q4, q_rows), _descriptor(k4, variant.block_n), _descriptor(v4, variant.block_n),
+               _descriptor(o4, q_rows), t.lse, batch * n_heads, n_heads, kv_group)
+    sizes = (n_q, k4.shape[2], window[0], window[1], scale * LOG2E)
+    # The kernels of one program per query tile take the grid's sections after kv_group; the persistent one orders
+    # its tiles itself.
+    args = (*leading, heads_per_section(k4, batch * n_heads, kv_group, window), *sizes)
     kwargs = dict(HEAD_DIM=d, BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, **_bounds(window), NBUF=variant.nbuf,
                   num_warps=4)
     sources = tuple(t)
@@ -180,8 +196,8 @@ def _forward_parts(variant: Variant, t: ForwardTensors, window: Window, scale: f
     kwargs.update(CONSUMER_REGS=variant.regs, WGS=variant.warpgroups)
     if variant.kind == "persistent":  # one program per SM, over pairs of query tiles (the kernel's units)
         n_units = (triton.cdiv(n_q, variant.block_m) + 1) // 2 * batch * n_heads
-        return LaunchParts(kernels().attention_forward_persistent, (min(n_units, usable_sms(q4)),), args, kwargs,
-                           sources)
+        return LaunchParts(kernels().attention_forward_persistent, (min(n_units, usable_sms(q4)),),
+                           (*leading, *sizes), kwargs, sources)
     return LaunchParts(kernels().attention_forward_pingpong, (n_programs,), args, kwargs, sources)
 
 

@@ -490,10 +490,10 @@ def attention_backward_one_pass(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     if PAIRED:
         pid_n, bh_kv, b, h_kv, down = paired_program_tile(n_bh, n_kv_heads, n_k_tiles, group_heads)
     elif FOLD_DQ:
-        pid_n, bh_kv, b, h_kv, _ = program_tile(n_bh + fold_lag, n_kv_heads, 1, False)
+        pid_n, bh_kv, b, h_kv, _ = program_tile(n_bh + fold_lag, n_kv_heads, 1, 1, False)
         down = 0
     else:
-        pid_n, bh_kv, b, h_kv, _ = program_tile(n_bh, n_kv_heads, 1, DETERMINISTIC and not ROTATE)
+        pid_n, bh_kv, b, h_kv, _ = program_tile(n_bh, n_kv_heads, 1, 1, DETERMINISTIC and not ROTATE)
         down = 0
     bh_kv = bh_kv.to(gl.int32)
     start_n = pid_n * BLOCK_N

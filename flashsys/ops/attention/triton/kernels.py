@@ -141,7 +141,8 @@ def flash_fwd_kernel(
     With VARLEN the batch index is a packed sequence: its rows are CU_Q[b]..CU_Q[b+1] of Q (and CU_K for K, V),
     the batch strides are 0, n_q is the packed total, and L is (heads, total)."""
     qk_scale = as_fp32(qk_scale)
-    pid_m, bh, b, h = program_start(n_bh, n_heads, HEAVIEST_LAST=BOUND_RIGHT)
+    # Sections of one (batch, head) pair: the `tl` grids keep the order they were tuned in (`program_start`).
+    pid_m, bh, b, h = program_start(n_bh, n_heads, 1, HEAVIEST_LAST=BOUND_RIGHT)
     q_start, seq_q, k_start, seq_k = 0, n_q, 0, n_k  # a dense batch: all rows
     if VARLEN:  # packed sequence b: rows CU[b] to CU[b + 1]
         q_start, seq_q = sequence_rows(tl.load(CU_Q + b), tl.load(CU_Q + b + 1))
@@ -247,7 +248,7 @@ def flash_bwd_dkdv_kernel(
     VARLEN as in the forward kernel."""
     # The first key tiles are seen by the most queries: the natural order already runs the heaviest first.
     qk_scale, softmax_scale = as_fp32(qk_scale), as_fp32(softmax_scale)
-    pid_n, bh_kv, b, h_kv = program_start(n_bh, n_heads // kv_group, HEAVIEST_LAST=False)
+    pid_n, bh_kv, b, h_kv = program_start(n_bh, n_heads // kv_group, 1, HEAVIEST_LAST=False)
     q_start, seq_q, k_start, seq_k = 0, n_q, 0, n_k  # a dense batch: all rows
     if VARLEN:  # packed sequence b: rows CU[b] to CU[b + 1]
         q_start, seq_q = sequence_rows(tl.load(CU_Q + b), tl.load(CU_Q + b + 1))
@@ -347,7 +348,7 @@ def flash_bwd_dq_kernel(
     after it: no separate preprocess kernel, and no multiply, negation or second load in the dK/dV inner loop.
     """
     qk_scale, softmax_scale = as_fp32(qk_scale), as_fp32(softmax_scale)
-    pid_m, bh, b, h = program_start(n_bh, n_heads, HEAVIEST_LAST=BOUND_RIGHT)
+    pid_m, bh, b, h = program_start(n_bh, n_heads, 1, HEAVIEST_LAST=BOUND_RIGHT)
     q_start, seq_q, k_start, seq_k = 0, n_q, 0, n_k  # a dense batch: all rows
     if VARLEN:  # packed sequence b: rows CU[b] to CU[b + 1]
         q_start, seq_q = sequence_rows(tl.load(CU_Q + b), tl.load(CU_Q + b + 1))

@@ -22,18 +22,24 @@ LN2_C: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def program_start(n_bh, n_heads, HEAVIEST_LAST: tl.constexpr):
+def program_start(n_bh, n_heads, section, HEAVIEST_LAST: tl.constexpr):
     """(tile index, flat batch*head index, batch, head) of this program.
 
-    The grid is 1-D, one (batch, head) pair after another, its tiles in order: a 2-D grid with the pairs on y would
-    refuse more than 65535 of them. Programs start in index order, so the programs running at once read the K/V of
-    a few heads, which L2 holds (orders that interleave heads lose to L2 misses). With HEAVIEST_LAST (causal
-    query-tile grids, where the last query tiles see the most keys) the tile order is reversed, so the heaviest
-    tiles start first and the short ones fill the tail."""
+    The grid is 1-D: a 2-D grid with the (batch, head) pairs on y would refuse more than 65535 of them. The pairs go
+    in sections of `section` (the last may be short), a section's programs tile by tile across its pairs; with
+    sections of one pair, one pair after another, its tiles in order. Programs start in index order, so the programs
+    running at once read the K/V of one section's heads: the host sizes a section to what L2 holds (orders that
+    interleave all heads lose to L2 misses). With HEAVIEST_LAST (causal query-tile grids, where the last query tiles
+    see the most keys) the tile order is reversed, so the heaviest tiles start first and the short ones fill the
+    tail: across a section's heads, the grid's last programs are its lightest tiles (FlashAttention-3's and -4's
+    longest-processing-time-first order), where with sections of one pair they are the last head's heaviest."""
     pid = tl.program_id(0)
     n_tiles = tl.num_programs(0) // n_bh
-    tile = pid % n_tiles
-    bh = pid // n_tiles
+    first = pid // (section * n_tiles) * section  # the section's first pair
+    pairs = tl.minimum(section, n_bh - first)
+    within = pid - first * n_tiles
+    tile = within // pairs
+    bh = first + within % pairs
     if HEAVIEST_LAST:
         tile = n_tiles - 1 - tile
     b = (bh // n_heads).to(tl.int64)
