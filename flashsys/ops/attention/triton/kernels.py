@@ -141,7 +141,7 @@ def flash_fwd_kernel(
     With VARLEN the batch index is a packed sequence: its rows are CU_Q[b]..CU_Q[b+1] of Q (and CU_K for K, V),
     the batch strides are 0, n_q is the packed total, and L is (heads, total)."""
     qk_scale = as_fp32(qk_scale)
-    # Sections of one (batch, head) pair: the `tl` grids keep the order they were tuned in (`program_start`).
+    # Sections of one (batch, head) pair: grouping heads made the `tl` kernels no faster (attention-kernels.md §8).
     pid_m, bh, b, h = program_start(n_bh, n_heads, 1, HEAVIEST_LAST=BOUND_RIGHT)
     q_start, seq_q, k_start, seq_k = 0, n_q, 0, n_k  # a dense batch: all rows
     if VARLEN:  # packed sequence b: rows CU[b] to CU[b + 1]
