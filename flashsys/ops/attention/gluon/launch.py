@@ -168,7 +168,7 @@ def heads_per_section(k4: Tensor, n_bh: int, kv_group: int, window: Window) -> i
     sections): where the heaviest query tiles start first (a right bound), as many K/V heads as the GPU's L2 holds
     the K and V of, rounded down to a power of two, times the query heads that share each (FlashAttention-3's and
     -4's longest-processing-time-first schedule); one pair without a right bound, whose tiles all weigh the same."""
-    if window[1] < 0:
+    if not _bounds(window)["BOUND_RIGHT"]:
         return 1
     kv_bytes = 2 * k4.shape[2] * k4.shape[3] * k4.element_size()
     kv_heads = max(1, device_limits.l2_cache_bytes(k4.device, stand_in=50 << 20) // kv_bytes)
