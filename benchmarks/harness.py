@@ -136,6 +136,23 @@ def at_least_one(text: str) -> int:
     return int(text)
 
 
+def add_probe_args(p: argparse.ArgumentParser, heads: int) -> None:
+    """--heads, --kv-heads, --rounds and --rep of the kernel probes that time implementations on the same tensors
+    in interleaved rounds (scripts/forward_variants.py, scripts/tl_tiles.py); `kv_heads_of` reads --kv-heads."""
+    p.add_argument("--heads", type=int, default=heads, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=None, help="K/V heads, dividing --heads (default: --heads)")
+    p.add_argument("--rounds", type=at_least_one, default=3, help="interleaved rounds; each time is the rounds' median")
+    p.add_argument("--rep", type=int, default=60, help="do_bench rep in ms per measurement")
+
+
+def kv_heads_of(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """The K/V heads `add_probe_args`'s options ask for; a count that does not divide --heads is refused."""
+    kv_heads = args.heads if args.kv_heads is None else args.kv_heads
+    if kv_heads < 1 or args.heads % kv_heads:
+        p.error(f"argument --kv-heads: {kv_heads} must be a positive divisor of --heads ({args.heads})")
+    return kv_heads
+
+
 def run_cell(fn: Callable[[], dict]) -> dict:
     """Run one sweep cell; an OOM or unsupported configuration becomes a labelled row, not a crash."""
     try:

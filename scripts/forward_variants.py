@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this tree's flashsys, benchmarks
 
-from benchmarks.harness import at_least_one, bench_ms
+from benchmarks.harness import add_probe_args, bench_ms, kv_heads_of
 from flashsys.ops.attention import ATTENTION_BACKENDS
 
 
@@ -106,16 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--causal", choices=["yes", "no", "both"], default="both")
-    p.add_argument("--heads", type=int, default=16, help="query heads")
-    p.add_argument("--kv-heads", type=int, default=None, help="K/V heads, dividing --heads (default: --heads)")
     p.add_argument("--tokens", type=int, default=16384, help="batch = tokens // N, unless --batch")
     p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--rounds", type=at_least_one, default=3, help="interleaved rounds; each time is the rounds' median")
-    p.add_argument("--rep", type=int, default=60, help="do_bench rep in ms per measurement")
+    add_probe_args(p, heads=16)
     args = p.parse_args(argv)
-    kv_heads = args.heads if args.kv_heads is None else args.kv_heads
-    if kv_heads < 1 or args.heads % kv_heads:
-        p.error(f"argument --kv-heads: {kv_heads} must be a positive divisor of --heads ({args.heads})")
+    kv_heads = kv_heads_of(p, args)
     if not torch.cuda.is_available():
         print("forward_variants: needs a CUDA GPU (the Gluon variants need an sm_90 one)", file=sys.stderr)
         return 2

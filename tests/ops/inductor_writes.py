@@ -73,7 +73,7 @@ def main() -> None:
                 offsets = launcher.Offsets(cu.to(device), cu.to(device))
                 o, lse = launcher.varlen_forward(q, k, k, offsets, (40, 40), window, 0.125)
                 launcher.varlen_backward(q, k, k, o, lse, torch.randn_like(q), offsets, (40, 40), window, 0.125)
-        for kernel, (handle, args, constexprs, _) in launches:
+        for kernel, (handle, args, constexprs, _), _grid in launches:
             kwargs = {**dict(zip(handle.fn.arg_names, args)), **constexprs}
             written[f"{kernel} ({case})"] = analyse(handle, kwargs)
     print(json.dumps(written))

@@ -80,7 +80,7 @@ def _tl_kernels(device: str) -> Iterator[tuple[str, Callable[[], object]]]:
                         else:
                             o, lse, _ = launcher.forward(q, k, k, window, 0.125, traced=True)
                             launcher.backward(q, k, k, o, lse, torch.randn_like(q), window, 0.125, traced=True)
-                    for kernel, (handle, args, constexprs, _) in launches:
+                    for kernel, (handle, args, constexprs, _), _grid in launches:
                         config = handle.configs[0]
                         meta = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
                         label = f"tl {kernel} D{d} {str(dtype)[6:]} {mask} {'varlen' if varlen else 'dense'}"
@@ -118,7 +118,7 @@ def _decode_kernels(device: str) -> Iterator[tuple[str, Callable[[], object]]]:
             for key_start in (None, torch.zeros(batch, dtype=torch.int32, device=device)):
                 with launch.recording() as launches:
                     decode.forward(q, k, k, o, lse, (-1, 0), d ** -0.5, traced=False, key_start=key_start)
-                for name, (kernel, args, constexprs, _) in launches:
+                for name, (kernel, args, constexprs, _), _grid in launches:
                     what = (f"{constexprs['BLOCK_N']} keys {constexprs['num_stages']} stages "
                             f"{'direct' if constexprs['DIRECT'] else 'split'}"
                             f"{' starts' if constexprs['HAS_KEY_START'] else ''}") if "BLOCK_N" in constexprs else ""

@@ -51,28 +51,41 @@ BWD_DQ_TILES_LONG: dict[int, list[Tile]] = {64: [(128, 64, 8, 4), (128, 64, 8, 3
 AUTOTUNE_KEY = ["N_BUCKET", "HEAD_DIM", "BOUND_RIGHT", "BOUND_LEFT", "VARLEN"]
 
 
+# Each kernel's tables: (by head-dim class, long-sequence handles by head-dim class).
+TABLES: dict[str, tuple[dict[int, list[Tile]], dict[int, list[Tile]]]] = {
+    "fwd": (FWD_TILES, FWD_TILES_LONG),
+    "dkdv": (BWD_DKDV_TILES, BWD_DKDV_TILES_LONG),
+    "dq": (BWD_DQ_TILES, BWD_DQ_TILES_LONG),
+}
+_KERNELS = {"fwd": flash_fwd_kernel, "dkdv": flash_bwd_dkdv_kernel, "dq": flash_bwd_dq_kernel}
+
+
+def tiles_for(kernel: str, head_dim_class: int, fp32: bool, long_seq: bool) -> list[Tile]:
+    """Every tile candidate of `kernel`'s ("fwd", "dq" or "dkdv") handle for this class, best first, whether or not
+    autotuning is on: the fp32 tiles for fp32, the long-sequence ones where the class has them."""
+    table, long_table = TABLES[kernel]
+    if fp32:
+        return FP32_TILES[head_dim_class]
+    if long_seq and head_dim_class in long_table:
+        return long_table[head_dim_class]
+    return table[head_dim_class]
+
+
 def _configs(tiles: list[Tile]) -> list[triton.Config]:
     chosen = tiles if autotune_enabled() else tiles[:1]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in chosen]
 
 
-def _tuned(kernel, table: dict[int, list[Tile]], long_table: dict[int, list[Tile]]) -> dict:
+def _tuned(kernel: str) -> dict:
     """{(head-dim class, is_fp32, long_seq): autotuned kernel}; long_seq handles exist only where listed."""
-    handles = {}
-    for d in table:
-        for fp32, tiles in ((False, table[d]), (True, FP32_TILES[d])):
-            handles[d, fp32, False] = triton.autotune(configs=_configs(tiles), key=AUTOTUNE_KEY)(kernel)
-        if d in long_table:
-            handles[d, False, True] = triton.autotune(configs=_configs(long_table[d]), key=AUTOTUNE_KEY)(kernel)
-    return handles
+    table, long_table = TABLES[kernel]
+    keys = [(d, fp32, False) for d in table for fp32 in (False, True)] + [(d, False, True) for d in long_table]
+    return {key: triton.autotune(configs=_configs(tiles_for(kernel, *key)), key=AUTOTUNE_KEY)(_KERNELS[kernel])
+            for key in keys}
 
 
 # The autotuned handles of each kernel, by the name its launches and its LaunchKey use.
-HANDLES: dict[str, dict] = {
-    "fwd": _tuned(flash_fwd_kernel, FWD_TILES, FWD_TILES_LONG),
-    "dkdv": _tuned(flash_bwd_dkdv_kernel, BWD_DKDV_TILES, BWD_DKDV_TILES_LONG),
-    "dq": _tuned(flash_bwd_dq_kernel, BWD_DQ_TILES, BWD_DQ_TILES_LONG),
-}
+HANDLES: dict[str, dict] = {kernel: _tuned(kernel) for kernel in TABLES}
 
 
 def handle_for(kernel: str, head_dim_class: int, fp32: bool, long_seq: bool):

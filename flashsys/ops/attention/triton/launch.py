@@ -279,15 +279,25 @@ def _launch_traced(prepared: Prepared, grid) -> None:
         wrap_triton(handle.fn)[grid(meta)](*args, **constexprs, **meta)
 
 
+class RecordedLaunch(NamedTuple):
+    """A launch `recording()` prepared instead of running: the kernel's name, its Prepared launch, and its grid
+    (for a config's meta-parameters, the grid that launch would take)."""
+
+    kernel: str
+    prepared: Prepared
+    grid: Callable[[dict], tuple]
+
+
 # Set inside `recording()`: launches are prepared and appended here instead of run.
-_recording: list[tuple[str, Prepared]] | None = None
+_recording: list[RecordedLaunch] | None = None
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[list[tuple[str, Prepared]]]:
-    """Inside, `run` and `run_fixed` prepare each launch and record (kernel name, Prepared) instead of launching it:
-    for tools that compile or analyse the kernels a call would launch without running them (the CPU compile checks,
-    Inductor's mutation analysis). Launches run inside are neither timed nor recorded as plans."""
+def recording() -> Iterator[list[RecordedLaunch]]:
+    """Inside, `run` and `run_fixed` prepare each launch and record it (`RecordedLaunch`) instead of launching it:
+    for tools that compile, analyse or time the kernels a call would launch without running the call (the CPU
+    compile checks, Inductor's mutation analysis, scripts/tl_tiles.py). Launches run inside are neither timed nor
+    recorded as plans."""
     global _recording
     before, _recording = _recording, []
     try:
@@ -302,7 +312,7 @@ def run(kernel: str, g: Geometry, window: Window, grid: Callable[[dict], tuple],
     or eager. Returns an eager launch as a plan records it, or None where it cannot be replayed."""
     prepared = prepare(kernel, g, window, named)
     if _recording is not None:
-        _recording.append((kernel, prepared))
+        _recording.append(RecordedLaunch(kernel, prepared, grid))
         return None
     if traced:
         _launch_traced(prepared, grid)
@@ -313,10 +323,11 @@ def run(kernel: str, g: Geometry, window: Window, grid: Callable[[dict], tuple],
 def run_fixed(kernel, grid_xyz: tuple[int, int, int], named: dict, constexprs: dict) -> Recorded | None:
     """Launch a kernel with fixed constexprs and no autotuning (the one pass's prologue and epilogue, the decode
     kernels) and return the launch as a plan records it, or None where it cannot be replayed (inside a CUDA graph
-    capture, or inside `recording()`, which records it as (its name, Prepared) instead)."""
+    capture, or inside `recording()`, which records it instead)."""
     args = positional(kernel, named)
     if _recording is not None:
-        _recording.append((kernel.fn.__name__, Prepared(kernel, args, constexprs, None)))
+        _recording.append(RecordedLaunch(kernel.fn.__name__, Prepared(kernel, args, constexprs, None),
+                                         lambda meta: grid_xyz))
         return None
     compiled = kernel[grid_xyz](*args, **constexprs)
     if args[0].is_cuda and torch.cuda.is_current_stream_capturing():

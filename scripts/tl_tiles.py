@@ -1,0 +1,276 @@
+"""Every tile of the `tl` kernels (forward, dQ, dK/dV) timed at one shape, beside cuDNN's forward and backward, each
+checked against float64 math (GPU probe; on a CPU it runs under Triton's interpreter, where its times say nothing).
+
+Why: inside a compiled model the `tl` kernels run every attention call (Inductor re-emits them; the Gluon kernels
+stay in eager calls above `dispatch.MIN_WORK`), so at a model's shape (the small preset at context 2048: batch 4,
+12 heads, D 64, causal) the step's attention is as fast as the best `tl` tile there. The autotuner and Inductor
+pick among `triton/configs.py`'s candidates; this shows every candidate's time, the eager autotuner's pick, and any
+tile given with --extra, so that a table change is decided by one run at the shape it is for.
+
+    python scripts/tl_tiles.py                                            # small preset, context 2048
+    python scripts/tl_tiles.py --heads 16                                 # medium preset, context 2048
+    python scripts/tl_tiles.py --tiles all --extra fwd:128,64,4,2 dq:64,64,4,4
+    python scripts/tl_tiles.py --seq-len 8192 --batch 1 --mask window:1024
+
+The tensors are laid out as a model's projections hand them over: (B, N, H, D) memory viewed as (B, H, N, D), and
+dO likewise. Each tile is launched directly (the kernel the autotuner wraps, that tile's meta-parameters, the grid
+`launch.run` gives it), with the same arguments every launch of the call gets (`launch.recording()`). Each row: the
+median of --rounds interleaved `do_bench` medians, its ratio to the kernel's fastest tile, and the largest error of
+what it wrote (O and L; dQ; dK and dV) against float64 math, beside cuDNN's own error. A tile that does not run (out
+of shared memory, say) is named and dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from collections.abc import Callable
+
+import torch
+
+if not torch.cuda.is_available():  # the `tl` kernels run on a CPU only under the interpreter, set before import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this tree's flashsys, benchmarks
+
+from benchmarks.harness import add_probe_args, bench_ms, kv_heads_of  # noqa: E402
+from flashsys.ops.attention import ATTENTION_BACKENDS, dispatch, launcher  # noqa: E402
+from flashsys.ops.attention.reference import attention_reference  # noqa: E402
+from flashsys.ops.attention.triton import launch  # noqa: E402
+from flashsys.ops.attention.triton.configs import TABLES, Tile, tiles_for  # noqa: E402
+
+KERNELS = ("fwd", "dq", "dkdv")
+# What each kernel writes, checked after its tile ran: the forward's O and L, dQ's dQ, dK/dV's dK and dV.
+WRITES = {"fwd": ("o", "lse"), "dq": ("dq",), "dkdv": ("dk", "dv")}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_tile(text: str) -> tuple[str, Tile]:
+    """`kernel:BLOCK_M,BLOCK_N,warps,stages` (kernel one of KERNELS) as (kernel, tile)."""
+    kernel, _, numbers = text.partition(":")
+    fields = numbers.split(",")
+    if kernel not in KERNELS or len(fields) != 4 or not all(f.isdigit() and int(f) > 0 for f in fields):
+        raise argparse.ArgumentTypeError(f"{text!r}: want KERNEL:BLOCK_M,BLOCK_N,WARPS,STAGES with KERNEL one of "
+                                         f"{KERNELS} and four positive whole numbers")
+    m, n, w, s = (int(f) for f in fields)
+    return kernel, (m, n, w, s)
+
+
+def parse_mask(text: str) -> tuple[int, int]:
+    """causal, full or window:LEFT (a causal sliding window) as a (left, right) window, -1 unbounded."""
+    if text in ("causal", "full"):
+        return (-1, 0) if text == "causal" else (-1, -1)
+    kind, _, left = text.partition(":")
+    if kind != "window" or not left.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: want causal, full or window:LEFT (LEFT a whole number)")
+    return int(left), 0
+
+
+def _max_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| (NaN if got has a NaN); equal infinities (L of a row that sees no key) count as equal."""
+    got = got.double()
+    return torch.where(torch.isinf(want) & (got == want), 0.0, (got - want).abs()).max().item()
+
+
+def _largest(errors: list[float]) -> float:
+    """The largest error, NaN if any is (Python's max would skip a NaN after a number)."""
+    return max(errors) if not any(e != e for e in errors) else float("nan")
+
+
+class Cell:
+    """One shape's tensors, the launches a `tl` forward and backward of it make, and its float64 reference."""
+
+    def __init__(self, batch: int, heads: int, kv_heads: int, n: int, d: int, dtype: torch.dtype,
+                 window: tuple[int, int], device: torch.device, seed: int = 0):
+        gen = torch.Generator(device=device).manual_seed(seed)
+
+        def projected(h: int) -> torch.Tensor:  # (B, N, H, D) memory viewed as (B, H, N, D)
+            return torch.randn(batch, n, h, d, generator=gen, dtype=dtype, device=device).transpose(1, 2)
+
+        self.q, self.k, self.v, self.do = projected(heads), projected(kv_heads), projected(kv_heads), projected(heads)
+        self.window, self.scale = window, d ** -0.5
+        with launch.recording() as recorded:  # nothing runs: every launch is prepared with its arguments and grid
+            o, lse, _ = launcher.forward(self.q, self.k, self.v, window, self.scale, traced=True)
+            dq, dk, dv, _ = launcher.backward(self.q, self.k, self.v, o, lse, launcher.dense_do(self.do, dtype),
+                                              window, self.scale, traced=True)
+        self.launches = {r.kernel: r for r in recorded}
+        if set(self.launches) != set(KERNELS):
+            raise SystemExit(f"tl_tiles: this shape launches {sorted(self.launches)}, not the `tl` forward and "
+                             "backward (a few queries against a long cache take the decode kernels)")
+        self.outputs = dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv)
+        self.geometry = launch.geometry_of(self.q.shape, self.k.shape, dtype)
+        self.reference = self._reference()
+        # Run the call once, each kernel with its first candidate, so that every buffer a later kernel reads (O, L,
+        # the (-L log2 e, D) pairs) holds this call's values before any tile is timed alone.
+        for kernel in KERNELS:
+            self.launch(kernel, self.tiles(kernel, every=False)[0])()
+
+    def _reference(self) -> dict[str, torch.Tensor]:
+        q, k, v = (x.detach().double().requires_grad_() for x in (self.q, self.k, self.v))
+        o, lse = attention_reference(q, k, v, softmax_scale=self.scale, window_size=self.window)
+        dq, dk, dv = torch.autograd.grad(o, (q, k, v), self.do.double())
+        return dict(o=o.detach(), lse=lse.detach(), dq=dq, dk=dk, dv=dv)
+
+    def tiles(self, kernel: str, every: bool) -> list[Tile]:
+        """The candidates the autotuner times for this shape's handle, or (`every`) every tile in the kernel's
+        tables for this head-dim class and dtype."""
+        g = self.geometry
+        if not every or g.fp32:
+            return tiles_for(kernel, g.head_dim_class, g.fp32, g.long_seq)
+        table, long_table = TABLES[kernel]
+        return list(dict.fromkeys([*table[g.head_dim_class], *long_table.get(g.head_dim_class, [])]))
+
+    def launch(self, kernel: str, tile: Tile) -> Callable[[], None]:
+        """A call that launches `kernel` with `tile`'s meta-parameters over the grid `launch.run` gives it."""
+        recorded = self.launches[kernel]
+        handle, args, constexprs, _ = recorded.prepared
+        m, n, warps, stages = tile
+        meta = dict(BLOCK_M=m, BLOCK_N=n)
+        grid = recorded.grid(meta)
+        fn = handle.fn  # the kernel under the autotuner
+        return lambda: fn[grid](*args, **constexprs, **meta, num_warps=warps, num_stages=stages)
+
+    def checked(self, kernel: str, tile: Tile) -> float:
+        """Run `kernel` with `tile` once on outputs filled with NaN and return its error (`error`): a tile that
+        leaves anything unwritten reads as NaN, not as the values an earlier tile wrote."""
+        for name in WRITES[kernel]:
+            self.outputs[name].fill_(float("nan"))
+        self.launch(kernel, tile)()
+        if self.q.is_cuda:
+            torch.cuda.synchronize()
+        return self.error(kernel)
+
+    def error(self, kernel: str) -> float:
+        """The largest |written - float64| over what `kernel` writes (L's rows that see no key compare as equal)."""
+        return _largest([_max_error(self.outputs[name], self.reference[name]) for name in WRITES[kernel]])
+
+
+def cudnn_calls(cell: Cell) -> tuple[dict[str, Callable[[], object]], dict[str, float]] | str:
+    """cuDNN's forward and its backward (a retained graph's) on the cell's tensors, and cuDNN's errors against the
+    same float64 reference as the tiles' ({kernel: error}); or why it does not run here."""
+    backend = ATTENTION_BACKENDS["sdpa-cudnn"]
+    reason = backend.unavailable_reason(cell.q.device)
+    if reason is not None:
+        return reason
+    q, k, v = (x.detach().requires_grad_() for x in (cell.q, cell.k, cell.v))
+    window = None if cell.window == (-1, 0) else cell.window
+    causal = cell.window == (-1, 0)
+    try:
+        out = backend(q, k, v, causal, cell.scale, window)
+        grads = torch.autograd.grad(out, (q, k, v), cell.do, retain_graph=True)
+    except Exception as exc:  # noqa: BLE001  the probe still times the tiles
+        return f"failed, {type(exc).__name__}: {str(exc)[:200]}"
+    ref = cell.reference
+    errors = {"fwd": _max_error(out, ref["o"]), "dq": _max_error(grads[0], ref["dq"]),
+              "dkdv": _largest([_max_error(g, ref[name]) for g, name in zip(grads[1:], ("dk", "dv"))])}
+    calls = {"fwd": lambda: backend(q, k, v, causal, cell.scale, window),
+             "bwd": lambda: torch.autograd.grad(out, (q, k, v), cell.do, retain_graph=True)}
+    return calls, errors
+
+
+def autotuner_picks(cell: Cell) -> dict[str, Tile]:
+    """The tile Triton's autotuner picks for each kernel in an eager call of this shape (Inductor times the same
+    candidates in a compiled graph, on its own)."""
+    launch.forget_configs()
+    saved = os.environ.get(dispatch.ENV)
+    os.environ[dispatch.ENV] = "0"  # the `tl` kernels, where the Gluon ones would run (read at every call)
+    try:
+        o, lse, _ = launcher.forward(cell.q, cell.k, cell.v, cell.window, cell.scale)
+        launcher.backward(cell.q, cell.k, cell.v, o, lse, launcher.dense_do(cell.do, cell.q.dtype), cell.window,
+                          cell.scale)
+    finally:
+        if saved is None:
+            del os.environ[dispatch.ENV]
+        else:
+            os.environ[dispatch.ENV] = saved
+    return {key.kernel: (m["BLOCK_M"], m["BLOCK_N"], m["num_warps"], m["num_stages"])
+            for key, m in launch.chosen_configs().items()}
+
+
+def label(tile: Tile) -> str:
+    m, n, warps, stages = tile
+    return f"{m}x{n}, {warps} warps, {stages} stages"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=4)
+    add_probe_args(p, heads=12)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--mask", type=parse_mask, default=(-1, 0), help="causal (default), full or window:LEFT")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--kernels", choices=KERNELS, nargs="+", default=list(KERNELS))
+    p.add_argument("--tiles", choices=["table", "all"], default="table",
+                   help="table: the candidates this shape's autotuned handle times; all: every tile of the "
+                        "head-dim class's tables (the long-sequence ones too)")
+    p.add_argument("--extra", type=parse_tile, nargs="+", default=[], metavar="KERNEL:M,N,WARPS,STAGES",
+                   help="tiles to time beside the tables' (a kernel's BLOCK_M, BLOCK_N, num_warps, num_stages)")
+    args = p.parse_args(argv)
+    kv_heads = kv_heads_of(p, args)
+    for name in ("batch", "heads", "seq_len", "head_dim"):
+        if getattr(args, name) < 1:
+            p.error(f"argument --{name.replace('_', '-')}: must be 1 or more")
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and args.dtype == "bf16":  # flashsys's ops upcast it there (`calls.interpreter_upcast`)
+        p.error("argument --dtype: Triton's interpreter computes bf16 wrongly; on a CPU take fp16 or fp32")
+    cell = Cell(args.batch, args.heads, kv_heads, args.seq_len, args.head_dim, DTYPES[args.dtype], args.mask, device)
+    if device.type == "cpu":
+        print("tl_tiles: no GPU; the kernels run under Triton's interpreter and the times say nothing")
+    print(f"batch {args.batch}, {args.heads} query / {kv_heads} K/V heads, N {args.seq_len}, D {args.head_dim}, "
+          f"{args.dtype}, window {args.mask} (-1 unbounded)")
+    picks = autotuner_picks(cell)
+    cudnn = cudnn_calls(cell)
+    if isinstance(cudnn, str):
+        print(f"sdpa-cudnn: {cudnn}")
+
+    calls: dict[tuple[str, Tile], Callable[[], None]] = {}
+    errors: dict[tuple[str, Tile], float] = {}
+    extra = [(kernel, tile) for kernel, tile in args.extra if kernel in args.kernels]
+    for kernel, tile in [(k, t) for k in args.kernels for t in cell.tiles(k, args.tiles == "all")] + extra:
+        if (kernel, tile) in calls:
+            continue
+        try:
+            errors[kernel, tile] = cell.checked(kernel, tile)
+        except Exception as exc:  # noqa: BLE001  a tile that does not compile or launch is named, not fatal
+            print(f"{kernel} {label(tile)}: failed, {type(exc).__name__}: {str(exc)[:200]}")
+            continue
+        calls[kernel, tile] = cell.launch(kernel, tile)
+    baselines, cudnn_errors = ({}, {}) if isinstance(cudnn, str) else cudnn
+    timed = [*calls.items(), *((("cudnn", name), call) for name, call in baselines.items())]
+    times: dict[tuple, list[float]] = {key: [] for key, _ in timed}
+    for _ in range(args.rounds):
+        for key, call in timed:
+            times[key].append(bench_ms(call, rep_ms=args.rep))
+    ms = {key: statistics.median(t) for key, t in times.items()}
+
+    fastest: dict[str, float] = {}
+    for kernel in args.kernels:
+        rows = sorted((ms[key], key[1]) for key in calls if key[0] == kernel)
+        if not rows:
+            continue
+        fastest[kernel] = rows[0][0]
+        print(f"\n| {kernel} tile (BLOCK_M x BLOCK_N) | ms | x fastest | max error vs float64 | x cuDNN's error |"
+              "\n|---|---:|---:|---:|---:|")
+        for t, tile in rows:
+            mark = " (autotuner's pick)" if picks.get(kernel) == tile else ""
+            err = errors[kernel, tile]
+            vs = f"{err / cudnn_errors[kernel]:.2f}" if cudnn_errors.get(kernel) else "—"
+            print(f"| {label(tile)}{mark} | {t:.4f} | {t / rows[0][0]:.3f} | {err:.3g} | {vs} |")
+    print()
+    if baselines and "fwd" in fastest:
+        cudnn_fwd = ms["cudnn", "fwd"]
+        print(f"forward: fastest tile {fastest['fwd']:.4f} ms, cuDNN {cudnn_fwd:.4f} ms: "
+              f"{fastest['fwd'] / cudnn_fwd:.3f}x cuDNN")
+    if baselines and "dq" in fastest and "dkdv" in fastest:
+        both, cudnn_bwd = fastest["dq"] + fastest["dkdv"], ms["cudnn", "bwd"]
+        print(f"backward: fastest dQ + fastest dK/dV {both:.4f} ms, cuDNN {cudnn_bwd:.4f} ms (a retained graph's "
+              f"backward): {both / cudnn_bwd:.3f}x cuDNN")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""scripts/tl_tiles.py, the GPU probe that times every tile of the `tl` kernels at one shape: each tile's launch is the
+one `launch.run` would make (same arguments, the grid its meta-parameters give) and writes what the kernel writes,
+checked against float64 math; a run on this CPU (the interpreter: its times say nothing) prints a row per candidate
+and per extra tile, names a tile that cannot run, and marks the autotuner's pick; what its arguments refuse."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashsys.ops.attention.triton.configs import tiles_for
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "tl_tiles.py"
+_spec = importlib.util.spec_from_file_location("tl_tiles", SCRIPT)
+tl_tiles = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tl_tiles)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float16  # the interpreter computes bf16 wrongly
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, timeout=600)
+
+
+@pytest.mark.parametrize("window", [(-1, 0), (-1, -1), (8, 0)], ids=["causal", "full", "window"])
+def test_each_tile_writes_what_its_kernel_writes_within_low_precision_error(window):
+    """Grouped-query heads, a length that is no multiple of any tile, and tiles unlike the first candidate's (the
+    grid follows each tile's BLOCK_M or BLOCK_N): every kernel's output within fp16 error of float64 math."""
+    cell = tl_tiles.Cell(1, 4, 2, 40, 32, DTYPE, window, DEVICE, seed=3)
+    for kernel in tl_tiles.KERNELS:
+        for tile in (tiles_for(kernel, 64, False, False)[0], (16, 32, 4, 2), (32, 16, 4, 2)):
+            error = cell.checked(kernel, tile)
+            assert error < 4e-3, (kernel, tile, error)
+
+
+def test_an_output_a_tile_left_unwritten_reads_as_nan_not_as_an_earlier_tiles():
+    cell = tl_tiles.Cell(1, 2, 2, 24, 16, DTYPE, (-1, 0), DEVICE)
+    assert cell.checked("dkdv", (16, 16, 4, 2)) < 4e-3
+    cell.outputs["dv"].fill_(float("nan"))  # what `checked` does before a launch that here never comes
+    assert cell.error("dkdv") != cell.error("dkdv")  # NaN
+    assert cell.error("dq") < 4e-3  # the other kernels' outputs are untouched
+
+
+def test_a_run_prints_a_row_per_tile_marks_the_autotuners_pick_and_names_a_tile_that_cannot_run():
+    done = _run("--batch", "1", "--heads", "2", "--seq-len", "24", "--head-dim", "16", "--dtype",
+                "fp32", "--rounds", "1", "--kernels", "fwd", "dkdv",
+                "--extra", "fwd:16,16,4,1", "dkdv:48,16,4,2", "dq:16,16,4,1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert "dkdv 48x16, 4 warps, 2 stages: failed" in out  # not a power of two
+    for kernel, n_rows in (("fwd", len(tiles_for("fwd", 64, True, False)) + 1),
+                           ("dkdv", len(tiles_for("dkdv", 64, True, False)))):
+        table = out.split(f"| {kernel} tile")[1].split("\n\n")[0].splitlines()[2:]
+        assert len(table) == n_rows, table
+        assert sum("(autotuner's pick)" in row for row in table) == 1
+        assert all(float(row.split(" | ")[3]) < 1e-4 for row in table), table  # fp32: its error column
+    assert "| dq tile" not in out  # --extra of a kernel not asked for times nothing
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--extra", "fwd:128,64,4"), "want KERNEL:BLOCK_M,BLOCK_N,WARPS,STAGES"),
+    (("--extra", "bwd:128,64,4,3"), "want KERNEL:BLOCK_M,BLOCK_N,WARPS,STAGES"),
+    (("--mask", "sliding"), "want causal, full or window:LEFT"),
+    (("--heads", "12", "--kv-heads", "5"), "divisor of --heads (12)"),
+    (("--seq-len", "0"), "argument --seq-len: must be 1 or more"),
+    (("--rounds", "0"), "argument --rounds"),
+])
+def test_bad_arguments_are_refused_naming_the_option(args, message):
+    done = _run(*args)
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU computes bf16")
+def test_bf16_on_a_cpu_is_refused_since_the_interpreter_computes_it_wrongly():
+    done = _run("--seq-len", "16", "--batch", "1", "--heads", "1")
+    assert done.returncode == 2 and "interpreter computes bf16 wrongly" in done.stderr
