@@ -150,7 +150,12 @@ def measure(fn, b, h, n, d, dtype, causal, rep, layout="bhnd"):
     del out
     fwd_ms = bench_ms(lambda: fn(q, k, v, causal), rep)
     out = fn(q, k, v, causal)
-    bwd_ms = bench_ms(lambda: out.backward(do, retain_graph=True), rep)
+
+    def backward_alone():  # one graph's backward again, its gradients written afresh as in fwd_bwd, not added up
+        clear_grads()
+        out.backward(do, retain_graph=True)
+
+    bwd_ms = bench_ms(backward_alone, rep)
 
     def fwd_bwd():
         clear_grads()
@@ -209,6 +214,7 @@ def main(argv=None) -> int:
     notes = [f"heads {args.heads}; batch "
              + (f"{args.batch}" if args.batch else f"max(1, {args.tokens} // seq_len)" if ON_GPU else "1")
              + f"; times are medians (do_bench on CUDA){rounds_note}; "
+             "bwd_ms: one retained graph's backward, its gradients written afresh (not accumulated); "
              "TFLOP/s counts 4·B·H·N²·D per forward (halved when causal) and 2.5× that for backward; "
              "vs_best_sdpa = fwd_bwd time over the faster SDPA backend's (below 1 is faster)"
              + ("; fwd_vs_fa4, fwd_bwd_vs_fa4: the same over FlashAttention-4's" if "fa4" in impls else "")

@@ -347,3 +347,26 @@ def test_hf_train_steps_are_timed_in_turns_and_their_median_kept(monkeypatch):
     assert results["a"]["train_eager_ms_spread"] == (8.0 - 1.0) / 6.0  # slowest less fastest, over the median
     assert results["b"]["train_compiled_ms"] == 5.0 and isinstance(results["b"]["train_eager_ms"], str)
     assert "train_eager_ms_spread" not in results["b"]
+
+
+def test_the_backward_timed_alone_writes_its_gradients_afresh_as_forward_and_backward_does(monkeypatch):
+    """Each timed call of the retained graph's backward leaves the same gradients, as each forward + backward does:
+    adding them up would time one extra add kernel per input that no training step runs."""
+    import benchmarks.attention as attention
+
+    leaves, grads_after_each_call = [], []
+
+    def fn(q, k, v, causal):
+        leaves.append(q)
+        return q.mul(2) + k + v
+
+    def twice(call, rep):
+        for _ in range(2):
+            call()
+            grads_after_each_call.append(None if leaves[0].grad is None else leaves[0].grad.clone())
+        return 1.0
+
+    monkeypatch.setattr(attention, "bench_ms", twice)
+    attention.measure(fn, 1, 2, 8, 4, torch.float32, True, 1)
+    backward_alone = grads_after_each_call[2:4]  # after the forward alone's two calls
+    assert backward_alone[0] is not None and torch.equal(backward_alone[0], backward_alone[1])
