@@ -134,12 +134,19 @@ class Cell:
 
     def checked(self, kernel: str, tile: Tile) -> float:
         """Run `kernel` with `tile` once on outputs filled with NaN and return its error (`error`): a tile that
-        leaves anything unwritten reads as NaN, not as the values an earlier tile wrote."""
+        leaves anything unwritten reads as NaN, not as the values an earlier tile wrote. A tile that raises leaves
+        the outputs as they were (later kernels read the forward's)."""
+        saved = {name: self.outputs[name].clone() for name in WRITES[kernel]}
         for name in WRITES[kernel]:
             self.outputs[name].fill_(float("nan"))
-        self.launch(kernel, tile)()
-        if self.q.is_cuda:
-            torch.cuda.synchronize()
+        try:
+            self.launch(kernel, tile)()
+            if self.q.is_cuda:
+                torch.cuda.synchronize()
+        except BaseException:
+            for name, values in saved.items():
+                self.outputs[name].copy_(values)
+            raise
         return self.error(kernel)
 
     def error(self, kernel: str) -> float:

@@ -47,6 +47,15 @@ def test_an_output_a_tile_left_unwritten_reads_as_nan_not_as_an_earlier_tiles():
     assert cell.error("dq") < 4e-3  # the other kernels' outputs are untouched
 
 
+def test_a_tile_that_cannot_run_leaves_the_outputs_later_kernels_read():
+    cell = tl_tiles.Cell(1, 2, 2, 24, 16, DTYPE, (-1, 0), DEVICE)
+    before = cell.outputs["o"].clone()
+    with pytest.raises(Exception):
+        cell.checked("fwd", (48, 16, 4, 2))  # not a power of two
+    assert torch.equal(cell.outputs["o"], before)
+    assert cell.checked("dq", (16, 16, 4, 2)) < 4e-3  # dQ still reads the forward's O and L
+
+
 def test_a_run_prints_a_row_per_tile_marks_the_autotuners_pick_and_names_a_tile_that_cannot_run():
     done = _run("--batch", "1", "--heads", "2", "--seq-len", "24", "--head-dim", "16", "--dtype",
                 "fp32", "--rounds", "1", "--kernels", "fwd", "dkdv",
