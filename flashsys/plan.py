@@ -73,6 +73,7 @@ class Memory:
 
     @property
     def total(self) -> float:
+        """Every category's bytes together."""
         return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers
 
 
@@ -102,6 +103,7 @@ def parameter_count(c: ModelConfig) -> int:
 
 
 def block_parameter_count(c: ModelConfig) -> int:
+    """The parameters of one transformer block of `TransformerLM(c)` (attention, SwiGLU, two RMSNorms)."""
     return (parameter_count(c) - 2 * c.vocab_size * c.d_model - c.d_model) // max(c.num_layers, 1)
 
 

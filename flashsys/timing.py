@@ -82,6 +82,7 @@ class StepMarks:
         self._marks: list = []
 
     def mark(self) -> None:
+        """Record a point in time: a CUDA event on the current stream, or the host clock on a CPU."""
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()

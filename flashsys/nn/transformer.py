@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from jaxtyping import Float, Int
@@ -114,7 +115,8 @@ class TransformerLM(nn.Module):
         nn.init.trunc_normal_(self.lm_head.weight, std=math.sqrt(2.0 / (c.d_model + c.vocab_size)))
 
     @classmethod
-    def from_config(cls, config: ModelConfig, device=None, dtype=None) -> TransformerLM:
+    def from_config(cls, config: ModelConfig, device: torch.device | str | None = None,
+                    dtype: torch.dtype | None = None) -> TransformerLM:
         """A model of the shape `config` describes, parameters on `device` in `dtype`."""
         return cls(
             vocab_size=config.vocab_size, context_length=config.context_length, d_model=config.d_model,
@@ -124,7 +126,8 @@ class TransformerLM(nn.Module):
         )
 
     @classmethod
-    def from_preset(cls, name: str, device=None, dtype=None, **changes) -> TransformerLM:
+    def from_preset(cls, name: str, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                    **changes: Any) -> TransformerLM:
         """A model of the named preset (`PRESETS`), with any `ModelConfig` field changed by keyword,
         e.g. `from_preset("xl", vocab_size=50_257, context_length=1024, attention_backend="sdpa")`."""
         return cls.from_config(preset(name, **changes), device=device, dtype=dtype)

@@ -178,7 +178,7 @@ class ShardedOptimizer(ConsolidatedStateDict, torch.optim.Optimizer):
         if owner != self.rank:
             layout.unpack(flat, [p.data for p in params])
 
-    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any):  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
         """Step this rank's shard with the inner optimizer, then broadcast every parameter from its owner
         (a collective: call it on every rank). Returns the closure's loss, if a closure was given."""
         loss = None

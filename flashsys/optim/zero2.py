@@ -220,7 +220,7 @@ class ZeRO2Optimizer(ConsolidatedStateDict, torch.optim.Optimizer):
             live = used[id(x.bucket)][x.index]
             x.tensor.grad = x.bucket.grad_shard[x.grad_start : x.grad_start + x.end - x.start] if live else None
 
-    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any):  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
         """Step this rank's slices, then all-gather every bucket's parameters in place (a collective: call it on
         every rank). Returns the closure's loss, if a closure was given."""
         loss = None
