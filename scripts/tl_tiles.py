@@ -16,8 +16,9 @@ The tensors are laid out as a model's projections hand them over: (B, N, H, D) m
 dO likewise. Each tile is launched directly (the kernel the autotuner wraps, that tile's meta-parameters, the grid
 `launch.run` gives it), with the same arguments every launch of the call gets (`launch.recording()`). Each row: the
 median of --rounds interleaved `do_bench` medians, its ratio to the kernel's fastest tile, and the largest error of
-what it wrote (O and L; dQ; dK and dV) against float64 math, beside cuDNN's own error. A tile that does not run (out
-of shared memory, say) is named and dropped.
+what it wrote (O and L; dQ; dK and dV) against float64 math, beside cuDNN's own error, and what it compiled to
+(registers a thread, spills, shared memory). A tile that does not run (out of shared memory, say) is named and
+dropped.
 """
 
 from __future__ import annotations
@@ -79,6 +80,15 @@ def _largest(errors: list[float]) -> float:
     return max(errors) if not any(e != e for e in errors) else float("nan")
 
 
+def _resources(compiled: object) -> str:
+    """Registers a thread, spills and shared memory of a compiled kernel ("—" under the interpreter)."""
+    regs, spills = getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None)
+    metadata = getattr(compiled, "metadata", None)
+    if regs is None or metadata is None:
+        return "—"
+    return f"{regs} / {spills} / {getattr(metadata, 'shared', 0) // 1024} KiB"
+
+
 class Cell:
     """One shape's tensors, the launches a `tl` forward and backward of it make, and its float64 reference."""
 
@@ -102,6 +112,7 @@ class Cell:
         self.outputs = dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv)
         self.geometry = launch.geometry_of(self.q.shape, self.k.shape, dtype)
         self.reference = self._reference()
+        self.resources: dict[tuple[str, Tile], str] = {}  # what each tile compiled to, where it compiled
         # Run the call once, each kernel with its first candidate, so that every buffer a later kernel reads (O, L,
         # the (-L log2 e, D) pairs) holds this call's values before any tile is timed alone.
         for kernel in KERNELS:
@@ -122,8 +133,9 @@ class Cell:
         table, long_table = TABLES[kernel]
         return list(dict.fromkeys([*table[g.head_dim_class], *long_table.get(g.head_dim_class, [])]))
 
-    def launch(self, kernel: str, tile: Tile) -> Callable[[], None]:
-        """A call that launches `kernel` with `tile`'s meta-parameters over the grid `launch.run` gives it."""
+    def launch(self, kernel: str, tile: Tile) -> Callable[[], object]:
+        """A call that launches `kernel` with `tile`'s meta-parameters over the grid `launch.run` gives it (and
+        returns the compiled kernel on a GPU)."""
         recorded = self.launches[kernel]
         handle, args, constexprs, _ = recorded.prepared
         m, n, warps, stages = tile
@@ -140,13 +152,14 @@ class Cell:
         for name in WRITES[kernel]:
             self.outputs[name].fill_(float("nan"))
         try:
-            self.launch(kernel, tile)()
+            compiled = self.launch(kernel, tile)()
             if self.q.is_cuda:
                 torch.cuda.synchronize()
         except BaseException:
             for name, values in saved.items():
                 self.outputs[name].copy_(values)
             raise
+        self.resources[kernel, tile] = _resources(compiled)
         return self.error(kernel)
 
     def error(self, kernel: str) -> float:
@@ -260,13 +273,14 @@ def main(argv: list[str] | None = None) -> int:
         if not rows:
             continue
         fastest[kernel] = rows[0][0]
-        print(f"\n| {kernel} tile (BLOCK_M x BLOCK_N) | ms | x fastest | max error vs float64 | x cuDNN's error |"
-              "\n|---|---:|---:|---:|---:|")
+        print(f"\n| {kernel} tile (BLOCK_M x BLOCK_N) | ms | x fastest | max error vs float64 | x cuDNN's error | "
+              "registers / spills / shared |\n|---|---:|---:|---:|---:|---:|")
         for t, tile in rows:
             mark = " (autotuner's pick)" if picks.get(kernel) == tile else ""
             err = errors[kernel, tile]
             vs = f"{err / cudnn_errors[kernel]:.2f}" if cudnn_errors.get(kernel) else "—"
-            print(f"| {label(tile)}{mark} | {t:.4f} | {t / rows[0][0]:.3f} | {err:.3g} | {vs} |")
+            print(f"| {label(tile)}{mark} | {t:.4f} | {t / rows[0][0]:.3f} | {err:.3g} | {vs} | "
+                  f"{cell.resources[kernel, tile]} |")
     print()
     if baselines and "fwd" in fastest:
         cudnn_fwd = ms["cudnn", "fwd"]

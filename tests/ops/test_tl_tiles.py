@@ -69,6 +69,8 @@ def test_a_run_prints_a_row_per_tile_marks_the_autotuners_pick_and_names_a_tile_
         assert len(table) == n_rows, table
         assert sum("(autotuner's pick)" in row for row in table) == 1
         assert all(float(row.split(" | ")[3]) < 1e-4 for row in table), table  # fp32: its error column
+        compiled = [row.split(" | ")[5].rstrip(" |") for row in table]  # registers / spills / shared
+        assert all(c == "—" for c in compiled) if DEVICE.type == "cpu" else all(c.endswith("KiB") for c in compiled)
     assert "| dq tile" not in out  # --extra of a kernel not asked for times nothing
 
 
@@ -89,3 +91,13 @@ def test_bad_arguments_are_refused_naming_the_option(args, message):
 def test_bf16_on_a_cpu_is_refused_since_the_interpreter_computes_it_wrongly():
     done = _run("--seq-len", "16", "--batch", "1", "--heads", "1")
     assert done.returncode == 2 and "interpreter computes bf16 wrongly" in done.stderr
+
+
+def test_what_a_tile_compiled_to_reads_from_the_compiled_kernel():
+    """Triton's CompiledKernel (after a launch on a GPU) carries n_regs, n_spills and metadata.shared; the
+    interpreter returns no compiled kernel."""
+    from types import SimpleNamespace
+
+    compiled = SimpleNamespace(n_regs=128, n_spills=0, metadata=SimpleNamespace(shared=57344))
+    assert tl_tiles._resources(compiled) == "128 / 0 / 56 KiB"
+    assert tl_tiles._resources(None) == "—"
