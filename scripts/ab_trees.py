@@ -12,6 +12,7 @@ their tables' first candidates, the way to compare bits (not times).
 
     git worktree add --detach .ab/main main   # untracked, so the device tool carries it
     python scripts/ab_trees.py --trees .ab/main . --cells 128:full:16384 128:causal:16384 --rounds 5 --baseline
+    python scripts/ab_trees.py --trees .ab/main . --what step --steps small:2048 --rounds 3 --baseline
 
 A cell is D:MASK:N (MASK full or causal), with batch = --tokens // N and --heads heads, bf16 on a GPU (float32 on a
 CPU, where the times say nothing about kernels: that is for trying the script, with `--impl flash-torch`). `--impl`
@@ -20,6 +21,12 @@ default, as the sweep's) or the sweep's flash-triton-nondet (determinism off), t
 `benchmarks.harness.bench_ms`. `--what bwd` (the default) times the backward alone, `fwd` the forward alone (no
 autograd graph), `fwd_bwd` a forward and its backward; `--baseline` also times sdpa-cudnn (GPU only) in the first
 tree's worker.
+
+`--what step` times a language model's training step instead, in each tree as that tree's `benchmarks.end_to_end`
+builds and times it (bf16 autocast on a GPU, AdamW; `--step-mode compiled` by default): a step cell is PRESET:CONTEXT
+(`--steps small:2048`), each round one `--iters` steps back to back after the model's warm-up, its median kept
+(`Model.time_steps`); `--baseline` adds the model with SDPA's attention in the first tree. Both trees build their
+model from the same seed; the steps' bits are not compared (the embedding's backward adds in no fixed order).
 """
 
 from __future__ import annotations
@@ -54,6 +61,22 @@ def cell_spec(text: str) -> Cell:
     return Cell(int(parts[0]), parts[1] == "causal", int(parts[2]))
 
 
+class StepCell(NamedTuple):
+    preset: str
+    context: int
+
+    def label(self) -> str:
+        return f"{self.preset} step, context {self.context}"
+
+
+def step_spec(text: str) -> StepCell:
+    """argparse type of a step cell written PRESET:CONTEXT, e.g. small:2048."""
+    name, _, context = text.partition(":")
+    if not name or not context.isdigit() or int(context) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: want PRESET:CONTEXT, e.g. small:2048")
+    return StepCell(name, int(context))
+
+
 def tree_path(text: str) -> Path:
     """argparse type of a source tree: a folder with a flashsys package in it."""
     path = Path(text).resolve()
@@ -79,9 +102,43 @@ def _digest(tensors) -> str:
     return h.hexdigest()[:16]
 
 
+def _time_step(request: dict, models: dict) -> dict:
+    """One round of a step cell's model ({"step": [PRESET, CONTEXT], "impl": an attention backend, "mode",
+    "iters", "warmup", "batch"}), built and warmed up on its first request (`benchmarks.end_to_end.Model`); the
+    models of one step cell are kept (the baseline's beside flashsys's), those of another dropped."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks.end_to_end import PRESETS, Model
+    from benchmarks.harness import ON_GPU
+
+    preset_name, context = request["step"]
+    if preset_name not in PRESETS:
+        return {"error": f"--steps {preset_name}:{context}: no such preset in this tree (it has "
+                         f"{', '.join(PRESETS)})"}
+    key = (preset_name, context, request["impl"], request["mode"])
+    if key not in models:
+        if any(k[:2] != key[:2] for k in models):
+            models.clear()
+            if ON_GPU:
+                torch.cuda.empty_cache()
+        torch.manual_seed(0)  # the same weights and tokens in every tree
+        options = SimpleNamespace(iters=request["iters"], warmup=request["warmup"], batch=request["batch"],
+                                  dtype="bf16" if ON_GPU else "fp32", nvtx=False)
+        try:
+            models[key] = Model(preset_name, context, request["impl"], request["mode"], options)
+        except Exception as exc:  # noqa: BLE001  the driver stops with it, naming the tree
+            return {"error": f"--steps {preset_name}:{context} with {request['impl']}: {type(exc).__name__}: {exc}"}
+    model = models[key]
+    model.time_steps()
+    return {"ms": model.rounds[-1], "digest": None}
+
+
 def worker(tokens: int, heads: int) -> int:
     """Serve the driver: one JSON request a line on stdin ({"cell": [D, causal, N], "impl": a registry backend,
-    "what": "bwd", "fwd" or "fwd_bwd"}), one REPLY line each ({"ms": ..., "digest": ...}, or {"error": ...})."""
+    "what": "bwd", "fwd" or "fwd_bwd"}, or a step cell's, `_time_step`), one REPLY line each ({"ms": ...,
+    "digest": ...}, or {"error": ...})."""
     sys.path.insert(0, os.getcwd())  # this tree's flashsys and benchmarks before any other
     import torch
 
@@ -95,8 +152,12 @@ def worker(tokens: int, heads: int) -> int:
 
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     made_for, tensors = None, ()  # one cell's inputs at a time: the driver asks for a cell's rounds together
+    models: dict = {}  # one step cell's models at a time
     for line in sys.stdin:
         request = json.loads(line)
+        if "step" in request:
+            _reply(_time_step(request, models))
+            continue
         if request["impl"] not in (*ATTENTION_BACKENDS, NONDETERMINISTIC):
             _reply({"error": f"--impl {request['impl']!r}: no such backend in this tree's registry (it has "
                              f"{', '.join(ATTENTION_BACKENDS)}, and the sweep's {NONDETERMINISTIC})"})
@@ -176,15 +237,22 @@ class Worker:
         self.process.wait(timeout=60)
 
 
-def run(trees: list[Path], cells: list[Cell], rounds: int, impl: str, what: str, baseline: bool, tokens: int,
-        heads: int) -> list[dict]:
-    """Each cell's rows: per tree its times (ms, one a round) and digest; the baseline's times where asked."""
+def run(trees: list[Path], cells: list[Cell | StepCell], rounds: int, impl: str, what: str, baseline: bool,
+        tokens: int, heads: int, step_options: dict | None = None) -> list[dict]:
+    """Each cell's rows: per tree its times (ms, one a round) and digest; the baseline's times where asked. Step
+    cells (`what` "step") are asked for with `step_options` (mode, iters, warmup, batch)."""
+
+    def request(cell: Cell | StepCell, backend: str) -> dict:
+        if isinstance(cell, StepCell):
+            return dict(step=list(cell), impl=backend, **(step_options or {}))
+        return dict(cell=list(cell), impl=backend, what=what)
+
     workers = [Worker(tree, tokens, heads) for tree in trees]
     try:
         for w in workers:
             print(f"# {w.tree}: flashsys {w.hello['flashsys']}, torch {w.hello['torch']}, {w.hello['device']}",
                   flush=True)
-        if baseline and workers[0].hello["device"] == "cpu":
+        if baseline and workers[0].hello["device"] == "cpu" and any(isinstance(c, Cell) for c in cells):
             raise SystemExit("--baseline times SDPA's cuDNN backend: it needs a GPU")
         results = []
         for cell in cells:
@@ -193,12 +261,12 @@ def run(trees: list[Path], cells: list[Cell], rounds: int, impl: str, what: str,
             for r in range(rounds):
                 order = list(enumerate(workers)) if r % 2 == 0 else list(enumerate(workers))[::-1]
                 for i, w in order:
-                    answer = w.ask(cell=list(cell), impl=impl, what=what)
+                    answer = w.ask(**request(cell, impl))
                     times.setdefault(f"tree {i}", []).append(answer["ms"])
                     digests[f"tree {i}"] = answer["digest"]
                 if baseline:
-                    times.setdefault("sdpa-cudnn", []).append(
-                        workers[0].ask(cell=list(cell), impl="sdpa-cudnn", what=what)["ms"])
+                    name = "sdpa" if isinstance(cell, StepCell) else "sdpa-cudnn"
+                    times.setdefault(name, []).append(workers[0].ask(**request(cell, name))["ms"])
             results.append({"cell": cell, "times": times, "digests": digests})
             # each cell's row as it is timed (stderr; the table comes at the end): a run cut short keeps its rows
             print("# " + table_row(results[-1], len(trees)), file=sys.stderr, flush=True)
@@ -214,9 +282,11 @@ def table_row(result: dict, n_trees: int) -> str:
     med = {name: statistics.median(ts) for name, ts in result["times"].items()}
     row = [result["cell"].label(), *(f"{med[f'tree {i}']:.3f}" for i in range(n_trees)),
            *(f"{med[f'tree {i}'] / med['tree 0']:.3f}" for i in range(1, n_trees))]
-    if "sdpa-cudnn" in med:
-        row += [f"{med['sdpa-cudnn']:.3f}", *(f"{med[f'tree {i}'] / med['sdpa-cudnn']:.3f}" for i in range(n_trees))]
-    row.append("yes" if len(set(result["digests"].values())) == 1 else "no")
+    base = next((name for name in ("sdpa-cudnn", "sdpa") if name in med), None)
+    if base is not None:
+        row += [f"{med[base]:.3f}", *(f"{med[f'tree {i}'] / med[base]:.3f}" for i in range(n_trees))]
+    digests = set(result["digests"].values())
+    row.append("—" if digests == {None} else "yes" if len(digests) == 1 else "no")
     return "| " + " | ".join(row) + " |"
 
 
@@ -226,6 +296,8 @@ def table(results: list[dict], trees: list[Path]) -> str:
     head = ["cell", *(f"tree {i} ms" for i in range(len(trees))), *(f"tree {i} / tree 0" for i in others)]
     if any("sdpa-cudnn" in r["times"] for r in results):
         head += ["sdpa-cudnn ms", *(f"tree {i} / cuDNN" for i in range(len(trees)))]
+    elif any("sdpa" in r["times"] for r in results):
+        head += ["sdpa ms", *(f"tree {i} / SDPA" for i in range(len(trees)))]
     head.append("same bits")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *(table_row(r, len(trees)) for r in results)]
     legend = [f"tree {i}: {tree}" for i, tree in enumerate(trees)]
@@ -244,17 +316,32 @@ def main() -> int:
     ap.add_argument("--rounds", type=at_least_one, default=5)
     ap.add_argument("--impl", default="flash-triton",
                     help="a backend of the trees' registry (default flash-triton), or flash-triton-nondet")
-    ap.add_argument("--what", choices=["bwd", "fwd", "fwd_bwd"], default="bwd")
+    ap.add_argument("--what", choices=["bwd", "fwd", "fwd_bwd", "step"], default="bwd")
+    ap.add_argument("--steps", type=step_spec, nargs="+", default=[], metavar="PRESET:CONTEXT",
+                    help="--what step: the models whose training step is timed, e.g. small:2048")
+    ap.add_argument("--step-mode", choices=["eager", "compiled", "reduce-overhead"], default="compiled")
+    ap.add_argument("--iters", type=at_least_one, default=5, help="--what step: steps a round")
+    ap.add_argument("--warmup", type=int, default=3, help="--what step: untimed steps after the model is built")
+    ap.add_argument("--batch", type=int, default=4, help="--what step: sequences a step")
     ap.add_argument("--baseline", action="store_true", help="also time sdpa-cudnn (GPU only)")
     ap.add_argument("--tokens", type=int, default=16384, help="batch x N per cell")
     ap.add_argument("--heads", type=int, default=16)
     args = ap.parse_args()
     if not args.trees or len(args.trees) < 2:
         ap.error("--trees: give two or more source trees")
-    for name in ("tokens", "heads"):
+    for name in ("tokens", "heads", "batch"):
         if getattr(args, name) < 1:
             ap.error(f"--{name}: 1 or more")
-    results = run(args.trees, args.cells, args.rounds, args.impl, args.what, args.baseline, args.tokens, args.heads)
+    if args.warmup < 0:
+        ap.error("--warmup: 0 or more")
+    if (args.what == "step") != bool(args.steps):
+        ap.error("--steps goes with --what step, and --what step needs --steps")
+    if args.what == "step" and args.impl == "flash-triton-nondet":
+        ap.error("--impl flash-triton-nondet times attention cells only; a step's model takes a registry backend")
+    cells = args.steps if args.what == "step" else args.cells
+    step_options = dict(mode=args.step_mode, iters=args.iters, warmup=args.warmup, batch=args.batch)
+    results = run(args.trees, cells, args.rounds, args.impl, args.what, args.baseline, args.tokens, args.heads,
+                  step_options)
     print(table(results, args.trees))
     return 0
 

@@ -103,3 +103,30 @@ def test_the_table_says_no_where_the_trees_bits_differ():
     text = ab_trees.table(results, [Path("/a"), Path("/b")])
     assert "| D 128 full N 4096 | 3.000 | 1.500 | 0.500 | 2.000 | 1.500 | 0.750 | no |" in text
     assert text.startswith("tree 0: /a\ntree 1: /b")
+
+
+def test_a_models_training_step_is_timed_tree_against_tree_beside_sdpa():
+    """`--what step`: each tree builds the preset's model as its `benchmarks.end_to_end` does and times rounds of
+    whole steps; the baseline is the same model with SDPA's attention; the steps' bits are not compared."""
+    done = _run("--trees", str(ROOT), str(ROOT), "--what", "step", "--steps", "tiny:32", "--rounds", "2",
+                "--impl", "flash-torch", "--step-mode", "eager", "--iters", "1", "--warmup", "0", "--baseline")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| cell | tree 0 ms | tree 1 ms | tree 1 / tree 0 | sdpa ms | tree 0 / SDPA | tree 1 / SDPA | same bits |" \
+        in done.stdout
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| tiny step, context 32 |"))
+    assert row.endswith("| — |") and len(row.split(" | ")) == 8
+
+
+def test_step_arguments_are_refused_by_name():
+    """--steps without --what step and the reverse, a step cell that is not PRESET:CONTEXT (argparse's exit 2), and
+    a preset the tree lacks (the run stops naming it and the presets there)."""
+    for args, words in ((("--steps", "tiny:32"), "--steps goes with --what step"),
+                        (("--what", "step"), "--what step needs --steps"),
+                        (("--what", "step", "--steps", "tiny"), "want PRESET:CONTEXT"),
+                        (("--what", "step", "--steps", "tiny:32", "--batch", "0"), "--batch: 1 or more")):
+        done = _run("--trees", str(ROOT), str(ROOT), *args)
+        assert done.returncode == 2 and words in done.stderr, done.stderr
+    done = _run("--trees", str(ROOT), str(ROOT), "--what", "step", "--steps", "huge:32", "--rounds", "1",
+                "--impl", "flash-torch", "--step-mode", "eager")
+    assert done.returncode != 0 and "--steps huge:32: no such preset in this tree" in done.stderr
+    assert "tiny" in done.stderr
