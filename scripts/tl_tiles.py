@@ -40,7 +40,7 @@ from benchmarks.harness import add_probe_args, bench_ms, kv_heads_of  # noqa: E4
 from flashsys.ops.attention import ATTENTION_BACKENDS, dispatch, launcher  # noqa: E402
 from flashsys.ops.attention.reference import attention_reference  # noqa: E402
 from flashsys.ops.attention.triton import launch  # noqa: E402
-from flashsys.ops.attention.triton.configs import TABLES, Tile, tiles_for  # noqa: E402
+from flashsys.ops.attention.triton.configs import Tile, every_tile, tiles_for  # noqa: E402
 
 KERNELS = ("fwd", "dq", "dkdv")
 # What each kernel writes, checked after its tile ran: the forward's O and L, dQ's dQ, dK/dV's dK and dV.
@@ -130,8 +130,7 @@ class Cell:
         g = self.geometry
         if not every or g.fp32:
             return tiles_for(kernel, g.head_dim_class, g.fp32, g.long_seq)
-        table, long_table = TABLES[kernel]
-        return list(dict.fromkeys([*table[g.head_dim_class], *long_table.get(g.head_dim_class, [])]))
+        return every_tile(kernel, g.head_dim_class)
 
     def launch(self, kernel: str, tile: Tile) -> Callable[[], object]:
         """A call that launches `kernel` with `tile`'s meta-parameters over the grid `launch.run` gives it (and

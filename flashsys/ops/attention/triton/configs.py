@@ -71,6 +71,12 @@ def tiles_for(kernel: str, head_dim_class: int, fp32: bool, long_seq: bool) -> l
     return table[head_dim_class]
 
 
+def every_tile(kernel: str, head_dim_class: int) -> list[Tile]:
+    """Every 16-bit tile of `kernel`'s tables for this class, its long-sequence handle's too, each once."""
+    table, long_table = TABLES[kernel]
+    return list(dict.fromkeys([*table[head_dim_class], *long_table.get(head_dim_class, [])]))
+
+
 def _configs(tiles: list[Tile]) -> list[triton.Config]:
     chosen = tiles if autotune_enabled() else tiles[:1]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in chosen]
