@@ -20,6 +20,7 @@ import datetime
 import gc
 import json
 import math
+import os
 import platform
 import sys
 from collections.abc import Callable, Iterator
@@ -92,6 +93,20 @@ def peak_memory() -> Iterator[dict]:
     if ON_GPU:
         sync()
         out["peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+@contextlib.contextmanager
+def environment_variable(name: str, value: str) -> Iterator[None]:
+    """Inside, os.environ[name] is `value` (for switches read at every call, e.g. FLASHSYS_GLUON); restored after."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = saved
 
 
 @contextlib.contextmanager

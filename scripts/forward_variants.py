@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this tree's flashsys, benchmarks
 
-from benchmarks.harness import add_probe_args, bench_ms, kv_heads_of
+from benchmarks.harness import add_probe_args, bench_ms, environment_variable, kv_heads_of
 from flashsys.ops.attention import ATTENTION_BACKENDS
 
 
@@ -59,15 +59,8 @@ def _cell(d: int, causal: bool, n: int, batch: int, heads: int, kv_heads: int
         return call
 
     def tl_forward():
-        saved = os.environ.get(dispatch.ENV)
-        os.environ[dispatch.ENV] = "0"  # the dispatch reads the switch at every call
-        try:
+        with environment_variable(dispatch.ENV, "0"):  # the dispatch reads the switch at every call
             return launcher.forward(q, k, v, window, scale)[0]
-        finally:
-            if saved is None:
-                del os.environ[dispatch.ENV]
-            else:
-                os.environ[dispatch.ENV] = saved
 
     calls = {variant.label(): variant_call(variant) for variant in dispatch.FORWARD_VARIANTS.get(d, ())}
     calls |= {f"{variant.label()} (trial)": variant_call(variant) for variant in dispatch.FORWARD_TRIALS.get(d, ())}

@@ -36,7 +36,7 @@ if not torch.cuda.is_available():  # the `tl` kernels run on a CPU only under th
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this tree's flashsys, benchmarks
 
-from benchmarks.harness import add_probe_args, bench_ms, kv_heads_of  # noqa: E402
+from benchmarks.harness import add_probe_args, bench_ms, environment_variable, kv_heads_of  # noqa: E402
 from flashsys.ops.attention import ATTENTION_BACKENDS, dispatch, launcher  # noqa: E402
 from flashsys.ops.attention.reference import attention_reference  # noqa: E402
 from flashsys.ops.attention.triton import launch  # noqa: E402
@@ -193,17 +193,10 @@ def autotuner_picks(cell: Cell) -> dict[str, Tile]:
     """The tile Triton's autotuner picks for each kernel in an eager call of this shape (Inductor times the same
     candidates in a compiled graph, on its own)."""
     launch.forget_configs()
-    saved = os.environ.get(dispatch.ENV)
-    os.environ[dispatch.ENV] = "0"  # the `tl` kernels, where the Gluon ones would run (read at every call)
-    try:
+    with environment_variable(dispatch.ENV, "0"):  # the `tl` kernels where the Gluon ones would run
         o, lse, _ = launcher.forward(cell.q, cell.k, cell.v, cell.window, cell.scale)
         launcher.backward(cell.q, cell.k, cell.v, o, lse, launcher.dense_do(cell.do, cell.q.dtype), cell.window,
                           cell.scale)
-    finally:
-        if saved is None:
-            del os.environ[dispatch.ENV]
-        else:
-            os.environ[dispatch.ENV] = saved
     return {key.kernel: (m["BLOCK_M"], m["BLOCK_N"], m["num_warps"], m["num_stages"])
             for key, m in launch.chosen_configs().items()}
 
