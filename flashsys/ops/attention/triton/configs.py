@@ -9,6 +9,8 @@ measurements behind each list.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import triton
 
 from ..triton_env import autotune_enabled
@@ -51,19 +53,25 @@ BWD_DQ_TILES_LONG: dict[int, list[Tile]] = {64: [(128, 64, 8, 4), (128, 64, 8, 3
 AUTOTUNE_KEY = ["N_BUCKET", "HEAD_DIM", "BOUND_RIGHT", "BOUND_LEFT", "VARLEN"]
 
 
-# Each kernel's tables: (by head-dim class, long-sequence handles by head-dim class).
-TABLES: dict[str, tuple[dict[int, list[Tile]], dict[int, list[Tile]]]] = {
-    "fwd": (FWD_TILES, FWD_TILES_LONG),
-    "dkdv": (BWD_DKDV_TILES, BWD_DKDV_TILES_LONG),
-    "dq": (BWD_DQ_TILES, BWD_DQ_TILES_LONG),
+class KernelTiles(NamedTuple):
+    """One `tl` kernel and its tile candidates by head-dim class, the long-sequence handles' where it has them."""
+    kernel: object
+    by_class: dict[int, list[Tile]]
+    long_by_class: dict[int, list[Tile]]
+
+
+# Every kernel's tables, by the name its launches and its LaunchKey use.
+TABLES: dict[str, KernelTiles] = {
+    "fwd": KernelTiles(flash_fwd_kernel, FWD_TILES, FWD_TILES_LONG),
+    "dkdv": KernelTiles(flash_bwd_dkdv_kernel, BWD_DKDV_TILES, BWD_DKDV_TILES_LONG),
+    "dq": KernelTiles(flash_bwd_dq_kernel, BWD_DQ_TILES, BWD_DQ_TILES_LONG),
 }
-_KERNELS = {"fwd": flash_fwd_kernel, "dkdv": flash_bwd_dkdv_kernel, "dq": flash_bwd_dq_kernel}
 
 
 def tiles_for(kernel: str, head_dim_class: int, fp32: bool, long_seq: bool) -> list[Tile]:
     """Every tile candidate of `kernel`'s ("fwd", "dq" or "dkdv") handle for this class, best first, whether or not
     autotuning is on: the fp32 tiles for fp32, the long-sequence ones where the class has them."""
-    table, long_table = TABLES[kernel]
+    _, table, long_table = TABLES[kernel]
     if fp32:
         return FP32_TILES[head_dim_class]
     if long_seq and head_dim_class in long_table:
@@ -73,7 +81,7 @@ def tiles_for(kernel: str, head_dim_class: int, fp32: bool, long_seq: bool) -> l
 
 def every_tile(kernel: str, head_dim_class: int) -> list[Tile]:
     """Every 16-bit tile of `kernel`'s tables for this class, its long-sequence handle's too, each once."""
-    table, long_table = TABLES[kernel]
+    _, table, long_table = TABLES[kernel]
     return list(dict.fromkeys([*table[head_dim_class], *long_table.get(head_dim_class, [])]))
 
 
@@ -84,9 +92,9 @@ def _configs(tiles: list[Tile]) -> list[triton.Config]:
 
 def _tuned(kernel: str) -> dict:
     """{(head-dim class, is_fp32, long_seq): autotuned kernel}; long_seq handles exist only where listed."""
-    table, long_table = TABLES[kernel]
+    jit, table, long_table = TABLES[kernel]
     keys = [(d, fp32, False) for d in table for fp32 in (False, True)] + [(d, False, True) for d in long_table]
-    return {key: triton.autotune(configs=_configs(tiles_for(kernel, *key)), key=AUTOTUNE_KEY)(_KERNELS[kernel])
+    return {key: triton.autotune(configs=_configs(tiles_for(kernel, *key)), key=AUTOTUNE_KEY)(jit)
             for key in keys}
 
 
