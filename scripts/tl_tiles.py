@@ -10,6 +10,7 @@ tile given with --extra, so that a table change is decided by one run at the sha
     python scripts/tl_tiles.py                                            # small preset, context 2048
     python scripts/tl_tiles.py --heads 16                                 # medium preset, context 2048
     python scripts/tl_tiles.py --tiles all --extra fwd:128,64,4,2 dq:64,64,4,4
+    python scripts/tl_tiles.py --out benchmarks/results/attention         # and write its table there
     python scripts/tl_tiles.py --seq-len 8192 --batch 1 --mask window:1024
 
 The tensors are laid out as a model's projections hand them over: (B, N, H, D) memory viewed as (B, H, N, D), and
@@ -28,6 +29,7 @@ import os
 import statistics
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -36,7 +38,7 @@ if not torch.cuda.is_available():  # the `tl` kernels run on a CPU only under th
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this tree's flashsys, benchmarks
 
-from benchmarks.harness import add_probe_args, bench_ms, environment_variable, kv_heads_of  # noqa: E402
+from benchmarks.harness import add_probe_args, bench_ms, environment_variable, kv_heads_of, write_table  # noqa: E402
 from flashsys.ops.attention import ATTENTION_BACKENDS, dispatch, launcher  # noqa: E402
 from flashsys.ops.attention.reference import attention_reference  # noqa: E402
 from flashsys.ops.attention.triton import launch  # noqa: E402
@@ -206,6 +208,38 @@ def label(tile: Tile) -> str:
     return f"{m}x{n}, {warps} warps, {stages} stages"
 
 
+def tile_rows(kernels: list[str], ms: dict[tuple[str, Tile], float], errors: dict[tuple[str, Tile], float],
+              cudnn_errors: dict[str, float], picks: dict[str, Tile], resources: dict[tuple[str, Tile], str]
+              ) -> list[dict]:
+    """One row per timed tile, each kernel's fastest first: what the printed tables and the --out file show."""
+    rows = []
+    for kernel in kernels:
+        timed = sorted((t, tile) for (k, tile), t in ms.items() if k == kernel)
+        for t, tile in timed:
+            err = errors[kernel, tile]
+            rows.append({"kernel": kernel, "tile": label(tile), "autotuner_pick": picks.get(kernel) == tile,
+                         "ms": f"{t:.4f}", "x_fastest": f"{t / timed[0][0]:.3f}", "max_error_vs_fp64": f"{err:.3g}",
+                         "x_cudnn_error": f"{err / cudnn_errors[kernel]:.2f}" if cudnn_errors.get(kernel) else "—",
+                         "registers_spills_shared": resources[kernel, tile]})
+    return rows
+
+
+def cudnn_summary(ms: dict[tuple[str, Tile], float], cudnn_ms: dict[str, float]) -> list[str]:
+    """The fastest forward, and the fastest dQ plus the fastest dK/dV, against cuDNN's (where both were timed)."""
+    fastest: dict[str, float] = {}
+    for (kernel, _), t in ms.items():
+        fastest[kernel] = min(t, fastest.get(kernel, t))
+    lines = []
+    if "fwd" in cudnn_ms and "fwd" in fastest:
+        lines.append(f"forward: fastest tile {fastest['fwd']:.4f} ms, cuDNN {cudnn_ms['fwd']:.4f} ms: "
+                     f"{fastest['fwd'] / cudnn_ms['fwd']:.3f}x cuDNN")
+    if "bwd" in cudnn_ms and "dq" in fastest and "dkdv" in fastest:
+        both = fastest["dq"] + fastest["dkdv"]
+        lines.append(f"backward: fastest dQ + fastest dK/dV {both:.4f} ms, cuDNN {cudnn_ms['bwd']:.4f} ms (a retained "
+                     f"graph's backward): {both / cudnn_ms['bwd']:.3f}x cuDNN")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=4)
@@ -220,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
                         "head-dim class's tables (the long-sequence ones too)")
     p.add_argument("--extra", type=parse_tile, nargs="+", default=[], metavar="KERNEL:M,N,WARPS,STAGES",
                    help="tiles to time beside the tables' (a kernel's BLOCK_M, BLOCK_N, num_warps, num_stages)")
+    p.add_argument("--out", type=Path, default=None, metavar="DIR",
+                   help="also write the table with device, versions and command: DIR/tl_tiles_{gpu,cpu}.md and .csv")
     args = p.parse_args(argv)
     kv_heads = kv_heads_of(p, args)
     for name in ("batch", "heads", "seq_len", "head_dim"):
@@ -232,8 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     cell = Cell(args.batch, args.heads, kv_heads, args.seq_len, args.head_dim, DTYPES[args.dtype], args.mask, device)
     if device.type == "cpu":
         print("tl_tiles: no GPU; the kernels run under Triton's interpreter and the times say nothing")
-    print(f"batch {args.batch}, {args.heads} query / {kv_heads} K/V heads, N {args.seq_len}, D {args.head_dim}, "
-          f"{args.dtype}, window {args.mask} (-1 unbounded)")
+    shape = (f"batch {args.batch}, {args.heads} query / {kv_heads} K/V heads, N {args.seq_len}, D {args.head_dim}, "
+             f"{args.dtype}, window {args.mask} (-1 unbounded)")
+    print(shape)
     picks = autotuner_picks(cell)
     cudnn = cudnn_calls(cell)
     if isinstance(cudnn, str):
@@ -259,29 +296,30 @@ def main(argv: list[str] | None = None) -> int:
             times[key].append(bench_ms(call, rep_ms=args.rep))
     ms = {key: statistics.median(t) for key, t in times.items()}
 
-    fastest: dict[str, float] = {}
+    tile_ms = {key: ms[key] for key in calls}
+    rows = tile_rows(args.kernels, tile_ms, errors, cudnn_errors, picks, cell.resources)
     for kernel in args.kernels:
-        rows = sorted((ms[key], key[1]) for key in calls if key[0] == kernel)
-        if not rows:
+        mine = [row for row in rows if row["kernel"] == kernel]
+        if not mine:
             continue
-        fastest[kernel] = rows[0][0]
         print(f"\n| {kernel} tile (BLOCK_M x BLOCK_N) | ms | x fastest | max error vs float64 | x cuDNN's error | "
               "registers / spills / shared |\n|---|---:|---:|---:|---:|---:|")
-        for t, tile in rows:
-            mark = " (autotuner's pick)" if picks.get(kernel) == tile else ""
-            err = errors[kernel, tile]
-            vs = f"{err / cudnn_errors[kernel]:.2f}" if cudnn_errors.get(kernel) else "—"
-            print(f"| {label(tile)}{mark} | {t:.4f} | {t / rows[0][0]:.3f} | {err:.3g} | {vs} | "
-                  f"{cell.resources[kernel, tile]} |")
-    print()
-    if baselines and "fwd" in fastest:
-        cudnn_fwd = ms["cudnn", "fwd"]
-        print(f"forward: fastest tile {fastest['fwd']:.4f} ms, cuDNN {cudnn_fwd:.4f} ms: "
-              f"{fastest['fwd'] / cudnn_fwd:.3f}x cuDNN")
-    if baselines and "dq" in fastest and "dkdv" in fastest:
-        both, cudnn_bwd = fastest["dq"] + fastest["dkdv"], ms["cudnn", "bwd"]
-        print(f"backward: fastest dQ + fastest dK/dV {both:.4f} ms, cuDNN {cudnn_bwd:.4f} ms (a retained graph's "
-              f"backward): {both / cudnn_bwd:.3f}x cuDNN")
+        for row in mine:
+            mark = " (autotuner's pick)" if row["autotuner_pick"] else ""
+            print(f"| {row['tile']}{mark} | {row['ms']} | {row['x_fastest']} | {row['max_error_vs_fp64']} | "
+                  f"{row['x_cudnn_error']} | {row['registers_spills_shared']} |")
+    summary = cudnn_summary(tile_ms, {name: ms["cudnn", name] for name in baselines})
+    print("\n" + "\n".join(summary))
+    if args.out is not None:
+        timed_by = ("`do_bench` medians (L2 flushed before each call)" if device.type == "cuda"
+                    else "interpreted runs (they say nothing of a GPU)")
+        timing = (f"ms: the median of {args.rounds} interleaved {timed_by}; "
+                  "errors: the largest |written - float64| of what the kernel writes, and its ratio to cuDNN's")
+        name = f"tl_tiles_{'gpu' if device.type == 'cuda' else 'cpu'}"
+        path = write_table(rows, args.out, name, "Every `tl` tile at one shape beside cuDNN",
+                           notes=[f"- shape: {shape}; (B, N, H, D) memory viewed as (B, H, N, D)", f"- {timing}",
+                                  *(f"- {line}" for line in summary)])
+        print(f"wrote {path}")
     return 0
 
 

@@ -5,6 +5,7 @@ and per extra tile, names a tile that cannot run, and marks the autotuner's pick
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import subprocess
 import sys
@@ -72,6 +73,22 @@ def test_a_run_prints_a_row_per_tile_marks_the_autotuners_pick_and_names_a_tile_
         compiled = [row.split(" | ")[5].rstrip(" |") for row in table]  # registers / spills / shared
         assert all(c == "—" for c in compiled) if DEVICE.type == "cpu" else all(c.endswith("KiB") for c in compiled)
     assert "| dq tile" not in out  # --extra of a kernel not asked for times nothing
+
+
+def test_out_writes_the_printed_rows_with_device_versions_and_command(tmp_path):
+    done = _run("--batch", "1", "--heads", "2", "--seq-len", "24", "--head-dim", "16", "--dtype", "fp32",
+                "--rounds", "1", "--kernels", "dkdv", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-2000:]
+    name = "tl_tiles_gpu" if torch.cuda.is_available() else "tl_tiles_cpu"
+    md = (tmp_path / f"{name}.md").read_text()
+    for key in ("- device:", "- torch:", "- triton:", "- date:", "- command: `python", "- shape: batch 1, 2 query"):
+        assert key in md, key
+    with open(tmp_path / f"{name}.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    printed = done.stdout.split("| dkdv tile")[1].split("\n\n")[0].splitlines()[2:]
+    assert len(rows) == len(printed) == len(tiles_for("dkdv", 64, True, False))
+    assert [r["ms"] for r in rows] == [row.split(" | ")[1] for row in printed]
+    assert sum(r["autotuner_pick"] == "True" for r in rows) == 1
 
 
 @pytest.mark.parametrize("args, message", [
