@@ -108,7 +108,7 @@ for s in "${sections[@]}"; do
              # causal; the small preset's 12 heads, the medium's 16) beside cuDNN; TILES_EXTRA="fwd:128,64,4,2 ..."
     for heads in 12 16; do
       timeout -k 10 ${TILES_TIMEOUT:-240} python3 scripts/tl_tiles.py --heads $heads --tiles all \
-        ${TILES_EXTRA:+--extra $TILES_EXTRA} > "$OUT/tl_tiles_h$heads.log" 2>&1
+        ${TILES_EXTRA:+--extra $TILES_EXTRA} --out "$OUT/tl_tiles_h$heads" > "$OUT/tl_tiles_h$heads.log" 2>&1
       echo "tl_tiles heads $heads exit: $?"; grep -E "^\| |^forward|^backward|failed" "$OUT/tl_tiles_h$heads.log"
     done ;;
   host_cost)  # host µs per attention call vs SDPA, and where they go; "before" too when .old/ holds an older
