@@ -55,7 +55,7 @@ AUTOTUNE_KEY = ["N_BUCKET", "HEAD_DIM", "BOUND_RIGHT", "BOUND_LEFT", "VARLEN"]
 
 class KernelTiles(NamedTuple):
     """One `tl` kernel and its tile candidates by head-dim class, the long-sequence handles' where it has them."""
-    kernel: object
+    kernel: triton.runtime.jit.JITFunction
     by_class: dict[int, list[Tile]]
     long_by_class: dict[int, list[Tile]]
 
