@@ -258,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also write the table with device, versions and command: DIR/tl_tiles_{gpu,cpu}.md and .csv")
     args = p.parse_args(argv)
     kv_heads = kv_heads_of(p, args)
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        p.error(f"argument --out: {args.out} is a file, not a directory")
     for name in ("batch", "heads", "seq_len", "head_dim"):
         if getattr(args, name) < 1:
             p.error(f"argument --{name.replace('_', '-')}: must be 1 or more")

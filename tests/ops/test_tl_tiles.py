@@ -98,6 +98,7 @@ def test_out_writes_the_printed_rows_with_device_versions_and_command(tmp_path):
     (("--heads", "12", "--kv-heads", "5"), "divisor of --heads (12)"),
     (("--seq-len", "0"), "argument --seq-len: must be 1 or more"),
     (("--rounds", "0"), "argument --rounds"),
+    (("--out", "README.md"), "argument --out: README.md is a file, not a directory"),
 ])
 def test_bad_arguments_are_refused_naming_the_option(args, message):
     done = _run(*args)
