@@ -22,6 +22,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -57,6 +58,33 @@ def bench_ms(fn: Callable[[], object], rep_ms: int = 200, warmup_ms: int = 50) -
 
         return triton.testing.do_bench(fn, rep=rep_ms, warmup=warmup_ms, return_mode="median")
     return summarize(repeat(fn, warmup=1, iters=5, device=DEVICE)).median
+
+
+def warm_l2_ms(fn: Callable[[], object], rep_ms: int = 200, calls: int = 10) -> float:
+    """Median milliseconds of fn with its inputs left in the L2 cache: `calls` back-to-back calls between two CUDA
+    events, repeated for about rep_ms, each repeat's time divided by `calls`. `bench_ms` (do_bench) flushes the L2
+    before every call, which is right for a kernel alone but not for one inside a model, whose inputs the kernel
+    before it has just written; the two together show how much of a kernel's time is its inputs' trip from memory.
+    On a CPU: `bench_ms`."""
+    if not ON_GPU:
+        return bench_ms(fn, rep_ms=rep_ms)
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    repeats = max(3, min(1000, int(rep_ms / max(start.elapsed_time(end), 1e-3))))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    for first, last in events:
+        first.record()
+        for _ in range(calls):
+            fn()
+        last.record()
+    torch.cuda.synchronize()
+    return statistics.median(first.elapsed_time(last) / calls for first, last in events)
 
 
 def graph_ms(fn: Callable[[], object], rep_ms: int = 200, warmup_ms: int = 50) -> float:

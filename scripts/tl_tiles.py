@@ -12,9 +12,11 @@ tile given with --extra, so that a table change is decided by one run at the sha
     python scripts/tl_tiles.py --tiles all --extra fwd:128,64,4,2 dq:64,64,4,4
     python scripts/tl_tiles.py --out benchmarks/results/attention         # and write its table there
     python scripts/tl_tiles.py --seq-len 8192 --batch 1 --mask window:1024
+    python scripts/tl_tiles.py --l2 warm                                  # inputs left in L2, as in a model
 
 The tensors are laid out as a model's projections hand them over: (B, N, H, D) memory viewed as (B, H, N, D), and
-dO likewise. Each tile is launched directly (the kernel the autotuner wraps, that tile's meta-parameters, the grid
+dO likewise. `--l2 warm` times each call with its inputs left in the L2 cache (back-to-back calls; in a model the
+kernel before attention has just written q, k and v) instead of flushing it first. Each tile is launched directly (the kernel the autotuner wraps, that tile's meta-parameters, the grid
 `launch.run` gives it), with the same arguments every launch of the call gets (`launch.recording()`). Each row: the
 median of --rounds interleaved `do_bench` medians, its ratio to the kernel's fastest tile, and the largest error of
 what it wrote (O and L; dQ; dK and dV) against float64 math, beside cuDNN's own error, and what it compiled to
@@ -38,7 +40,8 @@ if not torch.cuda.is_available():  # the `tl` kernels run on a CPU only under th
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this tree's flashsys, benchmarks
 
-from benchmarks.harness import add_probe_args, bench_ms, environment_variable, kv_heads_of, write_table  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    add_probe_args, bench_ms, environment_variable, kv_heads_of, warm_l2_ms, write_table)
 from flashsys.ops.attention import ATTENTION_BACKENDS, dispatch, launcher  # noqa: E402
 from flashsys.ops.attention.reference import attention_reference  # noqa: E402
 from flashsys.ops.attention.triton import launch  # noqa: E402
@@ -254,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
                         "head-dim class's tables (the long-sequence ones too)")
     p.add_argument("--extra", type=parse_tile, nargs="+", default=[], metavar="KERNEL:M,N,WARPS,STAGES",
                    help="tiles to time beside the tables' (a kernel's BLOCK_M, BLOCK_N, num_warps, num_stages)")
+    p.add_argument("--l2", choices=["flushed", "warm"], default="flushed",
+                   help="flushed: the L2 cache emptied before each call (do_bench); warm: back-to-back calls, the "
+                        "inputs left in L2 as a model's previous kernel leaves them")
     p.add_argument("--out", type=Path, default=None, metavar="DIR",
                    help="also write the table with device, versions and command: DIR/tl_tiles_{gpu,cpu}.md and .csv")
     args = p.parse_args(argv)
@@ -293,9 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     baselines, cudnn_errors = ({}, {}) if isinstance(cudnn, str) else cudnn
     timed = [*calls.items(), *((("cudnn", name), call) for name, call in baselines.items())]
     times: dict[tuple, list[float]] = {key: [] for key, _ in timed}
+    timer = warm_l2_ms if args.l2 == "warm" else bench_ms
     for _ in range(args.rounds):
         for key, call in timed:
-            times[key].append(bench_ms(call, rep_ms=args.rep))
+            times[key].append(timer(call, rep_ms=args.rep))
     ms = {key: statistics.median(t) for key, t in times.items()}
 
     tile_ms = {key: ms[key] for key in calls}
@@ -313,11 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     summary = cudnn_summary(tile_ms, {name: ms["cudnn", name] for name in baselines})
     print("\n" + "\n".join(summary))
     if args.out is not None:
-        timed_by = ("`do_bench` medians (L2 flushed before each call)" if device.type == "cuda"
-                    else "interpreted runs (they say nothing of a GPU)")
+        timed_by = ("interpreted runs (they say nothing of a GPU)" if device.type != "cuda"
+                    else "`do_bench` medians (L2 flushed before each call)" if args.l2 == "flushed"
+                    else "medians of 10 back-to-back calls between CUDA events (inputs left in L2)")
         timing = (f"ms: the median of {args.rounds} interleaved {timed_by}; "
                   "errors: the largest |written - float64| of what the kernel writes, and its ratio to cuDNN's")
-        name = f"tl_tiles_{'gpu' if device.type == 'cuda' else 'cpu'}"
+        name = f"tl_tiles_{'gpu' if device.type == 'cuda' else 'cpu'}{'_warm_l2' if args.l2 == 'warm' else ''}"
         path = write_table(rows, args.out, name, "Every `tl` tile at one shape beside cuDNN",
                            notes=[f"- shape: {shape}; (B, N, H, D) memory viewed as (B, H, N, D)", f"- {timing}",
                                   *(f"- {line}" for line in summary)])

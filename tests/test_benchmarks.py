@@ -370,3 +370,14 @@ def test_the_backward_timed_alone_writes_its_gradients_afresh_as_forward_and_bac
     attention.measure(fn, 1, 2, 8, 4, torch.float32, True, 1)
     backward_alone = grads_after_each_call[2:4]  # after the forward alone's two calls
     assert backward_alone[0] is not None and torch.equal(backward_alone[0], backward_alone[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times a GPU kernel of known length")
+def test_warm_l2_ms_gives_one_calls_time_not_a_batch_of_them():
+    from benchmarks.harness import bench_ms, warm_l2_ms
+
+    def sleep() -> None:  # a kernel that spins a fixed number of cycles and reads no memory
+        torch.cuda._sleep(2_000_000)
+
+    alone, warm = bench_ms(sleep, rep_ms=50), warm_l2_ms(sleep, rep_ms=50)
+    assert 0.8 < warm / alone < 1.2, (warm, alone)

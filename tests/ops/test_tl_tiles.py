@@ -75,11 +75,13 @@ def test_a_run_prints_a_row_per_tile_marks_the_autotuners_pick_and_names_a_tile_
     assert "| dq tile" not in out  # --extra of a kernel not asked for times nothing
 
 
-def test_out_writes_the_printed_rows_with_device_versions_and_command(tmp_path):
+@pytest.mark.parametrize("l2, suffix", [("flushed", ""), ("warm", "_warm_l2")])
+def test_out_writes_the_printed_rows_with_device_versions_and_command(tmp_path, l2, suffix):
     done = _run("--batch", "1", "--heads", "2", "--seq-len", "24", "--head-dim", "16", "--dtype", "fp32",
-                "--rounds", "1", "--kernels", "dkdv", "--out", str(tmp_path))
+                "--rounds", "1", "--kernels", "dkdv", "--l2", l2, "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-2000:]
-    name = "tl_tiles_gpu" if torch.cuda.is_available() else "tl_tiles_cpu"
+    name = ("tl_tiles_gpu" if torch.cuda.is_available() else "tl_tiles_cpu") + suffix
+    assert [p.name for p in tmp_path.glob("*.md")] == [f"{name}.md"]  # the two timings never overwrite each other
     md = (tmp_path / f"{name}.md").read_text()
     for key in ("- device:", "- torch:", "- triton:", "- date:", "- command: `python", "- shape: batch 1, 2 query"):
         assert key in md, key
@@ -99,6 +101,7 @@ def test_out_writes_the_printed_rows_with_device_versions_and_command(tmp_path):
     (("--seq-len", "0"), "argument --seq-len: must be 1 or more"),
     (("--rounds", "0"), "argument --rounds"),
     (("--out", "README.md"), "argument --out: README.md is a file, not a directory"),
+    (("--l2", "cold"), "argument --l2: invalid choice"),
 ])
 def test_bad_arguments_are_refused_naming_the_option(args, message):
     done = _run(*args)
