@@ -24,6 +24,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -65,26 +66,50 @@ def warm_l2_ms(fn: Callable[[], object], rep_ms: int = 200, calls: int = 10) -> 
     events, repeated for about rep_ms, each repeat's time divided by `calls`. `bench_ms` (do_bench) flushes the L2
     before every call, which is right for a kernel alone but not for one inside a model, whose inputs the kernel
     before it has just written; the two together show how much of a kernel's time is its inputs' trip from memory.
-    On a CPU: `bench_ms`."""
+
+    Each repeat starts behind a spin kernel longer than the host takes to issue its calls, so the calls run back to
+    back on the GPU even where one call's host time exceeds its GPU time (cuDNN's attention through SDPA's Python
+    dispatch): without it the events would time the host. On a CPU: `bench_ms`."""
     if not ON_GPU:
         return bench_ms(fn, rep_ms=rep_ms)
     fn()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    began = time.perf_counter()
     for _ in range(calls):
         fn()
-    end.record()
-    end.synchronize()
-    repeats = max(3, min(1000, int(rep_ms / max(start.elapsed_time(end), 1e-3))))
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-    for first, last in events:
+    issue_ms = (time.perf_counter() - began) * 1e3
+    torch.cuda.synchronize()
+    spin_cycles = int(2 * issue_ms * _spin_cycles_per_ms()) + 100_000
+    events = []
+
+    def repeat_once() -> None:
+        first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(spin_cycles)
         first.record()
         for _ in range(calls):
             fn()
         last.record()
+        events.append((first, last))
+
+    repeat_once()
+    torch.cuda.synchronize()
+    repeats = max(3, min(200, int(rep_ms / max(events[0][0].elapsed_time(events[0][1]), 1e-3))))
+    for _ in range(repeats):
+        repeat_once()
     torch.cuda.synchronize()
     return statistics.median(first.elapsed_time(last) / calls for first, last in events)
+
+
+def _spin_cycles_per_ms() -> float:
+    """How many cycles of `torch.cuda._sleep` the GPU spins in a millisecond (timed once per call of its caller)."""
+    cycles = 2_000_000
+    first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(cycles)  # the clock up to speed
+    first.record()
+    torch.cuda._sleep(cycles)
+    last.record()
+    last.synchronize()
+    return cycles / max(first.elapsed_time(last), 1e-3)
 
 
 def graph_ms(fn: Callable[[], object], rep_ms: int = 200, warmup_ms: int = 50) -> float:

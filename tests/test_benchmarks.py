@@ -373,11 +373,19 @@ def test_the_backward_timed_alone_writes_its_gradients_afresh_as_forward_and_bac
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="times a GPU kernel of known length")
-def test_warm_l2_ms_gives_one_calls_time_not_a_batch_of_them():
+def test_warm_l2_ms_times_the_gpu_not_the_host_that_issues_the_calls():
+    import time
+
     from benchmarks.harness import bench_ms, warm_l2_ms
 
     def sleep() -> None:  # a kernel that spins a fixed number of cycles and reads no memory
-        torch.cuda._sleep(2_000_000)
+        torch.cuda._sleep(200_000)
+
+    def slow_to_issue() -> None:  # the same kernel behind 1 ms of host time, several times the kernel's own
+        time.sleep(1e-3)
+        sleep()
 
     alone, warm = bench_ms(sleep, rep_ms=50), warm_l2_ms(sleep, rep_ms=50)
     assert 0.8 < warm / alone < 1.2, (warm, alone)
+    slow = warm_l2_ms(slow_to_issue, rep_ms=50)
+    assert 0.8 < slow / alone < 1.2 and slow < 0.5, (slow, alone)
