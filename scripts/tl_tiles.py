@@ -27,6 +27,7 @@ dropped.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -50,6 +51,7 @@ from flashsys.ops.attention.triton.configs import Tile, every_tile, tiles_for  #
 KERNELS = ("fwd", "dq", "dkdv")
 # What each kernel writes, checked after its tile ran: the forward's O and L, dQ's dQ, dK/dV's dK and dV.
 WRITES = {"fwd": ("o", "lse"), "dq": ("dq",), "dkdv": ("dk", "dv")}
+WARM_CALLS = 10  # back-to-back calls a timing with --l2 warm (harness.warm_l2_ms)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -299,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     baselines, cudnn_errors = ({}, {}) if isinstance(cudnn, str) else cudnn
     timed = [*calls.items(), *((("cudnn", name), call) for name, call in baselines.items())]
     times: dict[tuple, list[float]] = {key: [] for key, _ in timed}
-    timer = warm_l2_ms if args.l2 == "warm" else bench_ms
+    timer = functools.partial(warm_l2_ms, calls=WARM_CALLS) if args.l2 == "warm" else bench_ms
     for _ in range(args.rounds):
         for key, call in timed:
             times[key].append(timer(call, rep_ms=args.rep))
@@ -322,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         timed_by = ("interpreted runs (they say nothing of a GPU)" if device.type != "cuda"
                     else "`do_bench` medians (L2 flushed before each call)" if args.l2 == "flushed"
-                    else "medians of 10 back-to-back calls between CUDA events (inputs left in L2)")
+                    else f"medians of {WARM_CALLS} back-to-back calls between CUDA events (inputs left in L2)")
         timing = (f"ms: the median of {args.rounds} interleaved {timed_by}; "
                   "errors: the largest |written - float64| of what the kernel writes, and its ratio to cuDNN's")
         name = f"tl_tiles_{'gpu' if device.type == 'cuda' else 'cpu'}{'_warm_l2' if args.l2 == 'warm' else ''}"
