@@ -13,6 +13,7 @@ tile given with --extra, so that a table change is decided by one run at the sha
     python scripts/tl_tiles.py --out benchmarks/results/attention         # and write its table there
     python scripts/tl_tiles.py --seq-len 8192 --batch 1 --mask window:1024
     python scripts/tl_tiles.py --l2 warm                                  # inputs left in L2, as in a model
+    python scripts/tl_tiles.py --l2 both                                  # both timings in the same rounds
 
 The tensors are laid out as a model's projections hand them over: (B, N, H, D) memory viewed as (B, H, N, D), and
 dO likewise. `--l2 warm` times each call with its inputs left in the L2 cache (back-to-back calls; in a model the
@@ -52,6 +53,8 @@ KERNELS = ("fwd", "dq", "dkdv")
 # What each kernel writes, checked after its tile ran: the forward's O and L, dQ's dQ, dK/dV's dK and dV.
 WRITES = {"fwd": ("o", "lse"), "dq": ("dq",), "dkdv": ("dk", "dv")}
 WARM_CALLS = 10  # back-to-back calls a timing with --l2 warm (harness.warm_l2_ms)
+# --l2's choices and what each adds to the --out file's name: the timings never overwrite one another's table.
+L2_SUFFIX = {"flushed": "", "warm": "_warm_l2", "both": "_flushed_and_warm_l2"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -214,33 +217,40 @@ def label(tile: Tile) -> str:
 
 
 def tile_rows(kernels: list[str], ms: dict[tuple[str, Tile], float], errors: dict[tuple[str, Tile], float],
-              cudnn_errors: dict[str, float], picks: dict[str, Tile], resources: dict[tuple[str, Tile], str]
-              ) -> list[dict]:
-    """One row per timed tile, each kernel's fastest first: what the printed tables and the --out file show."""
+              cudnn_errors: dict[str, float], picks: dict[str, Tile], resources: dict[tuple[str, Tile], str],
+              warm_ms: dict[tuple[str, Tile], float] | None = None) -> list[dict]:
+    """One row per timed tile, each kernel's fastest first (by `ms`): what the printed tables and the --out file
+    show. With `warm_ms` (`--l2 both`; `ms` is then the flushed timing) each row also has its warm time and the
+    ratio of the two, from the same rounds."""
     rows = []
     for kernel in kernels:
         timed = sorted((t, tile) for (k, tile), t in ms.items() if k == kernel)
         for t, tile in timed:
             err = errors[kernel, tile]
-            rows.append({"kernel": kernel, "tile": label(tile), "autotuner_pick": picks.get(kernel) == tile,
-                         "ms": f"{t:.4f}", "x_fastest": f"{t / timed[0][0]:.3f}", "max_error_vs_fp64": f"{err:.3g}",
-                         "x_cudnn_error": f"{err / cudnn_errors[kernel]:.2f}" if cudnn_errors.get(kernel) else "—",
-                         "registers_spills_shared": resources[kernel, tile]})
+            row = {"kernel": kernel, "tile": label(tile), "autotuner_pick": picks.get(kernel) == tile,
+                   "ms": f"{t:.4f}", "x_fastest": f"{t / timed[0][0]:.3f}"}
+            if warm_ms is not None:
+                row.update(warm_ms=f"{warm_ms[kernel, tile]:.4f}", warm_x_flushed=f"{warm_ms[kernel, tile] / t:.3f}")
+            row.update(max_error_vs_fp64=f"{err:.3g}",
+                       x_cudnn_error=f"{err / cudnn_errors[kernel]:.2f}" if cudnn_errors.get(kernel) else "—",
+                       registers_spills_shared=resources[kernel, tile])
+            rows.append(row)
     return rows
 
 
-def cudnn_summary(ms: dict[tuple[str, Tile], float], cudnn_ms: dict[str, float]) -> list[str]:
-    """The fastest forward, and the fastest dQ plus the fastest dK/dV, against cuDNN's (where both were timed)."""
+def cudnn_summary(ms: dict[tuple[str, Tile], float], cudnn_ms: dict[str, float], timing: str = "") -> list[str]:
+    """The fastest forward, and the fastest dQ plus the fastest dK/dV, against cuDNN's (where both were timed);
+    each line led by `timing` (which timing it is, where a run has two)."""
     fastest: dict[str, float] = {}
     for (kernel, _), t in ms.items():
         fastest[kernel] = min(t, fastest.get(kernel, t))
     lines = []
     if "fwd" in cudnn_ms and "fwd" in fastest:
-        lines.append(f"forward: fastest tile {fastest['fwd']:.4f} ms, cuDNN {cudnn_ms['fwd']:.4f} ms: "
+        lines.append(f"{timing}forward: fastest tile {fastest['fwd']:.4f} ms, cuDNN {cudnn_ms['fwd']:.4f} ms: "
                      f"{fastest['fwd'] / cudnn_ms['fwd']:.3f}x cuDNN")
     if "bwd" in cudnn_ms and "dq" in fastest and "dkdv" in fastest:
         both = fastest["dq"] + fastest["dkdv"]
-        lines.append(f"backward: fastest dQ + fastest dK/dV {both:.4f} ms, cuDNN {cudnn_ms['bwd']:.4f} ms (a retained "
+        lines.append(f"{timing}backward: fastest dQ + fastest dK/dV {both:.4f} ms, cuDNN {cudnn_ms['bwd']:.4f} ms (a retained "
                      f"graph's backward): {both / cudnn_ms['bwd']:.3f}x cuDNN")
     return lines
 
@@ -259,9 +269,10 @@ def main(argv: list[str] | None = None) -> int:
                         "head-dim class's tables (the long-sequence ones too)")
     p.add_argument("--extra", type=parse_tile, nargs="+", default=[], metavar="KERNEL:M,N,WARPS,STAGES",
                    help="tiles to time beside the tables' (a kernel's BLOCK_M, BLOCK_N, num_warps, num_stages)")
-    p.add_argument("--l2", choices=["flushed", "warm"], default="flushed",
+    p.add_argument("--l2", choices=sorted(L2_SUFFIX), default="flushed",
                    help="flushed: the L2 cache emptied before each call (do_bench); warm: back-to-back calls, the "
-                        "inputs left in L2 as a model's previous kernel leaves them")
+                        "inputs left in L2 as a model's previous kernel leaves them; both: the two in the same "
+                        "interleaved rounds, each row with both times and their ratio")
     p.add_argument("--out", type=Path, default=None, metavar="DIR",
                    help="also write the table with device, versions and command: DIR/tl_tiles_{gpu,cpu}.md and .csv")
     args = p.parse_args(argv)
@@ -300,34 +311,44 @@ def main(argv: list[str] | None = None) -> int:
         calls[kernel, tile] = cell.launch(kernel, tile)
     baselines, cudnn_errors = ({}, {}) if isinstance(cudnn, str) else cudnn
     timed = [*calls.items(), *((("cudnn", name), call) for name, call in baselines.items())]
-    times: dict[tuple, list[float]] = {key: [] for key, _ in timed}
-    timer = functools.partial(warm_l2_ms, calls=WARM_CALLS) if args.l2 == "warm" else bench_ms
+    timers = {"flushed": bench_ms, "warm": functools.partial(warm_l2_ms, calls=WARM_CALLS)}
+    modes = ["flushed", "warm"] if args.l2 == "both" else [args.l2]
+    times: dict[str, dict[tuple, list[float]]] = {mode: {key: [] for key, _ in timed} for mode in modes}
     for _ in range(args.rounds):
         for key, call in timed:
-            times[key].append(timer(call, rep_ms=args.rep))
-    ms = {key: statistics.median(t) for key, t in times.items()}
+            for mode in modes:
+                times[mode][key].append(timers[mode](call, rep_ms=args.rep))
+    ms = {mode: {key: statistics.median(t) for key, t in by_key.items()} for mode, by_key in times.items()}
 
-    tile_ms = {key: ms[key] for key in calls}
-    rows = tile_rows(args.kernels, tile_ms, errors, cudnn_errors, picks, cell.resources)
+    tile_ms = {mode: {key: ms[mode][key] for key in calls} for mode in modes}
+    rows = tile_rows(args.kernels, tile_ms[modes[0]], errors, cudnn_errors, picks, cell.resources,
+                     warm_ms=tile_ms["warm"] if len(modes) == 2 else None)
+    both = len(modes) == 2
     for kernel in args.kernels:
         mine = [row for row in rows if row["kernel"] == kernel]
         if not mine:
             continue
-        print(f"\n| {kernel} tile (BLOCK_M x BLOCK_N) | ms | x fastest | max error vs float64 | x cuDNN's error | "
-              "registers / spills / shared |\n|---|---:|---:|---:|---:|---:|")
+        warm_head, warm_rule = (" warm ms | warm / flushed |", "---:|---:|") if both else ("", "")
+        print(f"\n| {kernel} tile (BLOCK_M x BLOCK_N) | ms | x fastest |{warm_head} max error vs float64 | "
+              f"x cuDNN's error | registers / spills / shared |\n|---|---:|---:|{warm_rule}---:|---:|---:|")
         for row in mine:
             mark = " (autotuner's pick)" if row["autotuner_pick"] else ""
-            print(f"| {row['tile']}{mark} | {row['ms']} | {row['x_fastest']} | {row['max_error_vs_fp64']} | "
+            warm = f" {row['warm_ms']} | {row['warm_x_flushed']} |" if both else ""
+            print(f"| {row['tile']}{mark} | {row['ms']} | {row['x_fastest']} |{warm} {row['max_error_vs_fp64']} | "
                   f"{row['x_cudnn_error']} | {row['registers_spills_shared']} |")
-    summary = cudnn_summary(tile_ms, {name: ms["cudnn", name] for name in baselines})
+    summary = [line for mode in modes
+               for line in cudnn_summary(tile_ms[mode], {name: ms[mode]["cudnn", name] for name in baselines},
+                                         timing=f"{mode}: " if both else "")]
     print("\n" + "\n".join(summary))
     if args.out is not None:
+        flushed = "`do_bench` medians (L2 flushed before each call)"
+        warm = f"medians of {WARM_CALLS} back-to-back calls between CUDA events (inputs left in L2)"
         timed_by = ("interpreted runs (they say nothing of a GPU)" if device.type != "cuda"
-                    else "`do_bench` medians (L2 flushed before each call)" if args.l2 == "flushed"
-                    else f"medians of {WARM_CALLS} back-to-back calls between CUDA events (inputs left in L2)")
+                    else f"{flushed}; warm_ms: the same of {warm}, timed in the same rounds" if both
+                    else flushed if args.l2 == "flushed" else warm)
         timing = (f"ms: the median of {args.rounds} interleaved {timed_by}; "
                   "errors: the largest |written - float64| of what the kernel writes, and its ratio to cuDNN's")
-        name = f"tl_tiles_{'gpu' if device.type == 'cuda' else 'cpu'}{'_warm_l2' if args.l2 == 'warm' else ''}"
+        name = f"tl_tiles_{'gpu' if device.type == 'cuda' else 'cpu'}{L2_SUFFIX[args.l2]}"
         path = write_table(rows, args.out, name, "Every `tl` tile at one shape beside cuDNN",
                            notes=[f"- shape: {shape}; (B, N, H, D) memory viewed as (B, H, N, D)", f"- {timing}",
                                   *(f"- {line}" for line in summary)])

@@ -75,7 +75,7 @@ def test_a_run_prints_a_row_per_tile_marks_the_autotuners_pick_and_names_a_tile_
     assert "| dq tile" not in out  # --extra of a kernel not asked for times nothing
 
 
-@pytest.mark.parametrize("l2, suffix", [("flushed", ""), ("warm", "_warm_l2")])
+@pytest.mark.parametrize("l2, suffix", [("flushed", ""), ("warm", "_warm_l2"), ("both", "_flushed_and_warm_l2")])
 def test_out_writes_the_printed_rows_with_device_versions_and_command(tmp_path, l2, suffix):
     done = _run("--batch", "1", "--heads", "2", "--seq-len", "24", "--head-dim", "16", "--dtype", "fp32",
                 "--rounds", "1", "--kernels", "dkdv", "--l2", l2, "--out", str(tmp_path))
@@ -91,6 +91,13 @@ def test_out_writes_the_printed_rows_with_device_versions_and_command(tmp_path, 
     assert len(rows) == len(printed) == len(tiles_for("dkdv", 64, True, False))
     assert [r["ms"] for r in rows] == [row.split(" | ")[1] for row in printed]
     assert sum(r["autotuner_pick"] == "True" for r in rows) == 1
+    if l2 == "both":  # each row: the flushed time, then the warm time of the same rounds and their ratio
+        assert [r["warm_ms"] for r in rows] == [row.split(" | ")[3] for row in printed]
+        assert all(float(r["warm_x_flushed"]) == pytest.approx(float(r["warm_ms"]) / float(r["ms"]), abs=2e-3)
+                   for r in rows)
+        assert "warm ms | warm / flushed" in done.stdout
+    else:
+        assert "warm_ms" not in rows[0] and "warm ms" not in done.stdout
 
 
 @pytest.mark.parametrize("args, message", [
