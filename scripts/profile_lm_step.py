@@ -5,7 +5,8 @@ graphs), the GPU's kernels do not say where it goes. The backends' models (the b
 bf16 autocast, AdamW and step) are built side by side; this prints the graph breaks each compile made, then rounds of
 steps in turns, each backend's step timed back to back (one sync at the end: what training sees) and synchronised on
 its own (what the benchmark's step_ms times), and then per backend: the synchronising calls a step makes (torch's sync
-debug mode: each stops the host from running ahead), the GPU's busy time and the kernels by GPU time, the host
+debug mode: each stops the host from running ahead), the GPU's busy time and the kernels by GPU time, attention's
+kernels (µs a call) against the rest (which should match across backends: the step's gap is then attention's), the host
 operations by their own CPU time, and how many compiled graphs a step enters.
 
     python scripts/profile_lm_step.py --preset medium --context 512 --mode compiled
@@ -71,6 +72,21 @@ def time_steps(step, iters: int) -> tuple[float, float]:
                                            for _ in range(iters))
 
 
+# Words in the names of attention's kernels: ours (`tl`: flash_fwd_kernel, flash_bwd_*; Gluon: attention_*,
+# one_pass_*), cuDNN's (cudnn_generated_..._sdpa_...), FlashAttention's and the memory-efficient kernels' (flash_*,
+# fmha_*). A layout copy Inductor names after the SDPA op it feeds counts too: it is attention's cost in that graph.
+ATTENTION_WORDS = ("flash_", "attention", "attn", "sdpa", "fmha", "one_pass")
+
+
+def attention_split(kernels: list[tuple[str, float, float]]) -> tuple[float, float, list[tuple[str, float, float]]]:
+    """(attention's ms, the rest's ms, attention's kernels) of a step's (name, ms, calls) kernels: the kernels
+    whose names hold one of ATTENTION_WORDS (case aside), and every other kernel. Where two backends' steps differ
+    only in attention, their rests should match; what attention costs each is then read side by side."""
+    ours = [k for k in kernels if any(word in k[0].lower() for word in ATTENTION_WORDS)]
+    attention_ms = sum(ms for _, ms, _ in ours)
+    return attention_ms, sum(ms for _, ms, _ in kernels) - attention_ms, ours
+
+
 def profile_step(step, top: int) -> None:
     """Profile two steps and print where their time went."""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -86,6 +102,11 @@ def profile_step(step, top: int) -> None:
     print(f"  GPU busy {busy:.2f} ms a step, {sum(e.count for e in kernels) / per_step:.0f} kernels")
     for e in kernels[:top]:
         print(f"  gpu {e.self_device_time_total / per_step / 1e3:8.3f} ms {e.count / per_step:6.0f}x  {e.key[:100]}")
+    attention_ms, rest_ms, attention = attention_split(
+        [(e.key, e.self_device_time_total / per_step / 1e3, e.count / per_step) for e in kernels])
+    print(f"  attention kernels {attention_ms:.3f} ms a step, the rest {rest_ms:.3f} ms")
+    for name, ms, calls in attention:
+        print(f"    {ms / max(calls, 1) * 1e3:8.1f} us a call {calls:6.0f}x  {name[:100]}")
     host = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CPU),
                   key=lambda e: -e.self_cpu_time_total)
     print(f"  host ops by own time (of {sum(e.self_cpu_time_total for e in host) / per_step / 1e3:.2f} ms a step, "
