@@ -10,6 +10,7 @@
 #   bash scripts/gpu_bench_single.sh attention_fa4        # beside FlashAttention-4 (importable: ../shared/tools/fa4_payload.sh); a call of its own
 #   bash scripts/gpu_bench_single.sh forward_trials       # the forward variants on trial: GPU tests, then timed (D 64)
 #   bash scripts/gpu_bench_single.sh tl_tiles             # every `tl` tile at the compiled models' shape, beside cuDNN
+#   PRESET=small CONTEXT=2048 bash scripts/gpu_bench_single.sh profile_step   # a compiled step's kernels, flash vs SDPA
 #   E2E_PRESETS=small bash scripts/gpu_bench_single.sh end_to_end_compiled   # one preset a call (small: ~300 s on an H200)
 #   E2E_PRESETS=medium E2E_CONTEXTS=512 bash scripts/gpu_bench_single.sh end_to_end_cudagraphs   # compiled vs CUDA graphs
 #   bash scripts/gpu_bench_single.sh hf_train         # transformers' 1.1B Llama: fsys, sdpa, sdpa_causal, flex (one call)
@@ -105,12 +106,18 @@ for s in "${sections[@]}"; do
       --causal both --rounds 3 --rep 40 > "$OUT/forward_trials.log" 2>&1
     echo "forward_variants exit: $?"; grep -E "^D |^\| " "$OUT/forward_trials.log" ;;
   tl_tiles)  # every tile of the `tl` kernels at the compiled models' attention shape (batch 4, N 2048, D 64,
-             # causal; the small preset's 12 heads, the medium's 16) beside cuDNN; TILES_EXTRA="fwd:128,64,4,2 ..."
+             # causal; the small preset's 12 heads, the medium's 16) beside cuDNN; TILES_EXTRA="fwd:128,64,4,2 ...";
+             # TILES_L2=both times each with the L2 flushed and warm in the same rounds (twice as long)
     for heads in 12 16; do
-      timeout -k 10 ${TILES_TIMEOUT:-240} python3 scripts/tl_tiles.py --heads $heads --tiles all \
+      timeout -k 10 ${TILES_TIMEOUT:-240} python3 scripts/tl_tiles.py --heads $heads --tiles all --l2 ${TILES_L2:-flushed} \
         ${TILES_EXTRA:+--extra $TILES_EXTRA} --out "$OUT/tl_tiles_h$heads" > "$OUT/tl_tiles_h$heads.log" 2>&1
       echo "tl_tiles heads $heads exit: $?"; grep -E "^\| |^forward|^backward|failed" "$OUT/tl_tiles_h$heads.log"
     done ;;
+  profile_step)  # where a compiled step's time goes, flashsys against SDPA: attention's kernels against the rest,
+                 # host ops, graph breaks (PRESET=small CONTEXT=2048 by default)
+    timeout -k 10 ${PROFILE_TIMEOUT:-300} python3 scripts/profile_lm_step.py --preset ${PRESET:-small} \
+      --context ${CONTEXT:-2048} --mode compiled --attention flash sdpa --top 12 > "$OUT/profile_step.log" 2>&1
+    echo "profile_step exit: $?"; grep -E "round|busy|attention kernels|us a call" "$OUT/profile_step.log" ;;
   host_cost)  # host µs per attention call vs SDPA, and where they go; "before" too when .old/ holds an older
               # tree (git archive <commit> | tar -x -C .old, carried to the device): same machine, same call
     if [ -d .old ]; then
