@@ -107,8 +107,9 @@ for s in "${sections[@]}"; do
     echo "forward_variants exit: $?"; grep -E "^D |^\| " "$OUT/forward_trials.log" ;;
   tl_tiles)  # every tile of the `tl` kernels at the compiled models' attention shape (batch 4, N 2048, D 64,
              # causal; the small preset's 12 heads, the medium's 16) beside cuDNN; TILES_EXTRA="fwd:128,64,4,2 ...";
-             # TILES_L2=both times each with the L2 flushed and warm in the same rounds (twice as long)
-    for heads in 12 16; do
+             # TILES_L2=both times each with the L2 flushed and warm in the same rounds (twice as long: one head
+             # count a call, TILES_HEADS=12 TILES_TIMEOUT=450)
+    for heads in ${TILES_HEADS:-12 16}; do
       timeout -k 10 ${TILES_TIMEOUT:-240} python3 scripts/tl_tiles.py --heads $heads --tiles all --l2 ${TILES_L2:-flushed} \
         ${TILES_EXTRA:+--extra $TILES_EXTRA} --out "$OUT/tl_tiles_h$heads" > "$OUT/tl_tiles_h$heads.log" 2>&1
       echo "tl_tiles heads $heads exit: $?"; grep -E "^\| |^forward|^backward|failed" "$OUT/tl_tiles_h$heads.log"
