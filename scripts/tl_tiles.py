@@ -15,14 +15,15 @@ tile given with --extra, so that a table change is decided by one run at the sha
     python scripts/tl_tiles.py --l2 warm                                  # inputs left in L2, as in a model
     python scripts/tl_tiles.py --l2 both                                  # both timings in the same rounds
 
-The tensors are laid out as a model's projections hand them over: (B, N, H, D) memory viewed as (B, H, N, D), and
-dO likewise. `--l2 warm` times each call with its inputs left in the L2 cache (back-to-back calls; in a model the
-kernel before attention has just written q, k and v) instead of flushing it first. Each tile is launched directly (the kernel the autotuner wraps, that tile's meta-parameters, the grid
-`launch.run` gives it), with the same arguments every launch of the call gets (`launch.recording()`). Each row: the
-median of --rounds interleaved `do_bench` medians, its ratio to the kernel's fastest tile, and the largest error of
-what it wrote (O and L; dQ; dK and dV) against float64 math, beside cuDNN's own error, and what it compiled to
-(registers a thread, spills, shared memory). A tile that does not run (out of shared memory, say) is named and
-dropped.
+The tensors are laid out as a model's projections hand them over: (B, N, H, D) memory viewed as (B, H, N, D), and dO
+likewise. `--l2 warm` times each call with its inputs left in the L2 cache (back-to-back calls; in a model the kernel
+before attention has just written q, k and v) instead of flushing it first; `--l2 both` times each both ways in the
+same rounds, a column each and their ratio. Each tile is launched directly (the kernel the autotuner wraps, that
+tile's meta-parameters, the grid `launch.run` gives it), with the same arguments every launch of the call gets
+(`launch.recording()`). Each row: the median of --rounds interleaved timings, its ratio to the kernel's fastest tile,
+and the largest error of what it wrote (O and L; dQ; dK and dV) against float64 math, beside cuDNN's own error, and
+what it compiled to (registers a thread, spills, shared memory). A tile that does not run (out of shared memory, say)
+is named and dropped.
 """
 
 from __future__ import annotations
@@ -250,8 +251,8 @@ def cudnn_summary(ms: dict[tuple[str, Tile], float], cudnn_ms: dict[str, float],
                      f"{fastest['fwd'] / cudnn_ms['fwd']:.3f}x cuDNN")
     if "bwd" in cudnn_ms and "dq" in fastest and "dkdv" in fastest:
         both = fastest["dq"] + fastest["dkdv"]
-        lines.append(f"{timing}backward: fastest dQ + fastest dK/dV {both:.4f} ms, cuDNN {cudnn_ms['bwd']:.4f} ms (a retained "
-                     f"graph's backward): {both / cudnn_ms['bwd']:.3f}x cuDNN")
+        lines.append(f"{timing}backward: fastest dQ + fastest dK/dV {both:.4f} ms, cuDNN {cudnn_ms['bwd']:.4f} ms "
+                     f"(a retained graph's backward): {both / cudnn_ms['bwd']:.3f}x cuDNN")
     return lines
 
 
@@ -312,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     baselines, cudnn_errors = ({}, {}) if isinstance(cudnn, str) else cudnn
     timed = [*calls.items(), *((("cudnn", name), call) for name, call in baselines.items())]
     timers = {"flushed": bench_ms, "warm": functools.partial(warm_l2_ms, calls=WARM_CALLS)}
-    modes = ["flushed", "warm"] if args.l2 == "both" else [args.l2]
+    both = args.l2 == "both"
+    modes = ["flushed", "warm"] if both else [args.l2]
     times: dict[str, dict[tuple, list[float]]] = {mode: {key: [] for key, _ in timed} for mode in modes}
     for _ in range(args.rounds):
         for key, call in timed:
@@ -322,8 +324,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tile_ms = {mode: {key: ms[mode][key] for key in calls} for mode in modes}
     rows = tile_rows(args.kernels, tile_ms[modes[0]], errors, cudnn_errors, picks, cell.resources,
-                     warm_ms=tile_ms["warm"] if len(modes) == 2 else None)
-    both = len(modes) == 2
+                     warm_ms=tile_ms["warm"] if both else None)
     for kernel in args.kernels:
         mine = [row for row in rows if row["kernel"] == kernel]
         if not mine:

@@ -55,7 +55,8 @@ def test_attention_split_takes_every_backends_attention_kernels_and_leaves_the_r
     kernels = [("flash_fwd_kernel", 1.0, 12), ("flash_bwd_dkdv_kernel", 1.5, 12), ("attention_forward", 0.5, 2),
                ("one_pass_epilogue_kernel", 0.1, 12),
                ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7", 0.9, 12),
-               ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>", 0.2, 1), ("fmha_cutlassF_bf16", 0.3, 1),
+               ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>", 0.2, 1),
+               ("fmha_cutlassF_bf16", 0.3, 1),
                ("nvjet_sm90_tst_192x128_64x5_1x2_h_bz_coopB_NNT", 2.0, 49),
                ("triton_poi_fused__unsafe_view_mul_silu_silu_backward_view_4", 0.7, 12)]
     attention_ms, rest_ms, attention = attention_split(kernels)
