@@ -38,7 +38,11 @@ def default_backend() -> str:
 
 
 def find_free_port() -> int:
-    """A TCP port that is free right now on this machine (never a hard-coded one)."""
+    """A TCP port that is free right now on this machine (never a hard-coded one).
+
+    Another process may bind it between this call and yours; `spawn` does not use it (its rank 0 binds port 0
+    and publishes the port it got). For a port you hand to torchrun or `init_for_spawn` yourself.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -80,6 +84,41 @@ def init_for_spawn(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+    return device
+
+
+PORT_FILE = "rendezvous_port"
+
+
+def _rendezvous_store(rank: int, world_size: int, rendezvous_dir: str, timeout_s: float) -> dist.TCPStore:
+    """The spawned group's TCPStore. Rank 0 binds port 0, so the kernel hands it a port nobody holds, and
+    publishes that port in rendezvous_dir; the other ranks wait for the file and connect. A port chosen by the
+    launcher and bound later by rank 0 can be taken in between by any other process on the machine (two test
+    runs, two jobs), which failed the whole launch with EADDRINUSE."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    port_file = Path(rendezvous_dir, PORT_FILE)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        staging = port_file.with_suffix(".tmp")
+        staging.write_text(str(store.port))
+        staging.replace(port_file)  # atomic: a reader never sees a half-written port
+        return store
+    deadline = time.monotonic() + timeout_s
+    while not port_file.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: rank 0 did not publish the rendezvous port within {timeout_s:g} s")
+        time.sleep(0.01)
+    return dist.TCPStore("127.0.0.1", int(port_file.read_text()), world_size, is_master=False, timeout=timeout)
+
+
+def _init_spawned_rank(
+    rank: int, world_size: int, rendezvous_dir: str, backend: str | None, timeout_s: float
+) -> torch.device:
+    backend = backend or default_backend()
+    device = _set_device(backend, rank)
+    store = _rendezvous_store(rank, world_size, rendezvous_dir, timeout_s)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
     return device
 
 
@@ -151,7 +190,7 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="flashsys-parent-watchdog", daemon=True).start()
 
 
-def _spawn_entry(rank, fn, world_size, port, backend, timeout_s, args, parent_pid, error_dir):
+def _spawn_entry(rank, fn, world_size, backend, timeout_s, args, parent_pid, error_dir):
     _die_with_parent(parent_pid)
 
     def report(e: BaseException) -> None:
@@ -160,7 +199,7 @@ def _spawn_entry(rank, fn, world_size, port, backend, timeout_s, args, parent_pi
              "time": time.time()}))
 
     try:
-        device = init_for_spawn(rank, world_size, port, backend, timeout_s)
+        device = _init_spawned_rank(rank, world_size, error_dir, backend, timeout_s)
     except BaseException as e:
         report(e)
         raise
@@ -183,7 +222,8 @@ def spawn(
 ) -> None:
     """Run fn(rank, world_size, device, *args) in world_size processes joined in one process group.
 
-    A free port is chosen at run time. Each process is torn down with `shutdown()` after fn returns, and ends
+    Rank 0 binds a port the kernel picks, at bind time, and tells the others through a temporary file, so
+    concurrent launches on one machine cannot take each other's port. Each process is torn down with `shutdown()` after fn returns, and ends
     if the launching process ends.
 
     Args:
@@ -202,10 +242,11 @@ def spawn(
     backend = backend or default_backend()
     if backend == "nccl" and world_size > torch.cuda.device_count():
         raise ValueError(f"world_size {world_size} > {torch.cuda.device_count()} CUDA devices for NCCL")
+    # One temporary directory carries the rendezvous port and each failing rank's report.
     with tempfile.TemporaryDirectory(prefix="flashsys-spawn-") as error_dir:
         try:
-            mp.spawn(_spawn_entry, args=(fn, world_size, find_free_port(), backend, timeout_s, args, os.getpid(),
-                                         error_dir), nprocs=world_size, join=True)
+            mp.spawn(_spawn_entry, args=(fn, world_size, backend, timeout_s, args, os.getpid(), error_dir),
+                     nprocs=world_size, join=True)
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             # mp.spawn has terminated and joined the other ranks: the reports written are all there will be.
             failures = []

@@ -70,3 +70,35 @@ def test_the_launcher_reports_every_ranks_own_error_first_failure_first():
     assert message.startswith("rank 0 failed first: PermissionError: cannot write /proc/self/final_model.pt")
     assert "Traceback" in message and "\nrank 1: " in message
     assert info.value.failures[0]["rank"] == 0
+
+
+def _all_reduce_ranks(rank, world, device):
+    t = torch.tensor([float(rank + 1)], device=device)
+    dist.all_reduce(t)
+    assert t.item() == world * (world + 1) / 2
+
+
+def test_spawn_does_not_depend_on_a_port_chosen_before_rank_0_binds_it(monkeypatch):
+    """A port picked by the launcher and bound later by rank 0 can be taken in between by any process on the
+    machine (another test run, another job): the launch then failed with EADDRINUSE. Here the port such a
+    launcher would pick is held by a listening socket for the whole launch."""
+    import socket
+
+    import flashsys.dist.process_group as process_group
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(process_group, "find_free_port", lambda: taken.getsockname()[1])
+        spawn(_all_reduce_ranks, 2, backend="gloo", timeout_s=60)
+
+
+def test_spawn_joins_an_nccl_group_through_the_published_port_gpu():
+    spawn(_all_reduce_ranks, min(2, torch.cuda.device_count()), backend="nccl", timeout_s=120)
+
+
+def test_a_rank_that_never_hears_rank_0s_port_fails_by_name(tmp_path):
+    from flashsys.dist.process_group import _rendezvous_store
+
+    with pytest.raises(TimeoutError, match="rank 1: rank 0 did not publish the rendezvous port within 0.2 s"):
+        _rendezvous_store(1, 2, str(tmp_path), timeout_s=0.2)
