@@ -104,6 +104,8 @@ def flash_attention(
             i + off - left <= j <= i + off + right, off = Nk - Nq; -1 leaves a side unbounded; causal=True sets
             right to 0. Key tiles wholly outside the window are skipped (cost grows with N * window, not N²).
             A query that sees no key outputs 0.
+
+        Either sequence may be empty, as in SDPA: Nq = 0 gives an empty output, Nk = 0 zeros (no query sees a key).
         backend: "auto" (Triton on CUDA tensors, the tiled PyTorch op elsewhere), "triton" or "torch";
             the short names of the registry's "flash", "flash-triton" and "flash-torch".
 

@@ -21,9 +21,10 @@ MAX_DECODE_GROUP_ROWS = 64  # query heads per K/V head times Nq: one decode prog
 
 
 def decode_fits(n_q: int, kv_group: int) -> bool:
-    """Whether the decode kernels take Nq queries per sequence with `kv_group` query heads per K/V head: at most
-    MAX_DECODE_QUERIES queries, and the group's rows (kv_group * Nq) in one program."""
-    return n_q <= MAX_DECODE_QUERIES and kv_group * n_q <= MAX_DECODE_GROUP_ROWS
+    """Whether the decode kernels take Nq queries per sequence with `kv_group` query heads per K/V head: 1 to
+    MAX_DECODE_QUERIES queries (none is the dense kernels' empty grid), the group's rows (kv_group * Nq) in one
+    program."""
+    return 0 < n_q <= MAX_DECODE_QUERIES and kv_group * n_q <= MAX_DECODE_GROUP_ROWS
 
 
 def check_attention_inputs(
@@ -310,8 +311,8 @@ def _shape_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_head_d
         return "q, k, v must have the same head_dim (last dim)"
     if k.shape[-2] != v.shape[-2]:
         return "k and v must have the same sequence length"
-    if q.shape[-2] == 0 or k.shape[-2] == 0 or q.shape[-1] == 0:
-        return "sequence lengths and head_dim must be positive"
+    if q.shape[-1] == 0:
+        return "head_dim must be positive"
     if max_head_dim is not None and q.shape[-1] > max_head_dim:
         return f"head_dim {q.shape[-1]} is above the supported maximum {max_head_dim}"
     return None
