@@ -93,6 +93,7 @@ def test_spawn_does_not_depend_on_a_port_chosen_before_rank_0_binds_it(monkeypat
         spawn(_all_reduce_ranks, 2, backend="gloo", timeout_s=60)
 
 
+@pytest.mark.gpu
 def test_spawn_joins_an_nccl_group_through_the_published_port_gpu():
     spawn(_all_reduce_ranks, min(2, torch.cuda.device_count()), backend="nccl", timeout_s=120)
 
