@@ -89,6 +89,31 @@ def test_empty_query_or_key_sequences_give_sdpa_s_result(backend, n_q, n_k, mask
         assert g.shape == x.shape and not g.any()
 
 
+def test_the_row_and_cache_ops_take_empty_sequences_too():
+    """Rows of no tokens split into no documents (packed, padded) and an empty query block reads no cache (decode):
+    each gives the empty output flash_attention gives, after checking its other arguments."""
+    from flashsys.ops import flash_attention_decode, flash_attention_packed, flash_attention_padded
+
+    q, k, v, _ = make_qkv(2, 4, 0, 0, 16, torch.float32, DEVICE, seed=6, kv_heads=2)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    calls = {
+        "packed by position": lambda: flash_attention_packed(q, k, v, torch.zeros(2, 0, dtype=torch.long,
+                                                                                  device=DEVICE), causal=True),
+        "packed by offsets": lambda: flash_attention_packed(
+            q, k, v, cu_seqlens_q=torch.zeros(3, dtype=torch.int32, device=DEVICE), causal=True),
+        "padded": lambda: flash_attention_padded(q, k, v, torch.ones(2, 0, dtype=torch.bool, device=DEVICE)),
+    }
+    for name, call in calls.items():
+        o = call()
+        assert o.shape == q.shape, name
+        o.sum().backward()
+        assert q.grad.shape == q.shape and k.grad.shape == k.shape, name
+    cache = torch.randn(2, 2, 40, 16, device=DEVICE)
+    assert flash_attention_decode(q.detach(), cache, cache).shape == q.shape
+    with pytest.raises(ValueError, match="key_mask"):
+        flash_attention_decode(q.detach(), cache, cache, key_mask=torch.ones(2, 39, dtype=torch.bool, device=DEVICE))
+
+
 def test_float64_torch_op_is_exact():
     q, k, v, do = make_qkv(2, None, 70, 90, 24, torch.float64, "cpu", seed=4)
     assert_matches_reference(FlashAttention2Torch, q, k, v, do, True, 0.3)

@@ -211,14 +211,16 @@ def flash_attention_packed(
         raise ValueError(f"{op}: pass position_ids or the offsets cu_seqlens_q (and cu_seqlens_k), one of the two")
     if position_ids is not None:
         check_position_ids(position_ids, batch, n, q.device, op=op)
-        plan = find_plan("find_documents", position_ids, f"documents of {batch} rows", batch)
+        finding = ("find_documents", position_ids, f"documents of {batch} rows", batch)
     else:
         cu_q = cu_seqlens_q if cu_seqlens_q is not None else cu_seqlens_k
         cu_k = cu_seqlens_k if cu_seqlens_k is not None else cu_q
         for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
             check_index_vector(cu, q.device, name=name, op=op)
-        plan = find_plan("find_offsets", cu_q, f"offsets of {batch} rows of {n}", cu_k, batch, n)
-    return _over_plan(q, k, v, plan, causal, scale, window_size, backend, triton, op)
+        finding = ("find_offsets", cu_q, f"offsets of {batch} rows of {n}", cu_k, batch, n)
+    if n == 0:  # empty rows hold no documents to find
+        return flash_attention(q, k, v, causal=causal, softmax_scale=scale, window_size=window_size, backend=backend)
+    return _over_plan(q, k, v, find_plan(*finding), causal, scale, window_size, backend, triton, op)
 
 
 def flash_attention_padded(
@@ -255,6 +257,8 @@ def flash_attention_padded(
     op = "flash_attention_padded"
     scale, triton = _check_rows(q, k, v, causal, softmax_scale, backend, op)
     check_padding_mask(padding_mask, q.shape[0], q.shape[2], q.device, op=op)
+    if q.shape[2] == 0:  # empty rows hold no padding to find
+        return flash_attention(q, k, v, causal=causal, softmax_scale=scale, window_size=window_size, backend=backend)
     plan = find_plan("find_padding", padding_mask, "padding")
     return _over_plan(q, k, v, plan, causal, scale, window_size, backend, triton, op)
 

@@ -107,7 +107,7 @@ def _decode(q: Tensor, k: Tensor, v: Tensor, cache_start: Tensor | None, key_mas
                                    allowed_dtypes=FLOAT_DTYPES if triton else FLOAT_DTYPES + (torch.float64,))
     n_q, n_k = q.shape[-2], k.shape[-2]
     group = q.shape[1] // k.shape[1] if q.dim() == 4 else 1
-    if not decode_fits(n_q, group):
+    if n_q and not decode_fits(n_q, group):
         raise ValueError(f"{op}: takes at most {MAX_DECODE_QUERIES} queries per sequence and {MAX_DECODE_GROUP_ROWS} "
                          f"rows per K/V head (query heads per K/V head x Nq), got Nq {n_q} with {group} query heads "
                          "per K/V head; longer query blocks take flash_attention or flash_attention_varlen")
@@ -117,6 +117,8 @@ def _decode(q: Tensor, k: Tensor, v: Tensor, cache_start: Tensor | None, key_mas
         cache_start = check_cache_start(cache_start, q.shape[0], n_k, q.device, op=op)
     if key_mask is not None:
         check_key_mask(key_mask, q.shape[0], n_k, q.device, op=op)
+    if n_q == 0:  # no queries: nothing to read from the cache
+        return empty_output(q)
     if triton:
         return _decode_triton(q, k, v, cache_start, key_mask, window, scale, op, key)
     return _decode_torch(q, k, v, cache_start, key_mask, window, scale)
