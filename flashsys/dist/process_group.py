@@ -223,8 +223,8 @@ def spawn(
     """Run fn(rank, world_size, device, *args) in world_size processes joined in one process group.
 
     Rank 0 binds a port the kernel picks, at bind time, and tells the others through a temporary file, so
-    concurrent launches on one machine cannot take each other's port. Each process is torn down with `shutdown()` after fn returns, and ends
-    if the launching process ends.
+    concurrent launches on one machine cannot take each other's port. Each process is torn down with `shutdown()`
+    after fn returns, and ends if the launching process ends.
 
     Args:
         fn: a picklable (module-level) function.

@@ -115,7 +115,8 @@ def test_preset_parameter_counts_on_meta():
     assert sum(p.numel() for p in TransformerLM.from_preset("small", device="meta").parameters()) == 128_625_408
     for name, p in PRESETS.items():
         model = TransformerLM.from_preset(name, vocab_size=10_000, device="meta")
-        expected = 2 * 10_000 * p.d_model + p.num_layers * (4 * p.d_model**2 + 3 * p.d_model * p.d_ff + 2 * p.d_model) + p.d_model
+        per_layer = 4 * p.d_model**2 + 3 * p.d_model * p.d_ff + 2 * p.d_model
+        expected = 2 * 10_000 * p.d_model + p.num_layers * per_layer + p.d_model
         assert sum(x.numel() for x in model.parameters()) == expected, name
         assert all(x.device.type == "meta" for x in model.parameters())
 

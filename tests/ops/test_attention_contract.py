@@ -243,7 +243,9 @@ def test_more_batch_heads_than_a_grid_dimension_holds_gpu():
 
 
 def _t(*shape, dtype=torch.float32, device=DEVICE):
-    return torch.randn(*shape, device=device).to(dtype) if dtype.is_floating_point else torch.ones(*shape, dtype=dtype, device=device)
+    if dtype.is_floating_point:
+        return torch.randn(*shape, device=device).to(dtype)
+    return torch.ones(*shape, dtype=dtype, device=device)
 
 
 BAD_INPUTS = [

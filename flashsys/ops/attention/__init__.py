@@ -79,7 +79,8 @@ def flash_attention(
 
     Args:
         q: queries, (batch, Nq, head_dim) or (batch, heads, Nq, head_dim); fp16, bf16 or fp32; any strides.
-        k: keys, the same rank and batch as q, (…, Nk, head_dim). Nk may differ from Nq. Rank-4 k may have fewer
+        k: keys, the same rank and batch as q, (…, Nk, head_dim). Nk may differ from Nq, and either may be 0 (as in
+            SDPA: Nq = 0 gives an empty output, Nk = 0 zeros: no query sees a key). Rank-4 k may have fewer
             heads than q, Hq a multiple of Hkv (grouped-query / multi-query attention): query head h reads K/V head
             h // (Hq // Hkv), as in SDPA's enable_gqa and flash-attn. K/V are not copied per query head.
         v: values, shaped like k.
@@ -104,8 +105,6 @@ def flash_attention(
             i + off - left <= j <= i + off + right, off = Nk - Nq; -1 leaves a side unbounded; causal=True sets
             right to 0. Key tiles wholly outside the window are skipped (cost grows with N * window, not N²).
             A query that sees no key outputs 0.
-
-        Either sequence may be empty, as in SDPA: Nq = 0 gives an empty output, Nk = 0 zeros (no query sees a key).
         backend: "auto" (Triton on CUDA tensors, the tiled PyTorch op elsewhere), "triton" or "torch";
             the short names of the registry's "flash", "flash-triton" and "flash-torch".
 
