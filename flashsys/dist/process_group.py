@@ -78,12 +78,15 @@ def init_for_spawn(
     rank: int, world_size: int, port: int, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> torch.device:
     """Join a single-machine process group on 127.0.0.1:port. Returns this rank's device."""
+    return _join(rank, world_size, backend, timeout_s, init_method=f"tcp://127.0.0.1:{port}")
+
+
+def _join(rank: int, world_size: int, backend: str | None, timeout_s: float, **rendezvous) -> torch.device:
+    """This rank's device set and the group joined through `rendezvous` (an init_method or a store)."""
     backend = backend or default_backend()
     device = _set_device(backend, rank)
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
+                            **rendezvous)
     return device
 
 
@@ -110,16 +113,6 @@ def _rendezvous_store(rank: int, world_size: int, rendezvous_dir: str, timeout_s
         time.sleep(0.01)
     return dist.TCPStore("127.0.0.1", int(port_file.read_text()), world_size, is_master=False, timeout=timeout)
 
-
-def _init_spawned_rank(
-    rank: int, world_size: int, rendezvous_dir: str, backend: str | None, timeout_s: float
-) -> torch.device:
-    backend = backend or default_backend()
-    device = _set_device(backend, rank)
-    store = _rendezvous_store(rank, world_size, rendezvous_dir, timeout_s)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    return device
 
 
 def shutdown() -> None:
@@ -190,16 +183,17 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="flashsys-parent-watchdog", daemon=True).start()
 
 
-def _spawn_entry(rank, fn, world_size, backend, timeout_s, args, parent_pid, error_dir):
+def _spawn_entry(rank, fn, world_size, backend, timeout_s, args, parent_pid, launch_dir):
     _die_with_parent(parent_pid)
 
     def report(e: BaseException) -> None:
-        Path(error_dir, f"rank{rank}.json").write_text(json.dumps(
+        Path(launch_dir, f"rank{rank}.json").write_text(json.dumps(
             {"rank": rank, "type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc(),
              "time": time.time()}))
 
     try:
-        device = _init_spawned_rank(rank, world_size, error_dir, backend, timeout_s)
+        device = _join(rank, world_size, backend, timeout_s,
+                       store=_rendezvous_store(rank, world_size, launch_dir, timeout_s))
     except BaseException as e:
         report(e)
         raise
@@ -243,14 +237,14 @@ def spawn(
     if backend == "nccl" and world_size > torch.cuda.device_count():
         raise ValueError(f"world_size {world_size} > {torch.cuda.device_count()} CUDA devices for NCCL")
     # One temporary directory carries the rendezvous port and each failing rank's report.
-    with tempfile.TemporaryDirectory(prefix="flashsys-spawn-") as error_dir:
+    with tempfile.TemporaryDirectory(prefix="flashsys-spawn-") as launch_dir:
         try:
-            mp.spawn(_spawn_entry, args=(fn, world_size, backend, timeout_s, args, os.getpid(), error_dir),
+            mp.spawn(_spawn_entry, args=(fn, world_size, backend, timeout_s, args, os.getpid(), launch_dir),
                      nprocs=world_size, join=True)
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             # mp.spawn has terminated and joined the other ranks: the reports written are all there will be.
             failures = []
-            for path in Path(error_dir).glob("rank*.json"):
+            for path in Path(launch_dir).glob("rank*.json"):
                 try:
                     failures.append(json.loads(path.read_text()))
                 except (OSError, ValueError):

@@ -217,9 +217,7 @@ def flash_attention_packed(
         for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
             check_index_vector(cu, q.device, name=name, op=op)
         finding = ("find_offsets", cu_q, f"offsets of {batch} rows of {n}", cu_k, batch, n)
-    if n == 0:  # empty rows hold no documents to find
-        return flash_attention(q, k, v, causal=causal, softmax_scale=scale, window_size=window_size, backend=backend)
-    return _over_plan(q, k, v, find_plan(*finding), causal, scale, window_size, backend, triton, op)
+    return _over_plan(q, k, v, finding, causal, scale, window_size, backend, triton, op)
 
 
 def flash_attention_padded(
@@ -256,10 +254,8 @@ def flash_attention_padded(
     op = "flash_attention_padded"
     scale, triton = _check_rows(q, k, v, causal, softmax_scale, backend, op)
     check_padding_mask(padding_mask, q.shape[0], q.shape[2], q.device, op=op)
-    if q.shape[2] == 0:  # empty rows hold no padding to find
-        return flash_attention(q, k, v, causal=causal, softmax_scale=scale, window_size=window_size, backend=backend)
-    plan = find_plan("find_padding", padding_mask, "padding")
-    return _over_plan(q, k, v, plan, causal, scale, window_size, backend, triton, op)
+    return _over_plan(q, k, v, ("find_padding", padding_mask, "padding"), causal, scale, window_size, backend, triton,
+                      op)
 
 
 def _check_rows(q, k, v, causal, softmax_scale, backend, op: str) -> tuple[float, bool]:
@@ -279,10 +275,12 @@ def _check_rows(q, k, v, causal, softmax_scale, backend, op: str) -> tuple[float
     return scale, triton
 
 
-def _over_plan(q, k, v, plan, causal, scale, window_size, backend, triton: bool, op: str):
-    """Attention over the sequences of a `packed_rows` plan: whole rows of an eager call through `flash_attention`
-    (its replayed launches), the rest through the plan's ops."""
-    if not torch.compiler.is_compiling() and plan_sequences(plan) is None:
+def _over_plan(q, k, v, finding: tuple, causal, scale, window_size, backend, triton: bool, op: str):
+    """Attention over the sequences of the `packed_rows` plan that `find_plan(*finding)` gives: whole rows of an
+    eager call through `flash_attention` (its replayed launches), the rest through the plan's ops. Rows of no tokens
+    hold no sequences to find: `flash_attention`'s empty output."""
+    plan = find_plan(*finding) if q.shape[2] else None
+    if plan is None or (not torch.compiler.is_compiling() and plan_sequences(plan) is None):
         return flash_attention(q, k, v, causal=causal, softmax_scale=scale, window_size=window_size, backend=backend)
     window = normalize_window(window_size, bool(causal), op, q.shape[2], k.shape[2])
     return PackedRows.apply(q, k, v, plan, window, scale, triton)
