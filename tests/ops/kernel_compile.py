@@ -4,6 +4,7 @@ two versions' machine code; by hand:
 
     python -m tests.ops.kernel_compile                      # every group: {label: "ok" or why not} as JSON
     python -m tests.ops.kernel_compile --group "D 128 one_pass"
+    python -m tests.ops.kernel_compile --native-packing      # each Gluon kind's launch as the native launcher packs it
 
 Groups: "tl" (the `tl` kernels: forward, dQ, dK/dV at D 64 and 128, bf16 and fp32, three masks, dense and varlen; the
 one pass's prologue and epilogue; the decode kernels in each tiling), and one per Gluon (head dim, stage). A Gluon group compiles every variant under a
@@ -241,14 +242,117 @@ def local_memory_under_pv(sass: str) -> list[int]:
     return _count_under_pv(sass, r"\b(?:LDL|STL)\b")
 
 
+class _Loaded:
+    """A compiled kernel as a GPU process holds it once loaded (a function handle), for packing its launch on a CPU:
+    `CompiledKernel` loads its binary when indexed by a grid or asked for its function, which needs a GPU."""
+
+    def __init__(self, compiled):
+        self.metadata, self.src, self.asm, self.function = compiled.metadata, compiled.src, compiled.asm, 0x1
+
+    def __getitem__(self, grid):
+        return None
+
+
+def _tritons_encoding(descriptor, meta: dict) -> tuple[tuple, list]:
+    """What this Triton's launcher does with a host descriptor: (cuTensorMapEncodeTiled's arguments as its C side
+    derives them from the fill function's: dtype, dims and byte strides innermost first, box, swizzle, fill; base
+    address left out) and the parameters it passes after the map. The fill function is stood in for (it needs a GPU)."""
+    import inspect
+
+    import triton
+    from triton.backends.nvidia import driver as nvidia_driver
+
+    seen = []
+
+    class Utils:
+        def fill_tma_descriptor_tiled(self, ptr, swizzle, elem_size, elem_type, block, shape, strides, padding):
+            seen.append((swizzle, elem_size, elem_type, list(block), list(shape), list(strides), padding))
+            return "map"
+
+        fill_tma_descriptor = fill_tma_descriptor_tiled  # its name before Triton 3.7
+
+    active = triton.runtime.driver.active
+    active.utils = Utils()
+    try:
+        extra = (None,) * (len(inspect.signature(nvidia_driver.make_tensordesc_arg).parameters) - 2)
+        passed = nvidia_driver.make_tensordesc_arg(descriptor, meta, *extra)
+    finally:
+        del active.utils
+    (swizzle, elem_size, elem_type, block, shape, strides, padding), = seen
+    assert passed[0] == "map"
+    return ((elem_type, shape[::-1], [elem_size * s for s in strides[-2::-1]], block[::-1], swizzle, padding),
+            list(passed[1:]))
+
+
+def native_packing(head_dim: int) -> Iterator[tuple[str, str]]:
+    """(label, "ok" or what disagrees) for the first variant of each Gluon kind at `head_dim`, causal: its launch as
+    `replay.native.cuda_launch_spec` packs it from a plan's replay (`gluon.launch.GluonReplay`), against the
+    compiled kernel's PTX parameters and against what Triton's own launcher would pass for each descriptor."""
+    from flashsys.ops.attention import dispatch
+    from flashsys.ops.attention.gluon import launch as gluon_launch
+    from flashsys.ops.attention.replay import native, plans
+
+    device = _setup()
+    q = torch.randn(2, 4, 300, head_dim, dtype=torch.bfloat16, device=device)
+    k = torch.randn(2, 2, 200, head_dim, dtype=torch.bfloat16, device=device)
+    firsts = {}
+    for variant in dispatch.gluon_variants(head_dim):
+        firsts.setdefault(variant.kind, variant)
+    for variant in firsts.values():
+        label = f"D {head_dim} causal {variant.label()}"
+        parts = gluon_launch.parts_for_compile(variant, q, k, k, (-1, 0), 0.125)
+        compiled = parts.kernel.warmup(*parts.args, **parts.kwargs, grid=(1,))
+        params, n = parts.parameters(), len(parts.sources)
+        replay = gluon_launch.GluonReplay(_Loaded(compiled), parts.grid, params, n)
+        spec = native.cuda_launch_spec(plans.Replay(replay, tuple(range(n)), (), None, None))
+        yield label, _packing_verdict(spec, compiled, parts, params)
+
+
+def _packing_verdict(spec, compiled, parts, params) -> str:
+    from flashsys.ops.attention.replay import native
+
+    if spec is None:
+        return "the native launcher refused the launch"
+    _, grid, threads, shared, words, pointers, _, maps = spec
+    ptx = native.ptx_parameters(compiled.asm["ptx"])
+    if len(words) != len(ptx):
+        return f"{len(words)} words for {len(ptx)} PTX parameters"
+    if (grid, threads, shared) != ((*parts.grid, 1, 1)[:3], 32 * compiled.metadata.num_warps, compiled.metadata.shared):
+        return f"grid, threads, shared {grid, threads, shared}"
+    if sorted(m[0] for m in maps) != [i for i, t in enumerate(ptx) if t == native.TENSOR_MAP]:
+        return f"tensor maps at {[m[0] for m in maps]}, PTX {ptx}"
+    descriptors = [(i, p) for i, p in enumerate(params[:len(parts.sources)]) if not isinstance(p, torch.Tensor)]
+    if len(descriptors) != len(maps) or len(pointers) != len(parts.sources) - len(maps):
+        return f"{len(maps)} maps and {len(pointers)} pointers for {len(parts.sources)} tensors"
+    for (slot, descriptor), meta, (param, map_slot, *encoding) in zip(descriptors, compiled.metadata.tensordesc_meta,
+                                                                       maps):
+        if map_slot != slot or descriptor.base.data_ptr() != parts.sources[slot].data_ptr():
+            return f"parameter {param}: the map of slot {map_slot} for descriptor {slot}"
+        expected, after = _tritons_encoding(descriptor, meta)
+        if tuple(encoding) != expected:
+            return f"parameter {param}: encoded as {encoding}, Triton's launcher {expected}"
+        rank = len(descriptor.shape)
+        packed = words[param + 1:param + 1 + 2 * rank]
+        if packed != [x & ((1 << (32 if i < rank else 64)) - 1) for i, x in enumerate(after)]:
+            return f"parameter {param}: shape and strides {packed}, Triton's launcher {after}"
+    return "ok"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--group", help="one group (`--list` shows them); every group by default")
     p.add_argument("--all-masks", action="store_true", help="every Gluon variant under every mask")
     p.add_argument("--list", action="store_true", help="print the groups and exit")
+    p.add_argument("--native-packing", action="store_true",
+                   help="each Gluon kind's launch as the native launcher packs it, against Triton's launcher")
     args = p.parse_args()
     if args.list:
         print("\n".join(groups()))
+        return
+    if args.native_packing:
+        from flashsys.ops.attention import dispatch
+
+        print(json.dumps({label: why for d in dispatch.HEAD_DIMS for label, why in native_packing(d)}))
         return
     if args.group is not None and args.group not in groups():
         p.error(f"--group must be one of {groups()}, got {args.group!r}")

@@ -495,7 +495,8 @@ def test_switches_take_only_on_or_off(monkeypatch):
 def test_a_gluon_replay_launches_copies_of_its_descriptors_on_the_new_tensors(recwarn):
     """An eager plan replays a Gluon launch by copying the first call's TMA descriptors onto the new tensors (rank 4,
     as the kernels take them) and passing every other argument as it was; it keeps none of the first call's tensors.
-    The native launcher takes it as a Python launch (it cannot pass descriptors itself), without a warning."""
+    The native launcher takes a replay of a kernel it cannot launch itself (this stand-in has no CUDA function) as a
+    Python launch, without a warning."""
     import dataclasses
 
     from flashsys.ops.attention.replay import native, plans
@@ -527,7 +528,7 @@ def test_a_gluon_replay_launches_copies_of_its_descriptors_on_the_new_tensors(re
     assert templates[0].base is first[0] and templates[1].base.data_ptr() == first[1].data_ptr()
     # the replay (kept with its plan for the process's life) holds none of the first call's tensors
     assert not any(isinstance(x, torch.Tensor) or getattr(x, "base", None) is not None
-                   for x in (*replay._templates, *replay._rest))
+                   for x in (*replay.templates, *replay.rest))
     spec = plans.Replay(replay, (0, 1, 2), (), None, None)
     assert native.launch_specs((spec,)) == [(replay, [0, 1, 2], ())] and not recwarn.list
 

@@ -9,6 +9,8 @@ test_eager_plans.py runs its replay tests with this launcher too.
 
 from __future__ import annotations
 
+import json
+import os
 import struct
 import subprocess
 import sys
@@ -159,8 +161,8 @@ def test_arguments_are_packed_as_the_ptx_declares_them():
                  "BLOCK": "constexpr"}
     kernel = _fake_kernel(signature, ["u64", "u64", "u32", "u64", "f32", "u64", "u64"])
     replay = plans.Replay(None, (3, 0), (-5, 1, 2**40 + 7, 0.125, 64), kernel, (4, 2, 1))
-    fn, grid, threads, shared, words, pointers, keep_alive = native_launch.cuda_launch_spec(replay)
-    assert keep_alive is kernel
+    fn, grid, threads, shared, words, pointers, keep_alive, maps = native_launch.cuda_launch_spec(replay)
+    assert keep_alive is kernel and maps == []
     assert (fn, grid, threads, shared) == (0xABC, (4, 2, 1), 128, 1024)
     assert pointers == [(0, 3), (1, 0)]
     assert words == [0, 0, 2**32 - 5, 2**40 + 7, struct.unpack("<I", struct.pack("<f", 0.125))[0], 0, 0]
@@ -178,6 +180,92 @@ def test_arguments_are_packed_as_the_ptx_declares_them():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert native_launch.launch_specs((bad,)) is None
+
+
+def test_tensor_map_parameters_are_read_from_the_ptx():
+    """A TMA descriptor parameter (`.param .align 64 .b8 name[128]`) is one parameter of its own kind; a declaration
+    of any other shape makes the kernel's parameters unreadable (None), so its launch stays with Triton's."""
+    entry = ".visible .entry k(\n\t.param .align 64 .b8 k_param_0[128],\n\t.param .u32 k_param_1,\n" \
+            "\t.param .u64 .ptr .global .align 1 k_param_2,\n\t.param .f32 k_param_3\n)"
+    assert native_launch.ptx_parameters(entry) == (native_launch.TENSOR_MAP, "u32", "u64", "f32")
+    assert native_launch.ptx_parameters(entry.replace("[128]", "[64]")) is None
+    assert native_launch.ptx_parameters(entry.replace(".align 64 .b8", ".align 16 .b8")) is None
+
+
+@pytest.mark.skipif(CUDA, reason="packs kernels compiled for sm_90 under a stand-in driver; a GPU runs the launches")
+def test_gluon_launches_are_packed_as_tritons_launcher_passes_them():
+    """Every Gluon kind's first variant at D 64 and 128 (compiled for sm_90 on this machine, in a subprocess: it
+    installs a stand-in driver), replayed from a plan, packs into one cuLaunchKernel launch: a word per PTX parameter,
+    each TMA descriptor a tensor map encoded from its call tensor with the arguments Triton's launcher would give
+    cuTensorMapEncodeTiled, its shape and strides after it as that launcher passes them."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from flashsys.ops.attention import gluon
+
+    if gluon.kernels() is None:
+        pytest.skip("this Triton has no Gluon Hopper API")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-m", "tests.ops.kernel_compile", "--native-packing"], capture_output=True,
+                       text=True, timeout=900, env=env, cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    verdicts = json.loads(r.stdout.strip().splitlines()[-1])
+    assert any("one_pass_det" in label for label in verdicts) and any("dkdv" in label for label in verdicts)
+    assert all(why == "ok" for why in verdicts.values()), verdicts
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() != (9, 0), reason="the Gluon kernels need sm_90")
+@pytest.mark.parametrize("case", ["D 64 causal one pass", "D 128 gqa full two passes", "D 64 rank 3 window"])
+def test_gluon_plans_launch_natively_and_equal_the_python_path_gpu(case, monkeypatch):
+    """Repeated eager calls that the Gluon kernels take run the native node with every launch native: the TMA
+    descriptors encoded in C++ on each call's tensors (no Python launch, no GIL), with the Python path's bits, and
+    the float64 reference's results on fresh inputs (new addresses in every descriptor)."""
+    from flashsys.ops.attention import dispatch
+    from flashsys.ops.attention.gluon import launch as gluon_launch
+
+    from .attention_checks import refuse_calls
+
+    d = 64 if case.startswith("D 64") else 128
+    monkeypatch.setattr(dispatch, "MIN_WORK", 0)
+    if "one pass" in case:
+        monkeypatch.setitem(dispatch.DETERMINISTIC_ONE_PASS_VARIANTS, d,
+                            tuple(v for v in dispatch.DETERMINISTIC_ONE_PASS_VARIANTS[d] if v.kind != "tl")[:1])
+    else:
+        monkeypatch.setitem(dispatch.DETERMINISTIC_ONE_PASS_VARIANTS, d, (gluon_launch.TL_KERNEL,))
+        monkeypatch.setitem(dispatch.DQ_VARIANTS, d, dispatch.DQ_VARIANTS[d][1:2])
+    dispatch.forget_choices()
+    replay.clear()
+    packed = []
+    pack = native_launch.launch_specs
+    monkeypatch.setattr(native_launch, "launch_specs", lambda replays: packed.append(pack(replays)) or packed[-1])
+    shape, causal, window, kv_heads = {
+        "D 64 causal one pass": ((2, 4, 700, 700), True, None, None),
+        "D 128 gqa full two passes": ((1, 8, 600, 520), False, None, 2),
+        "D 64 rank 3 window": ((3, None, 640, 640), False, (96, 32), None),
+    }[case]
+    try:
+        q, k, v, do = make_qkv(*shape, d, torch.bfloat16, "cuda", seed=1, kv_heads=kv_heads)
+        first = _call(q, k, v, do, causal, None, window)  # the full path: variants chosen (and autotuned)
+        assert first[0] != NATIVE
+        _call(q, k, v, do, causal, None, window)  # by now the plans are made and offered to the native side
+        assert native_launch.sizes() == (1, 1)
+        chosen = {key.kernel: var.kind for key, var in dispatch.chosen_variants().items()}
+        assert chosen["forward"] != "tl" and ("one pass" not in case or chosen["one_pass_det"] == "one_pass_det")
+        assert packed and None not in packed, "the native side refused a plan"
+        specs = [spec for plan_specs in packed for spec in plan_specs]
+        assert all(len(spec) == 8 for spec in specs), "a launch stayed with Python"
+        assert sum(len(spec[7]) for spec in specs) >= 4, "no Gluon launch was packed with its tensor maps"
+        refuse_calls(monkeypatch, gluon_launch.GluonReplay, "__call__")
+        for _ in range(2):
+            node, results = _call(q, k, v, do, causal, None, window)
+            assert node == NATIVE
+            for native_result, python_result in zip(results, first[1]):
+                assert torch.equal(native_result, python_result)
+        q2, k2, v2, do2 = make_qkv(*shape, d, torch.bfloat16, "cuda", seed=2, kv_heads=kv_heads)
+        assert_matches_reference(FlashAttention2Triton, q2, k2, v2, do2, causal, None, window)
+    finally:
+        replay.clear()
+        dispatch.forget_choices()
 
 
 def _as_a_new_process(monkeypatch):

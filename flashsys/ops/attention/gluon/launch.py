@@ -122,6 +122,10 @@ class LaunchParts(NamedTuple):
     kwargs: dict
     sources: tuple[Tensor, ...]
 
+    def parameters(self) -> tuple:
+        """Every parameter's value in the kernel's order, constexprs included: the arguments, then the keywords."""
+        return (*self.args, *(self.kwargs[name] for name in self.kernel.arg_names[len(self.args):]))
+
 
 def rank4(t: Tensor) -> Tensor:
     """A rank-3 (B, N, D) tensor as (B, 1, N, D); a rank-4 one as it is."""
@@ -405,12 +409,15 @@ class GluonReplay:
 
     Why: the first call's path (checks, descriptors built and validated, Triton's JIT dispatch) costs several times
     a replay's host time; this costs what Triton's launcher does (it encodes each descriptor for the GPU). The native
-    launcher calls it as it is, under the GIL: it cannot pass TMA descriptors itself."""
+    launcher does not call it: it encodes the descriptors itself from `templates` (`replay.native.cuda_launch_spec`),
+    and launches `compiled` on `grid` without the GIL."""
 
-    __slots__ = ("_launch", "_templates", "_rest")
+    __slots__ = ("compiled", "grid", "templates", "rest", "_launch")
 
     def __init__(self, compiled, grid: tuple[int, ...], params: tuple, n_tensors: int):
-        self._launch = compiled[(*grid, 1, 1)[:3]]
+        self.compiled = compiled
+        self.grid = (*grid, 1, 1)[:3]
+        self._launch = compiled[self.grid]
         # The first call's tensors are not kept (a plan lives as long as the process): a descriptor's template has
         # no base, and a tensor parameter is None.
         templates = []
@@ -421,8 +428,8 @@ class GluonReplay:
                 p = copy.copy(p)
                 object.__setattr__(p, "base", None)
                 templates.append(p)
-        self._templates = tuple(templates)
-        self._rest = params[n_tensors:]
+        self.templates = tuple(templates)
+        self.rest = params[n_tensors:]  # every later parameter, constexprs included, in the kernel's order
 
     @staticmethod
     def recordable(params: tuple, n_tensors: int) -> bool:
@@ -432,14 +439,14 @@ class GluonReplay:
 
     def __call__(self, *tensors: Tensor, stream=None) -> None:
         args = []
-        for t, template in zip(tensors, self._templates):
+        for t, template in zip(tensors, self.templates):
             if template is None:
                 args.append(t)
             else:
                 descriptor = copy.copy(template)  # no __post_init__: the template passed its checks
                 object.__setattr__(descriptor, "base", rank4(t))
                 args.append(descriptor)
-        self._launch(*args, *self._rest, stream=stream)
+        self._launch(*args, *self.rest, stream=stream)
 
 
 def launch(variant: Variant, tensors: NamedTuple, window: Window, scale: float, record: bool = True
@@ -451,7 +458,7 @@ def launch(variant: Variant, tensors: NamedTuple, window: Window, scale: float, 
     compiled = parts.kernel[parts.grid](*parts.args, **parts.kwargs)
     if not record:
         return None
-    params = (*parts.args, *(parts.kwargs[name] for name in parts.kernel.arg_names[len(parts.args):]))
+    params = parts.parameters()
     n_tensors = len(parts.sources)
     capturing = parts.sources[0].is_cuda and torch.cuda.is_current_stream_capturing()
     if capturing or not GluonReplay.recordable(params, n_tensors):
@@ -462,6 +469,14 @@ def launch(variant: Variant, tensors: NamedTuple, window: Window, scale: float, 
 def compile_only(variant: Variant, q: Tensor, k: Tensor, v: Tensor, window: Window, scale: float):
     """Compile `variant` for these inputs' shapes without launching it (Triton's `warmup`; on a CPU machine under a
     stand-in driver that names sm_90, as the CPU tests do). Returns the compiled kernel."""
+    parts = parts_for_compile(variant, q, k, v, window, scale)
+    return parts.kernel.warmup(*parts.args, **parts.kwargs, grid=(1,))
+
+
+def parts_for_compile(variant: Variant, q: Tensor, k: Tensor, v: Tensor, window: Window, scale: float
+                      ) -> LaunchParts:
+    """The launch `variant` would make for these inputs, its outputs and scratch allocated as a call would (their
+    values unset): what `compile_only` compiles."""
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     lse_delta = torch.empty((*q.shape[:-1], 2), dtype=torch.float32, device=q.device)
@@ -477,5 +492,4 @@ def compile_only(variant: Variant, q: Tensor, k: Tensor, v: Tensor, window: Wind
         tensors = DqTensors(q, k, v, q, o, torch.empty_like(q), lse, lse_delta)
     else:
         tensors = ForwardTensors(q, k, v, o, lse)
-    parts = launch_parts(variant, tensors, window, scale)
-    return parts.kernel.warmup(*parts.args, **parts.kwargs, grid=(1,))
+    return launch_parts(variant, tensors, window, scale)

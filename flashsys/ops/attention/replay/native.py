@@ -1,9 +1,10 @@
 """Repeated eager attention calls launched from C++, with a C++ autograd node (csrc/native_launch.cpp).
 
 Why: a planned eager call (`plans`) still pays for Python's autograd.Function (most of it the backward waiting for
-the GIL on the autograd engine's device thread) and Triton's Python launcher. SDPA pays neither (docs/host-cost.md). The C++ side looks plans up by the same signature, allocates
-the outputs, launches the kernels with cuLaunchKernel and records a C++ autograd node whose backward does the same
-without the GIL. It replays only what the Python path did for that exact signature; a signature it has no plan for
+the GIL on the autograd engine's device thread) and Triton's Python launcher. SDPA pays neither (docs/host-cost.md).
+The C++ side looks plans up by the same signature, allocates the outputs, encodes the Gluon kernels' TMA descriptors
+on the call's tensors, launches the kernels with cuLaunchKernel and records a C++ autograd node whose backward does
+the same without the GIL. It replays only what the Python path did for that exact signature; a signature it has no plan for
 returns to the Python path (forward: `forward` gives None; backward: `backward_fallback`), which makes the plan and
 offers it here.
 
@@ -34,12 +35,14 @@ import torch
 from torch import Tensor
 
 from ..triton_env import env_switch
+from ..gluon.launch import GluonReplay
 from . import builder, plans
 
 SOURCE = Path(__file__).with_name("csrc") / "native_launch.cpp"
 EXTENSION_NAME = "flashsys_native_launch"  # the module's name, and its build directory's (`build_directory`)
 ENV = "FLASHSYS_NATIVE_LAUNCH"
 _MAX_SHARED = 227 * 1024  # larger needs a launch attribute cuLaunchKernel does not take
+_MAX_PARAMS, _MAX_TENSOR_MAPS = 96, 12  # csrc's kMaxParams and kMaxTensorMaps
 
 _module = None  # the compiled extension, once loaded
 _status = "not built"
@@ -277,15 +280,20 @@ _refused_kernels: set[str] = set()
 
 
 def launch_specs(replays: tuple[plans.Replay, ...]) -> list[tuple] | None:
-    """The native side's launch of each of a plan's replays (a Python launch it calls under the GIL, or
-    `cuda_launch_spec`'s), or None where one needs more than it can give (said once per kernel, as a warning)."""
+    """The native side's launch of each of a plan's replays (`cuda_launch_spec`'s, or a Python launch it calls under
+    the GIL), or None where one needs more than it can give (said once per kernel, as a warning)."""
     specs = []
     for r in replays:
-        # A Python launch: the interpreter's, or a Gluon kernel's (`gluon.launch.GluonReplay` encodes its TMA
-        # descriptors); the extension calls it under the GIL.
-        spec = (r.run, list(r.slots), tuple(r.tail)) if r.kernel is None else cuda_launch_spec(r)
+        gluon = isinstance(r.run, GluonReplay)
+        if r.kernel is None and not gluon:  # the interpreter's launch: Python's
+            specs.append((r.run, list(r.slots), tuple(r.tail)))
+            continue
+        spec = cuda_launch_spec(r)
+        if spec is None and gluon:  # a Triton whose descriptors the native side does not encode: its own launcher
+            spec = _python_launch(r)
         if spec is None:
-            name = getattr(getattr(r.kernel, "src", None), "name", None) or repr(r.kernel)
+            kernel = r.run.compiled if gluon else r.kernel
+            name = getattr(getattr(kernel, "src", None), "name", None) or repr(kernel)
             if name not in _refused_kernels:  # slower, not wrong: said once per kernel
                 _refused_kernels.add(name)
                 warnings.warn(f"flashsys: the native launcher cannot launch {name} (its launch needs more than "
@@ -296,46 +304,120 @@ def launch_specs(replays: tuple[plans.Replay, ...]) -> list[tuple] | None:
     return specs
 
 
+def _python_launch(replay: plans.Replay) -> tuple:
+    """A replay as a launch the native side calls under the GIL: (run, slots, tail)."""
+    return (replay.run, list(replay.slots), tuple(replay.tail))
+
+
 _INT_BITS = {"i8": 8, "u8": 8, "i16": 16, "u16": 16, "i32": 32, "u32": 32, "i64": 64, "u64": 64}
 _PTX_BYTES = {"u8": 1, "s8": 1, "b8": 1, "u16": 2, "s16": 2, "b16": 2, "u32": 4, "s32": 4, "b32": 4,
               "u64": 8, "s64": 8, "b64": 8, "f32": 4}
+# A TMA descriptor parameter (`.param .align 64 .b8 name[128]`): 128 bytes the launch copies from the host.
+TENSOR_MAP = "tensormap"
+_PARAMETER = re.compile(r"\.param\s+(?:\.align\s+(\d+)\s+)?\.(\w+)[^\[,]*?(?:\[(\d+)\])?\s*$")
 
 
 @functools.lru_cache(maxsize=512)
 def ptx_parameters(ptx: str) -> tuple[str, ...] | None:
-    """The PTX types of a kernel's parameters, in order ('u64', 'u32', 'f32', ...): what cuLaunchKernel reads,
-    Triton's hidden scratch pointers included. None when the PTX has not exactly one entry."""
+    """The PTX types of a kernel's parameters, in order ('u64', 'u32', 'f32', ..., TENSOR_MAP for a TMA descriptor):
+    what cuLaunchKernel reads, Triton's hidden scratch pointers included. None when the PTX has not exactly one
+    entry, or declares a parameter of another kind."""
     entries = re.findall(r"\.entry\s+[\w$]+\s*\((.*?)\)", ptx, re.S)
     if len(entries) != 1:
         return None
-    return tuple(re.findall(r"\.param\s+\.(\w+)", entries[0]))
+    types = []
+    for declaration in filter(str.strip, entries[0].split(",")):
+        m = _PARAMETER.match(declaration.strip())
+        if m is None:
+            return None
+        align, ty, count = m.groups()
+        if count is None and align is None:
+            types.append(ty)
+        elif (ty, count, align) == ("b8", "128", "64"):
+            types.append(TENSOR_MAP)
+        else:
+            return None
+    return tuple(types)
+
+
+# The TMA element-type numbers Triton's compiler records (`tensordesc_meta`) and the driver's CUtensorMapDataType
+# for them, which differ in three places: as Triton's launcher maps them (nvidia/driver.py).
+_TMA_DTYPE_DEVICE_TO_HOST = {8: 10, 9: 8, 10: 9}
+_OOB_FILL_NONE, _OOB_FILL_NAN = 0, 1  # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE, ..._NAN_REQUEST_ZERO_FMA
+_MAX_TENSOR_MAP_RANK = 5
+
+
+def tensor_map(template, meta: dict | None) -> tuple | None:
+    """The arguments cuTensorMapEncodeTiled takes for a Gluon descriptor `template` (its base left out: each call
+    gives its own), as Triton's launcher derives them from the descriptor and the compiler's `meta` for it:
+    (data type, dims innermost first, byte strides of every dim but the innermost, innermost first, box innermost
+    first, swizzle, out-of-bounds fill). None where the launcher would do more than encode a tiled map (im2col,
+    packed fp4, float32 rounded to tf32) or where there is no such meta (the descriptor was lowered to a pointer)."""
+    if meta is None or meta.get("fp4_padded") or meta.get("is_im2col") or getattr(template, "round_f32_to_tf32", False):
+        return None
+    shape, strides, block = list(template.shape), list(template.strides), list(meta["block_size"])
+    rank = len(shape)
+    if not 0 < rank <= _MAX_TENSOR_MAP_RANK or len(strides) != rank or len(block) != rank or strides[-1] != 1:
+        return None
+    elem_size = meta["elem_size"]
+    fill = _OOB_FILL_NAN if getattr(template, "padding", "zero") == "nan" else _OOB_FILL_NONE
+    return (_TMA_DTYPE_DEVICE_TO_HOST.get(meta["elem_type"], meta["elem_type"]), shape[::-1],
+            [elem_size * s for s in strides[-2::-1]], block[::-1], meta["swizzle"], fill)
 
 
 def cuda_launch_spec(replay: plans.Replay) -> tuple | None:
-    """(function, grid, threads, shared bytes, words, [(parameter, slot)], kernel) for cuLaunchKernel: one 8-byte
-    word per PTX parameter, packed from the kernel's Triton signature and the replay's arguments, and the compiled
-    kernel (kept alive with the plan: it owns the function); or None where the launch needs more than
-    cuLaunchKernel takes, or the signature and the PTX do not agree."""
-    kernel, slots = replay.kernel, replay.slots
-    md = kernel.metadata
-    if (getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_pdl", False)
+    """(function, grid, threads, shared bytes, words, [(parameter, slot)], kernel, [tensor map]) for
+    cuLaunchKernel: one 8-byte word per PTX parameter, packed from the kernel's Triton signature and the replay's
+    arguments; the compiled kernel (kept alive with the plan: it owns the function); for a Gluon replay
+    (`GluonReplay`), each TMA descriptor as (parameter, slot, *`tensor_map`), encoded on the slot's tensor at every
+    launch, its shape and strides packed after it as Triton's launcher passes them. None where the launch needs more
+    than cuLaunchKernel takes, or the signature and the PTX do not agree."""
+    slots = replay.slots
+    if isinstance(replay.run, GluonReplay):
+        kernel, grid = replay.run.compiled, replay.run.grid
+        values = [*replay.run.templates, *replay.run.rest]
+    else:
+        kernel, grid = replay.kernel, replay.grid
+        values = [None] * len(slots) + list(replay.tail)
+    md = getattr(kernel, "metadata", None)
+    if (md is None or getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_pdl", False)
             or getattr(md, "launch_cooperative_grid", False) or getattr(md, "global_scratch_size", 0)
-            or getattr(md, "profile_scratch_size", 0) or getattr(md, "tensordesc_meta", None)
-            or md.shared > _MAX_SHARED or getattr(kernel, "function", None) is None):
+            or getattr(md, "profile_scratch_size", 0) or md.shared > _MAX_SHARED
+            or getattr(kernel, "function", None) is None):
         return None
     types = list(kernel.src.signature.values())
-    values = [None] * len(slots) + list(replay.tail)
     params = ptx_parameters(kernel.asm.get("ptx", ""))
-    if params is None or len(types) != len(values):
+    metas = list(getattr(md, "tensordesc_meta", None) or ())
+    n_descriptors = sum(isinstance(ty, str) and ty.startswith("tensordesc") for ty in types)
+    if params is None or len(types) != len(values) or len(metas) not in (0, n_descriptors):
         return None
-    words, pointers = [], []
+    words, pointers, maps = [], [], []
+
+    def take(ptx_type: str) -> bool:  # the next PTX parameter is of this type
+        return len(words) < len(params) and params[len(words)] == ptx_type
+
     for i, (ty, value) in enumerate(zip(types, values)):
         if ty == "constexpr":
+            continue
+        if isinstance(ty, str) and ty.startswith("tensordesc"):
+            encode = tensor_map(value, metas.pop(0) if metas else None) if i < len(slots) else None
+            if encode is None or not take(TENSOR_MAP):
+                return None
+            maps.append((len(words), slots[i], *encode))
+            words.append(0)
+            for size in value.shape:  # as the launcher passes them after the map: i32 sizes, then i64 strides
+                if not take("u32"):
+                    return None
+                words.append(size & 0xFFFFFFFF)
+            for stride in value.strides:
+                if not take("u64"):
+                    return None
+                words.append(stride & 0xFFFFFFFFFFFFFFFF)
             continue
         if len(words) >= len(params):
             return None
         ptx = params[len(words)]
-        if isinstance(ty, str) and ty.startswith("*") and i < len(slots) and ptx == "u64":
+        if isinstance(ty, str) and ty.startswith("*") and i < len(slots) and value is None and ptx == "u64":
             pointers.append((len(words), slots[i]))
             words.append(0)
         elif ty in _INT_BITS and type(value) is int and _PTX_BYTES.get(ptx) == _INT_BITS[ty] // 8:
@@ -348,4 +430,6 @@ def cuda_launch_spec(replay: plans.Replay) -> tuple | None:
     if any(p != "u64" for p in extras):
         return None
     words.extend(0 for _ in extras)
-    return (kernel.function, tuple(replay.grid), 32 * md.num_warps, md.shared, words, pointers, kernel)
+    if len(words) > _MAX_PARAMS or len(maps) > _MAX_TENSOR_MAPS:
+        return None
+    return (kernel.function, tuple(grid), 32 * md.num_warps, md.shared, words, pointers, kernel, maps)

@@ -8,8 +8,9 @@
 // Python (forward: `forward` returns None; backward: the registered fallback).
 //
 // A launch is either a CUDA kernel (cuLaunchKernel with the argument words the Python side packed from the
-// kernel's PTX parameter list) or a Python callable: on the CPU under Triton's interpreter (that is how CPU CI runs
-// this same node), and on a GPU for the Gluon kernels, whose TMA descriptors Python encodes (flash_gluon.GluonReplay).
+// kernel's PTX parameter list, and for a Gluon kernel its TMA descriptors, encoded here on the call's tensors) or a
+// Python callable: on the CPU under Triton's interpreter (that is how CPU CI runs this same node), and for a Gluon
+// launch whose descriptors the Python side could not describe for encoding here (gluon/launch.py's GluonReplay).
 #include <ATen/Context.h>
 #include <ATen/TensorSubclassLikeUtils.h>
 #include <ATen/core/Tensor.h>
@@ -24,6 +25,7 @@
 #include <cuda.h>  // types only (from Triton's bundled headers); the driver is opened with dlopen
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <memory>
@@ -41,14 +43,20 @@ using torch::autograd::variable_list;
 
 namespace {
 
-constexpr size_t kMaxParams = 64;
+constexpr size_t kMaxParams = 96;
+constexpr size_t kMaxTensorMaps = 12;
+constexpr size_t kMaxTensorMapRank = 5;
 constexpr size_t kMaxPlans = 1024;  // per table; a full table is emptied, as replay/plans.py's PlanTable
 
 using LaunchKernelFn = CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                                     CUstream, void**, void**);
 using ErrorStringFn = CUresult (*)(CUresult, const char**);
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 LaunchKernelFn cu_launch_kernel = nullptr;
 ErrorStringFn cu_error_string = nullptr;
+EncodeTiledFn cu_encode_tiled = nullptr;  // null on a driver before CUDA 12: plans with tensor maps are refused
 
 void open_driver() {
   if (cu_launch_kernel != nullptr) return;
@@ -56,8 +64,23 @@ void open_driver() {
   if (lib == nullptr) throw std::runtime_error("flashsys native launch: cannot open libcuda.so.1");
   cu_launch_kernel = reinterpret_cast<LaunchKernelFn>(dlsym(lib, "cuLaunchKernel"));
   cu_error_string = reinterpret_cast<ErrorStringFn>(dlsym(lib, "cuGetErrorString"));
+  cu_encode_tiled = reinterpret_cast<EncodeTiledFn>(dlsym(lib, "cuTensorMapEncodeTiled"));
   if (cu_launch_kernel == nullptr) throw std::runtime_error("flashsys native launch: no cuLaunchKernel in libcuda");
 }
+
+// A Gluon kernel's TMA descriptor parameter: everything cuTensorMapEncodeTiled takes but the address, which is the
+// call tensor's in `slot` (Triton's launcher encodes the same from the descriptor: nvidia/driver.py, driver.c).
+struct TensorMapParam {
+  int param = 0;
+  int slot = 0;
+  CUtensorMapDataType dtype{};
+  cuuint32_t rank = 0;
+  cuuint64_t dims[kMaxTensorMapRank] = {};     // innermost first
+  cuuint64_t strides[kMaxTensorMapRank] = {};  // bytes, of every dim but the innermost, innermost first
+  cuuint32_t box[kMaxTensorMapRank] = {};
+  CUtensorMapSwizzle swizzle{};
+  CUtensorMapFloatOOBfill fill{};
+};
 
 struct Launch {
   // CUDA: the compiled kernel and everything cuLaunchKernel takes. Each kernel parameter is one 8-byte word
@@ -68,6 +91,7 @@ struct Launch {
   unsigned shared_bytes = 0;
   std::vector<uint64_t> words;
   std::vector<std::pair<int, int>> pointers;  // (parameter index, call-tensor slot)
+  std::vector<TensorMapParam> maps;  // parameters that take a 128-byte TMA descriptor instead of a word
   PyObject* keep_alive = nullptr;  // the CompiledKernel that owns `function`; owned, never released
   // Interpreter, or a Gluon launch: run(*call_tensors[slots], *tail) under the GIL.
   PyObject* run = nullptr;  // owned reference, never released (plans live as long as the process)
@@ -205,6 +229,12 @@ void run_in_python(const Launch& l, const at::Tensor* tensors) {
   py::reinterpret_borrow<py::object>(l.run)(*(args + tail));
 }
 
+[[noreturn]] void driver_failed(const char* what, CUresult r) {
+  const char* msg = "unknown error";
+  if (cu_error_string != nullptr) cu_error_string(r, &msg);
+  throw std::runtime_error(std::string("flashsys native launch: ") + what + " failed: " + msg);
+}
+
 void launch_all(const std::vector<Launch>& launches, const at::Tensor* tensors) {
   const c10::Device device = tensors[0].device();
   if (device.is_cpu()) {  // Triton's interpreter
@@ -214,8 +244,10 @@ void launch_all(const std::vector<Launch>& launches, const at::Tensor* tensors) 
   CUstream stream = current_stream(device);
   uint64_t words[kMaxParams];
   void* params[kMaxParams];
+  CUtensorMap maps[kMaxTensorMaps];  // the driver's type is 64-byte aligned, as the encoding requires
+  static const cuuint32_t element_strides[kMaxTensorMapRank] = {1, 1, 1, 1, 1};
   for (const Launch& l : launches) {
-    if (l.run != nullptr) {  // a launch Python makes itself (a Gluon kernel's TMA descriptors), on the current stream
+    if (l.run != nullptr) {  // a launch Python makes itself, on the current stream
       run_in_python(l, tensors);
       continue;
     }
@@ -225,13 +257,17 @@ void launch_all(const std::vector<Launch>& launches, const at::Tensor* tensors) 
     for (const auto& [param, slot] : l.pointers)
       words[param] = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(tensors[slot].data_ptr()));
     for (size_t i = 0; i < n; ++i) params[i] = &words[i];
+    for (size_t j = 0; j < l.maps.size(); ++j) {
+      const TensorMapParam& m = l.maps[j];
+      CUresult r = cu_encode_tiled(&maps[j], m.dtype, m.rank, tensors[m.slot].data_ptr(), m.dims, m.strides, m.box,
+                                   element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, m.swizzle,
+                                   CU_TENSOR_MAP_L2_PROMOTION_L2_128B, m.fill);
+      if (r != CUDA_SUCCESS) driver_failed("cuTensorMapEncodeTiled", r);
+      params[m.param] = &maps[j];  // the launch copies the parameter's 128 bytes from here
+    }
     CUresult r = cu_launch_kernel(l.function, l.grid[0], l.grid[1], l.grid[2], l.threads, 1, 1, l.shared_bytes,
                                   stream, params, nullptr);
-    if (r != CUDA_SUCCESS) {
-      const char* msg = "unknown error";
-      if (cu_error_string != nullptr) cu_error_string(r, &msg);
-      throw std::runtime_error(std::string("flashsys native launch: cuLaunchKernel failed: ") + msg);
-    }
+    if (r != CUDA_SUCCESS) driver_failed("cuLaunchKernel", r);
   }
 }
 
@@ -352,12 +388,35 @@ py::object forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   return py::cast(flashsys::FlashAttention2TritonNative::apply(q, k, v, plan.get()));
 }
 
+TensorMapParam tensor_map_param(py::handle spec, size_t n_params, int n_tensors) {
+  auto [param, slot, dtype, dims, strides, box, swizzle, fill] =
+      spec.cast<std::tuple<int, int, int, std::vector<uint64_t>, std::vector<uint64_t>, std::vector<uint32_t>, int,
+                           int>>();
+  if (cu_encode_tiled == nullptr)
+    throw std::invalid_argument("flashsys native launch: this driver has no cuTensorMapEncodeTiled");
+  const size_t rank = dims.size();
+  if (rank == 0 || rank > kMaxTensorMapRank || box.size() != rank || strides.size() + 1 != rank)
+    throw std::invalid_argument("flashsys native launch: a tensor map's dims, strides and box disagree");
+  if (param < 0 || static_cast<size_t>(param) >= n_params || slot < 0 || slot >= n_tensors)
+    throw std::invalid_argument("flashsys native launch: tensor map parameter or tensor slot out of range");
+  TensorMapParam m;
+  m.param = param, m.slot = slot, m.rank = static_cast<cuuint32_t>(rank);
+  m.dtype = static_cast<CUtensorMapDataType>(dtype);
+  m.swizzle = static_cast<CUtensorMapSwizzle>(swizzle);
+  m.fill = static_cast<CUtensorMapFloatOOBfill>(fill);
+  std::copy(dims.begin(), dims.end(), m.dims);
+  std::copy(strides.begin(), strides.end(), m.strides);
+  std::copy(box.begin(), box.end(), m.box);
+  return m;
+}
+
 Launch make_launch(py::handle spec, int n_tensors) {
-  // CUDA: (function, (gx, gy, gz), threads, shared_bytes, words, [(param, slot), ...], compiled kernel);
-  // interpreter or Gluon: (run, [slot, ...], tail).
+  // CUDA: (function, (gx, gy, gz), threads, shared_bytes, words, [(param, slot), ...], compiled kernel,
+  //        [(param, slot, dtype, dims, strides, box, swizzle, fill), ...]);
+  // Python (the interpreter, or a Gluon launch with descriptors it cannot describe): (run, [slot, ...], tail).
   py::tuple t = py::reinterpret_borrow<py::tuple>(spec);
   Launch l;
-  if (t.size() == 7) {
+  if (t.size() == 8) {
     open_driver();
     l.function = reinterpret_cast<CUfunction>(t[0].cast<uintptr_t>());
     auto grid = t[1].cast<std::tuple<unsigned, unsigned, unsigned>>();
@@ -370,6 +429,8 @@ Launch make_launch(py::handle spec, int n_tensors) {
     for (const auto& [param, slot] : l.pointers)
       if (param < 0 || static_cast<size_t>(param) >= l.words.size() || slot < 0 || slot >= n_tensors)
         throw std::invalid_argument("flashsys native launch: pointer parameter or tensor slot out of range");
+    for (py::handle item : t[7].cast<py::list>()) l.maps.push_back(tensor_map_param(item, l.words.size(), n_tensors));
+    if (l.maps.size() > kMaxTensorMaps) throw std::invalid_argument("flashsys native launch: too many tensor maps");
     l.keep_alive = t[6].ptr();
     Py_INCREF(l.keep_alive);
   } else if (t.size() == 3) {
@@ -382,7 +443,7 @@ Launch make_launch(py::handle spec, int n_tensors) {
     l.tail = tail.ptr();
     Py_INCREF(l.tail);
   } else {
-    throw std::invalid_argument("flashsys native launch: a launch is a 7-tuple (CUDA) or a 3-tuple (Python)");
+    throw std::invalid_argument("flashsys native launch: a launch is an 8-tuple (CUDA) or a 3-tuple (Python)");
   }
   return l;
 }
