@@ -61,13 +61,18 @@ def test_visible_pairs_counts_the_window_masks_true_entries(n_q, n_k, left, righ
 def test_the_size_bar_counts_the_pairs_the_kernels_visit():
     """Causal calls cross the bar at twice the B*H*N^2*D of full-mask ones; a window with a left bound counts all of
     N^2 (the Gluon kernels ran every windowed cell measured faster, most of them below the bar by their visible
-    pairs). The GPU test below asks `forward_problem` the same."""
+    pairs). D 128 has a lower bar of its own in eager calls (compiled graphs keep MIN_WORK); MIN_WORK, set to 0,
+    lowers every head dim's. The GPU test below asks `forward_problem` the same."""
     bar = dispatch.MIN_WORK
+    assert dispatch.min_work(64) == bar and dispatch.min_work(128) == bar >> 3
+    assert dispatch.min_work(64, traced=True) == dispatch.min_work(128, traced=True) == bar
     full, causal, window = (-1, -1), (-1, 0), (255, 0)
     assert dispatch.call_work((16, 16, 1024, 64), (16, 16, 1024, 64), full) == bar
     assert bar // 2 < dispatch.call_work((16, 16, 1024, 64), (16, 16, 1024, 64), causal) < bar
     assert dispatch.call_work((16, 16, 1024, 128), (16, 16, 1024, 128), causal) >= bar
     assert dispatch.call_work((8, 16, 1024, 128), (8, 16, 1024, 128), causal) < bar
+    assert dispatch.call_work((2, 16, 1024, 128), (2, 16, 1024, 128), causal) >= dispatch.min_work(128)
+    assert dispatch.call_work((1, 16, 1024, 128), (1, 16, 1024, 128), causal) < dispatch.min_work(128)
     big = (1, 16, 8192, 64)
     assert dispatch.call_work(big, big, window) == 16 * 64 * 8192 ** 2 >= bar
     assert dispatch.call_work(big[1:], big[1:], full) == 16 * 64 * 8192 ** 2  # rank 3: (B*H, N, D)
@@ -389,11 +394,15 @@ def test_compiled_op_runs_the_gluon_forward_bit_for_bit_gpu(monkeypatch):
 @hopper_only
 @pytest.mark.gpu
 def test_small_switched_off_and_unaligned_calls_take_the_tl_forward_gpu(monkeypatch):
-    """Below MIN_WORK (host-bound calls), for tensors TMA cannot address, once the path turned itself off, and with
-    FLASHSYS_GLUON=0, the `tl` forward runs."""
+    """Below the size bar (`dispatch.min_work`), for tensors TMA cannot address, once the path turned itself off, and
+    with FLASHSYS_GLUON=0, the `tl` forward runs."""
     q = torch.randn(1, 16, 2048, 64, device="cuda", dtype=torch.bfloat16)
     full = (-1, -1)
-    assert "host-bound" in dispatch.forward_problem(q, q, q, full)
+    assert "the size bar" in dispatch.forward_problem(q, q, q, full)
+    wide = torch.randn(1, 16, 1024, 128, device="cuda", dtype=torch.bfloat16)  # 2^31 full, half of it causal
+    assert dispatch.forward_problem(wide, wide, wide, full) is None  # D 128's lower bar, in eager calls only
+    assert "the size bar" in dispatch.forward_problem(wide, wide, wide, full, traced=True)
+    assert "the size bar" in dispatch.forward_problem(wide, wide, wide, (-1, 0))
     big = torch.randn(1, 16, 8192, 64, device="cuda", dtype=torch.bfloat16)
     assert dispatch.takes_forward(big, big, big, full) and dispatch.takes_forward(big, big, big, (-1, 0))
     assert dispatch.takes_forward(big, big, big, (255, 0))  # a window counts all of N^2 (`call_work`)

@@ -9,7 +9,7 @@ alike (`forward_problem`, `backward_problem`; each branch says why):
     FLASHSYS_GLUON=0                           -> `tl`: the switch, for A/B timings
     not sm_90, or Gluon does not import        -> `tl`: the Gluon kernels use Hopper's wgmma and TMA
     symbolic shapes (dynamic torch.compile)    -> `tl`: Inductor re-emits the `tl` kernels; a Gluon launch needs ints
-    B*H*D*(pairs visited) < MIN_WORK           -> `tl`: below it the Gluon launch's host time costs more than it saves
+    B*H*D*(pairs visited) < the size bar       -> `tl`: below it the `tl` kernels run as fast (`min_work`)
     strides TMA cannot address                 -> `tl`: TMA needs 16-byte strides, the last one 1
     otherwise                                  -> Gluon, the variant timed fastest for the shape class
 
@@ -41,9 +41,16 @@ from .triton_env import autotune_enabled, env_switch
 Window = tuple[int, int]
 HEAD_DIMS = (64, 128)
 _DTYPES = (torch.float16, torch.bfloat16)
-# The work (`call_work`) below which a call keeps the `tl` kernels: there the GPU's time is short enough that a Gluon
-# launch's extra host time, even replayed from a plan, costs more than its kernels save.
+# The work (`call_work`) below which a call keeps the `tl` kernels. A replayed Gluon call costs the host what a `tl`
+# one does (the native launcher encodes its TMA descriptors), so the bar follows the kernels' speed: at D 64 under
+# causal masks the `tl` kernels keep up below 2^34 (forward + backward 0.146 ms against the Gluon kernels' 0.157 at
+# 2^31, 0.442 against 0.447 at 2^33); at D 128 the Gluon kernels lead well below it (0.106 against 0.153 ms at 2^31,
+# 0.206 against 0.257 at 2^32, 0.376 against 0.445 at 2^33). docs/attention-kernels.md §2 has the measurements.
+# MIN_WORK bars every head dim, MIN_WORK_BY_HEAD_DIM lowers it for one in eager calls (tests and A/B timings set
+# MIN_WORK to 0 to send every call to the Gluon kernels). Compiled graphs keep MIN_WORK: their opaque Gluon op replays
+# its plan from Python (docs/host-cost.md), where Inductor launches the `tl` kernels itself.
 MIN_WORK = 1 << 34
+MIN_WORK_BY_HEAD_DIM = {128: 1 << 31}
 ENV = "FLASHSYS_GLUON"
 
 # The forward's candidates per head dim. At D 64 FlashAttention-3's and -4's tile, 192 query rows over three consumer
@@ -168,8 +175,14 @@ def visible_pairs(n_q: int, n_k: int, window: Window) -> int:
     return below_right - below_left
 
 
+def min_work(head_dim: int, traced: bool = False) -> int:
+    """The size bar at this head dim: MIN_WORK, or in an eager call (not `traced`) the lower bar MIN_WORK_BY_HEAD_DIM
+    gives it."""
+    return MIN_WORK if traced else min(MIN_WORK, MIN_WORK_BY_HEAD_DIM.get(head_dim, MIN_WORK))
+
+
 def call_work(q_shape: tuple[int, ...], k_shape: tuple[int, ...], window: Window) -> int:
-    """B * H * D * the query-key pairs the kernels visit, the size MIN_WORK bars: the visible pairs under a full or
+    """B * H * D * the query-key pairs the kernels visit, what `min_work` bars: the visible pairs under a full or
     causal mask (right bound only), all Nq * Nk under a window with a left bound (windowed calls gain from the Gluon
     kernels well below the bar's visible work)."""
     heads = q_shape[0] * (q_shape[1] if len(q_shape) == 4 else 1)
@@ -178,10 +191,11 @@ def call_work(q_shape: tuple[int, ...], k_shape: tuple[int, ...], window: Window
     return heads * q_shape[-1] * pairs
 
 
-def forward_problem(q: Tensor, k: Tensor, v: Tensor, window: Window) -> str | None:
+def forward_problem(q: Tensor, k: Tensor, v: Tensor, window: Window, traced: bool = False) -> str | None:
     """None when the Gluon forward takes these (validated, dense-batch) inputs, else why not: the chain in this
-    module's docstring. Cheapest checks first: an eager call on the Python path asks this every time, and most small
-    calls stop at the size bar before any stride is read."""
+    module's docstring; `traced`: for a call torch.compile traces (its size bar: `min_work`). Cheapest checks first:
+    an eager call on the Python path asks this every time, and most small calls stop at the size bar before any stride
+    is read."""
     if q.device.type != "cuda":
         return "not a CUDA tensor"
     if q.dtype not in _DTYPES:
@@ -196,10 +210,9 @@ def forward_problem(q: Tensor, k: Tensor, v: Tensor, window: Window) -> str | No
         return reason
     if any(type(n) is not int for n in (*q.shape, *k.shape)):  # v is shaped like k (validated)
         return "symbolic shapes (torch.compile with dynamic shapes)"
-    work = call_work(q.shape, k.shape, window)
-    if work < MIN_WORK:
-        return (f"B*H*D*(query-key pairs) = {work} < {MIN_WORK} (host-bound there: the native launcher's `tl` "
-                "forward costs less)")
+    work, bar = call_work(q.shape, k.shape, window), min_work(q.shape[-1], traced)
+    if work < bar:
+        return f"B*H*D*(query-key pairs) = {work} < {bar}, the size bar (the `tl` kernels run as fast there)"
     if not all(tma_addressable(t) for t in (q, k, v)):
         return "strides TMA cannot address (each must be a multiple of 16 bytes, the last 1)"
     return None
@@ -217,12 +230,12 @@ def takes_forward(q: Tensor, k: Tensor, v: Tensor, window: Window) -> bool:
     return forward_problem(q, k, v, window) is None and all(t.data_ptr() % 16 == 0 for t in (q, k, v))
 
 
-def backward_problem(q: Tensor, k: Tensor, v: Tensor, window: Window) -> str | None:
+def backward_problem(q: Tensor, k: Tensor, v: Tensor, window: Window, traced: bool = False) -> str | None:
     """As `forward_problem`, for the Gluon backward kernels: the forward's conditions and a head dim one of them has
     variants for (dQ at D 64 and 128, dK/dV at D 128)."""
     if q.shape[-1] not in DKDV_VARIANTS and q.shape[-1] not in DQ_VARIANTS:
         return f"head dim {q.shape[-1]} (the Gluon backward kernels take {tuple(DQ_VARIANTS)})"
-    return forward_problem(q, k, v, window)
+    return forward_problem(q, k, v, window, traced)
 
 
 def takes_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, window: Window) -> bool:
@@ -339,5 +352,9 @@ def status() -> str:
     masks = {(True, False): "causal", (False, False): "full", (True, True): "window", (False, True): "window"}
     choices = "; ".join(f"{k.kernel} D {k.head_dim} {str(k.dtype)[6:]} {masks[k.bound_right, k.bound_left]} "
                         f"N<={k.bucket}: {k.label(v)}" for k, v in sorted(_chosen.items(), key=str))
-    bar = f"on where B*H*D*(query-key pairs, call_work) >= 2^{MIN_WORK.bit_length() - 1}"
+    def power(b: int) -> str:
+        return f"2^{b.bit_length() - 1}" if b else "0"
+
+    eager = ", ".join(f"{power(min_work(d))} (D {d})" for d in HEAD_DIMS)
+    bar = f"on where B*H*D*(query-key pairs, call_work) >= {eager} eager, {power(MIN_WORK)} compiled"
     return bar + (f"; chose {choices}" if choices else "")
