@@ -426,7 +426,7 @@ def test_choice_takes_the_fastest_median_and_leaves_out_variants_that_fail(monke
     variants that ran slower over longer runs); the lowest median wins (one slow round does not decide), a candidate
     that raises is left out, and where all raise the path turns itself off for the process with a warning naming
     each error (the `tl` forward then runs)."""
-    import triton.testing
+    from flashsys.ops.attention import timed_choice
 
     d64 = dispatch.FORWARD_VARIANTS[64]
     draws = {d64[0]: iter([1.0, 9.0, 1.0, 1.0, 1.0]), d64[1]: iter([2.0, 0.5, 2.0, 2.0, 2.0])}
@@ -436,15 +436,15 @@ def test_choice_takes_the_fastest_median_and_leaves_out_variants_that_fail(monke
     def run(variant):
         current["v"] = variant
 
-    def fake_bench(fn, warmup, rep):
-        reps.append(rep)
+    def fake_bench(fn, rep_ms):
+        reps.append(rep_ms)
         fn()
         variant = current["v"]
         if variant not in draws:
             raise RuntimeError("out of resources: shared memory")
         return next(draws[variant])
 
-    monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
+    monkeypatch.setattr(timed_choice, "gpu_ms", fake_bench)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU builds of torch raise
     monkeypatch.setattr(dispatch, "autotune_enabled", lambda: True)  # CPU CI runs the interpreter, which is off
     dispatch.forget_choices()

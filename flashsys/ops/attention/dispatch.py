@@ -104,10 +104,10 @@ DETERMINISTIC_ONE_PASS_FULL_MASK_VARIANTS: dict[int, tuple[Variant, ...]] = {
 }
 _TABLES = {"forward": FORWARD_VARIANTS, "dkdv": DKDV_VARIANTS, "dq": DQ_VARIANTS, "one_pass": ONE_PASS_VARIANTS,
            "one_pass_det": DETERMINISTIC_ONE_PASS_VARIANTS}
-# The choice times every candidate in interleaved rounds and takes each one's median, each timing spanning 100 ms
-# as Triton's autotuner's do: one GPU's timings of the same kernel drift within a process by more than the variants
-# differ, and single or shorter timings picked variants measurably slower than the best. The cost: about a second on
-# a key's first call.
+# The choice times every candidate's GPU work (`timed_choice.gpu_ms`) in interleaved rounds and takes each one's
+# median, each timing spanning about 100 ms as Triton's autotuner's do: one GPU's timings of the same kernel drift
+# within a process by more than the variants differ, and single or shorter timings picked variants measurably slower
+# than the best. The cost: one to a few seconds on a key's first call.
 CHOICE_ROUNDS = 3
 CHOICE_REP_MS = 100
 
