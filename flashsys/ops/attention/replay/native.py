@@ -4,9 +4,9 @@ Why: a planned eager call (`plans`) still pays for Python's autograd.Function (m
 the GIL on the autograd engine's device thread) and Triton's Python launcher. SDPA pays neither (docs/host-cost.md).
 The C++ side looks plans up by the same signature, allocates the outputs, encodes the Gluon kernels' TMA descriptors
 on the call's tensors, launches the kernels with cuLaunchKernel and records a C++ autograd node whose backward does
-the same without the GIL. It replays only what the Python path did for that exact signature; a signature it has no plan for
-returns to the Python path (forward: `forward` gives None; backward: `backward_fallback`), which makes the plan and
-offers it here.
+the same without the GIL. It replays only what the Python path did for that exact signature; a signature it has no
+plan for returns to the Python path (forward: `forward` gives None; backward: `backward_fallback`), which makes the
+plan and offers it here.
 
 The extension is compiled on first use (torch.utils.cpp_extension with ninja and a C++ compiler, no CUDA toolkit:
 it opens libcuda with dlopen and takes the driver's types from Triton's bundled cuda.h), in a background thread, so

@@ -438,7 +438,8 @@ Launch make_launch(py::handle spec, int n_tensors) {
     Py_INCREF(l.run);
     l.slots = t[1].cast<std::vector<int>>();
     for (int slot : l.slots)
-      if (slot < 0 || slot >= n_tensors) throw std::invalid_argument("flashsys native launch: tensor slot out of range");
+      if (slot < 0 || slot >= n_tensors)
+        throw std::invalid_argument("flashsys native launch: tensor slot out of range");
     py::tuple tail = t[2].cast<py::tuple>();
     l.tail = tail.ptr();
     Py_INCREF(l.tail);
