@@ -34,8 +34,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from ..triton_env import env_switch
 from ..gluon.launch import GluonReplay
+from ..triton_env import env_switch
 from . import builder, plans
 
 SOURCE = Path(__file__).with_name("csrc") / "native_launch.cpp"
@@ -286,7 +286,7 @@ def launch_specs(replays: tuple[plans.Replay, ...]) -> list[tuple] | None:
     for r in replays:
         gluon = isinstance(r.run, GluonReplay)
         if r.kernel is None and not gluon:  # the interpreter's launch: Python's
-            specs.append((r.run, list(r.slots), tuple(r.tail)))
+            specs.append(_python_launch(r))
             continue
         spec = cuda_launch_spec(r)
         if spec is None and gluon:  # a Triton whose descriptors the native side does not encode: its own launcher
