@@ -182,6 +182,27 @@ def test_arguments_are_packed_as_the_ptx_declares_them():
         assert native_launch.launch_specs((bad,)) is None
 
 
+def test_a_plan_the_extension_refuses_keeps_the_python_path_and_says_so(monkeypatch):
+    """Where the extension refuses a plan's launches (a driver without `cuTensorMapEncodeTiled`, say), the call that
+    offered it runs on: the plan stays with the Python path, with one warning, and is not offered again."""
+    monkeypatch.setattr(native_launch, "_warned", set())
+    offers = []
+
+    def refuse(specs):
+        offers.append(specs)
+        raise ValueError("flashsys native launch: this driver has no cuTensorMapEncodeTiled")
+
+    plan = plans.ForwardPlan((-1, 0), 0.125, (1, 4), ())
+    with pytest.warns(RuntimeWarning, match="refused a plan .*cuTensorMapEncodeTiled.*Python path"):
+        native_launch._offer(plan, refuse)
+    assert plan.native is False and offers == [[]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        native_launch._offer(plan, refuse)
+        native_launch._offer(plans.ForwardPlan((-1, 0), 0.125, (1, 4), ()), refuse)  # another plan: not said again
+    assert len(offers) == 2
+
+
 def test_tensor_map_parameters_are_read_from_the_ptx():
     """A TMA descriptor parameter (`.param .align 64 .b8 name[128]`) is one parameter of its own kind; a declaration
     of any other shape makes the kernel's parameters unreadable (None), so its launch stays with Triton's."""

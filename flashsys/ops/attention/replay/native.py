@@ -247,13 +247,20 @@ def forward(q: Tensor, k: Tensor, v: Tensor, is_causal, softmax_scale, window_si
 
 
 def _offer(plan, register: Callable[[list], None]) -> None:
-    """Convert a plan's launches once and, unless a launch is refused, `register` them with the extension."""
+    """Convert a plan's launches once and, unless a launch is refused, `register` them with the extension. Where the
+    extension refuses them (a driver without what a launch needs: `cuTensorMapEncodeTiled` before CUDA 12), the plan
+    stays with the Python path, said once as a warning."""
     if _module is None or _suspended or plan is None or plan.native is not None:
         return
     specs = launch_specs(plan.replays)
     plan.native = specs is not None
-    if specs is not None:
+    if specs is None:
+        return
+    try:
         register(specs)
+    except (ValueError, RuntimeError) as exc:  # slower, not wrong
+        plan.native = False
+        _warn_once(str(exc), f"flashsys: the native launcher refused a plan ({exc}); its calls keep the Python path")
 
 
 def offer_forward(plan: plans.ForwardPlan | None, q: Tensor, k: Tensor, v: Tensor, is_causal,
@@ -276,7 +283,14 @@ def _scratch_specs(scratch: tuple[tuple[tuple[int, ...], torch.dtype], ...]) -> 
     return [(list(shape), str(dtype).removeprefix("torch.")) for shape, dtype in scratch]
 
 
-_refused_kernels: set[str] = set()
+_warned: set[str] = set()  # what `_warn_once` said
+
+
+def _warn_once(key: str, message: str) -> None:
+    """A RuntimeWarning, once per process for each `key` (a kernel, a refusal): the Python path runs on, only slower."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 def launch_specs(replays: tuple[plans.Replay, ...]) -> list[tuple] | None:
@@ -294,11 +308,8 @@ def launch_specs(replays: tuple[plans.Replay, ...]) -> list[tuple] | None:
         if spec is None:
             kernel = r.run.compiled if gluon else r.kernel
             name = getattr(getattr(kernel, "src", None), "name", None) or repr(kernel)
-            if name not in _refused_kernels:  # slower, not wrong: said once per kernel
-                _refused_kernels.add(name)
-                warnings.warn(f"flashsys: the native launcher cannot launch {name} (its launch needs more than "
-                              "cuLaunchKernel takes, or its PTX and signature disagree); calls of it keep the Python "
-                              "path", RuntimeWarning, stacklevel=3)
+            _warn_once(name, f"flashsys: the native launcher cannot launch {name} (its launch needs more than "
+                             "cuLaunchKernel takes, or its PTX and signature disagree); calls of it keep the Python path")
             return None
         specs.append(spec)
     return specs
