@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from flashsys.nn import PRESETS, ModelConfig, preset
+from flashsys.ops.attention.timed_choice import spin_cycles_per_ms
 from flashsys.timing import repeat, summarize, synchronize
 
 RESULTS = Path(__file__).parent / "results"
@@ -79,7 +80,7 @@ def warm_l2_ms(fn: Callable[[], object], rep_ms: int = 200, calls: int = 10) -> 
         fn()
     issue_ms = (time.perf_counter() - began) * 1e3
     torch.cuda.synchronize()
-    spin_cycles = int(2 * issue_ms * _spin_cycles_per_ms()) + 100_000
+    spin_cycles = int(2 * issue_ms * spin_cycles_per_ms(torch.cuda.current_device())) + 100_000
     events = []
 
     def repeat_once() -> None:
@@ -98,18 +99,6 @@ def warm_l2_ms(fn: Callable[[], object], rep_ms: int = 200, calls: int = 10) -> 
         repeat_once()
     torch.cuda.synchronize()
     return statistics.median(first.elapsed_time(last) / calls for first, last in events)
-
-
-def _spin_cycles_per_ms() -> float:
-    """How many cycles of `torch.cuda._sleep` the GPU spins in a millisecond (timed once per call of its caller)."""
-    cycles = 2_000_000
-    first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(cycles)  # the clock up to speed
-    first.record()
-    torch.cuda._sleep(cycles)
-    last.record()
-    last.synchronize()
-    return cycles / max(first.elapsed_time(last), 1e-3)
 
 
 def graph_ms(fn: Callable[[], object], rep_ms: int = 200, warmup_ms: int = 50) -> float:
