@@ -409,8 +409,8 @@ class GluonReplay:
 
     Why: the first call's path (checks, descriptors built and validated, Triton's JIT dispatch) costs several times
     a replay's host time; this costs what Triton's launcher does (it encodes each descriptor for the GPU). The native
-    launcher does not call it: it encodes the descriptors itself from `templates` (`replay.native.cuda_launch_spec`),
-    and launches `compiled` on `grid` without the GIL."""
+    launcher calls it (under the GIL) only for descriptors it cannot describe; otherwise it encodes them itself from
+    `templates` (`replay.native.cuda_launch_spec`) and launches `compiled` on `grid` without the GIL."""
 
     __slots__ = ("compiled", "grid", "templates", "rest", "_launch")
 

@@ -42,7 +42,6 @@ SOURCE = Path(__file__).with_name("csrc") / "native_launch.cpp"
 EXTENSION_NAME = "flashsys_native_launch"  # the module's name, and its build directory's (`build_directory`)
 ENV = "FLASHSYS_NATIVE_LAUNCH"
 _MAX_SHARED = 227 * 1024  # larger needs a launch attribute cuLaunchKernel does not take
-_MAX_PARAMS, _MAX_TENSOR_MAPS = 96, 12  # csrc's kMaxParams and kMaxTensorMaps
 
 _module = None  # the compiled extension, once loaded
 _status = "not built"
@@ -440,7 +439,5 @@ def cuda_launch_spec(replay: plans.Replay) -> tuple | None:
     extras = params[len(words):]  # Triton's scratch pointers: null, as its launcher passes them at size 0
     if any(p != "u64" for p in extras):
         return None
-    words.extend(0 for _ in extras)
-    if len(words) > _MAX_PARAMS or len(maps) > _MAX_TENSOR_MAPS:
-        return None
+    words.extend(0 for _ in extras)  # more words or maps than csrc holds: it refuses the plan (`_offer`)
     return (kernel.function, tuple(grid), 32 * md.num_warps, md.shared, words, pointers, kernel, maps)
