@@ -204,9 +204,10 @@ def _opaque_op_parts(q, k, v, do, scale) -> dict:
     forward_op, backward_op = ops.traced_forward(q, k, v, CAUSAL), ops.traced_backward(q, k, v, CAUSAL)
     if forward_op not in (ops.gluon_forward_op, ops.interpreted_forward_op):
         return {}
-    o, lse = forward_op(q, k, v, *CAUSAL, scale)  # the first calls make the plans
-    backward_op(q, k, v, o, lse, do, *CAUSAL, scale)
-    return {
+    for _ in range(2):  # the first calls make the plans, the second offers them to the native launcher
+        o, lse = forward_op(q, k, v, *CAUSAL, scale)
+        backward_op(q, k, v, o, lse, do, *CAUSAL, scale)
+    parts = {
         "compiled graph's forward op: dispatch + body (a plan replay)": lambda: forward_op(q, k, v, *CAUSAL, scale),
         "compiled graph's forward op: its body alone (opaque_forward)": lambda: ops.opaque_forward(
             q, k, v, *CAUSAL, scale),
@@ -215,6 +216,11 @@ def _opaque_op_parts(q, k, v, do, scale) -> dict:
         "compiled graph's backward op: its body alone (opaque_backward)": lambda: ops.opaque_backward(
             q, k, v, o, lse, do, *CAUSAL, scale),
     }
+    if native_launch.status() != "ready" or not q.is_cuda:  # interpreted calls keep the Python path
+        return parts
+    # Both launchers: the native one replays the plans it was offered, the Python one Triton's launchers.
+    return {**{f"{name}, native launcher": fn for name, fn in parts.items()},
+            **{f"{name}, Python path": functools.partial(_python_path, fn) for name, fn in parts.items()}}
 
 
 def _python_path(fn, *args):

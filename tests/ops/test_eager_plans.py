@@ -197,11 +197,11 @@ def test_keys_refuse_what_plans_do_not_cover():
 def test_a_compiled_graphs_opaque_ops_replay_plans(which_launcher, monkeypatch):
     """A compiled graph calls its opaque attention ops (the Gluon kernels' on Hopper, the interpreter's on a CPU)
     with one signature every step. From the second call on they replay a plan instead of taking the full path (its
-    checks, TMA descriptors and Triton's dispatch), and give the reference's results on fresh inputs."""
+    checks, TMA descriptors and Triton's dispatch), and give the reference's results on fresh inputs. With the
+    native launcher the replays are its own: the Python plans' launches never run again."""
     from flashsys.ops.attention import dispatch
+    from flashsys.ops.attention.replay import native
 
-    if which_launcher == "native":
-        pytest.skip("a compiled graph's ops replay the Python plans; the native launcher takes eager calls only")
     if CUDA:
         if dispatch.status().startswith("off"):
             pytest.skip("on a GPU only the Gluon ops are opaque (Hopper, a Triton with Gluon's Hopper API)")
@@ -219,9 +219,15 @@ def test_a_compiled_graphs_opaque_ops_replay_plans(which_launcher, monkeypatch):
         assert len(plans.op_forward_plans) == 1 and len(plans.backward_plans) == 1
         refuse_calls(monkeypatch, launcher, "forward", "backward")
         refuse_calls(monkeypatch, calls, "forward", "backward")
+        if which_launcher == "native":
+            assert native.sizes() == (0, 1, 1)  # no eager forward plan: the graph's forward op has its own
+            refuse_calls(monkeypatch, plans.ForwardPlan, "launch")
+            refuse_calls(monkeypatch, plans.BackwardPlan, "launch")
         for seed in range(2, 4):
             q, k, v, do = make_qkv(*shape, DTYPE, DEVICE, seed=seed)
             assert_matches_reference(Compiled, q, k, v, do, True, None)
+        replay.clear()
+        assert native.sizes() == (0, 0, 0)
     finally:
         torch._dynamo.reset()
 

@@ -69,7 +69,7 @@ def test_repeated_calls_run_the_native_node_and_equal_the_python_path(case):
     runs = [_call(q, k, v, do, **flags) for _ in range(4)]
     nodes = [node for node, _ in runs]
     assert nodes[0] == "_FlashAttention2TritonFunctionBackward" and nodes[-2:] == [NATIVE] * 2, nodes
-    assert native_launch.sizes() == (1, 1)
+    assert native_launch.sizes() == (1, 1, 0)
     for node, results in runs[nodes.index(NATIVE):]:
         assert len(results) == len(runs[0][1]) == 5  # O, exactly one float32 logsumexp, three gradients
         for native_result, python_result in zip(results, runs[0][1]):
@@ -82,7 +82,7 @@ def test_repeated_calls_run_the_native_node_and_equal_the_python_path(case):
 def _warm(q, k, v, do):
     for _ in range(2):
         _call(q, k, v, do)
-    assert native_launch.sizes() == (1, 1)
+    assert native_launch.sizes() == (1, 1, 0)
 
 
 def test_forgetting_the_plans_forgets_the_native_copies():
@@ -91,7 +91,7 @@ def test_forgetting_the_plans_forgets_the_native_copies():
     q, k, v, do = make_qkv(1, 2, 24, 24, 16, DTYPE, DEVICE, seed=4)
     _warm(q, k, v, do)
     replay.clear()
-    assert native_launch.sizes() == (0, 0)
+    assert native_launch.sizes() == (0, 0, 0)
     assert _call(q, k, v, do)[0] != NATIVE  # the next call takes the Python path again
 
 
@@ -143,7 +143,7 @@ def test_what_the_native_side_does_not_take_goes_back_to_python():
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     o = FlashAttention2Triton.apply(*leaves, True)
     o.backward(do.transpose(1, 2).contiguous().transpose(1, 2))
-    assert native_launch.sizes() == (1, 2)
+    assert native_launch.sizes() == (1, 2, 0)
     torch.testing.assert_close(leaves[0].grad, _call(q, k, v, do)[1][2], rtol=0, atol=0)
 
 
@@ -269,7 +269,7 @@ def test_gluon_plans_launch_natively_and_equal_the_python_path_gpu(case, monkeyp
         first = _call(q, k, v, do, causal, None, window)  # the full path: variants chosen (and autotuned)
         assert first[0] != NATIVE
         _call(q, k, v, do, causal, None, window)  # by now the plans are made and offered to the native side
-        assert native_launch.sizes() == (1, 1)
+        assert native_launch.sizes() == (1, 1, 0)
         chosen = {key.kernel: var.kind for key, var in dispatch.chosen_variants().items()}
         assert chosen["forward"] != "tl" and ("one pass" not in case or chosen["one_pass_det"] == "one_pass_det")
         assert packed and None not in packed, "the native side refused a plan"

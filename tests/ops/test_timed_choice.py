@@ -23,6 +23,7 @@ class _Stream:
     def __init__(self):
         self.free_at = 0.0
         self.order: list[str] = []
+        self.flush_buffers = 0  # how many `flush_buffer`s were allocated
 
     @staticmethod
     def now() -> float:
@@ -64,7 +65,11 @@ def stream(monkeypatch):
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: s.enqueue("spin", cycles / CYCLES_PER_MS))
     monkeypatch.setattr(torch.cuda, "synchronize", s.synchronize)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(timed_choice, "flush_buffer", lambda device: Flush())
+    def flush_buffer(device):
+        s.flush_buffers += 1
+        return Flush()
+
+    monkeypatch.setattr(timed_choice, "flush_buffer", flush_buffer)
     monkeypatch.setattr(timed_choice, "spin_cycles_per_ms", lambda device: CYCLES_PER_MS)
     return s
 
@@ -98,3 +103,4 @@ def test_the_fastest_gpu_work_wins_over_the_fastest_launch(stream):
     best, errors = timed_choice.fastest(list(candidates), lambda c: _slow_launch(stream, *candidates[c])(),
                                         rounds=2, rep_ms=20)
     assert best == "slow launch, short kernels" and not errors
+    assert stream.flush_buffers == 1  # one buffer for the whole choice, not one per timing

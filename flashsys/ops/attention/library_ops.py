@@ -6,7 +6,8 @@
 - Opaque ops, for what Inductor cannot re-emit: the Gluon kernels on Hopper (`*_gluon`) and the interpreter's
   kernels on a CPU (`*_interpreted`). Their bodies check what a traced call cannot (the tensors' addresses), run the
   `tl` kernels where the Gluon ones do not take the call, and replay a plan per signature as a repeated eager call
-  does: a compiled graph calls them with one signature every step.
+  does: a compiled graph calls them with one signature every step. The native launcher (`replay.native`) replays
+  those plans from C++ once it holds them, so that an opaque call costs the host about what an eager one does.
 
 Eager calls skip the op dispatch altogether (`flash_triton`): it costs host time on every call.
 """
@@ -20,7 +21,7 @@ from torch.library import triton_op
 from . import calls, dispatch, launcher
 from .layout import empty_output
 from .op_library import define_op
-from .replay import plans
+from .replay import native, plans
 
 Window = tuple[int, int]
 
@@ -44,16 +45,23 @@ def opaque_forward(q: Tensor, k: Tensor, v: Tensor, window_left: int, window_rig
     """An opaque forward op's body (its schema's arguments): replay this signature's plan, or take the full path and
     make one."""
     window, scale = (window_left, window_right), softmax_scale
+    outputs = native.op_forward(window, scale, q, k, v)
+    if outputs is not None:
+        return outputs
     key = plans.signature_key(window, scale, q, k, v) if calls.plannable(q) else None
     plan = plans.op_forward_plans.get(key)
     if plan is not None and plans.on_current_device(q):
-        return plan.launch(q, k, v)
-    with calls.on_device(q):
-        if key is None:
-            return calls.forward(q, k, v, window, scale)
-        o, lse, plan = launcher.forward(q, k, v, window, scale)
-    plans.op_forward_plans.remember(key, plan)
-    return o, lse
+        outputs = plan.launch(q, k, v)
+    else:
+        with calls.on_device(q):
+            if key is None:
+                return calls.forward(q, k, v, window, scale)
+            *outputs, plan = launcher.forward(q, k, v, window, scale)
+        plans.op_forward_plans.remember(key, plan)
+        if plan is not None and q.device.type == "cuda":
+            native.start_build()  # a compiled model may make no eager call that would start it
+    native.offer_op_forward(plan, window, scale, q, k, v)
+    return tuple(outputs)
 
 
 def opaque_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor, window_left: int,
@@ -61,6 +69,9 @@ def opaque_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do:
     """An opaque backward op's body (its schema's arguments): replay this signature's plan (the eager backward's
     table), or make one."""
     window, scale = (window_left, window_right), softmax_scale
+    grads = native.op_backward(window, scale, q, k, v, o, lse, do)
+    if grads is not None:
+        return grads
     grads = (calls.planned_backward(q, k, v, o, lse, launcher.dense_do(do, q.dtype), window, scale)
              if calls.plannable(q) else None)
     if grads is not None:

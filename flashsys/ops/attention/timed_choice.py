@@ -47,11 +47,12 @@ def flush_buffer(device: int) -> torch.Tensor:
     return torch.empty(FLUSH_BYTES, dtype=torch.int8, device=f"cuda:{device}")
 
 
-def gpu_ms(fn: Callable[[], object], rep_ms: float) -> float:
+def gpu_ms(fn: Callable[[], object], rep_ms: float, flush: torch.Tensor | None = None) -> float:
     """Median milliseconds of `fn`'s GPU work on the current device, its inputs out of the L2 cache, however long its
     host side takes: each run starts behind a spin kernel that lasts longer than the host takes to issue `fn`, so
     `fn`'s kernels run back to back between the events around it. Runs for about `rep_ms`, spins included (at least
-    3 runs), after two untimed runs: the first compiles (or makes a nested choice), the second times the host."""
+    3 runs), after two untimed runs: the first compiles (or makes a nested choice), the second times the host.
+    `flush`: a `flush_buffer` of the current device to reuse (one is allocated otherwise)."""
     device = torch.cuda.current_device()
     fn()
     torch.cuda.synchronize()
@@ -61,7 +62,8 @@ def gpu_ms(fn: Callable[[], object], rep_ms: float) -> float:
     torch.cuda.synchronize()
     spin_ms = SPIN_FACTOR * issue_ms + SPIN_MARGIN_MS
     spin = int(spin_ms * spin_cycles_per_ms(device))
-    flush = flush_buffer(device)
+    if flush is None:
+        flush = flush_buffer(device)
     runs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def run_once() -> None:
@@ -90,12 +92,13 @@ def fastest(candidates: Sequence[Candidate], run: Callable[[Candidate], object],
     out; the first element is None where none ran."""
     times: dict[Candidate, list[float]] = {}
     errors: dict[Candidate, Exception] = {}
+    flush = flush_buffer(torch.cuda.current_device()) if candidates else None  # one for the whole choice
     for _ in range(rounds):
         for candidate in candidates:
             if candidate in errors:
                 continue
             try:
-                times.setdefault(candidate, []).append(gpu_ms(lambda: run(candidate), rep_ms))
+                times.setdefault(candidate, []).append(gpu_ms(lambda: run(candidate), rep_ms, flush))
             except Exception as exc:  # noqa: BLE001  (the caller reports every failure when none ran)
                 errors[candidate] = exc
                 times.pop(candidate, None)

@@ -6,7 +6,9 @@ The C++ side looks plans up by the same signature, allocates the outputs, encode
 on the call's tensors, launches the kernels with cuLaunchKernel and records a C++ autograd node whose backward does
 the same without the GIL. It replays only what the Python path did for that exact signature; a signature it has no
 plan for returns to the Python path (forward: `forward` gives None; backward: `backward_fallback`), which makes the
-plan and offers it here.
+plan and offers it here. A compiled graph's opaque ops (`library_ops`: the Gluon kernels, which Inductor cannot
+launch itself) replay their plans here too, without a node (`op_forward`, `op_backward`): their Python bodies are
+then a look-up and a call.
 
 The extension is compiled on first use (torch.utils.cpp_extension with ninja and a C++ compiler, no CUDA toolkit:
 it opens libcuda with dlopen and takes the driver's types from Triton's bundled cuda.h), in a background thread, so
@@ -210,9 +212,9 @@ def clear() -> None:
         _module.clear()
 
 
-def sizes() -> tuple[int, int]:
-    """(forward plans, backward plans) the native tables hold."""
-    return (0, 0) if _module is None else tuple(_module.sizes())
+def sizes() -> tuple[int, int, int]:
+    """(eager forward plans, backward plans, compiled graphs' forward op plans) the native tables hold."""
+    return (0, 0, 0) if _module is None else tuple(_module.sizes())
 
 
 try:  # a profiler's launch hooks (Triton >= 3.4 keeps them in knobs; older ones on CompiledKernel)
@@ -245,6 +247,26 @@ def forward(q: Tensor, k: Tensor, v: Tensor, is_causal, softmax_scale, window_si
         return None
 
 
+def op_forward(window: tuple[int, int], scale: float, q: Tensor, k: Tensor, v: Tensor
+               ) -> tuple[Tensor, Tensor] | None:
+    """(O, L) for a compiled graph's opaque forward op from a native plan of its signature (`library_ops`), or None
+    (no plan, not ready, suspended, launch hooks set)."""
+    module = _module
+    if module is None or _suspended or _launch_hooks_set():
+        return None
+    return module.op_forward(window[0], window[1], scale, q, k, v)
+
+
+def op_backward(window: tuple[int, int], scale: float, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                do: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+    """(dQ, dK, dV) for a compiled graph's opaque backward op (dO of any strides) from the native backward plan of its
+    signature, the one an eager backward of the same tensors replays; None as `op_forward`."""
+    module = _module
+    if module is None or _suspended or _launch_hooks_set():
+        return None
+    return module.op_backward(window[0], window[1], scale, q, k, v, o, lse, do)
+
+
 def _offer(plan, register: Callable[[list], None]) -> None:
     """Convert a plan's launches once and, unless a launch is refused, `register` them with the extension. Where the
     extension refuses them (a driver without what a launch needs: `cuTensorMapEncodeTiled` before CUDA 12), the plan
@@ -268,6 +290,13 @@ def offer_forward(plan: plans.ForwardPlan | None, q: Tensor, k: Tensor, v: Tenso
     _offer(plan, lambda specs: _module.add_forward(q, k, v, is_causal, softmax_scale, window_size, specs,
                                                     list(plan.lse_shape), *plan.window, float(plan.scale),
                                                     _scratch_specs(plan.scratch)))
+
+
+def offer_op_forward(plan: plans.ForwardPlan | None, window: tuple[int, int], scale: float, q: Tensor, k: Tensor,
+                     v: Tensor) -> None:
+    """Give the native side a compiled graph's opaque forward plan (`plans.op_forward_plans`'), once per plan."""
+    _offer(plan, lambda specs: _module.add_op_forward(*window, float(scale), q, k, v, specs, list(plan.lse_shape),
+                                                       _scratch_specs(plan.scratch)))
 
 
 def offer_backward(plan: plans.BackwardPlan | None, window: tuple[int, int], scale: float, q: Tensor,

@@ -1,4 +1,5 @@
-// The eager attention call in C++: plan look-up, allocation, kernel launches and the autograd node.
+// The eager attention call in C++: plan look-up, allocation, kernel launches and the autograd node; and the same
+// replays for a compiled graph's opaque attention ops (the Gluon kernels'), without a node.
 //
 // Why: a Python autograd.Function costs host time per forward + backward before it does anything (its backward
 // waits for the GIL on the autograd engine's device thread), and so does Triton's Python launcher per launch; SDPA's
@@ -161,18 +162,25 @@ std::string forward_key(const at::Tensor& q, const at::Tensor& k, const at::Tens
   return key;
 }
 
-std::string backward_key(int64_t window_left, int64_t window_right, double scale,
-                         std::initializer_list<const at::Tensor*> tensors) {
-  std::string key;
+// A call whose window and scale the checks already derived (replay/plans.py's `signature_key`): a compiled graph's
+// opaque forward op (q, k, v), or a backward behind `backward_key`'s flag.
+std::string signature_key(int64_t window_left, int64_t window_right, double scale,
+                          std::initializer_list<const at::Tensor*> tensors, std::string key = {}) {
   key.reserve(640);
-  // Which one pass a plan replays depends on the determinism setting. flashsys's own switch drops every plan when
-  // it changes; torch.use_deterministic_algorithms does not, so it is in the key (as in replay/plans.py's key).
-  append(key, at::globalContext().deterministicAlgorithms());
   append(key, window_left);
   append(key, window_right);
   append_double(key, scale);
   for (const at::Tensor* t : tensors) append_tensor(key, *t);
   return key;
+}
+
+std::string backward_key(int64_t window_left, int64_t window_right, double scale,
+                         std::initializer_list<const at::Tensor*> tensors) {
+  // Which one pass a plan replays depends on the determinism setting. flashsys's own switch drops every plan when
+  // it changes; torch.use_deterministic_algorithms does not, so it is in the key (as in calls.planned_backward's).
+  std::string flag;
+  append(flag, at::globalContext().deterministicAlgorithms());
+  return signature_key(window_left, window_right, scale, tensors, std::move(flag));
 }
 
 template <typename Plan>
@@ -205,8 +213,9 @@ class PlanTable {
   std::unordered_map<std::string, std::shared_ptr<const Plan>> plans_;
 };
 
-PlanTable<ForwardPlan> forward_plans;
-PlanTable<BackwardPlan> backward_plans;
+PlanTable<ForwardPlan> forward_plans;  // eager calls, keyed by `forward_key` (the user's arguments)
+PlanTable<BackwardPlan> backward_plans;  // eager backwards and compiled graphs' opaque backward ops
+PlanTable<ForwardPlan> op_forward_plans;  // compiled graphs' opaque forward ops, keyed by `signature_key`
 PyObject* backward_fallback = nullptr;  // Python: (q, k, v, o, lse, do, wl, wr, scale) -> (dq, dk, dv)
 std::atomic<bool> interpreted_allowed{false};  // CPU tensors (Triton's interpreter): only when CPU tests ask for it
 
@@ -279,10 +288,34 @@ at::Tensor empty_output(const at::Tensor& t) {
   return at::empty(t.sizes(), t.options());
 }
 
-at::Tensor dense_grad(at::Tensor g, const at::Tensor& like) {  // as flash_triton._dense_do
+at::Tensor dense_grad(at::Tensor g, const at::Tensor& like) {  // as launcher.dense_do
   if (g.scalar_type() != like.scalar_type()) g = g.to(like.scalar_type());
   if (g.stride(-1) != 1) g = g.contiguous();
   return g;
+}
+
+// A forward plan's launches on q, k, v: (O, L). The caller has made q's device the current one.
+std::tuple<at::Tensor, at::Tensor> launch_forward(const ForwardPlan& plan, const at::Tensor& q, const at::Tensor& k,
+                                                  const at::Tensor& v) {
+  at::Tensor o = empty_output(q);
+  at::Tensor lse = at::empty(plan.lse_shape, q.options().dtype(at::kFloat));
+  at::Tensor tensors[kForwardTensors + kMaxScratch] = {q, k, v, o, lse};
+  allocate_scratch(plan.scratch, q, tensors + kForwardTensors);
+  launch_all(plan.launches, tensors);
+  return {o, lse};
+}
+
+// A backward plan's launches for a dense dO: (dQ, dK, dV). The caller has made q's device the current one.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> launch_backward(const BackwardPlan& plan, const at::Tensor& q,
+                                                               const at::Tensor& k, const at::Tensor& v,
+                                                               const at::Tensor& o, const at::Tensor& lse,
+                                                               const at::Tensor& d_o) {
+  at::Tensor dq = empty_output(q), dk = empty_output(k), dv = empty_output(v);
+  at::Tensor delta = at::empty(plan.delta_shape, q.options().dtype(at::kFloat));
+  at::Tensor tensors[kBackwardTensors + kMaxScratch] = {q, k, v, o, lse, d_o, dq, dk, dv, delta};
+  allocate_scratch(plan.scratch, q, tensors + kBackwardTensors);
+  launch_all(plan.launches, tensors);
+  return {dq, dk, dv};
 }
 
 }  // namespace
@@ -293,11 +326,7 @@ namespace flashsys {
 struct FlashAttention2TritonNative : public torch::autograd::Function<FlashAttention2TritonNative> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const ForwardPlan* plan) {
-    at::Tensor o = empty_output(q);
-    at::Tensor lse = at::empty(plan->lse_shape, q.options().dtype(at::kFloat));
-    at::Tensor tensors[kForwardTensors + kMaxScratch] = {q, k, v, o, lse};
-    allocate_scratch(plan->scratch, q, tensors + kForwardTensors);
-    launch_all(plan->launches, tensors);
+    auto [o, lse] = launch_forward(*plan, q, k, v);
     ctx->save_for_backward({q, k, v, o, lse});
     ctx->saved_data["window_left"] = plan->window_left;
     ctx->saved_data["window_right"] = plan->window_right;
@@ -319,11 +348,7 @@ struct FlashAttention2TritonNative : public torch::autograd::Function<FlashAtten
     c10::DeviceGuard device_guard(q.device());
     auto plan = backward_plans.get(backward_key(wl, wr, scale, {&q, &k, &v, &o, &lse, &d_o}));
     if (plan != nullptr && plain(d_o)) {
-      at::Tensor dq = empty_output(q), dk = empty_output(k), dv = empty_output(v);
-      at::Tensor delta = at::empty(plan->delta_shape, q.options().dtype(at::kFloat));
-      at::Tensor tensors[kBackwardTensors + kMaxScratch] = {q, k, v, o, lse, d_o, dq, dk, dv, delta};
-      allocate_scratch(plan->scratch, q, tensors + kBackwardTensors);
-      launch_all(plan->launches, tensors);
+      auto [dq, dk, dv] = launch_backward(*plan, q, k, v, o, lse, d_o);
       return {dq, dk, dv, at::Tensor()};
     }
     py::gil_scoped_acquire gil;  // no plan: the Python path computes the gradients and makes one
@@ -386,6 +411,32 @@ py::object forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   if (plan == nullptr) return py::none();
   c10::DeviceGuard device_guard(q.device());  // Triton launches on the current device; so do these launches
   return py::cast(flashsys::FlashAttention2TritonNative::apply(q, k, v, plan.get()));
+}
+
+// A compiled graph's opaque forward op (its arguments): (O, L), or None where there is no plan for this signature.
+// No autograd here: the graph's backward calls the backward op.
+py::object op_forward(int64_t window_left, int64_t window_right, double scale, const at::Tensor& q,
+                      const at::Tensor& k, const at::Tensor& v) {
+  if (!plain(q) || !plain(k) || !plain(v) || !launchable(q)) return py::none();
+  auto plan = op_forward_plans.get(signature_key(window_left, window_right, scale, {&q, &k, &v}));
+  if (plan == nullptr) return py::none();
+  c10::DeviceGuard device_guard(q.device());
+  return py::cast(launch_forward(*plan, q, k, v));
+}
+
+// A compiled graph's opaque backward op (its arguments; dO of any strides): (dQ, dK, dV), or None where there is
+// no plan for this signature. The eager backward's plans serve it: the keys are the same.
+py::object op_backward(int64_t window_left, int64_t window_right, double scale, const at::Tensor& q,
+                       const at::Tensor& k, const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse,
+                       const at::Tensor& d_o_given) {
+  for (const at::Tensor* t : {&q, &k, &v, &o, &lse, &d_o_given})
+    if (!plain(*t)) return py::none();
+  if (!launchable(q)) return py::none();
+  at::Tensor d_o = dense_grad(d_o_given, q);
+  auto plan = backward_plans.get(backward_key(window_left, window_right, scale, {&q, &k, &v, &o, &lse, &d_o}));
+  if (plan == nullptr) return py::none();
+  c10::DeviceGuard device_guard(q.device());
+  return py::cast(launch_backward(*plan, q, k, v, o, lse, d_o));
 }
 
 TensorMapParam tensor_map_param(py::handle spec, size_t n_params, int n_tensors) {
@@ -482,6 +533,16 @@ void add_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
                                 resolved_scale, std::move(buffers)});
 }
 
+void add_op_forward(int64_t window_left, int64_t window_right, double scale, const at::Tensor& q, const at::Tensor& k,
+                    const at::Tensor& v, const py::list& launches, std::vector<int64_t> lse_shape,
+                    const ScratchSpecs& scratch) {
+  std::vector<Scratch> buffers = scratch_buffers(scratch);
+  const int n_tensors = kForwardTensors + static_cast<int>(buffers.size());
+  op_forward_plans.put(signature_key(window_left, window_right, scale, {&q, &k, &v}),
+                       ForwardPlan{make_launches(launches, n_tensors), std::move(lse_shape), window_left,
+                                   window_right, scale, std::move(buffers)});
+}
+
 void add_backward(int64_t window_left, int64_t window_right, double scale, const at::Tensor& q, const at::Tensor& k,
                   const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse, const at::Tensor& d_o,
                   const py::list& launches, std::vector<int64_t> delta_shape, const ScratchSpecs& scratch) {
@@ -498,7 +559,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   flashsys::register_node_type();
   m.def("forward", &forward, "O for a planned signature, else None", py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("causal"), py::arg("scale"), py::arg("window"));
+  m.def("op_forward", &op_forward, "(O, L) for a compiled graph's planned forward op, else None");
+  m.def("op_backward", &op_backward, "(dQ, dK, dV) for a compiled graph's planned backward op, else None");
   m.def("add_forward", &add_forward);
+  m.def("add_op_forward", &add_op_forward);
   m.def("add_backward", &add_backward);
   m.def("set_backward_fallback", [](py::object fn) {
     Py_XDECREF(backward_fallback);
@@ -508,6 +572,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("clear", [] {
     forward_plans.clear();
     backward_plans.clear();
+    op_forward_plans.clear();
   });
-  m.def("sizes", [] { return std::make_tuple(forward_plans.size(), backward_plans.size()); });
+  m.def("sizes", [] {
+    return std::make_tuple(forward_plans.size(), backward_plans.size(), op_forward_plans.size());
+  });
 }
