@@ -22,16 +22,14 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 from flashsys.nn import PRESETS, ModelConfig, preset
-from flashsys.ops.attention.timed_choice import spin_cycles_per_ms
+from flashsys.ops.attention.timed_choice import behind_spin_ms
 from flashsys.timing import repeat, summarize, synchronize
 
 RESULTS = Path(__file__).parent / "results"
@@ -68,37 +66,13 @@ def warm_l2_ms(fn: Callable[[], object], rep_ms: int = 200, calls: int = 10) -> 
     before every call, which is right for a kernel alone but not for one inside a model, whose inputs the kernel
     before it has just written; the two together show how much of a kernel's time is its inputs' trip from memory.
 
-    Each repeat starts behind a spin kernel longer than the host takes to issue its calls, so the calls run back to
-    back on the GPU even where one call's host time exceeds its GPU time (cuDNN's attention through SDPA's Python
-    dispatch): without it the events would time the host. On a CPU: `bench_ms`."""
+    Each repeat starts behind a spin kernel longer than the host takes to issue its calls
+    (`timed_choice.behind_spin_ms`), so the calls run back to back on the GPU even where one call's host time exceeds
+    its GPU time (cuDNN's attention through SDPA's Python dispatch): without it the events would time the host. On a
+    CPU: `bench_ms`."""
     if not ON_GPU:
         return bench_ms(fn, rep_ms=rep_ms)
-    fn()
-    torch.cuda.synchronize()
-    began = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    issue_ms = (time.perf_counter() - began) * 1e3
-    torch.cuda.synchronize()
-    spin_cycles = int(2 * issue_ms * spin_cycles_per_ms(torch.cuda.current_device())) + 100_000
-    events = []
-
-    def repeat_once() -> None:
-        first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(spin_cycles)
-        first.record()
-        for _ in range(calls):
-            fn()
-        last.record()
-        events.append((first, last))
-
-    repeat_once()
-    torch.cuda.synchronize()
-    repeats = max(3, min(200, int(rep_ms / max(events[0][0].elapsed_time(events[0][1]), 1e-3))))
-    for _ in range(repeats):
-        repeat_once()
-    torch.cuda.synchronize()
-    return statistics.median(first.elapsed_time(last) / calls for first, last in events)
+    return behind_spin_ms(fn, rep_ms, calls=calls)
 
 
 def graph_ms(fn: Callable[[], object], rep_ms: int = 200, warmup_ms: int = 50) -> float:

@@ -90,6 +90,15 @@ def test_behind_the_spin_the_events_time_the_kernels_not_the_host(stream):
     assert 3 <= timed.count("kernel") <= 40 / 4.0 + 1  # about rep_ms of wall time, spins included
 
 
+def test_back_to_back_calls_behind_one_spin_time_a_call_each(stream):
+    """What benchmarks.harness.warm_l2_ms times (its inputs left in the L2): several calls behind each spin, no flush."""
+    measured = timed_choice.behind_spin_ms(_slow_launch(stream, host_ms=2.0, kernel_ms=0.3), rep_ms=40, calls=3)
+    assert measured == pytest.approx(0.3, abs=0.05)
+    assert "flush" not in stream.order
+    timed = stream.order[stream.order.index("spin"):]
+    assert timed[:6] == ["spin", "event", "kernel", "kernel", "kernel", "event"]
+
+
 def test_without_the_spin_the_same_device_times_the_host(stream, monkeypatch):
     monkeypatch.setattr(timed_choice, "SPIN_FACTOR", 0.0)
     monkeypatch.setattr(timed_choice, "SPIN_MARGIN_MS", 0.0)

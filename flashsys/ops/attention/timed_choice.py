@@ -47,41 +47,52 @@ def flush_buffer(device: int) -> torch.Tensor:
     return torch.empty(FLUSH_BYTES, dtype=torch.int8, device=f"cuda:{device}")
 
 
-def gpu_ms(fn: Callable[[], object], rep_ms: float, flush: torch.Tensor | None = None) -> float:
-    """Median milliseconds of `fn`'s GPU work on the current device, its inputs out of the L2 cache, however long its
-    host side takes: each run starts behind a spin kernel that lasts longer than the host takes to issue `fn`, so
-    `fn`'s kernels run back to back between the events around it. Runs for about `rep_ms`, spins included (at least
-    3 runs), after two untimed runs: the first compiles (or makes a nested choice), the second times the host.
-    `flush`: a `flush_buffer` of the current device to reuse (one is allocated otherwise)."""
+def behind_spin_ms(fn: Callable[[], object], rep_ms: float, calls: int = 1,
+                   before: Callable[[], object] | None = None) -> float:
+    """Median milliseconds per call of `calls` back-to-back calls of `fn` on the current device, timed as GPU work
+    alone: each repeat starts behind a spin kernel that lasts longer than the host takes to issue the calls, so their
+    kernels run back to back between the events around them, however long their host side takes. `before` runs
+    ahead of each spin (an L2 flush). Repeats for about `rep_ms`, spins included (at least 3 repeats), after one
+    untimed call (it compiles, or makes a nested choice) and one untimed repeat (it times the host)."""
     device = torch.cuda.current_device()
     fn()
     torch.cuda.synchronize()
     began = time.perf_counter()
-    fn()
+    for _ in range(calls):
+        fn()
     issue_ms = (time.perf_counter() - began) * 1e3
     torch.cuda.synchronize()
     spin_ms = SPIN_FACTOR * issue_ms + SPIN_MARGIN_MS
     spin = int(spin_ms * spin_cycles_per_ms(device))
-    if flush is None:
-        flush = flush_buffer(device)
-    runs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    repeats: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
-    def run_once() -> None:
+    def repeat_once() -> None:
         first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        flush.zero_()
+        if before is not None:
+            before()
         torch.cuda._sleep(spin)
         first.record()
-        fn()
+        for _ in range(calls):
+            fn()
         last.record()
-        runs.append((first, last))
+        repeats.append((first, last))
 
-    run_once()
+    repeat_once()
     torch.cuda.synchronize()
-    estimate = runs[0][0].elapsed_time(runs[0][1])
+    estimate = repeats[0][0].elapsed_time(repeats[0][1])
     for _ in range(max(3, min(1000, int(rep_ms / max(estimate + spin_ms, 1e-3)))) - 1):
-        run_once()
+        repeat_once()
     torch.cuda.synchronize()
-    return statistics.median(first.elapsed_time(last) for first, last in runs)
+    return statistics.median(first.elapsed_time(last) / calls for first, last in repeats)
+
+
+def gpu_ms(fn: Callable[[], object], rep_ms: float, flush: torch.Tensor | None = None) -> float:
+    """Median milliseconds of `fn`'s GPU work on the current device, its inputs out of the L2 cache, however long its
+    host side takes (`behind_spin_ms`, the L2 flushed before each run). `flush`: a `flush_buffer` of the current
+    device to reuse (one is allocated otherwise)."""
+    if flush is None:
+        flush = flush_buffer(torch.cuda.current_device())
+    return behind_spin_ms(fn, rep_ms, before=flush.zero_)
 
 
 def fastest(candidates: Sequence[Candidate], run: Callable[[Candidate], object], rounds: int, rep_ms: float
