@@ -436,7 +436,8 @@ def test_choice_takes_the_fastest_median_and_leaves_out_variants_that_fail(monke
     def run(variant):
         current["v"] = variant
 
-    def fake_bench(fn, rep_ms):
+    def fake_bench(fn, rep_ms, flush):
+        assert flush == "one buffer for the choice"
         reps.append(rep_ms)
         fn()
         variant = current["v"]
@@ -445,6 +446,7 @@ def test_choice_takes_the_fastest_median_and_leaves_out_variants_that_fail(monke
         return next(draws[variant])
 
     monkeypatch.setattr(timed_choice, "gpu_ms", fake_bench)
+    monkeypatch.setattr(timed_choice, "flush_buffer", lambda device=None: "one buffer for the choice")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU builds of torch raise
     monkeypatch.setattr(dispatch, "autotune_enabled", lambda: True)  # CPU CI runs the interpreter, which is off
     dispatch.forget_choices()

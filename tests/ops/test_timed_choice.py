@@ -65,7 +65,7 @@ def stream(monkeypatch):
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: s.enqueue("spin", cycles / CYCLES_PER_MS))
     monkeypatch.setattr(torch.cuda, "synchronize", s.synchronize)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    def flush_buffer(device):
+    def flush_buffer(device=None):
         s.flush_buffers += 1
         return Flush()
 

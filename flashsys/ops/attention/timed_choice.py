@@ -42,8 +42,11 @@ def spin_cycles_per_ms(device: int) -> float:
     return _spin_cycles[device]
 
 
-def flush_buffer(device: int) -> torch.Tensor:
-    """A FLUSH_BYTES buffer on the device, whose `zero_()` evicts what the L2 cache holds."""
+def flush_buffer(device: int | None = None) -> torch.Tensor:
+    """A FLUSH_BYTES buffer on the device (default: the current one), whose `zero_()` evicts what the L2 cache
+    holds."""
+    if device is None:
+        device = torch.cuda.current_device()
     return torch.empty(FLUSH_BYTES, dtype=torch.int8, device=f"cuda:{device}")
 
 
@@ -91,7 +94,7 @@ def gpu_ms(fn: Callable[[], object], rep_ms: float, flush: torch.Tensor | None =
     host side takes (`behind_spin_ms`, the L2 flushed before each run). `flush`: a `flush_buffer` of the current
     device to reuse (one is allocated otherwise)."""
     if flush is None:
-        flush = flush_buffer(torch.cuda.current_device())
+        flush = flush_buffer()
     return behind_spin_ms(fn, rep_ms, before=flush.zero_)
 
 
@@ -103,7 +106,7 @@ def fastest(candidates: Sequence[Candidate], run: Callable[[Candidate], object],
     out; the first element is None where none ran."""
     times: dict[Candidate, list[float]] = {}
     errors: dict[Candidate, Exception] = {}
-    flush = flush_buffer(torch.cuda.current_device()) if candidates else None  # one for the whole choice
+    flush = flush_buffer() if candidates else None  # one for the whole choice
     for _ in range(rounds):
         for candidate in candidates:
             if candidate in errors:
