@@ -95,6 +95,33 @@ def test_forgetting_the_plans_forgets_the_native_copies():
     assert _call(q, k, v, do)[0] != NATIVE  # the next call takes the Python path again
 
 
+def test_a_compiled_graphs_ops_replay_natively_with_the_python_replays_bits():
+    """The opaque ops' bodies (what a compiled graph calls for the Gluon kernels) offer their plans to the native side,
+    whose replays give the Python replays' bits, for a stride-0 dO too; a suspended launcher and a signature without
+    a plan return None (the Python body then runs)."""
+    from flashsys.ops.attention import library_ops
+
+    window, scale = (8, 4), 0.25
+    q, k, v, do = (t.detach() for t in make_qkv(1, 4, 24, 56, 16, DTYPE, DEVICE, seed=5, kv_heads=2))
+    for _ in range(2):  # the full path (it may autotune first), which makes the plan and offers it
+        o, lse = library_ops.opaque_forward(q, k, v, *window, scale)
+    assert native_launch.sizes() == (0, 0, 1)
+    native_o, native_lse = native_launch.op_forward(window, scale, q, k, v)
+    python_o, python_lse = plans.op_forward_plans.values()[0].launch(q, k, v)
+    assert torch.equal(native_o, python_o) and torch.equal(native_lse, python_lse) and torch.equal(native_o, o)
+    stride0_do = do[..., :1].expand_as(do)  # as `o.sum().backward()` hands it over
+    for _ in range(2):
+        grads = library_ops.opaque_backward(q, k, v, o, lse, stride0_do, *window, scale)
+    assert native_launch.sizes() == (0, 1, 1)
+    native_grads = native_launch.op_backward(window, scale, q, k, v, o, lse, stride0_do)
+    assert len(native_grads) == 3 and all(torch.equal(a, b) for a, b in zip(native_grads, grads))
+    with native_launch.suspended():
+        assert native_launch.op_forward(window, scale, q, k, v) is None
+        assert native_launch.op_backward(window, scale, q, k, v, o, lse, stride0_do) is None
+    assert native_launch.op_forward((8, 5), scale, q, k, v) is None  # another window: no plan
+    assert native_launch.op_forward(window, scale, q[:, :, 1:], k, v) is None  # another shape: no plan
+
+
 def test_the_native_node_keeps_the_autograd_contract():
     q, k, v, do = make_qkv(1, 2, 24, 24, 16, DTYPE, DEVICE, seed=3)
     _warm(q, k, v, do)
