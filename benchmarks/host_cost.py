@@ -144,7 +144,7 @@ def breakdown(args) -> list[dict]:
     forward_plan = eager_plans.forward_plans.get(eager_plans.forward_key(q, k, v, True, None, None))
     o = op.apply(q, k, v, True)  # held: a saved output is only readable while the output lives
     saved = o.grad_fn.saved_tensors
-    backward_key = eager_plans.signature_key(CAUSAL, forward_plan.scale, *saved, do) if forward_plan else None
+    backward_key = eager_plans.backward_key(CAUSAL, forward_plan.scale, *saved, do) if forward_plan else None
     backward_plan = eager_plans.backward_plans.get(backward_key)
     replay = {}
     if forward_plan is not None and backward_plan is not None:  # bf16 under the interpreter is not planned
@@ -153,7 +153,7 @@ def breakdown(args) -> list[dict]:
                 eager_plans.forward_key(q, k, v, True, None, None)),
             "forward plan: allocations + launch (ForwardPlan.launch)": lambda: forward_plan.launch(qd, kd, vd),
             "backward plan: signature (key) + look-up": lambda: eager_plans.backward_plans.get(
-                eager_plans.signature_key(CAUSAL, forward_plan.scale, *saved, do)),
+                eager_plans.backward_key(CAUSAL, forward_plan.scale, *saved, do)),
             "backward plan: allocations + 2 launches (BackwardPlan.launch)": lambda: backward_plan.launch(*saved, do),
         }
     parts = {

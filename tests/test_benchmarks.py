@@ -55,6 +55,18 @@ def test_benchmark_help(script):
     assert r.returncode == 0 and "usage" in r.stdout
 
 
+def test_host_cost_breakdown_times_the_plans_replays(tmp_path):
+    """The breakdown looks the eager call's plans up by their keys and times their replays; a key it builds
+    differently from the op's finds no plan, and those rows would drop out of the table without an error."""
+    r = _run("host_cost", "--seqs", "16", "--calls", "2", "--rounds", "1", "--heads", "2", "--head-dim", "16",
+             "--dtype", "float32", "--breakdown", "--out", str(tmp_path), "--no-progress")
+    assert r.returncode == 0, r.stderr[-3000:]
+    table = (tmp_path / "host_cost_cpu_breakdown.md").read_text()
+    for part in ("forward plan: signature (key) + look-up", "backward plan: signature (key) + look-up",
+                 "backward plan: allocations + 2 launches (BackwardPlan.launch)"):
+        assert f"| {part} |" in table, part
+
+
 def test_leaderboard_without_cuda_says_so():
     r = _run("leaderboard", timeout=120)
     assert r.returncode == 0 and "CUDA" in r.stdout

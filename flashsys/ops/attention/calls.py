@@ -87,12 +87,9 @@ def planned_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do
     """The backward of an eager forward on the planned path (with or without a plan of its own), or an opaque
     backward op's, for a dense dO: replay the backward's plan, or make one (and offer it to the native launcher);
     None where no plan applies (not eager now)."""
-    key = plans.signature_key(window, scale, q, k, v, o, lse, do)
+    key = plans.backward_key(window, scale, q, k, v, o, lse, do)
     if key is None:
         return None
-    # Which one pass a plan replays depends on the determinism setting. Changing flashsys's switch drops every plan;
-    # torch.use_deterministic_algorithms does not, so it is in the key (the native launcher's too).
-    key = (torch.are_deterministic_algorithms_enabled(), *key)
     plan = plans.backward_plans.get(key)
     if plan is not None and plans.on_current_device(q):
         grads = plan.launch(q, k, v, o, lse, do)

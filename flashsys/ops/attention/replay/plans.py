@@ -158,6 +158,14 @@ def signature_key(window: tuple[int, int], scale: float, *tensors: Tensor) -> tu
     return (window, scale, *[_tensor_signature(t) for t in tensors])
 
 
+def backward_key(window: tuple[int, int], scale: float, *tensors: Tensor) -> tuple | None:
+    """A backward's signature (q, k, v, O, L as unpacked, the dense dO): `signature_key`'s behind the determinism
+    setting. Which one pass a plan replays depends on it; flashsys's own switch drops every plan when it changes,
+    torch.use_deterministic_algorithms does not, so it is in the key (the native launcher's too)."""
+    key = signature_key(window, scale, *tensors)
+    return None if key is None else (torch.are_deterministic_algorithms_enabled(), *key)
+
+
 class PlanTable:
     """A bounded {signature: plan} table."""
 
@@ -186,7 +194,7 @@ class PlanTable:
 
 
 forward_plans = PlanTable()  # eager forwards, keyed by `forward_key` (the user's arguments, before any check)
-backward_plans = PlanTable()  # backwards, eager or in a compiled graph's opaque op, keyed by `signature_key`
+backward_plans = PlanTable()  # backwards, eager or in a compiled graph's opaque op, keyed by `backward_key`
 # The opaque forward ops a compiled graph calls (the Gluon forward on Hopper, the interpreter on a CPU), keyed by
 # `signature_key`: Inductor launches the `tl` kernels itself, but cannot see into these, so without a plan each
 # call would take the full path (checks, TMA descriptors, Triton's dispatch).
