@@ -204,7 +204,7 @@ def _opaque_op_parts(q, k, v, do, scale) -> dict:
     forward_op, backward_op = ops.traced_forward(q, k, v, CAUSAL), ops.traced_backward(q, k, v, CAUSAL)
     if forward_op not in (ops.gluon_forward_op, ops.interpreted_forward_op):
         return {}
-    for _ in range(2):  # the first calls make the plans, the second offers them to the native launcher
+    for _ in range(2):  # the plans are made by the first calls that do not autotune, and offered to the native side
         o, lse = forward_op(q, k, v, *CAUSAL, scale)
         backward_op(q, k, v, o, lse, do, *CAUSAL, scale)
     parts = {

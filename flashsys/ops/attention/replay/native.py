@@ -234,12 +234,16 @@ def _launch_hooks_set() -> bool:
     return _hook_set(_hooks.launch_enter_hook) or _hook_set(_hooks.launch_exit_hook)
 
 
+def _replaying():
+    """The extension, where a call may replay through it now (built, not suspended, no launch hooks), else None."""
+    module = _module
+    return None if module is None or _suspended or _launch_hooks_set() else module
+
+
 def forward(q: Tensor, k: Tensor, v: Tensor, is_causal, softmax_scale, window_size) -> Tensor | None:
     """O from a native plan for this call's signature, or None (no plan, not ready, or a call the Python path
     must take: traced, tensor subclasses, functorch, forward-mode AD, dispatch modes, launch hooks)."""
-    module = _module
-    if (module is None or _suspended or not plans.plannable(q, k, v, is_causal, softmax_scale, window_size)
-            or _launch_hooks_set()):
+    if (module := _replaying()) is None or not plans.plannable(q, k, v, is_causal, softmax_scale, window_size):
         return None
     try:
         return module.forward(q, k, v, is_causal, softmax_scale, window_size)
@@ -251,20 +255,16 @@ def op_forward(window: tuple[int, int], scale: float, q: Tensor, k: Tensor, v: T
                ) -> tuple[Tensor, Tensor] | None:
     """(O, L) for a compiled graph's opaque forward op from a native plan of its signature (`library_ops`), or None
     (no plan, not ready, suspended, launch hooks set)."""
-    module = _module
-    if module is None or _suspended or _launch_hooks_set():
-        return None
-    return module.op_forward(window[0], window[1], scale, q, k, v)
+    module = _replaying()
+    return None if module is None else module.op_forward(window[0], window[1], scale, q, k, v)
 
 
 def op_backward(window: tuple[int, int], scale: float, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
                 do: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
     """(dQ, dK, dV) for a compiled graph's opaque backward op (dO of any strides) from the native backward plan of its
     signature, the one an eager backward of the same tensors replays; None as `op_forward`."""
-    module = _module
-    if module is None or _suspended or _launch_hooks_set():
-        return None
-    return module.op_backward(window[0], window[1], scale, q, k, v, o, lse, do)
+    module = _replaying()
+    return None if module is None else module.op_backward(window[0], window[1], scale, q, k, v, o, lse, do)
 
 
 def _offer(plan, register: Callable[[list], None]) -> None:

@@ -403,10 +403,17 @@ bool launchable(const at::Tensor& q) {
   return q.is_cpu() && interpreted_allowed;
 }
 
+// Whether a call's tensors can take a replay here: all plain (`plain`), the first on a device this side launches on.
+bool replayable(std::initializer_list<const at::Tensor*> tensors) {
+  for (const at::Tensor* t : tensors)
+    if (!plain(*t)) return false;
+  return launchable(**tensors.begin());
+}
+
 // The eager call: O, or None where there is no plan for this signature (the Python path then runs and makes one).
 py::object forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                    std::optional<double> scale, const Window& window) {
-  if (!plain(q) || !plain(k) || !plain(v) || !launchable(q)) return py::none();
+  if (!replayable({&q, &k, &v})) return py::none();
   auto plan = forward_plans.get(forward_key(q, k, v, causal, scale, window));
   if (plan == nullptr) return py::none();
   c10::DeviceGuard device_guard(q.device());  // Triton launches on the current device; so do these launches
@@ -417,7 +424,7 @@ py::object forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 // No autograd here: the graph's backward calls the backward op.
 py::object op_forward(int64_t window_left, int64_t window_right, double scale, const at::Tensor& q,
                       const at::Tensor& k, const at::Tensor& v) {
-  if (!plain(q) || !plain(k) || !plain(v) || !launchable(q)) return py::none();
+  if (!replayable({&q, &k, &v})) return py::none();
   auto plan = op_forward_plans.get(signature_key(window_left, window_right, scale, {&q, &k, &v}));
   if (plan == nullptr) return py::none();
   c10::DeviceGuard device_guard(q.device());
@@ -429,9 +436,7 @@ py::object op_forward(int64_t window_left, int64_t window_right, double scale, c
 py::object op_backward(int64_t window_left, int64_t window_right, double scale, const at::Tensor& q,
                        const at::Tensor& k, const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse,
                        const at::Tensor& d_o_given) {
-  for (const at::Tensor* t : {&q, &k, &v, &o, &lse, &d_o_given})
-    if (!plain(*t)) return py::none();
-  if (!launchable(q)) return py::none();
+  if (!replayable({&q, &k, &v, &o, &lse, &d_o_given})) return py::none();
   at::Tensor d_o = dense_grad(d_o_given, q);
   auto plan = backward_plans.get(backward_key(window_left, window_right, scale, {&q, &k, &v, &o, &lse, &d_o}));
   if (plan == nullptr) return py::none();
