@@ -47,9 +47,9 @@ _DTYPES = (torch.float16, torch.bfloat16)
 # 2^31, 0.442 against 0.447 at 2^33); at D 128 the Gluon kernels lead well below it (0.106 against 0.153 ms at 2^31,
 # 0.206 against 0.257 at 2^32, 0.376 against 0.445 at 2^33). docs/attention-kernels.md §2 has the measurements.
 # MIN_WORK bars every head dim, MIN_WORK_BY_HEAD_DIM lowers it for one in eager calls (tests and A/B timings set
-# MIN_WORK to 0 to send every call to the Gluon kernels). Compiled graphs keep MIN_WORK, set when their opaque Gluon
-# ops replayed plans from Python; the native launcher replays them now, and the kernels between the bars have not
-# been timed inside a compiled graph (docs/attention-kernels.md §2).
+# MIN_WORK to 0 to send every call to the Gluon kernels). Compiled graphs keep MIN_WORK: at D 64 a compiled model's
+# step was slower with the Gluon kernels below it even with their ops replayed natively; at D 128 the kernels between
+# the bars have not been timed inside a compiled graph (docs/attention-kernels.md §2).
 MIN_WORK = 1 << 34
 MIN_WORK_BY_HEAD_DIM = {128: 1 << 31}
 ENV = "FLASHSYS_GLUON"
