@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-GPU device calls. Sections run in the order given (default: all of them, which takes longer than
 # one 10-minute device call; split it):
-#   bash scripts/gpu_bench_single.sh tests leaderboard attention
+#   bash scripts/gpu_bench_single.sh tests                # a call of its own: ~9 minutes on a fresh H100 (cold caches)
+#   bash scripts/gpu_bench_single.sh leaderboard attention
 #   bash scripts/gpu_bench_single.sh end_to_end attention_long attention_b1
 #   bash scripts/gpu_bench_single.sh attention_small attention_compiled attention_short
 #   bash scripts/gpu_bench_single.sh host_cost mfu attention_features     # host cost, MFU, GQA/window/varlen
@@ -24,7 +25,8 @@ sections=("$@"); [ ${#sections[@]} -eq 0 ] && sections=(tests leaderboard attent
 for s in "${sections[@]}"; do
   case $s in
   tests)
-    FLASHSYS_TRITON_AUTOTUNE=0 timeout -k 10 ${TEST_TIMEOUT:-320} python3 -m pytest -n 8 -p no:cacheprovider -p no:pytest_benchmark \
+    # -v: a run cut short by the timeout still names every test that finished
+    FLASHSYS_TRITON_AUTOTUNE=0 timeout -k 10 ${TEST_TIMEOUT:-570} python3 -m pytest -n 14 -p no:cacheprovider -p no:pytest_benchmark \
       --tb=short -rf -v tests/ops tests/nn > "$OUT/pytest_gpu.log" 2>&1
     echo "pytest exit: $?"; grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/pytest_gpu.log" | grep -v "^\[gw" | tail -15 ;;
   leaderboard)
