@@ -81,6 +81,43 @@ def test_unavailable_reason_without_cuda():
     assert ATTENTION_BACKENDS["flash-triton"].unavailable_reason("cpu") is None  # conftest sets TRITON_INTERPRET=1
 
 
+@pytest.mark.parametrize("triton, numpy, broken", [("3.6.0", "2.4.6", True), ("3.6.0+git1a2b", "2.4.0rc1", True),
+                                                   ("3.6.0", "2.3.5", False), ("3.7.0", "2.4.6", False),
+                                                   ("3.9.0", "2.5.0", False)])
+def test_an_interpreter_that_cannot_run_the_kernels_is_named_before_a_call(monkeypatch, triton, numpy, broken):
+    """Triton before 3.7 under NumPy 2.4 fails every interpreted kernel that loops over tiles with an error that
+    names neither (triton-lang/triton#9171); the op, `flash_attention` and the registry say so up front."""
+    import importlib.metadata
+
+    from flashsys.ops.attention import flash_attention, flash_attention_packed, triton_env
+    from flashsys.ops.attention.calls import check_device
+
+    versions = {"triton": triton, "numpy": numpy}
+    monkeypatch.setattr(importlib.metadata, "version", lambda package: versions[package])
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    triton_env.interpreter_problem.cache_clear()
+    try:
+        problem = triton_env.interpreter_problem()
+        q = torch.randn(1, 2, 16, 16)
+        if not broken:
+            assert problem is None
+            check_device(q, "op")
+            return
+        assert "triton>=3.7 or numpy<2.4" in problem and f"Triton {triton[:3]}" in problem
+        assert ATTENTION_BACKENDS["flash-triton"].unavailable_reason("cpu") == problem
+        assert ATTENTION_BACKENDS["flash"].unavailable_reason("cpu") is None  # the tiled PyTorch op on a CPU
+        with pytest.raises(RuntimeError, match="triton-lang/triton#9171"):
+            check_device(q, "op")
+        with pytest.raises(RuntimeError, match="triton-lang/triton#9171"):
+            flash_attention(q, q, q, causal=True, backend="triton")
+        with pytest.raises(RuntimeError, match="backend='torch'"):
+            flash_attention_packed(q, q, q, torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4] * 2]), causal=True,
+                                   backend="triton")
+        assert ATTENTION_BACKENDS["flash"](q, q, q, True).shape == q.shape
+    finally:
+        triton_env.interpreter_problem.cache_clear()
+
+
 def test_backend_report_lists_every_backend_once():
     report = backend_report()
     assert [name for name, _, _ in report] == list(ATTENTION_BACKENDS)

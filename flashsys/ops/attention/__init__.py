@@ -23,7 +23,7 @@ from .determinism import deterministic_backward, set_deterministic_backward
 from .flash_torch import FlashAttention2Torch, FlashAttentionVarlenTorch
 from .packed_rows import PackedRows, find_plan, plan_sequences
 from .reference import attention_reference, causal_mask, window_mask
-from .triton_env import interpreter_active
+from .triton_env import interpreter_active, interpreter_problem
 from .validation import (
     FLOAT_DTYPES,
     MAX_HEAD_DIM,
@@ -269,9 +269,12 @@ def _check_rows(q, k, v, causal, softmax_scale, backend, op: str) -> tuple[float
     if q.dim() != 4 or q.shape[2] != k.shape[2]:
         raise ValueError(f"{op}: q, k and v must be (B, H, N, D) with queries and keys the same N, got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}")
-    if triton and q.device.type != "cuda" and not interpreter_active():
-        raise ValueError(f"{op}: backend {backend!r} runs the Triton kernels, which need CUDA tensors or "
-                         f"TRITON_INTERPRET=1 on a CPU; q is on {q.device}")
+    if triton and q.device.type != "cuda":
+        if not interpreter_active():
+            raise ValueError(f"{op}: backend {backend!r} runs the Triton kernels, which need CUDA tensors or "
+                             f"TRITON_INTERPRET=1 on a CPU; q is on {q.device}")
+        if (problem := interpreter_problem()) is not None:
+            raise RuntimeError(f"{op}: {problem}; or use backend='torch'")
     return scale, triton
 
 

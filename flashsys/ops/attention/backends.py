@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .flash_torch import FlashAttention2Torch
 from .reference import attention_reference, window_mask
-from .triton_env import interpreter_active, triton_problem
+from .triton_env import interpreter_active, interpreter_problem, triton_problem
 
 AttentionFn = Callable[..., Tensor]  # (q, k, v, causal, softmax_scale, window_size=None) -> O
 
@@ -64,6 +64,8 @@ class AttentionBackend:
                 return problem
             if not (on_cuda or interpreter_active()):
                 return "needs CUDA, or TRITON_INTERPRET=1 set before import (slow, for tests)"
+            if not on_cuda and (problem := interpreter_problem()) is not None:
+                return problem
         return None
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, softmax_scale: float | None = None,

@@ -7,8 +7,10 @@ Triton is imported lazily: the tiled PyTorch op, the modules and the trainer wor
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import importlib.util
 import os
+import re
 
 
 def env_switch(name: str) -> bool:
@@ -54,3 +56,25 @@ def triton_problem() -> str | None:
     except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules, as a test does
         found = False
     return None if found else "Triton is not installed (pip install triton; it ships for Linux)"
+
+
+def _release(package: str) -> tuple[int, int] | None:
+    """(major, minor) of an installed package's version, None where it is not installed or reads otherwise."""
+    try:
+        found = re.match(r"(\d+)\.(\d+)", importlib.metadata.version(package))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return (int(found[1]), int(found[2])) if found else None
+
+
+@functools.cache
+def interpreter_problem() -> str | None:
+    """None unless this Triton's interpreter cannot run the kernels, else why: before Triton 3.7 the interpreter
+    turns a loop bound into an int by converting a one-element array, which NumPy refuses from 2.4 on, so every
+    kernel that loops over tiles fails with "only 0-dimensional arrays can be converted to Python scalars"
+    (triton-lang/triton#9171). Read from the installed versions, without importing either; once per process."""
+    triton, numpy = _release("triton"), _release("numpy")
+    if triton is None or numpy is None or triton >= (3, 7) or numpy < (2, 4):
+        return None
+    return (f"Triton {triton[0]}.{triton[1]}'s interpreter cannot run with NumPy {numpy[0]}.{numpy[1]} "
+            "(triton-lang/triton#9171): install triton>=3.7 or numpy<2.4")
