@@ -25,8 +25,10 @@ tree's worker.
 `--what step` times a language model's training step instead, in each tree as that tree's `benchmarks.end_to_end`
 builds and times it (bf16 autocast on a GPU, AdamW; `--step-mode compiled` by default): a step cell is PRESET:CONTEXT
 (`--steps small:2048`), each round one `--iters` steps back to back after the model's warm-up, its median kept
-(`Model.time_steps`); `--baseline` adds the model with SDPA's attention in the first tree. Both trees build their
-model from the same seed; the steps' bits are not compared (the embedding's backward adds in no fixed order).
+(`Model.time_steps`); `--baseline` adds the model with SDPA's attention in the first tree. The workers build and
+warm up their models at the same time (compiling is most of a step cell's time), then take turns at the timed rounds.
+Both trees build their model from the same seed; the steps' bits are not compared (the embedding's backward adds in
+no fixed order).
 """
 
 from __future__ import annotations
@@ -102,10 +104,10 @@ def _digest(tensors) -> str:
     return h.hexdigest()[:16]
 
 
-def _time_step(request: dict, models: dict) -> dict:
-    """One round of a step cell's model ({"step": [PRESET, CONTEXT], "impl": an attention backend, "mode",
-    "iters", "warmup", "batch"}), built and warmed up on its first request (`benchmarks.end_to_end.Model`); the
-    models of one step cell are kept (the baseline's beside flashsys's), those of another dropped."""
+def _step_model(request: dict, models: dict):
+    """The model of a step cell's request ({"step": [PRESET, CONTEXT], "impl": an attention backend, "mode", "iters",
+    "warmup", "batch"}), built and warmed up on its first request (`benchmarks.end_to_end.Model`), or an error's
+    reply; the models of one step cell are kept (the baseline's beside flashsys's), those of another dropped."""
     from types import SimpleNamespace
 
     import torch
@@ -130,7 +132,14 @@ def _time_step(request: dict, models: dict) -> dict:
             models[key] = Model(preset_name, context, request["impl"], request["mode"], options)
         except Exception as exc:  # noqa: BLE001  the driver stops with it, naming the tree
             return {"error": f"--steps {preset_name}:{context} with {request['impl']}: {type(exc).__name__}: {exc}"}
-    model = models[key]
+    return models[key]
+
+
+def _time_step(request: dict, models: dict) -> dict:
+    """One round of a step cell's model (`_step_model`): its median step."""
+    model = _step_model(request, models)
+    if isinstance(model, dict):
+        return model
     model.time_steps()
     return {"ms": model.rounds[-1], "digest": None}
 
@@ -156,7 +165,11 @@ def worker(tokens: int, heads: int) -> int:
     for line in sys.stdin:
         request = json.loads(line)
         if "step" in request:
-            _reply(_time_step(request, models))
+            if request.get("prepare"):  # build and warm up only: the driver asks every worker at once
+                model = _step_model(request, models)
+                _reply(model if isinstance(model, dict) else {"ready": True})
+            else:
+                _reply(_time_step(request, models))
             continue
         if request["impl"] not in (*ATTENTION_BACKENDS, NONDETERMINISTIC):
             _reply({"error": f"--impl {request['impl']!r}: no such backend in this tree's registry (it has "
@@ -223,13 +236,19 @@ class Worker:
             sys.stderr.write(line)
         raise SystemExit(f"the worker for {self.tree} exited ({self.process.wait()}) without answering")
 
-    def ask(self, **request) -> dict:
+    def send(self, **request) -> None:
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
+
+    def receive(self) -> dict:
         answer = self._read()
         if "error" in answer:
             raise SystemExit(f"{self.tree}: {answer['error']}")
         return answer
+
+    def ask(self, **request) -> dict:
+        self.send(**request)
+        return self.receive()
 
     def close(self) -> None:
         if self.process.stdin:
@@ -256,6 +275,16 @@ def run(trees: list[Path], cells: list[Cell | StepCell], rounds: int, impl: str,
             raise SystemExit("--baseline times SDPA's cuDNN backend: it needs a GPU")
         results = []
         for cell in cells:
+            if isinstance(cell, StepCell):
+                # Every worker builds and warms up its models at once (compiling them is most of a step cell's
+                # time, on the host's cores); only the timed rounds below take turns at the GPU.
+                asked = [(w, request(cell, impl)) for w in workers]
+                if baseline:
+                    asked.append((workers[0], request(cell, "sdpa")))
+                for w, req in asked:
+                    w.send(**req, prepare=True)
+                for w, _ in asked:
+                    w.receive()
             times: dict[str, list[float]] = {}
             digests: dict[str, str] = {}
             for r in range(rounds):

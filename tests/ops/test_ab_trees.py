@@ -117,6 +117,45 @@ def test_a_models_training_step_is_timed_tree_against_tree_beside_sdpa():
     assert row.endswith("| — |") and len(row.split(" | ")) == 8
 
 
+def test_every_worker_builds_its_step_models_before_any_is_waited_for(monkeypatch):
+    """A step cell's models are compiled in all workers at once (the baseline's too, in the first worker), and only
+    then timed, each round's workers in turns: compiling one tree's models after another's cost most of a call."""
+    log = []
+
+    class FakeWorker:
+        def __init__(self, tree, tokens, heads):
+            self.tree, self.hello, self.pending = tree, {"flashsys": "", "torch": "", "device": "cuda"}, []
+
+        def send(self, **request):
+            log.append(("send", self.tree, request["impl"], bool(request.get("prepare"))))
+            self.pending.append(request)
+
+        def receive(self):
+            request = self.pending.pop(0)
+            log.append(("receive", self.tree, request["impl"], bool(request.get("prepare"))))
+            return {"ready": True} if request.get("prepare") else {"ms": 1.0, "digest": None}
+
+        def ask(self, **request):
+            self.send(**request)
+            return self.receive()
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(ab_trees, "Worker", FakeWorker)
+    trees = [Path("a"), Path("b"), Path("c")]
+    ab_trees.run(trees, [ab_trees.StepCell("small", 2048)], 2, "flash-triton", "step", True, 16384, 16,
+                 dict(mode="compiled", iters=1, warmup=0, batch=4))
+    prepared = [entry for entry in log if entry[3]]
+    assert [e[0] for e in prepared] == ["send"] * 4 + ["receive"] * 4
+    assert {(e[1], e[2]) for e in prepared} == {(t, "flash-triton") for t in trees} | {(trees[0], "sdpa")}
+    assert log.index(prepared[-1]) < min(i for i, e in enumerate(log) if not e[3])  # every build before a round
+    timed = [(e[1], e[2]) for e in log if e[0] == "receive" and not e[3]]
+    assert timed == [(trees[0], "flash-triton"), (trees[1], "flash-triton"), (trees[2], "flash-triton"),
+                     (trees[0], "sdpa"), (trees[2], "flash-triton"), (trees[1], "flash-triton"),
+                     (trees[0], "flash-triton"), (trees[0], "sdpa")]
+
+
 def test_step_arguments_are_refused_by_name():
     """--steps without --what step and the reverse, a step cell that is not PRESET:CONTEXT (argparse's exit 2), and
     a preset the tree lacks (the run stops naming it and the presets there)."""
