@@ -26,7 +26,8 @@ tree's worker.
 builds and times it (bf16 autocast on a GPU, AdamW; `--step-mode compiled` by default): a step cell is PRESET:CONTEXT
 (`--steps small:2048`), each round one `--iters` steps back to back after the model's warm-up, its median kept
 (`Model.time_steps`); `--baseline` adds the model with SDPA's attention in the first tree. The workers build and
-warm up their models at the same time (compiling is most of a step cell's time), then take turns at the timed rounds.
+warm up their models at the same time (compiling is most of a step cell's time; every tree's models stay on the GPU
+for the rounds anyway, but their warm-ups' activations now peak together), then take turns at the timed rounds.
 Both trees build their model from the same seed; the steps' bits are not compared (the embedding's backward adds in
 no fixed order).
 """
