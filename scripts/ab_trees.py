@@ -23,13 +23,13 @@ autograd graph), `fwd_bwd` a forward and its backward; `--baseline` also times s
 tree's worker.
 
 `--what step` times a language model's training step instead, in each tree as that tree's `benchmarks.end_to_end`
-builds and times it (bf16 autocast on a GPU, AdamW; `--step-mode compiled` by default): a step cell is PRESET:CONTEXT
-(`--steps small:2048`), each round one `--iters` steps back to back after the model's warm-up, its median kept
-(`Model.time_steps`); `--baseline` adds the model with SDPA's attention in the first tree. The workers build and
-warm up their models at the same time (compiling is most of a step cell's time; every tree's models stay on the GPU
-for the rounds anyway, but their warm-ups' activations now peak together), then take turns at the timed rounds.
-Both trees build their model from the same seed; the steps' bits are not compared (the embedding's backward adds in
-no fixed order).
+builds and times it (bf16 autocast on a GPU, AdamW; `--step-mode compiled` by default): a step cell is
+PRESET:CONTEXT[:HEADS] (`--steps small:2048`; `small:2048:6` is the small model with 6 heads of D 128), each round one
+`--iters` steps back to back after the model's warm-up, its median kept (`Model.time_steps`); `--baseline` adds the
+model with SDPA's attention in the first tree. The workers build and warm up their models at the same time (compiling
+is most of a step cell's time; every tree's models stay on the GPU for the rounds anyway, but their warm-ups'
+activations now peak together), then take turns at the timed rounds. Both trees build their model from the same seed;
+the steps' bits are not compared (the embedding's backward adds in no fixed order).
 """
 
 from __future__ import annotations
@@ -67,17 +67,21 @@ def cell_spec(text: str) -> Cell:
 class StepCell(NamedTuple):
     preset: str
     context: int
+    heads: int = 0  # the preset's own number of heads where 0
 
     def label(self) -> str:
-        return f"{self.preset} step, context {self.context}"
+        heads = f" with {self.heads} heads" if self.heads else ""
+        return f"{self.preset}{heads} step, context {self.context}"
 
 
 def step_spec(text: str) -> StepCell:
-    """argparse type of a step cell written PRESET:CONTEXT, e.g. small:2048."""
-    name, _, context = text.partition(":")
-    if not name or not context.isdigit() or int(context) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: want PRESET:CONTEXT, e.g. small:2048")
-    return StepCell(name, int(context))
+    """argparse type of a step cell written PRESET:CONTEXT or PRESET:CONTEXT:HEADS, e.g. small:2048, or
+    small:2048:6 for the small model with 6 heads of 128 dimensions instead of 12 of 64."""
+    name, *numbers = text.split(":")
+    if not name or len(numbers) not in (1, 2) or not all(n.isdigit() and int(n) >= 1 for n in numbers):
+        raise argparse.ArgumentTypeError(f"{text!r}: want PRESET:CONTEXT or PRESET:CONTEXT:HEADS, e.g. "
+                                         "small:2048")
+    return StepCell(name, *(int(n) for n in numbers))
 
 
 def tree_path(text: str) -> Path:
@@ -106,8 +110,8 @@ def _digest(tensors) -> str:
 
 
 def _step_model(request: dict, models: dict):
-    """The model of a step cell's request ({"step": [PRESET, CONTEXT], "impl": an attention backend, "mode", "iters",
-    "warmup", "batch"}), built and warmed up on its first request (`benchmarks.end_to_end.Model`), or an error's
+    """The model of a step cell's request ({"step": [PRESET, CONTEXT, HEADS or 0], "impl": an attention backend,
+    "mode", "iters", "warmup", "batch"}), built and warmed up on its first request (`benchmarks.end_to_end.Model`), or an error's
     reply; the models of one step cell are kept (the baseline's beside flashsys's), those of another dropped."""
     from types import SimpleNamespace
 
@@ -116,10 +120,15 @@ def _step_model(request: dict, models: dict):
     from benchmarks.end_to_end import PRESETS, Model
     from benchmarks.harness import ON_GPU
 
-    preset_name, context = request["step"]
+    preset_name, context, heads = request["step"]
+    spec = ":".join(str(x) for x in request["step"] if x)  # as --steps gave it
     if preset_name not in PRESETS:
-        return {"error": f"--steps {preset_name}:{context}: no such preset in this tree (it has "
-                         f"{', '.join(PRESETS)})"}
+        return {"error": f"--steps {spec}: no such preset in this tree (it has {', '.join(PRESETS)})"}
+    if heads:
+        # The preset with other heads, as a preset of this worker's own (the trees' `Model` builds from a preset's
+        # name, and an older tree's takes nothing else).
+        PRESETS.setdefault(f"{preset_name}/{heads}", PRESETS[preset_name].replace(num_heads=heads))
+        preset_name = f"{preset_name}/{heads}"
     key = (preset_name, context, request["impl"], request["mode"])
     if key not in models:
         if any(k[:2] != key[:2] for k in models):
@@ -132,7 +141,7 @@ def _step_model(request: dict, models: dict):
         try:
             models[key] = Model(preset_name, context, request["impl"], request["mode"], options)
         except Exception as exc:  # noqa: BLE001  the driver stops with it, naming the tree
-            return {"error": f"--steps {preset_name}:{context} with {request['impl']}: {type(exc).__name__}: {exc}"}
+            return {"error": f"--steps {spec} with {request['impl']}: {type(exc).__name__}: {exc}"}
     return models[key]
 
 
@@ -347,8 +356,9 @@ def main() -> int:
     ap.add_argument("--impl", default="flash-triton",
                     help="a backend of the trees' registry (default flash-triton), or flash-triton-nondet")
     ap.add_argument("--what", choices=["bwd", "fwd", "fwd_bwd", "step"], default="bwd")
-    ap.add_argument("--steps", type=step_spec, nargs="+", default=[], metavar="PRESET:CONTEXT",
-                    help="--what step: the models whose training step is timed, e.g. small:2048")
+    ap.add_argument("--steps", type=step_spec, nargs="+", default=[], metavar="PRESET:CONTEXT[:HEADS]",
+                    help="--what step: the models whose training step is timed, e.g. small:2048 (small:2048:6: "
+                         "with 6 heads, D 128)")
     ap.add_argument("--step-mode", choices=["eager", "compiled", "reduce-overhead"], default="compiled")
     ap.add_argument("--iters", type=at_least_one, default=5, help="--what step: steps a round")
     ap.add_argument("--warmup", type=int, default=3, help="--what step: untimed steps after the model is built")

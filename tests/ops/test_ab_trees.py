@@ -156,12 +156,39 @@ def test_every_worker_builds_its_step_models_before_any_is_waited_for(monkeypatc
                      (trees[0], "flash-triton"), (trees[0], "sdpa")]
 
 
+def test_a_step_cell_may_give_the_model_other_heads(monkeypatch):
+    """PRESET:CONTEXT:HEADS times the preset with that many heads (tiny: 4 of D 64, here 2 of D 128), as a preset of
+    the worker's own, so that a tree whose `Model` takes only a preset's name builds it too; a head count the model
+    cannot take is named."""
+    from flashsys.nn import PRESETS
+
+    assert ab_trees.step_spec("tiny:32:2") == ab_trees.StepCell("tiny", 32, 2)
+    assert ab_trees.step_spec("tiny:32") == ab_trees.StepCell("tiny", 32, 0)
+    assert ab_trees.StepCell("small", 2048, 6).label() == "small with 6 heads step, context 2048"
+    monkeypatch.setitem(PRESETS, "tiny", PRESETS["tiny"])  # the entries the worker adds go with the test
+    for extra in [k for k in PRESETS if k.startswith("tiny/")]:
+        monkeypatch.delitem(PRESETS, extra)
+    request = dict(step=["tiny", 32, 2], impl="flash-torch", mode="eager", iters=1, warmup=0, batch=1)
+    models = {}
+    model = ab_trees._step_model(request, models)
+    try:
+        assert model.model.config.num_heads == 2 and model.model.config.head_dim == 128
+        assert ab_trees._step_model(dict(request, step=["tiny", 32, 0]), {}).model.config.num_heads == 4
+        failed = ab_trees._step_model(dict(request, step=["tiny", 32, 3]), {})
+        assert "tiny:32:3" in failed["error"] and "num_heads" in failed["error"]
+    finally:
+        for extra in [k for k in PRESETS if k.startswith("tiny/")]:
+            del PRESETS[extra]
+
+
 def test_step_arguments_are_refused_by_name():
     """--steps without --what step and the reverse, a step cell that is not PRESET:CONTEXT (argparse's exit 2), and
     a preset the tree lacks (the run stops naming it and the presets there)."""
     for args, words in ((("--steps", "tiny:32"), "--steps goes with --what step"),
                         (("--what", "step"), "--what step needs --steps"),
                         (("--what", "step", "--steps", "tiny"), "want PRESET:CONTEXT"),
+                        (("--what", "step", "--steps", "tiny:32:0"), "want PRESET:CONTEXT"),
+                        (("--what", "step", "--steps", "tiny:32:2:1"), "want PRESET:CONTEXT"),
                         (("--what", "step", "--steps", "tiny:32", "--batch", "0"), "--batch: 1 or more")):
         done = _run("--trees", str(ROOT), str(ROOT), *args)
         assert done.returncode == 2 and words in done.stderr, done.stderr
