@@ -23,7 +23,7 @@ from .determinism import deterministic_backward, set_deterministic_backward
 from .flash_torch import FlashAttention2Torch, FlashAttentionVarlenTorch
 from .packed_rows import PackedRows, find_plan, plan_sequences
 from .reference import attention_reference, causal_mask, window_mask
-from .triton_env import interpreter_active, interpreter_problem
+from .triton_env import check_interpreter, interpreter_active
 from .validation import (
     FLOAT_DTYPES,
     MAX_HEAD_DIM,
@@ -273,8 +273,7 @@ def _check_rows(q, k, v, causal, softmax_scale, backend, op: str) -> tuple[float
         if not interpreter_active():
             raise ValueError(f"{op}: backend {backend!r} runs the Triton kernels, which need CUDA tensors or "
                              f"TRITON_INTERPRET=1 on a CPU; q is on {q.device}")
-        if (problem := interpreter_problem()) is not None:
-            raise RuntimeError(f"{op}: {problem}; or use backend='torch'")
+        check_interpreter(op, "backend='torch'")
     return scale, triton
 
 

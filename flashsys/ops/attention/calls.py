@@ -12,7 +12,7 @@ from torch import Tensor
 
 from . import launcher
 from .replay import native, plans
-from .triton_env import interpreter_active, interpreter_problem
+from .triton_env import check_interpreter, interpreter_active
 
 Window = tuple[int, int]
 
@@ -24,13 +24,12 @@ def check_device(q: Tensor, op: str,
 
     Raises:
         ValueError: naming the device and what to use instead.
-        RuntimeError: CPU tensors under an interpreter that cannot run the kernels (`interpreter_problem`).
+        RuntimeError: CPU tensors under an interpreter that cannot run the kernels (`check_interpreter`).
     """
     if q.device.type == "cuda":
         return
     if q.device.type == "cpu" and interpreter_active():
-        if (problem := interpreter_problem()) is not None:
-            raise RuntimeError(f"{op}: {problem}; or use {alternative}")
+        check_interpreter(op, alternative)
         return
     raise ValueError(
         f"{op}: inputs are on {q.device}, but the Triton kernels need CUDA tensors "

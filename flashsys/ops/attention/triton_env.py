@@ -78,3 +78,14 @@ def interpreter_problem() -> str | None:
         return None
     return (f"Triton {triton[0]}.{triton[1]}'s interpreter cannot run with NumPy {numpy[0]}.{numpy[1]} "
             "(triton-lang/triton#9171): install triton>=3.7 or numpy<2.4")
+
+
+def check_interpreter(op: str, alternative: str) -> None:
+    """Raise where the interpreter cannot run the kernels (`interpreter_problem`), offering `alternative`: the check of
+    every interpreted call's entry point.
+
+    Raises:
+        RuntimeError: naming the versions to install and `alternative`.
+    """
+    if (problem := interpreter_problem()) is not None:
+        raise RuntimeError(f"{op}: {problem}; or use {alternative}")
