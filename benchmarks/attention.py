@@ -8,7 +8,8 @@ On a CPU the default is a reduced sweep of the implementations that run there.
     python -m benchmarks.attention --head-dims 64 128 --seq-lens 1024 4096 16384 --dtypes bf16 --causal both
     python -m benchmarks.attention ... --rounds 3        # each cell's implementations in 3 interleaved rounds
     python -m benchmarks.attention --impls flash-triton sdpa-cudnn fa4 --layout bnhd --name attention_gpu_fa4 ...
-        # beside FlashAttention-4 (flash-attn-4, optional: its rows say "not installed" without it), on its layout
+        # beside FlashAttention-4 (flash-attn-4, optional: its rows say "not installed" without it), on its layout;
+        # fa4-det is FA4 with its deterministic backward, flash-triton-nondet flashsys without one
 
 Batch size: by default on a GPU every cell processes the same number of tokens, batch = tokens // N
 (--tokens 16384, the convention of the FlashAttention papers), so short sequences are measured at a size
@@ -92,15 +93,22 @@ def plot_rows(rows: list[dict], out, tag: str) -> None:
 
 def add_vs_best_sdpa(cell_rows: list[dict]) -> None:
     """`vs_best_sdpa` for one cell's rows: fwd_bwd time over the faster SDPA backend's in the same cell; where
-    FlashAttention-4 ran in the cell, `fwd_vs_fa4` and `fwd_bwd_vs_fa4` too (each time over FA4's)."""
+    FlashAttention-4 ran in the cell, `fwd_vs_fa4` and `fwd_bwd_vs_fa4` too (each time over FA4's), and where its
+    deterministic backward did (`fa4-det`, the like-for-like anchor of flashsys's default backward),
+    `fwd_bwd_vs_fa4_det` (its forward is FA4's, so no forward ratio of its own)."""
     base = [r["fwd_bwd_ms"] for r in cell_rows if r["impl"].startswith("sdpa") and "fwd_bwd_ms" in r]
     fa4 = next((r for r in cell_rows if r["impl"] == "fa4" and "fwd_bwd_ms" in r), None)
+    fa4_det = next((r for r in cell_rows if r["impl"] == "fa4-det" and "fwd_bwd_ms" in r), None)
     for r in cell_rows:
-        if base and "fwd_bwd_ms" in r:
+        if "fwd_bwd_ms" not in r:
+            continue
+        if base:
             r["vs_best_sdpa"] = r["fwd_bwd_ms"] / min(base)
-        if fa4 is not None and "fwd_bwd_ms" in r:
+        if fa4 is not None:
             r["fwd_vs_fa4"] = r["fwd_ms"] / fa4["fwd_ms"]
             r["fwd_bwd_vs_fa4"] = r["fwd_bwd_ms"] / fa4["fwd_bwd_ms"]
+        if fa4_det is not None:
+            r["fwd_bwd_vs_fa4_det"] = r["fwd_bwd_ms"] / fa4_det["fwd_bwd_ms"]
 
 
 def attention_flops(b, h, n, d, causal):
@@ -218,6 +226,9 @@ def main(argv=None) -> int:
              "TFLOP/s counts 4·B·H·N²·D per forward (halved when causal) and 2.5× that for backward; "
              "vs_best_sdpa = fwd_bwd time over the faster SDPA backend's (below 1 is faster)"
              + ("; fwd_vs_fa4, fwd_bwd_vs_fa4: the same over FlashAttention-4's" if "fa4" in impls else "")
+             + ("; fwd_bwd_vs_fa4_det: over FlashAttention-4's with its deterministic backward (fa4-det; flashsys's "
+                "default backward is deterministic, flash-triton-nondet's and fa4's are not)" if "fa4-det" in impls
+                else "")
              + "; inputs " + ("dense (B, H, N, D)." if args.layout == "bhnd" else
                               "(B, H, N, D) views of (B, N, H, D) memory, as a model's projections give them.")]
     table_name = args.name or f"attention_{tag}"

@@ -5,9 +5,11 @@
     step: flash(q, k, v, True).sum().backward()   timed by triton.testing.do_bench(rep=10000, warmup=1000)
 
 The same step runs through SDPA's flash and cuDNN backends on 4-D views of the same data, through FlashAttention-4
-where flash-attn-4 is installed (a row says so where it is not), and once more through flashsys with determinism off (`set_deterministic_backward(False)`: the one-pass backward where it is faster, dQ's
-sums in no fixed order, as in SDPA's backends); the gradients of all four are compared before anything is timed. Writes a Markdown table and a CSV with
-device, versions, command and date (default: benchmarks/results/leaderboard.md and .csv).
+where flash-attn-4 is installed (its default backward and its deterministic one; rows say so where it is not), and
+once more through flashsys with determinism off (`set_deterministic_backward(False)`: the one-pass backward where it
+is faster, dQ's sums in no fixed order, as in SDPA's backends and FA4's default); every variant's gradients are
+compared before anything is timed. Writes a Markdown table and a CSV with device, versions, command and date
+(default: benchmarks/results/leaderboard.md and .csv).
 
     python -m benchmarks.leaderboard
 """
@@ -69,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     why_not_fa4 = ATTENTION_BACKENDS["fa4"].unavailable_reason("cuda")
     if why_not_fa4 is None:
         variants.append(("FlashAttention-4 (flash-attn-4)", sdpa_step("fa4")))
+        # flashsys's first row is bit-deterministic; FA4's like-for-like is its own deterministic backward
+        variants.append(("FlashAttention-4, deterministic backward", sdpa_step("fa4-det")))
     base = q._base  # the (3, H, N, D) leaf that q, k, v are views of
 
     # Correctness first: every variant's gradient against SDPA-flash's, on the same data.
@@ -98,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {ms:.3f} ms", flush=True)
     if why_not_fa4 is not None:
         rows.append({"implementation": "FlashAttention-4 (flash-attn-4)", "error": why_not_fa4})
+        rows.append({"implementation": "FlashAttention-4, deterministic backward", "error": why_not_fa4})
     ours = rows[0].get("time_ms", float("nan"))
     for r in rows:
         if "time_ms" in r:

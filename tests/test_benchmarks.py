@@ -157,16 +157,21 @@ def test_attention_beside_fa4_on_its_layout_and_a_row_where_it_is_missing(tmp_pa
     ran = attention.measure(lambda q, k, v, causal: q.mul(2) + k + v, 2, 3, 8, 4, torch.float32, True, 1,
                             layout="bnhd")
     assert set(ran) == {"fwd_ms", "bwd_ms", "fwd_bwd_ms", "peak_mem_MB", "retimed"}
-    assert attention.main(["--seq-lens", "32", "--head-dims", "16", "--impls", "flash-torch", "fa4", "--layout",
-                           "bnhd", "--name", "attention_cpu_fa4", "--out", str(tmp_path), "--no-progress"]) == 0
+    assert attention.main(["--seq-lens", "32", "--head-dims", "16", "--impls", "flash-torch", "fa4", "fa4-det",
+                           "--layout", "bnhd", "--name", "attention_cpu_fa4", "--out", str(tmp_path),
+                           "--no-progress"]) == 0
     table = (tmp_path / "attention_cpu_fa4.md").read_text()
-    assert "views of (B, N, H, D) memory" in table
-    fa4_row = next(line for line in table.splitlines() if line.startswith("| fa4 "))
-    assert "unsupported (" in fa4_row
+    assert "views of (B, N, H, D) memory" in table and "fwd_bwd_vs_fa4_det: over" in table
+    for name in ("fa4", "fa4-det"):
+        fa4_row = next(line for line in table.splitlines() if line.startswith(f"| {name} "))
+        assert "unsupported (" in fa4_row
     rows = [{"impl": "flash-triton", "fwd_ms": 1.2, "fwd_bwd_ms": 3.0}, {"impl": "sdpa-cudnn", "fwd_ms": 1.0,
-            "fwd_bwd_ms": 4.0}, {"impl": "fa4", "fwd_ms": 1.0, "fwd_bwd_ms": 2.5}]
+            "fwd_bwd_ms": 4.0}, {"impl": "fa4", "fwd_ms": 1.0, "fwd_bwd_ms": 2.5},
+            {"impl": "fa4-det", "fwd_ms": 1.0, "fwd_bwd_ms": 3.75}, {"impl": "naive", "error": "skipped"}]
     attention.add_vs_best_sdpa(rows)
     assert (rows[0]["fwd_vs_fa4"], rows[0]["fwd_bwd_vs_fa4"], rows[0]["vs_best_sdpa"]) == (1.2, 1.2, 0.75)
+    assert rows[0]["fwd_bwd_vs_fa4_det"] == 0.8 and rows[2]["fwd_bwd_vs_fa4_det"] == 2.5 / 3.75
+    assert set(rows[4]) == {"impl", "error"}  # a row without times gets no ratios
 
 
 def test_an_end_to_end_run_stopped_midway_keeps_its_groups_marked_partial(tmp_path, monkeypatch):

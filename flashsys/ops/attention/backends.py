@@ -125,20 +125,25 @@ def _sdpa(kernel: str | None) -> AttentionFn:
     return run
 
 
-def _fa4(q, k, v, causal, scale, window=None):
+def _fa4(deterministic: bool) -> AttentionFn:
     """FlashAttention-4 (flash-attn-4's CuTe DSL kernels), the benchmarks' same-run anchor: (B, N, H, D) layout, so
-    rank-4 inputs go through transposed views (no copies)."""
-    from flash_attn.cute import flash_attn_func
+    rank-4 inputs go through transposed views (no copies). Its backward adds dQ in no fixed order unless
+    `deterministic` (its own semaphore-ordered backward), the anchor for flashsys's default, bit-deterministic one."""
 
-    if window is not None and window != (-1, -1):
-        raise ValueError("fa4 anchor: windows are not wired here")
-    squeeze = q.dim() == 3
-    if squeeze:
-        q, k, v = q[:, None], k[:, None], v[:, None]
-    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
-                          causal=causal)
-    out = (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
-    return out[:, 0] if squeeze else out
+    def run(q, k, v, causal, scale, window=None):
+        from flash_attn.cute import flash_attn_func
+
+        if window is not None and window != (-1, -1):
+            raise ValueError("fa4 anchor: windows are not wired here")
+        squeeze = q.dim() == 3
+        if squeeze:
+            q, k, v = q[:, None], k[:, None], v[:, None]
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
+                              causal=causal, deterministic=deterministic)
+        out = (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+        return out[:, 0] if squeeze else out
+
+    return run
 
 
 _compiled_naive: AttentionFn | None = None
@@ -166,8 +171,10 @@ _ENTRIES = [
     AttentionBackend("sdpa-efficient", _sdpa("EFFICIENT_ATTENTION"), "SDPA pinned to its memory-efficient kernel",
                      runs_on="cuda", core=False),
     AttentionBackend("sdpa-math", _sdpa("MATH"), "SDPA pinned to its math (C++ reference) kernel", core=False),
-    AttentionBackend("fa4", _fa4, "FlashAttention-4 (flash-attn-4, optional): the benchmarks' anchor", runs_on="cuda",
-                     core=False, module="flash_attn.cute"),
+    AttentionBackend("fa4", _fa4(False), "FlashAttention-4 (flash-attn-4, optional): the benchmarks' anchor",
+                     runs_on="cuda", core=False, module="flash_attn.cute"),
+    AttentionBackend("fa4-det", _fa4(True), "FlashAttention-4 with its deterministic backward (optional)",
+                     runs_on="cuda", core=False, module="flash_attn.cute"),
 ]
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in _ENTRIES}
 CORE_BACKENDS: tuple[str, ...] = tuple(b.name for b in _ENTRIES if b.core)
