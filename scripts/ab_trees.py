@@ -109,10 +109,18 @@ def _digest(tensors) -> str:
     return h.hexdigest()[:16]
 
 
+class StepCellError(Exception):
+    """A step cell this tree cannot build; the worker's error reply is its message."""
+
+
 def _step_model(request: dict, models: dict):
     """The model of a step cell's request ({"step": [PRESET, CONTEXT, HEADS or 0], "impl": an attention backend,
-    "mode", "iters", "warmup", "batch"}), built and warmed up on its first request (`benchmarks.end_to_end.Model`), or an error's
-    reply; the models of one step cell are kept (the baseline's beside flashsys's), those of another dropped."""
+    "mode", "iters", "warmup", "batch"}), built and warmed up on its first request (`benchmarks.end_to_end.Model`);
+    the models of one step cell are kept (the baseline's beside flashsys's), those of another dropped.
+
+    Raises:
+        StepCellError: the preset is not in this tree, or its model cannot be built (the message names the cell).
+    """
     from types import SimpleNamespace
 
     import torch
@@ -123,7 +131,7 @@ def _step_model(request: dict, models: dict):
     preset_name, context, heads = request["step"]
     spec = ":".join(str(x) for x in request["step"] if x)  # as --steps gave it
     if preset_name not in PRESETS:
-        return {"error": f"--steps {spec}: no such preset in this tree (it has {', '.join(PRESETS)})"}
+        raise StepCellError(f"--steps {spec}: no such preset in this tree (it has {', '.join(PRESETS)})")
     if heads:
         # The preset with other heads, as a preset of this worker's own (the trees' `Model` builds from a preset's
         # name, and an older tree's takes nothing else).
@@ -141,15 +149,13 @@ def _step_model(request: dict, models: dict):
         try:
             models[key] = Model(preset_name, context, request["impl"], request["mode"], options)
         except Exception as exc:  # noqa: BLE001  the driver stops with it, naming the tree
-            return {"error": f"--steps {spec} with {request['impl']}: {type(exc).__name__}: {exc}"}
+            raise StepCellError(f"--steps {spec} with {request['impl']}: {type(exc).__name__}: {exc}") from exc
     return models[key]
 
 
 def _time_step(request: dict, models: dict) -> dict:
     """One round of a step cell's model (`_step_model`): its median step."""
     model = _step_model(request, models)
-    if isinstance(model, dict):
-        return model
     model.time_steps()
     return {"ms": model.rounds[-1], "digest": None}
 
@@ -175,11 +181,14 @@ def worker(tokens: int, heads: int) -> int:
     for line in sys.stdin:
         request = json.loads(line)
         if "step" in request:
-            if request.get("prepare"):  # build and warm up only: the driver asks every worker at once
-                model = _step_model(request, models)
-                _reply(model if isinstance(model, dict) else {"ready": True})
-            else:
-                _reply(_time_step(request, models))
+            try:
+                if request.get("prepare"):  # build and warm up only: the driver asks every worker at once
+                    _step_model(request, models)
+                    _reply({"ready": True})
+                else:
+                    _reply(_time_step(request, models))
+            except StepCellError as exc:  # the driver stops with it, naming the tree
+                _reply({"error": str(exc)})
             continue
         if request["impl"] not in (*ATTENTION_BACKENDS, NONDETERMINISTIC):
             _reply({"error": f"--impl {request['impl']!r}: no such backend in this tree's registry (it has "

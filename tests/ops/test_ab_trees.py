@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "ab_trees.py"
 _spec = importlib.util.spec_from_file_location("ab_trees", SCRIPT)
@@ -174,8 +176,10 @@ def test_a_step_cell_may_give_the_model_other_heads(monkeypatch):
     try:
         assert model.model.config.num_heads == 2 and model.model.config.head_dim == 128
         assert ab_trees._step_model(dict(request, step=["tiny", 32, 0]), {}).model.config.num_heads == 4
-        failed = ab_trees._step_model(dict(request, step=["tiny", 32, 3]), {})
-        assert "tiny:32:3" in failed["error"] and "num_heads" in failed["error"]
+        with pytest.raises(ab_trees.StepCellError, match="tiny:32:3.*num_heads"):
+            ab_trees._step_model(dict(request, step=["tiny", 32, 3]), {})
+        with pytest.raises(ab_trees.StepCellError, match="no such preset"):
+            ab_trees._step_model(dict(request, step=["huge", 32, 0]), {})
     finally:
         for extra in [k for k in PRESETS if k.startswith("tiny/")]:
             del PRESETS[extra]
