@@ -61,11 +61,10 @@ def test_visible_pairs_counts_the_window_masks_true_entries(n_q, n_k, left, righ
 def test_the_size_bar_counts_the_pairs_the_kernels_visit():
     """Causal calls cross the bar at twice the B*H*N^2*D of full-mask ones; a window with a left bound counts all of
     N^2 (the Gluon kernels ran every windowed cell measured faster, most of them below the bar by their visible
-    pairs). D 128 has a lower bar of its own in eager calls (compiled graphs keep MIN_WORK); MIN_WORK, set to 0,
-    lowers every head dim's. The GPU test below asks `forward_problem` the same."""
+    pairs). D 128 has a lower bar of its own (eager and compiled calls alike); MIN_WORK, set to 0, lowers every head
+    dim's. The GPU test below asks `forward_problem` the same."""
     bar = dispatch.MIN_WORK
     assert dispatch.min_work(64) == bar and dispatch.min_work(128) == bar >> 3
-    assert dispatch.min_work(64, traced=True) == dispatch.min_work(128, traced=True) == bar
     full, causal, window = (-1, -1), (-1, 0), (255, 0)
     assert dispatch.call_work((16, 16, 1024, 64), (16, 16, 1024, 64), full) == bar
     assert bar // 2 < dispatch.call_work((16, 16, 1024, 64), (16, 16, 1024, 64), causal) < bar
@@ -400,8 +399,7 @@ def test_small_switched_off_and_unaligned_calls_take_the_tl_forward_gpu(monkeypa
     full = (-1, -1)
     assert "the size bar" in dispatch.forward_problem(q, q, q, full)
     wide = torch.randn(1, 16, 1024, 128, device="cuda", dtype=torch.bfloat16)  # 2^31 full, half of it causal
-    assert dispatch.forward_problem(wide, wide, wide, full) is None  # D 128's lower bar, in eager calls only
-    assert "the size bar" in dispatch.forward_problem(wide, wide, wide, full, traced=True)
+    assert dispatch.forward_problem(wide, wide, wide, full) is None  # D 128's lower bar
     assert "the size bar" in dispatch.forward_problem(wide, wide, wide, (-1, 0))
     big = torch.randn(1, 16, 8192, 64, device="cuda", dtype=torch.bfloat16)
     assert dispatch.takes_forward(big, big, big, full) and dispatch.takes_forward(big, big, big, (-1, 0))

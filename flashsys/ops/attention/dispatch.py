@@ -45,11 +45,10 @@ _DTYPES = (torch.float16, torch.bfloat16)
 # one does (the native launcher encodes its TMA descriptors), so the bar follows the kernels' speed: at D 64 under
 # causal masks the `tl` kernels keep up below 2^34 (forward + backward 0.146 ms against the Gluon kernels' 0.157 at
 # 2^31, 0.442 against 0.447 at 2^33); at D 128 the Gluon kernels lead well below it (0.106 against 0.153 ms at 2^31,
-# 0.206 against 0.257 at 2^32, 0.376 against 0.445 at 2^33). docs/attention-kernels.md §2 has the measurements.
-# MIN_WORK bars every head dim, MIN_WORK_BY_HEAD_DIM lowers it for one in eager calls (tests and A/B timings set
-# MIN_WORK to 0 to send every call to the Gluon kernels). Compiled graphs keep MIN_WORK: at D 64 a compiled model's
-# step was slower with the Gluon kernels below it even with their ops replayed natively; at D 128 the kernels between
-# the bars have not been timed inside a compiled graph (docs/attention-kernels.md §2).
+# 0.206 against 0.257 at 2^32, 0.376 against 0.445 at 2^33). The same bars hold inside compiled graphs: a compiled
+# D 64 step was slower with the Gluon kernels below 2^34, a D 128 one faster with them from 2^31
+# (docs/attention-kernels.md §2 has the measurements). MIN_WORK bars every head dim, MIN_WORK_BY_HEAD_DIM lowers it
+# for one (tests and A/B timings set MIN_WORK to 0 to send every call to the Gluon kernels).
 MIN_WORK = 1 << 34
 MIN_WORK_BY_HEAD_DIM = {128: 1 << 31}
 ENV = "FLASHSYS_GLUON"
@@ -176,10 +175,10 @@ def visible_pairs(n_q: int, n_k: int, window: Window) -> int:
     return below_right - below_left
 
 
-def min_work(head_dim: int, traced: bool = False) -> int:
-    """The size bar at this head dim: MIN_WORK, or in an eager call (not `traced`) the lower bar MIN_WORK_BY_HEAD_DIM
+def min_work(head_dim: int) -> int:
+    """The size bar at this head dim, eager and compiled calls alike: MIN_WORK, or the lower bar MIN_WORK_BY_HEAD_DIM
     gives it."""
-    return MIN_WORK if traced else min(MIN_WORK, MIN_WORK_BY_HEAD_DIM.get(head_dim, MIN_WORK))
+    return min(MIN_WORK, MIN_WORK_BY_HEAD_DIM.get(head_dim, MIN_WORK))
 
 
 def call_work(q_shape: tuple[int, ...], k_shape: tuple[int, ...], window: Window) -> int:
@@ -192,11 +191,10 @@ def call_work(q_shape: tuple[int, ...], k_shape: tuple[int, ...], window: Window
     return heads * q_shape[-1] * pairs
 
 
-def forward_problem(q: Tensor, k: Tensor, v: Tensor, window: Window, traced: bool = False) -> str | None:
+def forward_problem(q: Tensor, k: Tensor, v: Tensor, window: Window) -> str | None:
     """None when the Gluon forward takes these (validated, dense-batch) inputs, else why not: the chain in this
-    module's docstring; `traced`: for a call torch.compile traces (its size bar: `min_work`). Cheapest checks first:
-    an eager call on the Python path asks this every time, and most small calls stop at the size bar before any stride
-    is read."""
+    module's docstring (the size bar: `min_work`). Cheapest checks first: an eager call on the Python path asks this
+    every time, and most small calls stop at the size bar before any stride is read."""
     if q.device.type != "cuda":
         return "not a CUDA tensor"
     if q.dtype not in _DTYPES:
@@ -211,7 +209,7 @@ def forward_problem(q: Tensor, k: Tensor, v: Tensor, window: Window, traced: boo
         return reason
     if any(type(n) is not int for n in (*q.shape, *k.shape)):  # v is shaped like k (validated)
         return "symbolic shapes (torch.compile with dynamic shapes)"
-    work, bar = call_work(q.shape, k.shape, window), min_work(q.shape[-1], traced)
+    work, bar = call_work(q.shape, k.shape, window), min_work(q.shape[-1])
     if work < bar:
         return f"B*H*D*(query-key pairs) = {work} < {bar}, the size bar (the `tl` kernels run as fast there)"
     if not all(tma_addressable(t) for t in (q, k, v)):
@@ -231,12 +229,12 @@ def takes_forward(q: Tensor, k: Tensor, v: Tensor, window: Window) -> bool:
     return forward_problem(q, k, v, window) is None and all(t.data_ptr() % 16 == 0 for t in (q, k, v))
 
 
-def backward_problem(q: Tensor, k: Tensor, v: Tensor, window: Window, traced: bool = False) -> str | None:
+def backward_problem(q: Tensor, k: Tensor, v: Tensor, window: Window) -> str | None:
     """As `forward_problem`, for the Gluon backward kernels: the forward's conditions and a head dim one of them has
     variants for (dQ at D 64 and 128, dK/dV at D 128)."""
     if q.shape[-1] not in DKDV_VARIANTS and q.shape[-1] not in DQ_VARIANTS:
         return f"head dim {q.shape[-1]} (the Gluon backward kernels take {tuple(DQ_VARIANTS)})"
-    return forward_problem(q, k, v, window, traced)
+    return forward_problem(q, k, v, window)
 
 
 def takes_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, window: Window) -> bool:
@@ -356,6 +354,6 @@ def status() -> str:
     def power(b: int) -> str:
         return f"2^{b.bit_length() - 1}" if b else "0"
 
-    eager = ", ".join(f"{power(min_work(d))} (D {d})" for d in HEAD_DIMS)
-    bar = f"on where B*H*D*(query-key pairs, call_work) >= {eager} eager, {power(MIN_WORK)} compiled"
+    bars = ", ".join(f"{power(min_work(d))} (D {d})" for d in HEAD_DIMS)
+    bar = f"on where B*H*D*(query-key pairs, call_work) >= {bars}, eager and compiled"
     return bar + (f"; chose {choices}" if choices else "")

@@ -110,7 +110,7 @@ def traced_forward(q: Tensor, k: Tensor, v: Tensor, window: Window):
     `dispatch.forward_problem` finds nothing, else the triton_op that Inductor re-emits."""
     if q.device.type != "cuda":
         return interpreted_forward_op
-    return (gluon_forward_op if dispatch.forward_problem(q, k, v, window, traced=True) is None
+    return (gluon_forward_op if dispatch.forward_problem(q, k, v, window) is None
             else flash_attention_forward_op)
 
 
@@ -119,5 +119,5 @@ def traced_backward(q: Tensor, k: Tensor, v: Tensor, window: Window):
     checks O, dO and the addresses, and runs the `tl` kernels where they fail)."""
     if q.device.type != "cuda":
         return interpreted_backward_op
-    return (gluon_backward_op if dispatch.backward_problem(q, k, v, window, traced=True) is None
+    return (gluon_backward_op if dispatch.backward_problem(q, k, v, window) is None
             else flash_attention_backward_op)
