@@ -9,6 +9,7 @@
 #   E2E_PRESETS=small bash scripts/gpu_bench_single.sh end_to_end_compare   # one preset per call: both presets'
 #   E2E_PRESETS=medium bash scripts/gpu_bench_single.sh end_to_end_compare  # 8 cells ran past 550 s on an H100
 #   bash scripts/gpu_bench_single.sh attention_fa4        # beside FlashAttention-4 (importable: ../shared/tools/fa4_payload.sh); a call of its own
+#   FA4_HEAD_DIM=128 bash scripts/gpu_bench_single.sh attention_fa4_det   # deterministic beside deterministic (~320 s a head dim)
 #   bash scripts/gpu_bench_single.sh forward_trials       # the forward variants on trial: GPU tests, then timed (D 64)
 #   bash scripts/gpu_bench_single.sh tl_tiles             # every `tl` tile at the compiled models' shape, beside cuDNN
 #   PRESET=small CONTEXT=2048 bash scripts/gpu_bench_single.sh profile_step   # a compiled step's kernels, flash vs SDPA
@@ -84,7 +85,15 @@ for s in "${sections[@]}"; do
     timeout -k 10 ${ATT_TIMEOUT:-480} python3 -m benchmarks.attention --no-progress --out "$OUT/attention" \
       --impls flash-triton sdpa-cudnn fa4 --layout bnhd --name attention_gpu_fa4 --head-dims 64 128 \
       --seq-lens 1024 2048 4096 8192 16384 --dtypes bf16 --causal both --rep 25 --rounds 2 > "$OUT/attention_fa4.log" 2>&1
-    echo "attention_fa4 exit: $?"; grep -E "^\| " "$OUT/attention/attention_gpu_fa4.md" | cut -d'|' -f2-6,8,15-17 ;;
+    echo "attention_fa4 exit: $?"; grep -E "^\| " "$OUT/attention/attention_gpu_fa4.md" | cut -d'|' -f2-6,8,10,13-15 ;;
+  attention_fa4_det)  # both backwards of both: flashsys and FA4 each with and without determinism, SDPA-cuDNN,
+                      # N 4096-16384, 3 interleaved rounds, one head dim a call (~320 s on an H200)
+    d=${FA4_HEAD_DIM:-128}
+    timeout -k 10 ${ATT_TIMEOUT:-540} python3 -m benchmarks.attention --no-progress --out "$OUT/attention" \
+      --impls flash-triton flash-triton-nondet sdpa-cudnn fa4 fa4-det --layout bnhd --name attention_gpu_fa4_det_d$d \
+      --head-dims $d --seq-lens 4096 8192 16384 --dtypes bf16 --causal both --rep 25 --rounds 3 \
+      > "$OUT/attention_fa4_det.log" 2>&1
+    echo "attention_fa4_det exit: $?"; grep -E "^\| " "$OUT/attention/attention_gpu_fa4_det_d$d.md" | cut -d'|' -f2-6,10,13-16 ;;
   end_to_end_compiled)  # the compiled step, flash against SDPA, 3 interleaved rounds, contexts 512-8192
     timeout -k 10 ${E2E_TIMEOUT:-560} python3 -m benchmarks.end_to_end --no-progress --out "$OUT/end_to_end" \
       --presets ${E2E_PRESETS:-small} --contexts 512 2048 8192 --dtype bf16 --attention flash sdpa --modes compiled \
