@@ -216,6 +216,29 @@ def test_compiled_op_runs_the_gluon_backward_bit_for_bit_gpu(monkeypatch):
 
 @hopper_only
 @pytest.mark.gpu
+def test_compiled_calls_take_the_eager_size_bars_gpu():
+    """At the real bars (no MIN_WORK override): a D 128 call between its bar (2^31) and MIN_WORK (2^34) runs the Gluon
+    ops inside a compiled graph as it does eagerly, so eager and compiled give the same bits; a D 64 call of the
+    same work keeps the `tl` kernels, traced too."""
+    from flashsys.ops.attention import FlashAttention2Triton
+
+    torch._dynamo.reset()
+    causal = (-1, 0)
+    q, k, v, do = make_qkv(2, 16, 1024, 1024, 128, torch.bfloat16, "cuda", seed=11)
+    assert dispatch.min_work(128) <= dispatch.call_work(q.shape, k.shape, causal) < dispatch.MIN_WORK
+    assert library_ops.traced_forward(q, k, v, causal) is library_ops.gluon_forward_op
+    assert library_ops.traced_backward(q, k, v, causal) is library_ops.gluon_backward_op
+    for a, b in zip(*eager_then_compiled(FlashAttention2Triton, q, k, v, True)):
+        assert torch.equal(a, b)
+    assert_matches_reference(FlashAttention2Triton, q, k, v, do, True, None)
+    narrow = torch.randn(4, 16, 1024, 64, device="cuda", dtype=torch.bfloat16)
+    assert dispatch.call_work(narrow.shape, narrow.shape, causal) == dispatch.call_work(q.shape, k.shape, causal)
+    assert library_ops.traced_forward(narrow, narrow, narrow, causal) is library_ops.flash_attention_forward_op
+    assert library_ops.traced_backward(narrow, narrow, narrow, causal) is library_ops.flash_attention_backward_op
+
+
+@hopper_only
+@pytest.mark.gpu
 def test_stride_zero_do_and_unaligned_do_gpu(monkeypatch):
     """`o.sum().backward()` hands over a stride-0 dO (made dense before the kernels); a dO TMA cannot read keeps the
     `tl` backward kernels. Both give the reference gradients."""
