@@ -97,8 +97,8 @@ def add_vs_best_sdpa(cell_rows: list[dict]) -> None:
     deterministic backward did (`fa4-det`, the like-for-like anchor of flashsys's default backward),
     `fwd_bwd_vs_fa4_det` (its forward is FA4's, so no forward ratio of its own)."""
     base = [r["fwd_bwd_ms"] for r in cell_rows if r["impl"].startswith("sdpa") and "fwd_bwd_ms" in r]
-    fa4 = next((r for r in cell_rows if r["impl"] == "fa4" and "fwd_bwd_ms" in r), None)
-    fa4_det = next((r for r in cell_rows if r["impl"] == "fa4-det" and "fwd_bwd_ms" in r), None)
+    fa4, fa4_det = (next((r for r in cell_rows if r["impl"] == name and "fwd_bwd_ms" in r), None)
+                    for name in ("fa4", "fa4-det"))
     for r in cell_rows:
         if "fwd_bwd_ms" not in r:
             continue

@@ -69,10 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         ("flashsys, set_deterministic_backward(False) (torch.compile)", flash_step(False)),
     ]
     why_not_fa4 = ATTENTION_BACKENDS["fa4"].unavailable_reason("cuda")
+    # flashsys's first row is bit-deterministic; FA4's like-for-like is its own deterministic backward
+    fa4_variants = (("FlashAttention-4 (flash-attn-4)", "fa4"), ("FlashAttention-4, deterministic backward", "fa4-det"))
     if why_not_fa4 is None:
-        variants.append(("FlashAttention-4 (flash-attn-4)", sdpa_step("fa4")))
-        # flashsys's first row is bit-deterministic; FA4's like-for-like is its own deterministic backward
-        variants.append(("FlashAttention-4, deterministic backward", sdpa_step("fa4-det")))
+        variants += [(name, sdpa_step(backend)) for name, backend in fa4_variants]
     base = q._base  # the (3, H, N, D) leaf that q, k, v are views of
 
     # Correctness first: every variant's gradient against SDPA-flash's, on the same data.
@@ -101,8 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                      "grad_rel_err_vs_sdpa_flash": f"{err:.2e}"})
         print(f"{name}: {ms:.3f} ms", flush=True)
     if why_not_fa4 is not None:
-        rows.append({"implementation": "FlashAttention-4 (flash-attn-4)", "error": why_not_fa4})
-        rows.append({"implementation": "FlashAttention-4, deterministic backward", "error": why_not_fa4})
+        rows += [{"implementation": name, "error": why_not_fa4} for name, _ in fa4_variants]
     ours = rows[0].get("time_ms", float("nan"))
     for r in rows:
         if "time_ms" in r:

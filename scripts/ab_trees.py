@@ -73,6 +73,10 @@ class StepCell(NamedTuple):
         heads = f" with {self.heads} heads" if self.heads else ""
         return f"{self.preset}{heads} step, context {self.context}"
 
+    def spec(self) -> str:
+        """The cell as --steps takes it (`step_spec`)."""
+        return ":".join(str(x) for x in self if x)
+
 
 def step_spec(text: str) -> StepCell:
     """argparse type of a step cell written PRESET:CONTEXT or PRESET:CONTEXT:HEADS, e.g. small:2048, or
@@ -128,8 +132,9 @@ def _step_model(request: dict, models: dict):
     from benchmarks.end_to_end import PRESETS, Model
     from benchmarks.harness import ON_GPU
 
-    preset_name, context, heads = request["step"]
-    spec = ":".join(str(x) for x in request["step"] if x)  # as --steps gave it
+    cell = StepCell(*request["step"])
+    preset_name, context, heads = cell
+    spec = cell.spec()  # as --steps gave it
     if preset_name not in PRESETS:
         raise StepCellError(f"--steps {spec}: no such preset in this tree (it has {', '.join(PRESETS)})")
     if heads:

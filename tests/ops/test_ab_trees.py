@@ -158,7 +158,7 @@ def test_every_worker_builds_its_step_models_before_any_is_waited_for(monkeypatc
                      (trees[0], "flash-triton"), (trees[0], "sdpa")]
 
 
-def test_a_step_cell_may_give_the_model_other_heads(monkeypatch):
+def test_a_step_cell_may_give_the_model_other_heads():
     """PRESET:CONTEXT:HEADS times the preset with that many heads (tiny: 4 of D 64, here 2 of D 128), as a preset of
     the worker's own, so that a tree whose `Model` takes only a preset's name builds it too; a head count the model
     cannot take is named."""
@@ -167,9 +167,7 @@ def test_a_step_cell_may_give_the_model_other_heads(monkeypatch):
     assert ab_trees.step_spec("tiny:32:2") == ab_trees.StepCell("tiny", 32, 2)
     assert ab_trees.step_spec("tiny:32") == ab_trees.StepCell("tiny", 32, 0)
     assert ab_trees.StepCell("small", 2048, 6).label() == "small with 6 heads step, context 2048"
-    monkeypatch.setitem(PRESETS, "tiny", PRESETS["tiny"])  # the entries the worker adds go with the test
-    for extra in [k for k in PRESETS if k.startswith("tiny/")]:
-        monkeypatch.delitem(PRESETS, extra)
+    saved = dict(PRESETS)  # the presets the worker adds go with the test
     request = dict(step=["tiny", 32, 2], impl="flash-torch", mode="eager", iters=1, warmup=0, batch=1)
     models = {}
     model = ab_trees._step_model(request, models)
@@ -181,8 +179,8 @@ def test_a_step_cell_may_give_the_model_other_heads(monkeypatch):
         with pytest.raises(ab_trees.StepCellError, match="no such preset"):
             ab_trees._step_model(dict(request, step=["huge", 32, 0]), {})
     finally:
-        for extra in [k for k in PRESETS if k.startswith("tiny/")]:
-            del PRESETS[extra]
+        PRESETS.clear()
+        PRESETS.update(saved)
 
 
 def test_step_arguments_are_refused_by_name():
