@@ -14,6 +14,9 @@ their tables' first candidates, the way to compare bits (not times).
     python scripts/ab_trees.py --trees .ab/main . --cells 128:full:16384 128:causal:16384 --rounds 5 --baseline
     python scripts/ab_trees.py --trees .ab/main . --what step --steps small:2048 --rounds 3 --baseline
 
+The table goes to stdout; `--out DIR` also writes it as DIR/ab_trees.md and .csv (`--name` for another name) under
+the device, versions, date and command, and each tree's git commit (marked where its tracked files had changes).
+
 A cell is D:MASK:N (MASK full or causal), with batch = --tokens // N and --heads heads, bf16 on a GPU (float32 on a
 CPU, where the times say nothing about kernels: that is for trying the script, with `--impl flash-torch`). `--impl`
 names the attention backend of each tree's registry (`flashsys.ops.attention.ATTENTION_BACKENDS`; flash-triton by
@@ -35,9 +38,11 @@ the steps' bits are not compared (the embedding's backward adds in no fixed orde
 from __future__ import annotations
 
 import argparse
+import datetime
 import hashlib
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -45,6 +50,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 REPLY = "AB_TREES "  # a worker's answers start with this; anything else it prints goes to the driver's stderr
+BASELINES = {"sdpa-cudnn": "cuDNN", "sdpa": "SDPA"}  # --baseline's backend (attention cells, steps): its label
 
 
 class Cell(NamedTuple):
@@ -174,8 +180,15 @@ def worker(tokens: int, heads: int) -> int:
 
     import flashsys
 
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
     _reply({"flashsys": flashsys.__file__, "torch": torch.__version__,  # checked before anything else imports
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"})
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "triton": triton_version, "python": platform.python_version()})
     from benchmarks.attention import NONDETERMINISTIC, implementation
     from benchmarks.harness import DEVICE, ON_GPU, bench_ms
     from flashsys.ops.attention import ATTENTION_BACKENDS, set_deterministic_backward
@@ -280,8 +293,13 @@ class Worker:
         self.process.wait(timeout=60)
 
 
+class Run(NamedTuple):
+    results: list[dict]  # a cell's: {"cell", "times": {"tree i" or the baseline: ms a round}, "digests"}
+    hello: dict  # the first worker's: device and versions
+
+
 def run(trees: list[Path], cells: list[Cell | StepCell], rounds: int, impl: str, what: str, baseline: bool,
-        tokens: int, heads: int, step_options: dict | None = None) -> list[dict]:
+        tokens: int, heads: int, step_options: dict | None = None) -> Run:
     """Each cell's rows: per tree its times (ms, one a round) and digest; the baseline's times where asked. Step
     cells (`what` "step") are asked for with `step_options` (mode, iters, warmup, batch)."""
 
@@ -323,38 +341,70 @@ def run(trees: list[Path], cells: list[Cell | StepCell], rounds: int, impl: str,
             results.append({"cell": cell, "times": times, "digests": digests})
             # each cell's row as it is timed (stderr; the table comes at the end): a run cut short keeps its rows
             print("# " + table_row(results[-1], len(trees)), file=sys.stderr, flush=True)
-        return results
+        return Run(results, workers[0].hello)
     finally:
         for w in workers:
             w.close()
 
 
-def table_row(result: dict, n_trees: int) -> str:
-    """One cell's Markdown row of `table`: its median per tree, each tree after the first against the first, the
-    baseline's median and each tree against it where it was timed, and whether the trees' digests agreed."""
+def summary(result: dict, n_trees: int) -> dict[str, str | float]:
+    """One cell's columns, in order: its median per tree (ms), each tree after the first against the first, the
+    baseline's median and each tree against it where it was timed, and whether the trees' digests agreed ("—" where
+    none were taken: step cells)."""
     med = {name: statistics.median(ts) for name, ts in result["times"].items()}
-    row = [result["cell"].label(), *(f"{med[f'tree {i}']:.3f}" for i in range(n_trees)),
-           *(f"{med[f'tree {i}'] / med['tree 0']:.3f}" for i in range(1, n_trees))]
-    base = next((name for name in ("sdpa-cudnn", "sdpa") if name in med), None)
+    row: dict[str, str | float] = {"cell": result["cell"].label()}
+    row.update({f"tree {i} ms": med[f"tree {i}"] for i in range(n_trees)})
+    row.update({f"tree {i} / tree 0": med[f"tree {i}"] / med["tree 0"] for i in range(1, n_trees)})
+    base = next((name for name in BASELINES if name in med), None)
     if base is not None:
-        row += [f"{med[base]:.3f}", *(f"{med[f'tree {i}'] / med[base]:.3f}" for i in range(n_trees))]
+        row[f"{base} ms"] = med[base]
+        row.update({f"tree {i} / {BASELINES[base]}": med[f"tree {i}"] / med[base] for i in range(n_trees)})
     digests = set(result["digests"].values())
-    row.append("—" if digests == {None} else "yes" if len(digests) == 1 else "no")
-    return "| " + " | ".join(row) + " |"
+    row["same bits"] = "—" if digests == {None} else "yes" if len(digests) == 1 else "no"
+    return row
+
+
+def _cell_text(value: str | float) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else value
+
+
+def table_row(result: dict, n_trees: int) -> str:
+    """One cell's Markdown row of `table` (`summary`'s columns, times and ratios to three decimals)."""
+    return "| " + " | ".join(_cell_text(v) for v in summary(result, n_trees).values()) + " |"
 
 
 def table(results: list[dict], trees: list[Path]) -> str:
     """A Markdown table of every cell's `table_row`, under a legend naming the trees."""
-    others = range(1, len(trees))
-    head = ["cell", *(f"tree {i} ms" for i in range(len(trees))), *(f"tree {i} / tree 0" for i in others)]
-    if any("sdpa-cudnn" in r["times"] for r in results):
-        head += ["sdpa-cudnn ms", *(f"tree {i} / cuDNN" for i in range(len(trees)))]
-    elif any("sdpa" in r["times"] for r in results):
-        head += ["sdpa ms", *(f"tree {i} / SDPA" for i in range(len(trees)))]
-    head.append("same bits")
+    head = list(summary(max(results, key=lambda r: len(r["times"])), len(trees))) if results else ["cell"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *(table_row(r, len(trees)) for r in results)]
     legend = [f"tree {i}: {tree}" for i, tree in enumerate(trees)]
     return "\n".join([*legend, "", *lines])
+
+
+def tree_revision(tree: Path) -> str:
+    """The tree's git commit, "+ uncommitted changes" where its tracked files differ from it; or why none."""
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True)
+
+    head = git("rev-parse", "--short=12", "HEAD")
+    if head.returncode != 0:
+        return "not a git checkout"
+    dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    return head.stdout.strip() + (" + uncommitted changes" if dirty else "")
+
+
+def write_results(results: list[dict], trees: list[Path], hello: dict, out: Path, name: str, rounds: int) -> Path:
+    """`table`'s rows as <out>/<name>.md and .csv (`benchmarks.harness.write_table`) under the run's header: the
+    device, versions and date, the command, and each tree with its commit. Returns the Markdown path."""
+    from benchmarks.harness import command_line, write_table
+
+    env = {"device": hello["device"], "torch": hello["torch"], "triton": hello.get("triton", "not installed"),
+           "python": hello.get("python", "—"), "date": datetime.date.today().isoformat(), "command": command_line()}
+    env.update({f"tree {i}": f"{tree} ({tree_revision(tree)})" for i, tree in enumerate(trees)})
+    notes = [f"Medians of {rounds} interleaved rounds (each round alternates which tree goes first); ratios are each "
+             "tree's median over tree 0's and over the baseline's; \"same bits\": whether every tree's digest of "
+             "its first call's gradients (the output's, for the forward alone) agreed."]
+    return write_table([summary(r, len(trees)) for r in results], out, name, "A/B of source trees", notes, env)
 
 
 def main() -> int:
@@ -380,6 +430,9 @@ def main() -> int:
     ap.add_argument("--baseline", action="store_true", help="also time sdpa-cudnn (GPU only)")
     ap.add_argument("--tokens", type=int, default=16384, help="batch x N per cell")
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="also write the table as OUT/NAME.md and .csv, with device, versions, command and commits")
+    ap.add_argument("--name", default="ab_trees", help="--out: the files' name (default ab_trees)")
     args = ap.parse_args()
     if not args.trees or len(args.trees) < 2:
         ap.error("--trees: give two or more source trees")
@@ -388,15 +441,20 @@ def main() -> int:
             ap.error(f"--{name}: 1 or more")
     if args.warmup < 0:
         ap.error("--warmup: 0 or more")
+    if not args.name or Path(args.name).name != args.name:
+        ap.error(f"--name {args.name!r}: a file name without a folder (the folder is --out)")
     if (args.what == "step") != bool(args.steps):
         ap.error("--steps goes with --what step, and --what step needs --steps")
     if args.what == "step" and args.impl == "flash-triton-nondet":
         ap.error("--impl flash-triton-nondet times attention cells only; a step's model takes a registry backend")
     cells = args.steps if args.what == "step" else args.cells
     step_options = dict(mode=args.step_mode, iters=args.iters, warmup=args.warmup, batch=args.batch)
-    results = run(args.trees, cells, args.rounds, args.impl, args.what, args.baseline, args.tokens, args.heads,
-                  step_options)
-    print(table(results, args.trees))
+    done = run(args.trees, cells, args.rounds, args.impl, args.what, args.baseline, args.tokens, args.heads,
+               step_options)
+    print(table(done.results, args.trees))
+    if args.out is not None:
+        print(f"# wrote {write_results(done.results, args.trees, done.hello, args.out, args.name, args.rounds)}",
+              file=sys.stderr)
     return 0
 
 

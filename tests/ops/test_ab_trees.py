@@ -39,13 +39,39 @@ def test_two_trees_are_timed_cell_by_cell_and_their_bits_compared(tmp_path):
 def test_the_forward_alone_is_timed_and_each_row_is_shown_as_it_is_timed(tmp_path):
     """`--what fwd` times the forward without building a backward (its digest is the output's, the same in both
     copies of the tree); each cell's row goes to stderr as soon as it is timed, so a call cut short keeps its rows,
-    while the table on stdout lists each cell once."""
+    while the table on stdout lists each cell once. `--out` writes that table as Markdown and CSV under the device,
+    versions, command and each tree's commit."""
     done = _run("--trees", str(ROOT), str(ROOT), "--cells", "16:causal:64", "--rounds", "1", "--tokens", "64",
-                "--heads", "1", "--what", "fwd", "--impl", "flash-torch")
+                "--heads", "1", "--what", "fwd", "--impl", "flash-torch", "--out", str(tmp_path), "--name", "fwd")
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| D ")]
     assert len(rows) == 1 and rows[0].startswith("| D 16 causal N 64") and rows[0].endswith("| yes |")
     assert f"# {rows[0]}" in done.stderr.splitlines()
+    md = (tmp_path / "fwd.md").read_text()
+    assert rows[0] in md.splitlines() and "| cell | tree 0 ms | tree 1 ms | tree 1 / tree 0 | same bits |" in md
+    import torch
+
+    revision = ab_trees.tree_revision(ROOT)
+    assert f"- tree 0: {ROOT} ({revision})" in md and f"- tree 1: {ROOT} ({revision})" in md
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"  # the workers' own
+    assert f"- torch: {torch.__version__}" in md and f"- device: {device}\n" in md and "--what fwd" in md
+    csv_lines = (tmp_path / "fwd.csv").read_text().splitlines()
+    assert csv_lines[0] == "cell,tree 0 ms,tree 1 ms,tree 1 / tree 0,same bits" and len(csv_lines) == 2
+
+
+def test_a_tree_outside_git_or_with_changes_says_so(tmp_path):
+    """The header's commit of each tree: the commit, marked where tracked files differ from it; a folder outside
+    any checkout says that instead of failing."""
+    assert ab_trees.tree_revision(tmp_path) == "not a git checkout"
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "a.txt").write_text("one\n")
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "add", "a.txt"], check=True)
+    subprocess.run([*git, "commit", "-qm", "a"], check=True)
+    clean = ab_trees.tree_revision(tmp_path)
+    assert len(clean) == 12 and "+" not in clean
+    (tmp_path / "a.txt").write_text("two\n")
+    assert ab_trees.tree_revision(tmp_path) == clean + " + uncommitted changes"
 
 
 def test_a_worker_that_imports_another_trees_flashsys_is_refused(tmp_path):
@@ -68,7 +94,8 @@ def test_the_arguments_are_refused_by_name(tmp_path):
                         ((str(ROOT), str(ROOT), "--cells", "32:dense:128"), "want D:MASK:N"),
                         ((str(ROOT),), "give two or more source trees"),
                         ((str(ROOT), str(ROOT), "--rounds", "0"), "argument --rounds"),
-                        ((str(ROOT), str(ROOT), "--heads", "0"), "--heads: 1 or more")):
+                        ((str(ROOT), str(ROOT), "--heads", "0"), "--heads: 1 or more"),
+                        ((str(ROOT), str(ROOT), "--out", str(tmp_path), "--name", "a/b"), "--name 'a/b'")):
         done = _run("--trees", *args)
         assert done.returncode == 2 and words in done.stderr, done.stderr
 
