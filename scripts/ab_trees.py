@@ -171,6 +171,18 @@ def _time_step(request: dict, models: dict) -> dict:
     return {"ms": model.rounds[-1], "digest": None}
 
 
+def _timed_call(what: str, backend, out, leaves: tuple, do, causal: bool):
+    """The call `bench_ms` times for an attention cell: "bwd" the backward of `out` (its graph retained), "fwd" the
+    forward without an autograd graph, "fwd_bwd" a forward and its backward."""
+    import torch
+
+    if what == "bwd":
+        return lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)
+    if what == "fwd":
+        return torch.no_grad()(lambda: backend(*leaves, causal))
+    return lambda: torch.autograd.grad(backend(*leaves, causal), leaves, do)
+
+
 def worker(tokens: int, heads: int) -> int:
     """Serve the driver: one JSON request a line on stdin ({"cell": [D, causal, N], "impl": a registry backend,
     "what": "bwd", "fwd" or "fwd_bwd"}, or a step cell's, `_time_step`), one REPLY line each ({"ms": ...,
@@ -233,17 +245,8 @@ def worker(tokens: int, heads: int) -> int:
         except Exception as exc:  # noqa: BLE001  the driver stops with it, naming the tree
             _reply({"error": f"--impl {request['impl']} at D {d}, N {n}: {type(exc).__name__}: {exc}"})
             continue
-        if request["what"] == "bwd":
-            def step():
-                return torch.autograd.grad(out, leaves, do, retain_graph=True)
-        elif forward_only:
-            @torch.no_grad()
-            def step():
-                return backend(*leaves, causal)
-        else:
-            def step():
-                return torch.autograd.grad(backend(*leaves, causal), leaves, do)
-        _reply({"ms": bench_ms(step), "digest": _digest(digested)})
+        _reply({"ms": bench_ms(_timed_call(request["what"], backend, out, leaves, do, causal)),
+                "digest": _digest(digested)})
         del out, digested, leaves
     return 0
 
@@ -384,9 +387,9 @@ def table(results: list[dict], trees: list[Path]) -> str:
 def tree_revision(tree: Path) -> str:
     """The tree's git commit, "+ uncommitted changes" where its tracked files differ from it; or why none."""
     def git(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True)
+        return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True, check=False)
 
-    head = git("rev-parse", "--short=12", "HEAD")
+    head = git("rev-parse", "--short=12", "HEAD")  # a failure is an answer here: not a checkout
     if head.returncode != 0:
         return "not a git checkout"
     dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
@@ -401,9 +404,9 @@ def write_results(results: list[dict], trees: list[Path], hello: dict, out: Path
     env = {"device": hello["device"], "torch": hello["torch"], "triton": hello.get("triton", "not installed"),
            "python": hello.get("python", "—"), "date": datetime.date.today().isoformat(), "command": command_line()}
     env.update({f"tree {i}": f"{tree} ({tree_revision(tree)})" for i, tree in enumerate(trees)})
-    notes = [f"Medians of {rounds} interleaved rounds (each round alternates which tree goes first); ratios are each "
-             "tree's median over tree 0's and over the baseline's; \"same bits\": whether every tree's digest of "
-             "its first call's gradients (the output's, for the forward alone) agreed."]
+    notes = [(f"Medians of {rounds} interleaved rounds (each round alternates which tree goes first); ratios are each "
+              "tree's median over tree 0's and over the baseline's; \"same bits\": whether every tree's digest of "
+              "its first call's gradients (the output's, for the forward alone) agreed.")]
     return write_table([summary(r, len(trees)) for r in results], out, name, "A/B of source trees", notes, env)
 
 

@@ -8,8 +8,7 @@
 #   bash scripts/gpu_bench_single.sh host_cost mfu attention_features     # host cost, MFU, GQA/window/varlen
 #   E2E_PRESETS=small bash scripts/gpu_bench_single.sh end_to_end_compare   # one preset per call: both presets'
 #   E2E_PRESETS=medium bash scripts/gpu_bench_single.sh end_to_end_compare  # 8 cells ran past 550 s on an H100
-#   bash scripts/gpu_bench_single.sh attention_fa4        # beside FlashAttention-4 (importable: ../shared/tools/fa4_payload.sh); a call of its own
-#   FA4_HEAD_DIM=128 bash scripts/gpu_bench_single.sh attention_fa4_det   # deterministic beside deterministic (~320 s a head dim)
+#   FA4_HEAD_DIMS=128 bash scripts/gpu_bench_single.sh attention_fa4   # beside FlashAttention-4, both with and without determinism
 #   bash scripts/gpu_bench_single.sh forward_trials       # the forward variants on trial: GPU tests, then timed (D 64)
 #   bash scripts/gpu_bench_single.sh tl_tiles             # every `tl` tile at the compiled models' shape, beside cuDNN
 #   PRESET=small CONTEXT=2048 bash scripts/gpu_bench_single.sh profile_step   # a compiled step's kernels, flash vs SDPA
@@ -81,19 +80,15 @@ for s in "${sections[@]}"; do
       --modes eager compiled --warmup 3 --iters 10 > "$OUT/end_to_end_compare.log" 2>&1
     echo "end_to_end_compare exit: $?"; grep -E "^\| " "$OUT"/end_to_end/end_to_end_gpu_bf16_flash-sdpa_eager-compiled_w3.md \
       | cut -d'|' -f2-9,16 ;;
-  attention_fa4)  # flashsys, SDPA-cuDNN and FlashAttention-4 on (B, N, H, D) inputs, 2 interleaved rounds (~400 s on a fresh H200)
-    timeout -k 10 ${ATT_TIMEOUT:-480} python3 -m benchmarks.attention --no-progress --out "$OUT/attention" \
-      --impls flash-triton sdpa-cudnn fa4 --layout bnhd --name attention_gpu_fa4 --head-dims 64 128 \
-      --seq-lens 1024 2048 4096 8192 16384 --dtypes bf16 --causal both --rep 25 --rounds 2 > "$OUT/attention_fa4.log" 2>&1
-    echo "attention_fa4 exit: $?"; grep -E "^\| " "$OUT/attention/attention_gpu_fa4.md" | cut -d'|' -f2-6,8,10,13-15 ;;
-  attention_fa4_det)  # both backwards of both: flashsys and FA4 each with and without determinism, SDPA-cuDNN,
-                      # N 4096-16384, 3 interleaved rounds, one head dim a call (~320 s on an H200)
-    d=${FA4_HEAD_DIM:-128}
+  attention_fa4)  # beside FlashAttention-4 (importable: ../shared/tools/fa4_payload.sh): flashsys and FA4 each with
+                  # and without determinism, SDPA-cuDNN, on (B, N, H, D) inputs, 3 interleaved rounds; FA4_HEAD_DIMS
+                  # (default 128), FA4_SEQ_LENS (default 4096 8192 16384): ~160 s a head dim on a warm H100
+    dims=${FA4_HEAD_DIMS:-128}; name=attention_gpu_fa4_det_d${dims// /_}
     timeout -k 10 ${ATT_TIMEOUT:-540} python3 -m benchmarks.attention --no-progress --out "$OUT/attention" \
-      --impls flash-triton flash-triton-nondet sdpa-cudnn fa4 fa4-det --layout bnhd --name attention_gpu_fa4_det_d$d \
-      --head-dims $d --seq-lens 4096 8192 16384 --dtypes bf16 --causal both --rep 25 --rounds 3 \
-      > "$OUT/attention_fa4_det.log" 2>&1
-    echo "attention_fa4_det exit: $?"; grep -E "^\| " "$OUT/attention/attention_gpu_fa4_det_d$d.md" | cut -d'|' -f2-6,10,13-16 ;;
+      --impls flash-triton flash-triton-nondet sdpa-cudnn fa4 fa4-det --layout bnhd --name $name \
+      --head-dims $dims --seq-lens ${FA4_SEQ_LENS:-4096 8192 16384} --dtypes bf16 --causal both --rep 25 --rounds 3 \
+      > "$OUT/attention_fa4.log" 2>&1
+    echo "attention_fa4 exit: $?"; grep -E "^\| " "$OUT/attention/$name.md" | cut -d'|' -f2-6,10,13-16 ;;
   end_to_end_compiled)  # the compiled step, flash against SDPA, 3 interleaved rounds, contexts 512-8192
     timeout -k 10 ${E2E_TIMEOUT:-560} python3 -m benchmarks.end_to_end --no-progress --out "$OUT/end_to_end" \
       --presets ${E2E_PRESETS:-small} --contexts 512 2048 8192 --dtype bf16 --attention flash sdpa --modes compiled \
