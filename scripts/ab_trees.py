@@ -401,8 +401,8 @@ def write_results(results: list[dict], trees: list[Path], hello: dict, out: Path
     device, versions and date, the command, and each tree with its commit. Returns the Markdown path."""
     from benchmarks.harness import command_line, write_table
 
-    env = {"device": hello["device"], "torch": hello["torch"], "triton": hello.get("triton", "not installed"),
-           "python": hello.get("python", "—"), "date": datetime.date.today().isoformat(), "command": command_line()}
+    env = {"device": hello["device"], "torch": hello["torch"], "triton": hello["triton"], "python": hello["python"],
+           "date": datetime.date.today().isoformat(), "command": command_line()}
     env.update({f"tree {i}": f"{tree} ({tree_revision(tree)})" for i, tree in enumerate(trees)})
     notes = [(f"Medians of {rounds} interleaved rounds (each round alternates which tree goes first); ratios are each "
               "tree's median over tree 0's and over the baseline's; \"same bits\": whether every tree's digest of "
