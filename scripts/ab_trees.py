@@ -367,13 +367,12 @@ def summary(result: dict, n_trees: int) -> dict[str, str | float]:
     return row
 
 
-def _cell_text(value: str | float) -> str:
-    return f"{value:.3f}" if isinstance(value, float) else value
-
-
 def table_row(result: dict, n_trees: int) -> str:
-    """One cell's Markdown row of `table` (`summary`'s columns, times and ratios to three decimals)."""
-    return "| " + " | ".join(_cell_text(v) for v in summary(result, n_trees).values()) + " |"
+    """One cell's Markdown row of `table`: `summary`'s columns as `benchmarks.harness.write_table` writes them, so the
+    printed row and the written one are the same text."""
+    from benchmarks.harness import fmt
+
+    return "| " + " | ".join(fmt(v) for v in summary(result, n_trees).values()) + " |"
 
 
 def table(results: list[dict], trees: list[Path]) -> str:
