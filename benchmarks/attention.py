@@ -26,8 +26,8 @@ import statistics
 import torch
 
 from benchmarks.harness import (
-    ON_GPU, add_common_args, at_least_one, bench_ms, environment, peak_memory, progress, pyplot, run_cell, save_plot,
-    write_table,
+    ON_GPU, add_common_args, at_least_one, bench_ms, environment, peak_memory, progress, pyplot, round_order, run_cell,
+    save_plot, write_table,
 )
 from flashsys.ops.attention import ATTENTION_BACKENDS
 
@@ -217,7 +217,8 @@ def main(argv=None) -> int:
     causals = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
     cells = [(d, n, dt, c) for dt in args.dtypes for c in causals for d in args.head_dims for n in args.seq_lens]
     tag = "gpu" if ON_GPU else "cpu"
-    rounds_note = (f", then the median of {args.rounds} rounds, the implementations interleaved" if args.rounds > 1
+    rounds_note = (f", then the median of {args.rounds} rounds, the implementations interleaved in an order rotated "
+                   "each round" if args.rounds > 1
                    else "")
     notes = [f"heads {args.heads}; batch "
              + (f"{args.batch}" if args.batch else f"max(1, {args.tokens} // seq_len)" if ON_GPU else "1")
@@ -247,8 +248,9 @@ def main(argv=None) -> int:
             else:
                 timed[name] = []
             cell_rows.append(row)
-        for _ in range(args.rounds):
-            for name, runs in timed.items():
+        for r in range(args.rounds):
+            for name in round_order(list(timed), r):
+                runs = timed[name]
                 if not runs or "error" not in runs[-1]:
                     runs.append(run_cell(lambda: measure_impl(name, impls[name], batch, args.heads, n, d,
                                                               DTYPES[dt], c, args.rep, layout=args.layout)))

@@ -42,7 +42,7 @@ from torch import nn
 
 from benchmarks.harness import (
     add_common_args, add_distributed_model_args, distributed_model_config, environment, gradient_and_state_bytes,
-    pyplot, save_plot, spawn_for_result, token_batch, write_result, write_table,
+    pyplot, round_order, save_plot, spawn_for_result, token_batch, write_result, write_table,
 )
 from flashsys.dist import BucketedDDP
 from flashsys.nn import TransformerLM
@@ -217,8 +217,8 @@ def worker(rank, world, device, cfg, batch, warmup, iters, rounds, only, out_jso
     memory: dict[str, tuple[int, float]] = {}
     peak: dict[str, float] = {}
     info: dict[str, dict] = {}
-    for _ in range(rounds):
-        for name in names:
+    for r in range(rounds):
+        for name in round_order(names, r):
             first = name not in peak
             if first and device.type == "cuda":
                 # What the other variants hold (their models and state stay alive): this variant's peak is the
@@ -387,7 +387,8 @@ def main(argv=None) -> int:
             rows, args.out, name, f"Data-parallel training step (AdamW), {world} ranks",
             [f"{world} ranks, {args.backend}, model {args.preset} ({total / MB:.0f} MB of fp32 parameters), context "
              f"{args.context}, batch {args.batch} per rank, {precision}. "
-             f"{args.rounds} interleaved rounds of {args.warmup} warm-up + {args.iters} timed steps per variant; "
+             f"{args.rounds} interleaved rounds (the variants' order rotated each round) of {args.warmup} warm-up + "
+             f"{args.iters} timed steps per variant; "
              "median and p10/p90 of the slowest rank's step. exposed = median - compute-only median. peak_MB: the "
              "allocator's peak over the variant's first round, per rank (the most of any rank), less what the other "
              "variants hold. plan_peak_MB and plan_ms: what `flashsys plan` predicts for the rows it models "

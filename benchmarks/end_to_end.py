@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from benchmarks.harness import (
     DEVICE, ON_GPU, add_common_args, at_least_one, environment, memory_snapshot, nvtx, peak_memory, progress, pyplot,
-    run_cell, save_plot, sync, token_batch, write_table,
+    round_order, run_cell, save_plot, sync, token_batch, write_table,
 )
 from flashsys.nn import PRESETS, TransformerLM, preset
 from flashsys.ops.attention import ATTENTION_BACKENDS
@@ -158,8 +158,8 @@ def main(argv=None) -> int:
         return write_table(rows, args.out, name, "TransformerLM end to end",
                            [f"batch {args.batch}, vocab 10,000, AdamW; step_ms: median of {args.iters} whole steps"
                             + (f", the median over {args.rounds} rounds, the attention implementations of a cell "
-                               "interleaved" if args.rounds > 1 else "") + "; host_ms: the host's time to "
-                            "issue a step, on the same steps (where it comes close to step_ms, the step waits on the "
+                               "interleaved in an order rotated each round" if args.rounds > 1 else "")
+                            + "; host_ms: the host's time to issue a step, on the same steps (where it comes close to step_ms, the step waits on the "
                             f"host); phases: mean ± std over {args.iters} steps after {args.warmup} warm-up steps; "
                             "peak memory is the extra allocated during a forward (no grad) and during a full "
                             "training step."]
@@ -182,8 +182,9 @@ def main(argv=None) -> int:
                 else:
                     row.update(built)
                 group_rows.append(row)
-            for _ in range(args.rounds):
-                for attention, model in list(models.items()):
+            for round_index in range(args.rounds):
+                for attention in round_order(list(models), round_index):
+                    model = models[attention]
                     failed = run_cell(lambda: model.time_steps() or {})
                     if failed:
                         next(r for r in group_rows if r["attention"] == attention).update(failed)

@@ -23,8 +23,9 @@ import math
 import os
 import platform
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -158,6 +159,21 @@ def failure_label(exc: BaseException) -> str:
     if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
         return "OOM"
     return f"unsupported ({type(exc).__name__})"
+
+
+Item = TypeVar("Item")
+
+
+def round_order(items: Sequence[Item], round_index: int) -> list[Item]:
+    """The order in which round `round_index` of interleaved rounds times `items`: rotated one place a round, so that
+    over len(items) rounds each runs once in every position. A fixed order gives every item the same neighbour each
+    round, and with it the clock and power state that neighbour leaves (the same forward kernel, timed in two columns
+    of one FlashAttention-4 run in a fixed order, read up to 8% apart in the rounds' medians); rotated, the median
+    over the rounds does not keep one position's bias."""
+    if not items:
+        return []
+    k = round_index % len(items)
+    return [*items[k:], *items[:k]]
 
 
 def at_least_one(text: str) -> int:

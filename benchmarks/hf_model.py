@@ -30,7 +30,9 @@ import time
 
 import torch
 
-from benchmarks.harness import DEVICE, ON_GPU, add_common_args, bench_ms, environment, run_cell, sync, write_table
+from benchmarks.harness import (
+    DEVICE, ON_GPU, add_common_args, bench_ms, environment, round_order, run_cell, sync, write_table,
+)
 
 SHAPES = {  # TinyLlama-1.1B's shape on a GPU; a toy one on a CPU
     True: dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
@@ -124,7 +126,7 @@ def train_rounds(impls: list[str], compiled_impls: list[str], dtype: torch.dtype
     times = {cell: [] for cell in steps}
     order = list(steps)
     for r in range(rounds):
-        for cell in order[r % len(order):] + order[:r % len(order)] if order else ():
+        for cell in round_order(order, r):
             timed = run_cell(lambda c=cell: {"ms": bench_ms(steps[c], rep_ms=400, warmup_ms=0)})
             if "ms" in timed:
                 times[cell].append(timed["ms"])

@@ -127,6 +127,41 @@ def test_an_attention_table_names_the_cells_timed_again(tmp_path, monkeypatch):
     assert "timed again" in table and "naive fp32 D 16 N 64 causal (2×)" in table and "sdpa-math fp32" not in table
 
 
+def test_round_order_puts_every_item_once_in_every_position():
+    """`harness.round_order`: round r takes the items rotated r places, so over len(items) rounds each runs once
+    first, once last, and after every other item; round 0 keeps the given order (the first round's memory peaks
+    are read in it)."""
+    from benchmarks.harness import round_order
+
+    items = ["a", "b", "c", "d"]
+    orders = [round_order(items, r) for r in range(len(items))]
+    assert orders[0] == items and round_order(items, len(items)) == items
+    assert all(sorted(o) == items for o in orders)
+    for position in range(len(items)):
+        assert sorted(o[position] for o in orders) == items
+    assert {(o[i - 1], o[i]) for o in orders for i in range(1, len(o))} >= {("d", "a"), ("a", "b")}
+    assert round_order([], 3) == [] and round_order(("x",), 5) == ["x"]
+
+
+def test_attention_rounds_rotate_which_implementation_goes_first(tmp_path, monkeypatch):
+    """`benchmarks.attention --rounds 3` over three implementations: each round starts with another one, so a cell's
+    medians do not keep the bias of one fixed order."""
+    import benchmarks.attention as attention
+
+    calls = []
+
+    def fake_measure(name, fn, batch, heads, n, *rest, **options):
+        calls.append(name)
+        return {"fwd_ms": 1.0, "bwd_ms": 2.0, "fwd_bwd_ms": 3.0, "peak_mem_MB": 1.0, "retimed": 0}
+
+    monkeypatch.setattr(attention, "measure_impl", fake_measure)
+    impls = ["naive", "sdpa-math", "flash-torch"]
+    assert attention.main(["--seq-lens", "64", "--head-dims", "16", "--causal", "yes", "--impls", *impls, "--rounds",
+                           "3", "--out", str(tmp_path), "--no-progress"]) == 0
+    assert calls == [*impls, *impls[1:], impls[0], impls[2], *impls[:2]]
+    assert "order rotated each round" in (tmp_path / "attention_cpu.md").read_text()
+
+
 def test_an_attention_sweep_stopped_midway_keeps_the_cells_it_finished(tmp_path, monkeypatch):
     """The sweep writes its table after every cell, marked partial until the last: a run cut off (a timeout's kill,
     here an interrupt in the second cell's timing) leaves the first cell's rows, ratios included, on disk."""
