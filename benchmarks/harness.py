@@ -188,7 +188,8 @@ def add_probe_args(p: argparse.ArgumentParser, heads: int) -> None:
     in interleaved rounds (scripts/forward_variants.py, scripts/tl_tiles.py); `kv_heads_of` reads --kv-heads."""
     p.add_argument("--heads", type=int, default=heads, help="query heads")
     p.add_argument("--kv-heads", type=int, default=None, help="K/V heads, dividing --heads (default: --heads)")
-    p.add_argument("--rounds", type=at_least_one, default=3, help="interleaved rounds; each time is the rounds' median")
+    p.add_argument("--rounds", type=at_least_one, default=3,
+                   help="interleaved rounds, their order rotated a round; each time is the rounds' median")
     p.add_argument("--rep", type=int, default=60, help="do_bench rep in ms per measurement")
 
 

@@ -3,7 +3,8 @@
 A kernel change whose host code changed too (a buffer's shape, a kernel's arguments) cannot be timed against the old
 code in one process: each tree must import its own flashsys. Here each tree gets a worker, a Python started in that
 tree with the tree first on its path, and the driver asks the workers in turn to time each cell, so only one of
-them uses the GPU at a time and the clocks' drift falls on both alike. Each round alternates which tree goes first.
+them uses the GPU at a time and the clocks' drift falls on both alike. Each round rotates the order in which the trees
+(and the baseline) go.
 
 Each worker also returns a digest of the first backward's dQ, dK and dV (of the output, for `--what fwd`). Two trees
 whose deterministic backwards add the same sums in the same order must give the same digest; the table says whether
@@ -305,6 +306,7 @@ def run(trees: list[Path], cells: list[Cell | StepCell], rounds: int, impl: str,
         tokens: int, heads: int, step_options: dict | None = None) -> Run:
     """Each cell's rows: per tree its times (ms, one a round) and digest; the baseline's times where asked. Step
     cells (`what` "step") are asked for with `step_options` (mode, iters, warmup, batch)."""
+    from benchmarks.harness import round_order
 
     def request(cell: Cell | StepCell, backend: str) -> dict:
         if isinstance(cell, StepCell):
@@ -330,17 +332,19 @@ def run(trees: list[Path], cells: list[Cell | StepCell], rounds: int, impl: str,
                     w.send(**req, prepare=True)
                 for w, _ in asked:
                     w.receive()
-            times: dict[str, list[float]] = {}
+            # (column, worker, request) of each timing a round takes, in an order rotated each round
+            timings = [(f"tree {i}", w, request(cell, impl)) for i, w in enumerate(workers)]
+            if baseline:
+                name = "sdpa" if isinstance(cell, StepCell) else "sdpa-cudnn"
+                timings.append((name, workers[0], request(cell, name)))
+            times: dict[str, list[float]] = {column: [] for column, _, _ in timings}
             digests: dict[str, str] = {}
             for r in range(rounds):
-                order = list(enumerate(workers)) if r % 2 == 0 else list(enumerate(workers))[::-1]
-                for i, w in order:
-                    answer = w.ask(**request(cell, impl))
-                    times.setdefault(f"tree {i}", []).append(answer["ms"])
-                    digests[f"tree {i}"] = answer["digest"]
-                if baseline:
-                    name = "sdpa" if isinstance(cell, StepCell) else "sdpa-cudnn"
-                    times.setdefault(name, []).append(workers[0].ask(**request(cell, name))["ms"])
+                for column, w, req in round_order(timings, r):
+                    answer = w.ask(**req)
+                    times[column].append(answer["ms"])
+                    if column.startswith("tree "):
+                        digests[column] = answer["digest"]
             results.append({"cell": cell, "times": times, "digests": digests})
             # each cell's row as it is timed (stderr; the table comes at the end): a run cut short keeps its rows
             print("# " + table_row(results[-1], len(trees)), file=sys.stderr, flush=True)
@@ -403,9 +407,9 @@ def write_results(results: list[dict], trees: list[Path], hello: dict, out: Path
     env = {"device": hello["device"], "torch": hello["torch"], "triton": hello["triton"], "python": hello["python"],
            "date": datetime.date.today().isoformat(), "command": command_line()}
     env.update({f"tree {i}": f"{tree} ({tree_revision(tree)})" for i, tree in enumerate(trees)})
-    notes = [(f"Medians of {rounds} interleaved rounds (each round alternates which tree goes first); ratios are each "
-              "tree's median over tree 0's and over the baseline's; \"same bits\": whether every tree's digest of "
-              "its first call's gradients (the output's, for the forward alone) agreed.")]
+    notes = [(f"Medians of {rounds} interleaved rounds (the trees and the baseline in an order rotated each round); "
+              "ratios are each tree's median over tree 0's and over the baseline's; \"same bits\": whether every "
+              "tree's digest of its first call's gradients (the output's, for the forward alone) agreed.")]
     return write_table([summary(r, len(trees)) for r in results], out, name, "A/B of source trees", notes, env)
 
 

@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this tree's flashsys, benchmarks
 
-from benchmarks.harness import add_probe_args, bench_ms, environment_variable, kv_heads_of
+from benchmarks.harness import add_probe_args, bench_ms, environment_variable, kv_heads_of, round_order
 from flashsys.ops.attention import ATTENTION_BACKENDS
 
 
@@ -88,9 +88,9 @@ def _time_cell(calls: dict[str, Callable[[], torch.Tensor]], rounds: int, rep_ms
             continue
         errors[name] = float("nan") if reference is None else (out.float() - reference).abs().max().item()
     times = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
-            times[name].append(bench_ms(call, rep_ms=rep_ms))
+    for r in range(rounds):
+        for name in round_order(list(calls), r):
+            times[name].append(bench_ms(calls[name], rep_ms=rep_ms))
     return [(name, statistics.median(times[name]), errors[name]) for name in calls]
 
 

@@ -44,7 +44,7 @@ if not torch.cuda.is_available():  # the `tl` kernels run on a CPU only under th
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this tree's flashsys, benchmarks
 
 from benchmarks.harness import (  # noqa: E402
-    add_probe_args, bench_ms, environment_variable, kv_heads_of, warm_l2_ms, write_table)
+    add_probe_args, bench_ms, environment_variable, kv_heads_of, round_order, warm_l2_ms, write_table)
 from flashsys.ops.attention import ATTENTION_BACKENDS, dispatch, launcher  # noqa: E402
 from flashsys.ops.attention.reference import attention_reference  # noqa: E402
 from flashsys.ops.attention.triton import launch  # noqa: E402
@@ -316,8 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     both = args.l2 == "both"
     modes = ["flushed", "warm"] if both else [args.l2]
     times: dict[str, dict[tuple, list[float]]] = {mode: {key: [] for key, _ in timed} for mode in modes}
-    for _ in range(args.rounds):
-        for key, call in timed:
+    for r in range(args.rounds):
+        for key, call in round_order(timed, r):
             for mode in modes:
                 times[mode][key].append(timers[mode](call, rep_ms=args.rep))
     ms = {mode: {key: statistics.median(t) for key, t in by_key.items()} for mode, by_key in times.items()}
