@@ -217,8 +217,8 @@ def main(argv=None) -> int:
     causals = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
     cells = [(d, n, dt, c) for dt in args.dtypes for c in causals for d in args.head_dims for n in args.seq_lens]
     tag = "gpu" if ON_GPU else "cpu"
-    rounds_note = (f", then the median of {args.rounds} rounds, the implementations interleaved in an order rotated "
-                   "each round" if args.rounds > 1
+    rounds_note = (f", then the median of {args.rounds} rounds, the implementations interleaved in an order changed "
+                   "each round (`round_order`)" if args.rounds > 1
                    else "")
     notes = [f"heads {args.heads}; batch "
              + (f"{args.batch}" if args.batch else f"max(1, {args.tokens} // seq_len)" if ON_GPU else "1")

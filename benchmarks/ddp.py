@@ -387,7 +387,7 @@ def main(argv=None) -> int:
             rows, args.out, name, f"Data-parallel training step (AdamW), {world} ranks",
             [f"{world} ranks, {args.backend}, model {args.preset} ({total / MB:.0f} MB of fp32 parameters), context "
              f"{args.context}, batch {args.batch} per rank, {precision}. "
-             f"{args.rounds} interleaved rounds (the variants' order rotated each round) of {args.warmup} warm-up + "
+             f"{args.rounds} interleaved rounds (the variants' order changed each round) of {args.warmup} warm-up + "
              f"{args.iters} timed steps per variant; "
              "median and p10/p90 of the slowest rank's step. exposed = median - compute-only median. peak_MB: the "
              "allocator's peak over the variant's first round, per rank (the most of any rank), less what the other "

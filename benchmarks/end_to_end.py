@@ -158,7 +158,7 @@ def main(argv=None) -> int:
         return write_table(rows, args.out, name, "TransformerLM end to end",
                            [f"batch {args.batch}, vocab 10,000, AdamW; step_ms: median of {args.iters} whole steps"
                             + (f", the median over {args.rounds} rounds, the attention implementations of a cell "
-                               "interleaved in an order rotated each round" if args.rounds > 1 else "")
+                               "interleaved in an order changed each round" if args.rounds > 1 else "")
                             + "; host_ms: the host's time to issue a step, on the same steps (where it comes close "
                             "to step_ms, the step waits on the host); "
                             f"phases: mean ± std over {args.iters} steps after {args.warmup} warm-up steps; "

@@ -165,15 +165,29 @@ Item = TypeVar("Item")
 
 
 def round_order(items: Sequence[Item], round_index: int) -> list[Item]:
-    """The order in which round `round_index` of interleaved rounds times `items`: rotated one place a round, so that
-    over len(items) rounds each runs once in every position. A fixed order gives every item the same neighbour each
-    round, and with it the clock and power state that neighbour leaves (the same forward kernel, timed in two columns
-    of one FlashAttention-4 run in a fixed order, read up to 8% apart in the rounds' medians); rotated, the median
-    over the rounds does not keep one position's bias."""
-    if not items:
+    """The order in which round `round_index` of interleaved rounds times `items`: row `round_index` of a Williams
+    design. Over n rounds (2n for an odd count n) each item runs equally often in every position and right after
+    every other item; round 0 keeps the given order. A fixed order gives each item the same place and the same
+    neighbour before it every round, with the clock and power state that neighbour leaves, and the median over the
+    rounds keeps that bias (the same forward kernel, in two columns of one FlashAttention-4 run in a fixed order, read
+    up to 8% apart); a plain rotation moves the place but keeps the neighbour."""
+    n = len(items)
+    if n == 0:
         return []
-    k = round_index % len(items)
-    return [*items[k:], *items[:k]]
+    first_row, low, high = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...: each difference between neighbours once
+    while len(first_row) < n:
+        if len(first_row) % 2:
+            first_row.append(low)
+            low += 1
+        else:
+            first_row.append(high)
+            high -= 1
+    r = round_index % (n if n % 2 == 0 else 2 * n)
+    row = [(i + r) % n for i in first_row]
+    if r >= n:  # an odd count's second n rounds: the rows mirrored, which completes the balance of neighbours
+        row.reverse()
+    label = {design: given for given, design in enumerate(first_row)}  # relabelled so that round 0 is the given order
+    return [items[label[i]] for i in row]
 
 
 def at_least_one(text: str) -> int:
@@ -189,7 +203,7 @@ def add_probe_args(p: argparse.ArgumentParser, heads: int) -> None:
     p.add_argument("--heads", type=int, default=heads, help="query heads")
     p.add_argument("--kv-heads", type=int, default=None, help="K/V heads, dividing --heads (default: --heads)")
     p.add_argument("--rounds", type=at_least_one, default=3,
-                   help="interleaved rounds, their order rotated a round; each time is the rounds' median")
+                   help="interleaved rounds, their order changed each round; each time is the rounds' median")
     p.add_argument("--rep", type=int, default=60, help="do_bench rep in ms per measurement")
 
 

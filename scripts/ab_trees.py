@@ -3,8 +3,8 @@
 A kernel change whose host code changed too (a buffer's shape, a kernel's arguments) cannot be timed against the old
 code in one process: each tree must import its own flashsys. Here each tree gets a worker, a Python started in that
 tree with the tree first on its path, and the driver asks the workers in turn to time each cell, so only one of
-them uses the GPU at a time and the clocks' drift falls on both alike. Each round rotates the order in which the trees
-(and the baseline) go.
+them uses the GPU at a time and the clocks' drift falls on both alike. Each round changes the order in which the trees
+(and the baseline) go (`benchmarks.harness.round_order`).
 
 Each worker also returns a digest of the first backward's dQ, dK and dV (of the output, for `--what fwd`). Two trees
 whose deterministic backwards add the same sums in the same order must give the same digest; the table says whether
@@ -332,7 +332,7 @@ def run(trees: list[Path], cells: list[Cell | StepCell], rounds: int, impl: str,
                     w.send(**req, prepare=True)
                 for w, _ in asked:
                     w.receive()
-            # (column, worker, request) of each timing a round takes, in an order rotated each round
+            # (column, worker, request) of each timing a round takes, in an order changed each round
             timings = [(f"tree {i}", w, request(cell, impl)) for i, w in enumerate(workers)]
             if baseline:
                 name = "sdpa" if isinstance(cell, StepCell) else "sdpa-cudnn"
@@ -407,7 +407,7 @@ def write_results(results: list[dict], trees: list[Path], hello: dict, out: Path
     env = {"device": hello["device"], "torch": hello["torch"], "triton": hello["triton"], "python": hello["python"],
            "date": datetime.date.today().isoformat(), "command": command_line()}
     env.update({f"tree {i}": f"{tree} ({tree_revision(tree)})" for i, tree in enumerate(trees)})
-    notes = [(f"Medians of {rounds} interleaved rounds (the trees and the baseline in an order rotated each round); "
+    notes = [(f"Medians of {rounds} interleaved rounds (the trees and the baseline in an order changed each round); "
               "ratios are each tree's median over tree 0's and over the baseline's; \"same bits\": whether every "
               "tree's digest of its first call's gradients (the output's, for the forward alone) agreed.")]
     return write_table([summary(r, len(trees)) for r in results], out, name, "A/B of source trees", notes, env)

@@ -127,25 +127,29 @@ def test_an_attention_table_names_the_cells_timed_again(tmp_path, monkeypatch):
     assert "timed again" in table and "naive fp32 D 16 N 64 causal (2×)" in table and "sdpa-math fp32" not in table
 
 
-def test_round_order_puts_every_item_once_in_every_position():
-    """`harness.round_order`: round r takes the items rotated r places, so over len(items) rounds each runs once
-    first, once last, and after every other item; round 0 keeps the given order (the first round's memory peaks
-    are read in it)."""
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
+def test_round_order_is_balanced_for_position_and_for_the_item_before(n):
+    """`harness.round_order` over a full cycle (n rounds, 2n for odd n): every item equally often in every position
+    and right after every other item; round 0 keeps the given order, and the cycle repeats."""
+    from collections import Counter
+
     from benchmarks.harness import round_order
 
-    items = ["a", "b", "c", "d"]
-    orders = [round_order(items, r) for r in range(len(items))]
-    assert orders[0] == items and round_order(items, len(items)) == items
+    items = list("abcdef"[:n])
+    cycle = n if n % 2 == 0 else 2 * n
+    orders = [round_order(items, r) for r in range(cycle)]
+    assert orders[0] == items and round_order(items, cycle + 1) == orders[1 % cycle]
     assert all(sorted(o) == items for o in orders)
-    for position in range(len(items)):
-        assert sorted(o[position] for o in orders) == items
-    assert {(o[i - 1], o[i]) for o in orders for i in range(1, len(o))} >= {("d", "a"), ("a", "b")}
-    assert round_order([], 3) == [] and round_order(("x",), 5) == ["x"]
+    places = Counter((o[i], i) for o in orders for i in range(n))
+    assert set(places.values()) == {cycle // n} and len(places) == n * n
+    before = Counter((o[i - 1], o[i]) for o in orders for i in range(1, n))
+    assert len(before) == n * (n - 1) and set(before.values()) <= {cycle // n}
+    assert round_order([], 3) == []
 
 
-def test_attention_rounds_rotate_which_implementation_goes_first(tmp_path, monkeypatch):
-    """`benchmarks.attention --rounds 3` over three implementations: each round starts with another one, so a cell's
-    medians do not keep the bias of one fixed order."""
+def test_attention_rounds_change_the_implementations_order(tmp_path, monkeypatch):
+    """`benchmarks.attention --rounds 4` over four implementations takes them in `round_order`'s rounds: each one
+    first once, and after each of the others once, so a cell's medians do not keep the bias of one fixed order."""
     import benchmarks.attention as attention
 
     calls = []
@@ -155,11 +159,13 @@ def test_attention_rounds_rotate_which_implementation_goes_first(tmp_path, monke
         return {"fwd_ms": 1.0, "bwd_ms": 2.0, "fwd_bwd_ms": 3.0, "peak_mem_MB": 1.0, "retimed": 0}
 
     monkeypatch.setattr(attention, "measure_impl", fake_measure)
-    impls = ["naive", "sdpa-math", "flash-torch"]
+    impls = ["naive", "sdpa-math", "sdpa", "flash-torch"]
     assert attention.main(["--seq-lens", "64", "--head-dims", "16", "--causal", "yes", "--impls", *impls, "--rounds",
-                           "3", "--out", str(tmp_path), "--no-progress"]) == 0
-    assert calls == [*impls, *impls[1:], impls[0], impls[2], *impls[:2]]
-    assert "order rotated each round" in (tmp_path / "attention_cpu.md").read_text()
+                           "4", "--out", str(tmp_path), "--no-progress"]) == 0
+    rounds = [calls[i:i + 4] for i in range(0, 16, 4)]
+    assert rounds[0] == impls and sorted(r[0] for r in rounds) == sorted(impls)
+    assert {(r[i - 1], r[i]) for r in rounds for i in range(1, 4)} == {(a, b) for a in impls for b in impls if a != b}
+    assert "order changed each round" in (tmp_path / "attention_cpu.md").read_text()
 
 
 def test_an_attention_sweep_stopped_midway_keeps_the_cells_it_finished(tmp_path, monkeypatch):

@@ -148,7 +148,7 @@ def test_a_models_training_step_is_timed_tree_against_tree_beside_sdpa():
 
 def test_every_worker_builds_its_step_models_before_any_is_waited_for(monkeypatch):
     """A step cell's models are compiled in all workers at once (the baseline's too, in the first worker), and only
-    then timed, each round's workers in turns, the order rotated a round (the baseline's place too): compiling one
+    then timed, each round's workers in turns, in `round_order`'s order (the baseline's place too): compiling one
     tree's models after another's cost most of a call."""
     log = []
 
@@ -182,8 +182,8 @@ def test_every_worker_builds_its_step_models_before_any_is_waited_for(monkeypatc
     assert log.index(prepared[-1]) < min(i for i, e in enumerate(log) if not e[3])  # every build before a round
     timed = [(e[1], e[2]) for e in log if e[0] == "receive" and not e[3]]
     assert timed == [(trees[0], "flash-triton"), (trees[1], "flash-triton"), (trees[2], "flash-triton"),
-                     (trees[0], "sdpa"), (trees[1], "flash-triton"), (trees[2], "flash-triton"), (trees[0], "sdpa"),
-                     (trees[0], "flash-triton")]
+                     (trees[0], "sdpa"), (trees[1], "flash-triton"), (trees[0], "sdpa"), (trees[0], "flash-triton"),
+                     (trees[2], "flash-triton")]
 
 
 def test_a_step_cell_may_give_the_model_other_heads():
