@@ -218,7 +218,7 @@ def main(argv=None) -> int:
     cells = [(d, n, dt, c) for dt in args.dtypes for c in causals for d in args.head_dims for n in args.seq_lens]
     tag = "gpu" if ON_GPU else "cpu"
     rounds_note = (f", then the median of {args.rounds} rounds, the implementations interleaved in an order changed "
-                   "each round (`round_order`)" if args.rounds > 1
+                   "each round (a Williams design, `benchmarks.harness.round_order`)" if args.rounds > 1
                    else "")
     notes = [f"heads {args.heads}; batch "
              + (f"{args.batch}" if args.batch else f"max(1, {args.tokens} // seq_len)" if ON_GPU else "1")
