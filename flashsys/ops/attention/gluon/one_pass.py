@@ -132,12 +132,18 @@ def _dq_share_start(half, block_m, dq_rows, dq_cols, dim):
 
 
 @gluon.jit
+def _tile_start(i, n_m_tiles, lo, down, BLOCK_M: gl.constexpr):
+    """First row of the i-th query tile of a head's visit: from row `lo` up, or with `down` (1) from the last down."""
+    return lo + (i + down * (n_m_tiles - 1 - 2 * i)) * BLOCK_M
+
+
+@gluon.jit
 def _one_pass_tile(j, n_m_tiles, lo, rot, down, h_kv, kv_group, BLOCK_M: gl.constexpr):
     """(query head, first row) of the j-th query tile a one-pass program visits: `query_tile`'s, each head's tiles
     starting at tile `rot` (0 <= rot < n_m_tiles) and wrapping around; with `down` (1, rot 0) from the last down."""
     g = j // n_m_tiles
     i = (j - g * n_m_tiles + rot) % n_m_tiles
-    return h_kv * kv_group + g, lo + (i + down * (n_m_tiles - 1 - 2 * i)) * BLOCK_M
+    return h_kv * kv_group + g, _tile_start(i, n_m_tiles, lo, down, BLOCK_M)
 
 
 @gluon.jit
@@ -375,10 +381,18 @@ def _one_pass_consumer(dk_desc, dv_desc, DqAcc, DQ, Sem, q_smem, do_smem, pair_s
             _fold_dq(DqAcc, DQ, Sem, bh_kv - fold_lag, n_kv_heads, kv_group, n_q, pid_n, n_k_tiles, n_m_tiles,
                      stride, softmax_scale, HALF, BLOCK_M, HEAD_DIM)
     mbarrier.wait(kv_bar, 0)
+    # The query tile's index in its head (`_one_pass_tile`'s i) is stepped rather than divided out of j each tile,
+    # which the full-mask kernels run faster with and the causal ones as fast; the windowed ones (a left bound)
+    # spill more with it and keep the division (docs/attention-kernels.md §6).
+    i = rot
     for j in range(n_iter):
         slot = j % NBUF
         phase = (j // NBUF) & 1
-        h, start_m = _one_pass_tile(j, n_m_tiles, lo, rot, down, h_kv, kv_group, BLOCK_M)
+        if BOUND_LEFT:
+            _, start_m = _one_pass_tile(j, n_m_tiles, lo, rot, down, h_kv, kv_group, BLOCK_M)
+        else:
+            start_m = _tile_start(i, n_m_tiles, lo, down, BLOCK_M)
+            i = gl.where(i + 1 == n_m_tiles, 0, i + 1)
         q_tile = smem_tile(q_smem.index(slot), BLOCK_M, HEAD_DIM)
         do_tile = smem_tile(do_smem.index(slot), BLOCK_M, HEAD_DIM)
         neg_lse2, delta = _pair_rows(pair_smem.index(slot), BLOCK_M)
