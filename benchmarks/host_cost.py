@@ -141,21 +141,27 @@ def breakdown(args) -> list[dict]:
     grid = tile_grid(meta)
     handle = prepared.handle
 
+    scale = check_attention_inputs(q, k, v, True, None, op="x", max_head_dim=256)  # the op's default, as it takes it
     forward_plan = eager_plans.forward_plans.get(eager_plans.forward_key(q, k, v, True, None, None))
     o = op.apply(q, k, v, True)  # held: a saved output is only readable while the output lives
     saved = o.grad_fn.saved_tensors
-    backward_key = eager_plans.backward_key(CAUSAL, forward_plan.scale, *saved, do) if forward_plan else None
-    backward_plan = eager_plans.backward_plans.get(backward_key)
+    backward_plan = eager_plans.backward_plans.get(eager_plans.backward_key(CAUSAL, scale, *saved, do))
     replay = {}
-    if forward_plan is not None and backward_plan is not None:  # bf16 under the interpreter is not planned
-        replay = {
-            "forward plan: signature (key) + look-up": lambda: eager_plans.forward_plans.get(
-                eager_plans.forward_key(q, k, v, True, None, None)),
-            "forward plan: allocations + launch (ForwardPlan.launch)": lambda: forward_plan.launch(qd, kd, vd),
-            "backward plan: signature (key) + look-up": lambda: eager_plans.backward_plans.get(
-                eager_plans.backward_key(CAUSAL, forward_plan.scale, *saved, do)),
-            "backward plan: allocations + 2 launches (BackwardPlan.launch)": lambda: backward_plan.launch(*saved, do),
-        }
+    if forward_plan is not None:
+        replay["forward plan: signature (key) + look-up"] = lambda: eager_plans.forward_plans.get(
+            eager_plans.forward_key(q, k, v, True, None, None))
+        replay["forward plan: allocations + launch (ForwardPlan.launch)"] = lambda: forward_plan.launch(qd, kd, vd)
+    if backward_plan is not None:
+        replay["backward plan: signature (key) + look-up"] = lambda: eager_plans.backward_plans.get(
+            eager_plans.backward_key(CAUSAL, scale, *saved, do))
+        replay["backward plan: allocations + its launches (BackwardPlan.launch)"] = lambda: backward_plan.launch(
+            *saved, do)
+    # A plan the key built here does not find (bf16 under the interpreter is not planned; a key built unlike the
+    # op's) is a row that says so, with how many plans the table holds: a table without the replay rows would not.
+    missing = [{"part": f"{what} plan: none under the key built here ({len(table)} in its table), not timed",
+                "host_us": float("nan")}
+               for what, plan, table in (("forward", forward_plan, eager_plans.forward_plans),
+                                         ("backward", backward_plan, eager_plans.backward_plans)) if plan is None]
     parts = {
         "autograd.Function.apply of an identity": lambda: _Identity.apply(q),
         "input checks": lambda: check_attention_inputs(q, k, v, True, None, op="x", max_head_dim=256),
@@ -191,7 +197,7 @@ def breakdown(args) -> list[dict]:
             fn()
         host, _ = per_call_us(fn, args.calls)
         rows.append({"part": name, "host_us": host})
-    return rows
+    return rows + missing
 
 
 def _opaque_op_parts(q, k, v, do, scale) -> dict:

@@ -63,8 +63,21 @@ def test_host_cost_breakdown_times_the_plans_replays(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     table = (tmp_path / "host_cost_cpu_breakdown.md").read_text()
     for part in ("forward plan: signature (key) + look-up", "backward plan: signature (key) + look-up",
-                 "backward plan: allocations + 2 launches (BackwardPlan.launch)"):
+                 "backward plan: allocations + its launches (BackwardPlan.launch)"):
         assert f"| {part} |" in table, part
+    assert "none under the key" not in table
+
+
+def test_host_cost_breakdown_names_a_plan_it_does_not_find(tmp_path):
+    """Where no plan is found (bf16 under the interpreter makes none), the table says so in a row of its own for
+    each, with the size of the plan table looked in, instead of dropping the replay rows silently."""
+    r = _run("host_cost", "--seqs", "16", "--calls", "2", "--rounds", "1", "--heads", "2", "--head-dim", "16",
+             "--dtype", "bfloat16", "--breakdown", "--out", str(tmp_path), "--no-progress")
+    assert r.returncode == 0, r.stderr[-3000:]
+    table = (tmp_path / "host_cost_cpu_breakdown.md").read_text()
+    for what in ("forward", "backward"):
+        assert f"| {what} plan: none under the key built here (0 in its table), not timed | — |" in table, what
+    assert "plan: signature (key) + look-up" not in table
 
 
 def test_leaderboard_without_cuda_says_so():
