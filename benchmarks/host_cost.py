@@ -156,8 +156,8 @@ def breakdown(args) -> list[dict]:
             eager_plans.backward_key(CAUSAL, scale, *saved, do))
         replay["backward plan: allocations + its launches (BackwardPlan.launch)"] = lambda: backward_plan.launch(
             *saved, do)
-    # A plan the key built here does not find (bf16 under the interpreter is not planned; a key built unlike the
-    # op's) is a row that says so, with how many plans the table holds: a table without the replay rows would not.
+    # A plan not found under the key built here (bf16 under the interpreter makes none; a key built unlike the op's
+    # finds none) gets a row that says so, with its table's size, rather than its replay rows silently missing.
     missing = [{"part": f"{what} plan: none under the key built here ({len(table)} in its table), not timed",
                 "host_us": float("nan")}
                for what, plan, table in (("forward", forward_plan, eager_plans.forward_plans),
