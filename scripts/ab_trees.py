@@ -395,6 +395,10 @@ def tree_revision(tree: Path) -> str:
     head = git("rev-parse", "--short=12", "HEAD")  # a failure is an answer here: not a checkout
     if head.returncode != 0:
         return "not a git checkout"
+    # A plain copy inside another checkout (an exported tree under .ab/) would report the enclosing one's commit.
+    top = Path(git("rev-parse", "--show-toplevel").stdout.strip())
+    if top.resolve() != tree.resolve():
+        return f"not a git checkout (a folder inside the checkout at {top})"
     dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
     return head.stdout.strip() + (" + uncommitted changes" if dirty else "")
 

@@ -61,7 +61,7 @@ def test_the_forward_alone_is_timed_and_each_row_is_shown_as_it_is_timed(tmp_pat
 
 def test_a_tree_outside_git_or_with_changes_says_so(tmp_path):
     """The header's commit of each tree: the commit, marked where tracked files differ from it; a folder outside
-    any checkout says that instead of failing."""
+    any checkout, or a plain folder inside one, says that instead of failing or naming the enclosing commit."""
     assert ab_trees.tree_revision(tmp_path) == "not a git checkout"
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     (tmp_path / "a.txt").write_text("one\n")
@@ -72,6 +72,9 @@ def test_a_tree_outside_git_or_with_changes_says_so(tmp_path):
     assert len(clean) == 12 and "+" not in clean
     (tmp_path / "a.txt").write_text("two\n")
     assert ab_trees.tree_revision(tmp_path) == clean + " + uncommitted changes"
+    copy = tmp_path / "copy"  # a tree exported into a folder of another checkout is not that checkout's commit
+    copy.mkdir()
+    assert ab_trees.tree_revision(copy) == f"not a git checkout (a folder inside the checkout at {tmp_path.resolve()})"
 
 
 def test_a_worker_that_imports_another_trees_flashsys_is_refused(tmp_path):
