@@ -11,12 +11,13 @@ whose deterministic backwards add the same sums in the same order must give the 
 they did. Each tree makes its own timed kernel choices, which may differ: under FLASHSYS_TRITON_AUTOTUNE=0 both take
 their tables' first candidates, the way to compare bits (not times).
 
-    git worktree add --detach .ab/main main   # untracked, so the device tool carries it
+    mkdir -p .ab/main && git archive main | tar -x -C .ab/main   # plain files: a copy to carry to another machine
     python scripts/ab_trees.py --trees .ab/main . --cells 128:full:16384 128:causal:16384 --rounds 5 --baseline
     python scripts/ab_trees.py --trees .ab/main . --what step --steps small:2048 --rounds 3 --baseline
 
 The table goes to stdout; `--out DIR` also writes it as DIR/ab_trees.md and .csv (`--name` for another name) under
-the device, versions, date and command, and each tree's git commit (marked where its tracked files had changes).
+the device, versions, date and command, and each tree's git commit (marked where its tracked files had changes), or that
+it is no checkout (a copy like .ab/main above: its commit goes in your notes).
 
 A cell is D:MASK:N (MASK full or causal), with batch = --tokens // N and --heads heads, bf16 on a GPU (float32 on a
 CPU, where the times say nothing about kernels: that is for trying the script, with `--impl flash-torch`). `--impl`
