@@ -61,11 +61,15 @@ def test_visible_pairs_counts_the_window_masks_true_entries(n_q, n_k, left, righ
 def test_the_size_bar_counts_the_pairs_the_kernels_visit():
     """Causal calls cross the bar at twice the B*H*N^2*D of full-mask ones; a window with a left bound counts all of
     N^2 (the Gluon kernels ran every windowed cell measured faster, most of them below the bar by their visible
-    pairs). D 128 has a lower bar of its own (eager and compiled calls alike); MIN_WORK, set to 0, lowers every head
-    dim's. The GPU test below asks `forward_problem` the same."""
+    pairs). D 128 has a lower bar of its own, and so do D 64's full-mask calls (eager and compiled calls alike; a
+    right or left bound keeps D 64 at MIN_WORK); MIN_WORK, set to 0, lowers every head dim's. The GPU test below asks
+    `forward_problem` the same."""
     bar = dispatch.MIN_WORK
-    assert dispatch.min_work(64) == bar and dispatch.min_work(128) == bar >> 3
     full, causal, window = (-1, -1), (-1, 0), (255, 0)
+    assert dispatch.min_work(64, causal) == dispatch.min_work(64, window) == dispatch.min_work(64, (-1, 7)) == bar
+    assert dispatch.min_work(64, full) == dispatch.min_work(64) == bar >> 3
+    assert all(dispatch.min_work(128, w) == bar >> 3 for w in (full, causal, window))
+    assert dispatch.size_bars() == "2^34 (D 64; full masks 2^31), 2^31 (D 128)"
     assert dispatch.call_work((16, 16, 1024, 64), (16, 16, 1024, 64), full) == bar
     assert bar // 2 < dispatch.call_work((16, 16, 1024, 64), (16, 16, 1024, 64), causal) < bar
     assert dispatch.call_work((16, 16, 1024, 128), (16, 16, 1024, 128), causal) >= bar
@@ -395,18 +399,21 @@ def test_compiled_op_runs_the_gluon_forward_bit_for_bit_gpu(monkeypatch):
 def test_small_switched_off_and_unaligned_calls_take_the_tl_forward_gpu(monkeypatch):
     """Below the size bar (`dispatch.min_work`), for tensors TMA cannot address, once the path turned itself off, and
     with FLASHSYS_GLUON=0, the `tl` forward runs."""
-    q = torch.randn(1, 16, 2048, 64, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, 16, 1024, 64, device="cuda", dtype=torch.bfloat16)  # 2^30 full
     full = (-1, -1)
     assert "the size bar" in dispatch.forward_problem(q, q, q, full)
     wide = torch.randn(1, 16, 1024, 128, device="cuda", dtype=torch.bfloat16)  # 2^31 full, half of it causal
     assert dispatch.forward_problem(wide, wide, wide, full) is None  # D 128's lower bar
     assert "the size bar" in dispatch.forward_problem(wide, wide, wide, (-1, 0))
+    long = torch.randn(1, 16, 2048, 64, device="cuda", dtype=torch.bfloat16)  # 2^32 full, about half of it causal
+    assert dispatch.forward_problem(long, long, long, full) is None  # D 64's full-mask bar
+    assert "the size bar" in dispatch.forward_problem(long, long, long, (-1, 0))
     big = torch.randn(1, 16, 8192, 64, device="cuda", dtype=torch.bfloat16)
     assert dispatch.takes_forward(big, big, big, full) and dispatch.takes_forward(big, big, big, (-1, 0))
     assert dispatch.takes_forward(big, big, big, (255, 0))  # a window counts all of N^2 (`call_work`)
     monkeypatch.setattr(dispatch, "MIN_WORK", 0)
     assert dispatch.takes_forward(q, q, q, full)
-    unaligned = torch.randn(16 * 2048 * 64 + 1, device="cuda", dtype=torch.bfloat16)[1:].view(1, 16, 2048, 64)
+    unaligned = torch.randn(16 * 1024 * 64 + 1, device="cuda", dtype=torch.bfloat16)[1:].view(1, 16, 1024, 64)
     assert dispatch.forward_problem(unaligned, unaligned, unaligned, full) is None
     assert not dispatch.takes_forward(unaligned, q, q, full)
     with pytest.warns(RuntimeWarning, match="Gluon kernels are off"):

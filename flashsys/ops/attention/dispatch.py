@@ -42,15 +42,16 @@ Window = tuple[int, int]
 HEAD_DIMS = (64, 128)
 _DTYPES = (torch.float16, torch.bfloat16)
 # The work (`call_work`) below which a call keeps the `tl` kernels. A replayed Gluon call costs the host what a `tl`
-# one does (the native launcher encodes its TMA descriptors), so the bar follows the kernels' speed: at D 64 under
-# causal masks the `tl` kernels keep up below 2^34 (forward + backward 0.146 ms against the Gluon kernels' 0.157 at
-# 2^31, 0.442 against 0.447 at 2^33); at D 128 the Gluon kernels lead well below it (0.106 against 0.153 ms at 2^31,
-# 0.206 against 0.257 at 2^32, 0.376 against 0.445 at 2^33). The same bars hold inside compiled graphs: a compiled
-# D 64 step was slower with the Gluon kernels below 2^34, a D 128 one faster with them from 2^31
-# (docs/attention-kernels.md §2 has the measurements). MIN_WORK bars every head dim, MIN_WORK_BY_HEAD_DIM lowers it
-# for one (tests and A/B timings set MIN_WORK to 0 to send every call to the Gluon kernels).
+# one does (the native launcher encodes its TMA descriptors), so the bar follows the kernels' speed: at D 64 under a
+# causal mask or a window the `tl` kernels keep up below 2^34; under a full mask at D 64, and at D 128 under any
+# mask, the Gluon kernels lead from 2^31 (forward + backward 7-13% and 15-31% faster). Compiled graphs take the same
+# bars: a compiled causal D 64 step was slower with the Gluon kernels below 2^34, a D 128 one faster with them from
+# 2^31 (docs/attention-kernels.md §2 has the measurements). MIN_WORK bars every head dim and mask;
+# MIN_WORK_BY_HEAD_DIM lowers it for one head dim, FULL_MASK_MIN_WORK_BY_HEAD_DIM for one head dim's calls with
+# neither bound (tests and A/B timings set MIN_WORK to 0 to send every call to the Gluon kernels).
 MIN_WORK = 1 << 34
 MIN_WORK_BY_HEAD_DIM = {128: 1 << 31}
+FULL_MASK_MIN_WORK_BY_HEAD_DIM = {64: 1 << 31}
 ENV = "FLASHSYS_GLUON"
 
 # The forward's candidates per head dim. At D 64 FlashAttention-3's and -4's tile, 192 query rows over three consumer
@@ -175,10 +176,14 @@ def visible_pairs(n_q: int, n_k: int, window: Window) -> int:
     return below_right - below_left
 
 
-def min_work(head_dim: int) -> int:
-    """The size bar at this head dim, eager and compiled calls alike: MIN_WORK, or the lower bar MIN_WORK_BY_HEAD_DIM
-    gives it."""
-    return min(MIN_WORK, MIN_WORK_BY_HEAD_DIM.get(head_dim, MIN_WORK))
+def min_work(head_dim: int, window: Window = (-1, -1)) -> int:
+    """The size bar at this head dim and mask (`window`: (left, right), -1 unbounded), eager and compiled calls
+    alike: MIN_WORK, or the lower bar MIN_WORK_BY_HEAD_DIM gives the head dim, or FULL_MASK_MIN_WORK_BY_HEAD_DIM a
+    call with neither bound (a full mask)."""
+    bars = [MIN_WORK, MIN_WORK_BY_HEAD_DIM.get(head_dim, MIN_WORK)]
+    if window[0] < 0 and window[1] < 0:
+        bars.append(FULL_MASK_MIN_WORK_BY_HEAD_DIM.get(head_dim, MIN_WORK))
+    return min(bars)
 
 
 def call_work(q_shape: tuple[int, ...], k_shape: tuple[int, ...], window: Window) -> int:
@@ -209,7 +214,7 @@ def forward_problem(q: Tensor, k: Tensor, v: Tensor, window: Window) -> str | No
         return reason
     if any(type(n) is not int for n in (*q.shape, *k.shape)):  # v is shaped like k (validated)
         return "symbolic shapes (torch.compile with dynamic shapes)"
-    work, bar = call_work(q.shape, k.shape, window), min_work(q.shape[-1])
+    work, bar = call_work(q.shape, k.shape, window), min_work(q.shape[-1], window)
     if work < bar:
         return f"B*H*D*(query-key pairs) = {work} < {bar}, the size bar (the `tl` kernels run as fast there)"
     if not all(tma_addressable(t) for t in (q, k, v)):
@@ -339,6 +344,18 @@ def chosen_variants() -> dict[ChoiceKey, Variant]:
     return dict(_chosen)
 
 
+def size_bars() -> str:
+    """The size bars (`min_work`) in words, per head dim: "2^34 (D 64; full masks 2^31), 2^31 (D 128)"."""
+    def power(b: int) -> str:
+        return f"2^{b.bit_length() - 1}" if b else "0"
+
+    def at(d: int) -> str:
+        bounded, full = min_work(d, (-1, 0)), min_work(d)
+        return f"{power(bounded)} (D {d})" if full == bounded else f"{power(bounded)} (D {d}; full masks {power(full)})"
+
+    return ", ".join(at(d) for d in HEAD_DIMS)
+
+
 def status() -> str:
     """One line for benchmark headers: whether the Gluon path runs on the current GPU, and the variants chosen so far
     ("causal" stands for any right bound without a left one, "window" for a left bound)."""
@@ -351,9 +368,5 @@ def status() -> str:
     masks = {(True, False): "causal", (False, False): "full", (True, True): "window", (False, True): "window"}
     choices = "; ".join(f"{k.kernel} D {k.head_dim} {str(k.dtype)[6:]} {masks[k.bound_right, k.bound_left]} "
                         f"N<={k.bucket}: {k.label(v)}" for k, v in sorted(_chosen.items(), key=str))
-    def power(b: int) -> str:
-        return f"2^{b.bit_length() - 1}" if b else "0"
-
-    bars = ", ".join(f"{power(min_work(d))} (D {d})" for d in HEAD_DIMS)
-    bar = f"on where B*H*D*(query-key pairs, call_work) >= {bars}, eager and compiled"
+    bar = f"on where B*H*D*(query-key pairs, call_work) >= {size_bars()}, eager and compiled"
     return bar + (f"; chose {choices}" if choices else "")
