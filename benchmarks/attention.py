@@ -26,10 +26,11 @@ import statistics
 import torch
 
 from benchmarks.harness import (
-    ON_GPU, add_common_args, at_least_one, bench_ms, environment, peak_memory, progress, pyplot, round_order, run_cell,
+    ON_GPU, add_common_args, at_least_one, bench_ms, environment, peak_memory, progress, pyplot, run_cell,
     save_plot, write_table,
 )
 from flashsys.ops.attention import ATTENTION_BACKENDS
+from flashsys.timing import round_order
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Not a registry backend: flash-triton measured with determinism off (`set_deterministic_backward(False)`), so that a
@@ -218,7 +219,7 @@ def main(argv=None) -> int:
     cells = [(d, n, dt, c) for dt in args.dtypes for c in causals for d in args.head_dims for n in args.seq_lens]
     tag = "gpu" if ON_GPU else "cpu"
     rounds_note = (f", then the median of {args.rounds} rounds, the implementations interleaved in an order changed "
-                   "each round (a Williams design, `benchmarks.harness.round_order`)" if args.rounds > 1
+                   "each round (a Williams design, `flashsys.timing.round_order`)" if args.rounds > 1
                    else "")
     notes = [f"heads {args.heads}; batch "
              + (f"{args.batch}" if args.batch else f"max(1, {args.tokens} // seq_len)" if ON_GPU else "1")

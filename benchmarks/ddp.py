@@ -42,12 +42,12 @@ from torch import nn
 
 from benchmarks.harness import (
     add_common_args, add_distributed_model_args, distributed_model_config, environment, gradient_and_state_bytes,
-    pyplot, round_order, save_plot, spawn_for_result, token_batch, write_result, write_table,
+    pyplot, save_plot, spawn_for_result, token_batch, write_result, write_table,
 )
 from flashsys.dist import BucketedDDP
 from flashsys.nn import TransformerLM
 from flashsys.optim import ShardedOptimizer, ZeRO2Optimizer
-from flashsys.timing import StepMarks, synchronize
+from flashsys.timing import StepMarks, round_order, synchronize
 
 MB = 2**20
 

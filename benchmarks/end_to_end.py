@@ -35,11 +35,11 @@ import torch.nn.functional as F
 
 from benchmarks.harness import (
     DEVICE, ON_GPU, add_common_args, at_least_one, environment, memory_snapshot, nvtx, peak_memory, progress, pyplot,
-    round_order, run_cell, save_plot, sync, token_batch, write_table,
+    run_cell, save_plot, sync, token_batch, write_table,
 )
 from flashsys.nn import PRESETS, TransformerLM, preset
 from flashsys.ops.attention import ATTENTION_BACKENDS
-from flashsys.timing import summarize, time_call
+from flashsys.timing import round_order, summarize, time_call
 
 # --modes: how the model runs, and the torch.compile mode of each compiled one.
 MODES = {"eager": None, "compiled": "default", "reduce-overhead": "reduce-overhead"}

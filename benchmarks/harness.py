@@ -25,7 +25,6 @@ import platform
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 
@@ -159,35 +158,6 @@ def failure_label(exc: BaseException) -> str:
     if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
         return "OOM"
     return f"unsupported ({type(exc).__name__})"
-
-
-Item = TypeVar("Item")
-
-
-def round_order(items: Sequence[Item], round_index: int) -> list[Item]:
-    """The order in which round `round_index` of interleaved rounds times `items`: row `round_index` of a Williams
-    design. Over n rounds (2n for an odd count n) each item runs equally often in every position and right after
-    every other item; round 0 keeps the given order. A fixed order gives each item the same place and the same
-    neighbour before it every round, with the clock and power state that neighbour leaves, and the median over the
-    rounds keeps that bias (the same forward kernel, in two columns of one FlashAttention-4 run in a fixed order, read
-    up to 8% apart); a plain rotation moves the place but keeps the neighbour."""
-    n = len(items)
-    if n == 0:
-        return []
-    first_row, low, high = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...: each difference between neighbours once
-    while len(first_row) < n:
-        if len(first_row) % 2:
-            first_row.append(low)
-            low += 1
-        else:
-            first_row.append(high)
-            high -= 1
-    r = round_index % (n if n % 2 == 0 else 2 * n)
-    row = [(i + r) % n for i in first_row]
-    if r >= n:  # an odd count's second n rounds: the rows mirrored, which completes the balance of neighbours
-        row.reverse()
-    label = {design: given for given, design in enumerate(first_row)}  # relabelled so that round 0 is the given order
-    return [items[label[i]] for i in row]
 
 
 def at_least_one(text: str) -> int:

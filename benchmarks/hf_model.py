@@ -31,8 +31,9 @@ import time
 import torch
 
 from benchmarks.harness import (
-    DEVICE, ON_GPU, add_common_args, bench_ms, environment, round_order, run_cell, sync, write_table,
+    DEVICE, ON_GPU, add_common_args, bench_ms, environment, run_cell, sync, write_table,
 )
+from flashsys.timing import round_order
 
 SHAPES = {  # TinyLlama-1.1B's shape on a GPU; a toy one on a CPU
     True: dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,

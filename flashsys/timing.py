@@ -3,14 +3,15 @@
 A host clock read right after a CUDA call measures only the launch: the GPU runs asynchronously. So every
 reading here first waits for the device (`Stopwatch`), or brackets the work with CUDA events (`time_call`).
 Across ranks, `Stopwatch(barrier=True)` starts each interval after a barrier, so all ranks start together and
-the slowest rank's interval is the collective's time.
+the slowest rank's interval is the collective's time. Work timed in interleaved rounds (the benchmarks' cells,
+the attention kernels' timed choices) takes its items in `round_order`'s order.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 T = TypeVar("T")
+Item = TypeVar("Item")
 
 
 def synchronize(device: torch.device | str | None) -> None:
@@ -145,3 +147,29 @@ def summarize(samples: list[float]) -> Stats:
     """Mean, standard deviation (0 for one sample), median and count."""
     return Stats(statistics.fmean(samples), statistics.stdev(samples) if len(samples) > 1 else 0.0,
                  statistics.median(samples), len(samples))
+
+
+def round_order(items: Sequence[Item], round_index: int) -> list[Item]:
+    """The order in which round `round_index` of interleaved rounds times `items`: row `round_index` of a Williams
+    design. Over n rounds (2n for an odd count n) each item runs equally often in every position and right after
+    every other item; round 0 keeps the given order. A fixed order gives each item the same place and the same
+    neighbour before it every round, with the clock and power state that neighbour leaves, and the median over the
+    rounds keeps that bias (the same forward kernel, in two columns of one FlashAttention-4 run in a fixed order, read
+    up to 8% apart); a plain rotation moves the place but keeps the neighbour."""
+    n = len(items)
+    if n == 0:
+        return []
+    first_row, low, high = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...: each difference between neighbours once
+    while len(first_row) < n:
+        if len(first_row) % 2:
+            first_row.append(low)
+            low += 1
+        else:
+            first_row.append(high)
+            high -= 1
+    r = round_index % (n if n % 2 == 0 else 2 * n)
+    row = [(i + r) % n for i in first_row]
+    if r >= n:  # an odd count's second n rounds: the rows mirrored, which completes the balance of neighbours
+        row.reverse()
+    label = {design: given for given, design in enumerate(first_row)}  # relabelled so that round 0 is the given order
+    return [items[label[i]] for i in row]

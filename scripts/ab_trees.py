@@ -4,7 +4,7 @@ A kernel change whose host code changed too (a buffer's shape, a kernel's argume
 code in one process: each tree must import its own flashsys. Here each tree gets a worker, a Python started in that
 tree with the tree first on its path, and the driver asks the workers in turn to time each cell, so only one of
 them uses the GPU at a time and the clocks' drift falls on both alike. Each round changes the order in which the trees
-(and the baseline) go (`benchmarks.harness.round_order`).
+(and the baseline) go (`flashsys.timing.round_order`).
 
 Each worker also returns a digest of the first backward's dQ, dK and dV (of the output, for `--what fwd`). Two trees
 whose deterministic backwards add the same sums in the same order must give the same digest; the table says whether
@@ -307,7 +307,7 @@ def run(trees: list[Path], cells: list[Cell | StepCell], rounds: int, impl: str,
         tokens: int, heads: int, step_options: dict | None = None) -> Run:
     """Each cell's rows: per tree its times (ms, one a round) and digest; the baseline's times where asked. Step
     cells (`what` "step") are asked for with `step_options` (mode, iters, warmup, batch)."""
-    from benchmarks.harness import round_order
+    from flashsys.timing import round_order
 
     def request(cell: Cell | StepCell, backend: str) -> dict:
         if isinstance(cell, StepCell):

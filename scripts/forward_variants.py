@@ -33,8 +33,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this tree's flashsys, benchmarks
 
-from benchmarks.harness import add_probe_args, bench_ms, environment_variable, kv_heads_of, round_order
+from benchmarks.harness import add_probe_args, bench_ms, environment_variable, kv_heads_of
 from flashsys.ops.attention import ATTENTION_BACKENDS
+from flashsys.timing import round_order
 
 
 def _cell(d: int, causal: bool, n: int, batch: int, heads: int, kv_heads: int

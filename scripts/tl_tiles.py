@@ -44,11 +44,12 @@ if not torch.cuda.is_available():  # the `tl` kernels run on a CPU only under th
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this tree's flashsys, benchmarks
 
 from benchmarks.harness import (  # noqa: E402
-    add_probe_args, bench_ms, environment_variable, kv_heads_of, round_order, warm_l2_ms, write_table)
+    add_probe_args, bench_ms, environment_variable, kv_heads_of, warm_l2_ms, write_table)
 from flashsys.ops.attention import ATTENTION_BACKENDS, dispatch, launcher  # noqa: E402
 from flashsys.ops.attention.reference import attention_reference  # noqa: E402
 from flashsys.ops.attention.triton import launch  # noqa: E402
 from flashsys.ops.attention.triton.configs import Tile, every_tile, tiles_for  # noqa: E402
+from flashsys.timing import round_order  # noqa: E402
 
 KERNELS = ("fwd", "dq", "dkdv")
 # What each kernel writes, checked after its tile ran: the forward's O and L, dQ's dQ, dK/dV's dK and dV.

@@ -140,26 +140,6 @@ def test_an_attention_table_names_the_cells_timed_again(tmp_path, monkeypatch):
     assert "timed again" in table and "naive fp32 D 16 N 64 causal (2×)" in table and "sdpa-math fp32" not in table
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
-def test_round_order_is_balanced_for_position_and_for_the_item_before(n):
-    """`harness.round_order` over a full cycle (n rounds, 2n for odd n): every item equally often in every position
-    and right after every other item; round 0 keeps the given order, and the cycle repeats."""
-    from collections import Counter
-
-    from benchmarks.harness import round_order
-
-    items = list("abcdef"[:n])
-    cycle = n if n % 2 == 0 else 2 * n
-    orders = [round_order(items, r) for r in range(cycle)]
-    assert orders[0] == items and round_order(items, cycle + 1) == orders[1 % cycle]
-    assert all(sorted(o) == items for o in orders)
-    places = Counter((o[i], i) for o in orders for i in range(n))
-    assert set(places.values()) == {cycle // n} and len(places) == n * n
-    before = Counter((o[i - 1], o[i]) for o in orders for i in range(1, n))
-    assert len(before) == n * (n - 1) and set(before.values()) <= {cycle // n}
-    assert round_order([], 3) == []
-
-
 def test_attention_rounds_change_the_implementations_order(tmp_path, monkeypatch):
     """`benchmarks.attention --rounds 4` over four implementations takes them in `round_order`'s rounds: each one
     first once, and after each of the others once, so a cell's medians do not keep the bias of one fixed order."""

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import pytest
 
-from flashsys.timing import StepMarks, Stopwatch, repeat, summarize, time_call
+from flashsys.timing import StepMarks, Stopwatch, repeat, round_order, summarize, time_call
 
 
 def test_stopwatch_laps_add_up_to_elapsed():
@@ -52,3 +53,19 @@ def test_reading_a_stopwatch_that_was_not_started_is_a_clear_error():
     for read in (Stopwatch("cpu").lap, Stopwatch("cpu").elapsed):
         with pytest.raises(RuntimeError, match="call start"):
             read()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
+def test_round_order_is_balanced_for_position_and_for_the_item_before(n):
+    """`round_order` over a full cycle (n rounds, 2n for odd n): every item equally often in every position
+    and right after every other item; round 0 keeps the given order, and the cycle repeats."""
+    items = list("abcdef"[:n])
+    cycle = n if n % 2 == 0 else 2 * n
+    orders = [round_order(items, r) for r in range(cycle)]
+    assert orders[0] == items and round_order(items, cycle + 1) == orders[1 % cycle]
+    assert all(sorted(o) == items for o in orders)
+    places = Counter((o[i], i) for o in orders for i in range(n))
+    assert set(places.values()) == {cycle // n} and len(places) == n * n
+    before = Counter((o[i - 1], o[i]) for o in orders for i in range(1, n))
+    assert len(before) == n * (n - 1) and set(before.values()) <= {cycle // n}
+    assert round_order([], 3) == []

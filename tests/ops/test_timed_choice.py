@@ -113,3 +113,31 @@ def test_the_fastest_gpu_work_wins_over_the_fastest_launch(stream):
                                         rounds=2, rep_ms=20)
     assert best == "slow launch, short kernels" and not errors
     assert stream.flush_buffers == 1  # one buffer for the whole choice, not one per timing
+
+
+def test_each_round_takes_the_candidates_in_round_orders_order(monkeypatch):
+    """The candidates of a choice go in `round_order`'s order, a new one each round: a fixed order would give each
+    candidate the same place and the same neighbour before it every round, and the medians would keep that bias. A
+    candidate that raises is timed no more; the lowest median wins among the rest."""
+    from flashsys.timing import round_order
+
+    medians = {"a": 3.0, "b": 1.0, "c": 2.0, "d": 0.5}
+    timed = []
+
+    def fake_gpu_ms(fn, rep_ms, flush):
+        return fn()
+
+    def run(candidate):
+        timed.append(candidate)
+        if candidate == "d" and timed.count("d") == 2:
+            raise RuntimeError("out of resources: registers")
+        return medians[candidate]
+
+    monkeypatch.setattr(timed_choice, "gpu_ms", fake_gpu_ms)
+    monkeypatch.setattr(timed_choice, "flush_buffer", lambda device=None: None)
+    best, errors = timed_choice.fastest(list("abcd"), run, rounds=4, rep_ms=1)
+    expected = [c for r in range(4) for c in round_order(list("abcd"), r)]
+    d_again = [i for i, c in enumerate(expected) if c == "d"][1]
+    expected = expected[:d_again + 1] + [c for c in expected[d_again + 1:] if c != "d"]
+    assert timed == expected and timed[:4] != timed[4:8]
+    assert best == "b" and list(errors) == ["d"]

@@ -16,6 +16,8 @@ from typing import TypeVar
 
 import torch
 
+from ...timing import round_order
+
 Candidate = TypeVar("Candidate")
 
 # What a timing flushes before each run, as triton.testing.do_bench does: more than an H100's or H200's L2, so that
@@ -102,13 +104,14 @@ def fastest(candidates: Sequence[Candidate], run: Callable[[Candidate], object],
             ) -> tuple[Candidate | None, dict[Candidate, Exception]]:
     """(the candidate with the lowest median time, the candidates that failed and why): each timed by
     `gpu_ms(run(candidate), rep_ms)` in `rounds` interleaved rounds, so that a GPU's drift within the process falls
-    on every candidate alike. A candidate that raises (out of shared memory or registers on this GPU, say) is left
-    out; the first element is None where none ran."""
+    on every candidate alike, each round in `round_order`'s order, so that no candidate keeps one place and one
+    neighbour before it (the clock and power state that neighbour leaves) in every round. A candidate that raises
+    (out of shared memory or registers on this GPU, say) is left out; the first element is None where none ran."""
     times: dict[Candidate, list[float]] = {}
     errors: dict[Candidate, Exception] = {}
     flush = flush_buffer() if candidates else None  # one for the whole choice
-    for _ in range(rounds):
-        for candidate in candidates:
+    for r in range(rounds):
+        for candidate in round_order(candidates, r):
             if candidate in errors:
                 continue
             try:
