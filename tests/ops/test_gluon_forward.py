@@ -67,9 +67,9 @@ def test_the_size_bar_counts_the_pairs_the_kernels_visit():
     bar = dispatch.MIN_WORK
     full, causal, window = (-1, -1), (-1, 0), (255, 0)
     assert dispatch.min_work(64, causal) == dispatch.min_work(64, window) == dispatch.min_work(64, (-1, 7)) == bar
-    assert dispatch.min_work(64, full) == dispatch.min_work(64) == bar >> 3
+    assert dispatch.min_work(64, full) == dispatch.min_work(64) == bar >> 1
     assert all(dispatch.min_work(128, w) == bar >> 3 for w in (full, causal, window))
-    assert dispatch.size_bars() == "2^34 (D 64; full masks 2^31), 2^31 (D 128)"
+    assert dispatch.size_bars() == "2^34 (D 64; full masks 2^33), 2^31 (D 128)"
     assert dispatch.call_work((16, 16, 1024, 64), (16, 16, 1024, 64), full) == bar
     assert bar // 2 < dispatch.call_work((16, 16, 1024, 64), (16, 16, 1024, 64), causal) < bar
     assert dispatch.call_work((16, 16, 1024, 128), (16, 16, 1024, 128), causal) >= bar
@@ -405,7 +405,7 @@ def test_small_switched_off_and_unaligned_calls_take_the_tl_forward_gpu(monkeypa
     wide = torch.randn(1, 16, 1024, 128, device="cuda", dtype=torch.bfloat16)  # 2^31 full, half of it causal
     assert dispatch.forward_problem(wide, wide, wide, full) is None  # D 128's lower bar
     assert "the size bar" in dispatch.forward_problem(wide, wide, wide, (-1, 0))
-    long = torch.randn(1, 16, 2048, 64, device="cuda", dtype=torch.bfloat16)  # 2^32 full, about half of it causal
+    long = torch.randn(2, 16, 2048, 64, device="cuda", dtype=torch.bfloat16)  # 2^33 full, about half of it causal
     assert dispatch.forward_problem(long, long, long, full) is None  # D 64's full-mask bar
     assert "the size bar" in dispatch.forward_problem(long, long, long, (-1, 0))
     big = torch.randn(1, 16, 8192, 64, device="cuda", dtype=torch.bfloat16)

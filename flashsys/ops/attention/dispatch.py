@@ -43,15 +43,16 @@ HEAD_DIMS = (64, 128)
 _DTYPES = (torch.float16, torch.bfloat16)
 # The work (`call_work`) below which a call keeps the `tl` kernels. A replayed Gluon call costs the host what a `tl`
 # one does (the native launcher encodes its TMA descriptors), so the bar follows the kernels' speed: at D 64 under a
-# causal mask or a window the `tl` kernels keep up below 2^34; under a full mask at D 64, and at D 128 under any
-# mask, the Gluon kernels lead from 2^31 (forward + backward 7-13% and 15-31% faster). Compiled graphs take the same
-# bars: a compiled causal D 64 step was slower with the Gluon kernels below 2^34, a D 128 one faster with them from
-# 2^31 (docs/attention-kernels.md §2 has the measurements). MIN_WORK bars every head dim and mask;
-# MIN_WORK_BY_HEAD_DIM lowers it for one head dim, FULL_MASK_MIN_WORK_BY_HEAD_DIM for one head dim's calls with
-# neither bound (tests and A/B timings set MIN_WORK to 0 to send every call to the Gluon kernels).
+# causal mask or a window the `tl` kernels keep up below 2^34; under a full mask at D 64 the Gluon kernels lead from
+# 2^33 (forward + backward 12-13% faster; at 2^32 one run had them 7% ahead, another 23% behind); at D 128 they lead
+# from 2^31 under any mask (15-31%). Compiled graphs take the same bars: a compiled causal D 64 step was slower with
+# the Gluon kernels below 2^34, a D 128 one faster with them from 2^31 (docs/attention-kernels.md §2 has the
+# measurements). MIN_WORK bars every head dim and mask; MIN_WORK_BY_HEAD_DIM lowers it for one head dim,
+# FULL_MASK_MIN_WORK_BY_HEAD_DIM for one head dim's calls with neither bound (tests and A/B timings set MIN_WORK to 0
+# to send every call to the Gluon kernels).
 MIN_WORK = 1 << 34
 MIN_WORK_BY_HEAD_DIM = {128: 1 << 31}
-FULL_MASK_MIN_WORK_BY_HEAD_DIM = {64: 1 << 31}
+FULL_MASK_MIN_WORK_BY_HEAD_DIM = {64: 1 << 33}
 ENV = "FLASHSYS_GLUON"
 
 # The forward's candidates per head dim. At D 64 FlashAttention-3's and -4's tile, 192 query rows over three consumer
@@ -345,7 +346,7 @@ def chosen_variants() -> dict[ChoiceKey, Variant]:
 
 
 def size_bars() -> str:
-    """The size bars (`min_work`) in words, per head dim: "2^34 (D 64; full masks 2^31), 2^31 (D 128)"."""
+    """The size bars (`min_work`) in words, per head dim: "2^34 (D 64; full masks 2^33), 2^31 (D 128)"."""
     def power(b: int) -> str:
         return f"2^{b.bit_length() - 1}" if b else "0"
 
