@@ -8,16 +8,17 @@ them uses the GPU at a time and the clocks' drift falls on both alike. Each roun
 
 Each worker also returns a digest of the first backward's dQ, dK and dV (of the output, for `--what fwd`). Two trees
 whose deterministic backwards add the same sums in the same order must give the same digest; the table says whether
-they did. Each tree makes its own timed kernel choices, which may differ: under FLASHSYS_TRITON_AUTOTUNE=0 both take
-their tables' first candidates, the way to compare bits (not times).
+they did. Each tree makes its own timed kernel choices, which may differ (each tree's `dispatch.status()` after the
+last cell goes to stderr and into `--out`'s header): under FLASHSYS_TRITON_AUTOTUNE=0 both take their tables' first
+candidates, the way to compare bits (not times).
 
     mkdir -p .ab/main && git archive main | tar -x -C .ab/main   # plain files: a copy to carry to another machine
     python scripts/ab_trees.py --trees .ab/main . --cells 128:full:16384 128:causal:16384 --rounds 5 --baseline
     python scripts/ab_trees.py --trees .ab/main . --what step --steps small:2048 --rounds 3 --baseline
 
 The table goes to stdout; `--out DIR` also writes it as DIR/ab_trees.md and .csv (`--name` for another name) under
-the device, versions, date and command, and each tree's git commit (marked where its tracked files had changes), or that
-it is no checkout (a copy like .ab/main above: its commit goes in your notes).
+the device, versions, date and command, each tree's git commit (marked where its tracked files had changes), or that
+it is no checkout (a copy like .ab/main above: its commit goes in your notes), and each tree's kernel choices.
 
 A cell is D:MASK:N (MASK full or causal), with batch = --tokens // N and --heads heads, bf16 on a GPU (float32 on a
 CPU, where the times say nothing about kernels: that is for trying the script, with `--impl flash-torch`). `--impl`
@@ -185,10 +186,21 @@ def _timed_call(what: str, backend, out, leaves: tuple, do, causal: bool):
     return lambda: torch.autograd.grad(backend(*leaves, causal), leaves, do)
 
 
+def _kernel_choices() -> str:
+    """This worker's tree's kernel choices so far, as its `dispatch.status()` words them (each tree makes its own
+    timed choices, and two trees may run other kernels in a cell); or why the tree cannot say."""
+    try:
+        from flashsys.ops.attention import dispatch
+
+        return dispatch.status()
+    except (ImportError, AttributeError) as exc:
+        return f"not known ({type(exc).__name__}: {exc})"
+
+
 def worker(tokens: int, heads: int) -> int:
     """Serve the driver: one JSON request a line on stdin ({"cell": [D, causal, N], "impl": a registry backend,
-    "what": "bwd", "fwd" or "fwd_bwd"}, or a step cell's, `_time_step`), one REPLY line each ({"ms": ...,
-    "digest": ...}, or {"error": ...})."""
+    "what": "bwd", "fwd" or "fwd_bwd"}, or a step cell's, `_time_step`, or {"choices": true}, `_kernel_choices`),
+    one REPLY line each ({"ms": ..., "digest": ...}, {"choices": ...}, or {"error": ...})."""
     sys.path.insert(0, os.getcwd())  # this tree's flashsys and benchmarks before any other
     import torch
 
@@ -212,6 +224,9 @@ def worker(tokens: int, heads: int) -> int:
     models: dict = {}  # one step cell's models at a time
     for line in sys.stdin:
         request = json.loads(line)
+        if request.get("choices"):
+            _reply({"choices": _kernel_choices()})
+            continue
         if "step" in request:
             try:
                 if request.get("prepare"):  # build and warm up only: the driver asks every worker at once
@@ -301,6 +316,7 @@ class Worker:
 class Run(NamedTuple):
     results: list[dict]  # a cell's: {"cell", "times": {"tree i" or the baseline: ms a round}, "digests"}
     hello: dict  # the first worker's: device and versions
+    choices: list[str]  # each tree's kernel choices after its last cell (`_kernel_choices`)
 
 
 def run(trees: list[Path], cells: list[Cell | StepCell], rounds: int, impl: str, what: str, baseline: bool,
@@ -349,7 +365,10 @@ def run(trees: list[Path], cells: list[Cell | StepCell], rounds: int, impl: str,
             results.append({"cell": cell, "times": times, "digests": digests})
             # each cell's row as it is timed (stderr; the table comes at the end): a run cut short keeps its rows
             print("# " + table_row(results[-1], len(trees)), file=sys.stderr, flush=True)
-        return Run(results, workers[0].hello)
+        choices = [w.ask(choices=True)["choices"] for w in workers]
+        for i, chosen in enumerate(choices):
+            print(f"# tree {i}'s kernels: {chosen}", file=sys.stderr, flush=True)
+        return Run(results, workers[0].hello, choices)
     finally:
         for w in workers:
             w.close()
@@ -404,14 +423,17 @@ def tree_revision(tree: Path) -> str:
     return head.stdout.strip() + (" + uncommitted changes" if dirty else "")
 
 
-def write_results(results: list[dict], trees: list[Path], hello: dict, out: Path, name: str, rounds: int) -> Path:
+def write_results(results: list[dict], trees: list[Path], hello: dict, out: Path, name: str, rounds: int,
+                  choices: list[str]) -> Path:
     """`table`'s rows as <out>/<name>.md and .csv (`benchmarks.harness.write_table`) under the run's header: the
-    device, versions and date, the command, and each tree with its commit. Returns the Markdown path."""
+    device, versions and date, the command, each tree with its commit, and each tree's kernel choices (`choices`,
+    one a tree). Returns the Markdown path."""
     from benchmarks.harness import command_line, write_table
 
     env = {"device": hello["device"], "torch": hello["torch"], "triton": hello["triton"], "python": hello["python"],
            "date": datetime.date.today().isoformat(), "command": command_line()}
     env.update({f"tree {i}": f"{tree} ({tree_revision(tree)})" for i, tree in enumerate(trees)})
+    env.update({f"tree {i}'s kernels": chosen for i, chosen in enumerate(choices)})
     notes = [(f"Medians of {rounds} interleaved rounds (the trees and the baseline in an order changed each round); "
               "ratios are each tree's median over tree 0's and over the baseline's; \"same bits\": whether every "
               "tree's digest of its first call's gradients (the output's, for the forward alone) agreed.")]
@@ -464,8 +486,8 @@ def main() -> int:
                step_options)
     print(table(done.results, args.trees))
     if args.out is not None:
-        print(f"# wrote {write_results(done.results, args.trees, done.hello, args.out, args.name, args.rounds)}",
-              file=sys.stderr)
+        path = write_results(done.results, args.trees, done.hello, args.out, args.name, args.rounds, done.choices)
+        print(f"# wrote {path}", file=sys.stderr)
     return 0
 
 

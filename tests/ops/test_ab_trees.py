@@ -40,7 +40,7 @@ def test_the_forward_alone_is_timed_and_each_row_is_shown_as_it_is_timed(tmp_pat
     """`--what fwd` times the forward without building a backward (its digest is the output's, the same in both
     copies of the tree); each cell's row goes to stderr as soon as it is timed, so a call cut short keeps its rows,
     while the table on stdout lists each cell once. `--out` writes that table as Markdown and CSV under the device,
-    versions, command and each tree's commit."""
+    versions, command, each tree's commit and its kernel choices."""
     done = _run("--trees", str(ROOT), str(ROOT), "--cells", "16:causal:64", "--rounds", "1", "--tokens", "64",
                 "--heads", "1", "--what", "fwd", "--impl", "flash-torch", "--out", str(tmp_path), "--name", "fwd")
     assert done.returncode == 0, done.stderr[-2000:]
@@ -53,6 +53,11 @@ def test_the_forward_alone_is_timed_and_each_row_is_shown_as_it_is_timed(tmp_pat
 
     revision = ab_trees.tree_revision(ROOT)
     assert f"- tree 0: {ROOT} ({revision})" in md and f"- tree 1: {ROOT} ({revision})" in md
+    # each tree's kernel choices as its dispatch words them (on a CPU: why the Gluon kernels are off)
+    chosen = [line for line in md.splitlines() if line.startswith("- tree 0's kernels: ")]
+    assert len(chosen) == 1 and "- tree 1's kernels: " in md and "tree 0's kernels: " in done.stderr
+    if not torch.cuda.is_available():
+        assert chosen[0] == "- tree 0's kernels: off (not an sm_90 GPU)"
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"  # the workers' own
     assert f"- torch: {torch.__version__}" in md and f"- device: {device}\n" in md and "--what fwd" in md
     csv_lines = (tmp_path / "fwd.csv").read_text().splitlines()
@@ -169,6 +174,8 @@ def test_every_worker_builds_its_step_models_before_any_is_waited_for(monkeypatc
             return {"ready": True} if request.get("prepare") else {"ms": 1.0, "digest": None}
 
         def ask(self, **request):
+            if request.get("choices"):
+                return {"choices": f"{self.tree}'s kernels"}
             self.send(**request)
             return self.receive()
 
@@ -177,8 +184,9 @@ def test_every_worker_builds_its_step_models_before_any_is_waited_for(monkeypatc
 
     monkeypatch.setattr(ab_trees, "Worker", FakeWorker)
     trees = [Path("a"), Path("b"), Path("c")]
-    ab_trees.run(trees, [ab_trees.StepCell("small", 2048)], 2, "flash-triton", "step", True, 16384, 16,
-                 dict(mode="compiled", iters=1, warmup=0, batch=4))
+    done = ab_trees.run(trees, [ab_trees.StepCell("small", 2048)], 2, "flash-triton", "step", True, 16384, 16,
+                        dict(mode="compiled", iters=1, warmup=0, batch=4))
+    assert done.choices == [f"{tree}'s kernels" for tree in trees]  # asked of every worker after the rounds
     prepared = [entry for entry in log if entry[3]]
     assert [e[0] for e in prepared] == ["send"] * 4 + ["receive"] * 4
     assert {(e[1], e[2]) for e in prepared} == {(t, "flash-triton") for t in trees} | {(trees[0], "sdpa")}
