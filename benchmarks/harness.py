@@ -23,7 +23,7 @@ import math
 import os
 import platform
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch

@@ -147,7 +147,8 @@ def link_bandwidth(world: int, table: Path = ALLREDUCE_TABLE) -> float | None:
     """The all-reduce bus bandwidth (bytes/s) measured at the largest size for `world` ranks (the nearest world size
     measured), or None without a table."""
     try:
-        rows = list(csv.DictReader(open(table)))
+        with open(table) as f:
+            rows = list(csv.DictReader(f))
     except OSError:
         return None
     rows = [r for r in rows if r.get("busbw_GBps")]

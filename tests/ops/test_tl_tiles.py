@@ -53,7 +53,7 @@ def test_an_output_a_tile_left_unwritten_reads_as_nan_not_as_an_earlier_tiles():
 def test_a_tile_that_cannot_run_leaves_the_outputs_later_kernels_read():
     cell = tl_tiles.Cell(1, 2, 2, 24, 16, DTYPE, (-1, 0), DEVICE)
     before = cell.outputs["o"].clone()
-    with pytest.raises(Exception):
+    with pytest.raises(Exception, match="power of 2"):  # Triton's error type differs between interpreter and GPU
         cell.checked("fwd", (48, 16, 4, 2))  # not a power of two
     assert torch.equal(cell.outputs["o"], before)
     assert cell.checked("dq", (16, 16, 4, 2)) < TOLERANCE  # dQ still reads the forward's O and L
