@@ -181,10 +181,10 @@ def min_work(head_dim: int, window: Window = (-1, -1)) -> int:
     """The size bar at this head dim and mask (`window`: (left, right), -1 unbounded), eager and compiled calls
     alike: MIN_WORK, or the lower bar MIN_WORK_BY_HEAD_DIM gives the head dim, or FULL_MASK_MIN_WORK_BY_HEAD_DIM a
     call with neither bound (a full mask)."""
-    bars = [MIN_WORK, MIN_WORK_BY_HEAD_DIM.get(head_dim, MIN_WORK)]
+    bar = min(MIN_WORK, MIN_WORK_BY_HEAD_DIM.get(head_dim, MIN_WORK))
     if window[0] < 0 and window[1] < 0:
-        bars.append(FULL_MASK_MIN_WORK_BY_HEAD_DIM.get(head_dim, MIN_WORK))
-    return min(bars)
+        return min(bar, FULL_MASK_MIN_WORK_BY_HEAD_DIM.get(head_dim, bar))
+    return bar
 
 
 def call_work(q_shape: tuple[int, ...], k_shape: tuple[int, ...], window: Window) -> int:
