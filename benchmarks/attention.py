@@ -26,8 +26,8 @@ import statistics
 import torch
 
 from benchmarks.harness import (
-    ON_GPU, add_common_args, at_least_one, bench_ms, environment, peak_memory, progress, pyplot, run_cell,
-    save_plot, write_table,
+    ON_GPU, add_common_args, add_run_arg, at_least_one, bench_ms, check_run_table, environment, peak_memory, progress,
+    pyplot, run_cell, save_plot, write_table,
 )
 from flashsys.ops.attention import ATTENTION_BACKENDS
 from flashsys.timing import round_order
@@ -213,6 +213,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-naive-len", type=int, default=16384, help="skip naive above this length (N^2 memory)")
     p.add_argument("--max-flash-torch-len", type=int, default=4096,
                    help="skip flash-torch above this length (its Python loop over tiles takes minutes there)")
+    add_run_arg(p)
     args = p.parse_args(argv)
     impls = {name: implementation(name) for name in args.impls}
     causals = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
@@ -234,6 +235,7 @@ def main(argv=None) -> int:
              + "; inputs " + ("dense (B, H, N, D)." if args.layout == "bhnd" else
                               "(B, H, N, D) views of (B, N, H, D) memory, as a model's projections give them.")]
     table_name = args.name or f"attention_{tag}"
+    check_run_table(p, args.out, table_name, args.run)
     rows, retimed = [], []
     for done, (d, n, dt, c) in enumerate(progress(cells, "attention", args.no_progress), 1):
         batch = args.batch or (max(1, args.tokens // n) if ON_GPU else 1)
@@ -269,7 +271,7 @@ def main(argv=None) -> int:
                      "backward timed alone (a disturbed round; the lowest timing kept): " + "; ".join(retimed) + "."
                      ] if retimed else []
         path = write_table(rows, args.out, table_name, "Attention implementations", notes + disturbed + partial,
-                           environment())
+                           environment(), run=args.run)
     plot_rows(rows, args.out, table_name.removeprefix("attention_"))
     print(path.read_text())
     return 0

@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.harness import (
-    DEVICE, ON_GPU, add_common_args, at_least_one, environment, memory_snapshot, nvtx, peak_memory, progress, pyplot,
-    run_cell, save_plot, sync, token_batch, write_table,
+    DEVICE, ON_GPU, add_common_args, add_run_arg, at_least_one, check_run_table, environment, memory_snapshot, nvtx,
+    peak_memory, progress, pyplot, run_cell, save_plot, sync, token_batch, write_table,
 )
 from flashsys.nn import PRESETS, TransformerLM, preset
 from flashsys.ops.attention import ATTENTION_BACKENDS
@@ -142,9 +142,11 @@ def main(argv=None) -> int:
                         "interleaved; step_ms is the median of the rounds' medians")
     p.add_argument("--attention", nargs="+", choices=list(ATTENTION_BACKENDS), default=["flash"],
                    help="attention backends inside the model (the registry of flashsys.ops.attention)")
+    add_run_arg(p)
     args = p.parse_args(argv)
     modes = "" if args.modes == ["eager"] else "_" + "-".join(args.modes)
     name = f"end_to_end_{'gpu' if ON_GPU else 'cpu'}_{args.dtype}_{'-'.join(args.attention)}{modes}_w{args.warmup}"
+    check_run_table(p, args.out, name, args.run)
     env = environment()
     rows = []
 
@@ -166,7 +168,7 @@ def main(argv=None) -> int:
                             "training step."]
                            + ([] if done == len(groups) else
                               [f"**Partial: {done} of {len(groups)} (preset, context, mode) groups** (the run "
-                               "stopped, or is still running, before the rest)."]), env)
+                               "stopped, or is still running, before the rest)."]), env, run=args.run)
 
     # The attention implementations of one (preset, context, mode) are built side by side and timed in interleaved
     # rounds, so that clock drift over the run falls on all of them alike.

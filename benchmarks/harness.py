@@ -7,8 +7,9 @@
 - Profiling: `--nvtx` wraps regions in NVTX ranges for `nsys`; `--memory-snapshot PATH` records a
   `torch.cuda.memory` snapshot for https://pytorch.org/memory_viz.
 - Results: a table of rows written as Markdown and CSV (with device, versions, command and date) and a PNG plot,
-  into `benchmarks/results/<script>/` by default. A cell that fails (OOM, unsupported) is recorded and the
-  sweep goes on.
+  into `benchmarks/results/<script>/` by default; with `--run LABEL` (the suites that take it) a run's rows join
+  those of the runs the table holds already. A cell that fails (OOM, unsupported) is recorded and the sweep goes
+  on.
 """
 
 from __future__ import annotations
@@ -335,16 +336,18 @@ def fmt(v) -> str:
     return str(v)
 
 
-def write_table(rows: list[dict], out_dir: Path, name: str, title: str, notes: list[str] | None = None,
-                env: dict | None = None) -> Path:
-    """Markdown (with the environment) and CSV of the rows; returns the Markdown path."""
+def _env_value(key: str, value) -> str:
+    """An environment entry's value as a header writes it (a command line as code)."""
+    return f"`{value}`" if key == "command" else f"{value}"
+
+
+def _write(rows: list[dict], out_dir: Path, name: str, title: str, header: list[str], notes: list[str]) -> Path:
+    """`rows` as <out_dir>/<name>.md (under `title`, the `header` lines and the `notes`) and .csv; the Markdown path."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = env or environment()
     columns: list[str] = []
     for r in rows:
         columns += [c for c in r if c not in columns]
-    md = [f"# {title}", ""] + [f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in env.items()]
-    md += [""] + [f"{n}" for n in (notes or [])] + ([""] if notes else [])
+    md = [f"# {title}", "", *header, ""] + notes + ([""] if notes else [])
     md.append("| " + " | ".join(columns) + " |")
     md.append("|" + "|".join("---" for _ in columns) + "|")
     for r in rows:
@@ -357,6 +360,116 @@ def write_table(rows: list[dict], out_dir: Path, name: str, title: str, notes: l
         for r in rows:
             w.writerow({c: r.get(c) for c in columns})
     return path
+
+
+def write_table(rows: list[dict], out_dir: Path, name: str, title: str, notes: list[str] | None = None,
+                env: dict | None = None, run: str | None = None) -> Path:
+    """Markdown (with the environment) and CSV of the rows; returns the Markdown path. With `run` (a label, as
+    `--run` gives it) the rows are that run of a table of several (`_with_run`) instead of the whole table."""
+    env = env or environment()
+    if run is not None:
+        return _with_run(rows, out_dir, name, title, run, list(notes or []), env)
+    header = [f"- {k}: {_env_value(k, v)}" for k, v in env.items()]
+    return _write(rows, out_dir, name, title, header, list(notes or []))
+
+
+def run_label(text: str) -> str:
+    """An argparse type: a run's label, not empty."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("a run's label cannot be empty")
+    return text
+
+
+def add_run_arg(p: argparse.ArgumentParser) -> None:
+    """--run LABEL: write the table as one run of several (`write_table`'s `run`; `check_run_table` before measuring
+    anything)."""
+    p.add_argument("--run", metavar="LABEL", type=run_label, default=None,
+                   help="write this run's rows into the table beside the runs it already holds (a first column "
+                        "`run`; the header lists what differs run by run; a run of the same label is replaced), "
+                        "instead of replacing the table: several runs of one suite in one table")
+
+
+# How a table of several runs records them in its Markdown: one HTML comment (not shown where Markdown is rendered)
+# holding each run's label, environment and notes as JSON, so that the next run's write keeps them.
+_RUNS_MARK = "<!-- runs: "
+
+
+def _recorded_runs(md_path: Path) -> list[dict]:
+    """The runs a table of several records ([] where there is no table yet)."""
+    if not md_path.exists():
+        return []
+    for line in md_path.read_text().splitlines():
+        if line.startswith(_RUNS_MARK) and line.endswith(" -->"):
+            return json.loads(line[len(_RUNS_MARK):-len(" -->")])
+    raise ValueError(f"{md_path} holds a table of one run (written without a run label), which adding a run would "
+                     "lose: give this run another name, or move that table away first")
+
+
+def check_run_table(p: argparse.ArgumentParser, out_dir: Path, name: str, run: str | None) -> None:
+    """Before a run measures anything: where it is to be added to the table <out_dir>/<name> (`--run`), that table,
+    if there is one, must hold runs already (else the rows measured could not be written after them): `p.error`
+    otherwise."""
+    if run is not None:
+        try:
+            _recorded_runs(out_dir / f"{name}.md")
+        except ValueError as exc:
+            p.error(f"--run: {exc}")
+
+
+def _csv_value(text: str):
+    """A CSV cell read back as `write_table` had it: None for an empty cell, an int or float where it parses as
+    one, the text otherwise."""
+    if text == "":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _with_run(rows: list[dict], out_dir: Path, name: str, title: str, run: str, notes: list[str],
+              env: dict) -> Path:
+    """`rows` as run `run` of the table <out_dir>/<name> (.md and .csv), beside the runs it already holds: each row
+    gets a first column `run`; rows of the other runs are kept as they were, and those of an earlier run with the
+    same label are replaced (in place). The header lists each environment entry once where every run has the same,
+    else run by run; a note every run has is written once, any other under its run's label. Returns the Markdown path.
+
+    Raises:
+        ValueError: the table there was written without a run label (one run).
+    """
+    env = {k: str(v) for k, v in env.items()}
+    md_path, csv_path = out_dir / f"{name}.md", out_dir / f"{name}.csv"
+    runs = _recorded_runs(md_path)
+    kept: list[dict] = []
+    if runs:
+        with open(csv_path, newline="") as f:
+            kept = [{k: _csv_value(v) for k, v in r.items()} for r in csv.DictReader(f)]
+    new_rows = [{"run": run, **r} for r in rows]
+    labels = [r["run"] for r in runs]
+    if run in labels:  # run again: its rows and record take the old ones' place
+        at = next((i for i, r in enumerate(kept) if str(r["run"]) == run), len(kept))
+        kept = [r for r in kept if str(r["run"]) != run]
+        kept[at:at] = new_rows
+        runs[labels.index(run)] = {"run": run, "env": env, "notes": notes}
+    else:
+        kept += new_rows
+        runs.append({"run": run, "env": env, "notes": notes})
+    header: list[str] = []
+    for key in dict.fromkeys(k for r in runs for k in r["env"]):
+        values = [r["env"].get(key) for r in runs]
+        if all(v == values[0] for v in values):
+            header.append(f"- {key}: {_env_value(key, values[0])}")
+        else:
+            header.append(f"- {key}:")
+            header += [f"  - run {r['run']}: {_env_value(key, v)}"
+                       for r, v in zip(runs, values) if v is not None]
+    record = json.dumps(runs, ensure_ascii=False).replace("--", "-\\u002d")  # an HTML comment holds no "--"
+    header += ["", f"{_RUNS_MARK}{record} -->"]
+    shared = [n for n in runs[0]["notes"] if all(n in r["notes"] for r in runs)]
+    own = [f"Run {r['run']}: {n}" for r in runs for n in r["notes"] if n not in shared]
+    return _write(kept, out_dir, name, title, header, shared + own)
 
 
 def save_plot(fig, out_dir: Path, name: str) -> Path:

@@ -424,10 +424,10 @@ def tree_revision(tree: Path) -> str:
 
 
 def write_results(results: list[dict], trees: list[Path], hello: dict, out: Path, name: str, rounds: int,
-                  choices: list[str]) -> Path:
+                  choices: list[str], run: str | None = None) -> Path:
     """`table`'s rows as <out>/<name>.md and .csv (`benchmarks.harness.write_table`) under the run's header: the
     device, versions and date, the command, each tree with its commit, and each tree's kernel choices (`choices`,
-    one a tree). Returns the Markdown path."""
+    one a tree); with `run`, as that run of a table of several. Returns the Markdown path."""
     from benchmarks.harness import command_line, write_table
 
     env = {"device": hello["device"], "torch": hello["torch"], "triton": hello["triton"], "python": hello["python"],
@@ -437,14 +437,15 @@ def write_results(results: list[dict], trees: list[Path], hello: dict, out: Path
     notes = [(f"Medians of {rounds} interleaved rounds (the trees and the baseline in an order changed each round); "
               "ratios are each tree's median over tree 0's and over the baseline's; \"same bits\": whether every "
               "tree's digest of its first call's gradients (the output's, for the forward alone) agreed.")]
-    return write_table([summary(r, len(trees)) for r in results], out, name, "A/B of source trees", notes, env)
+    return write_table([summary(r, len(trees)) for r in results], out, name, "A/B of source trees", notes, env,
+                       run=run)
 
 
 def main() -> int:
     if sys.argv[1:2] == ["--worker"]:  # started by Worker: TOKENS HEADS; it imports nothing of the driver's tree
         return worker(int(sys.argv[2]), int(sys.argv[3]))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from benchmarks.harness import at_least_one
+    from benchmarks.harness import add_run_arg, at_least_one, check_run_table
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trees", type=tree_path, nargs="+", help="two or more source trees; the first is the reference")
@@ -466,6 +467,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None,
                     help="also write the table as OUT/NAME.md and .csv, with device, versions, command and commits")
     ap.add_argument("--name", default="ab_trees", help="--out: the files' name (default ab_trees)")
+    add_run_arg(ap)
     args = ap.parse_args()
     if not args.trees or len(args.trees) < 2:
         ap.error("--trees: give two or more source trees")
@@ -480,13 +482,18 @@ def main() -> int:
         ap.error("--steps goes with --what step, and --what step needs --steps")
     if args.what == "step" and args.impl == "flash-triton-nondet":
         ap.error("--impl flash-triton-nondet times attention cells only; a step's model takes a registry backend")
+    if args.run is not None:
+        if args.out is None:
+            ap.error("--run names this run in --out's table: give --out")
+        check_run_table(ap, args.out, args.name, args.run)
     cells = args.steps if args.what == "step" else args.cells
     step_options = dict(mode=args.step_mode, iters=args.iters, warmup=args.warmup, batch=args.batch)
     done = run(args.trees, cells, args.rounds, args.impl, args.what, args.baseline, args.tokens, args.heads,
                step_options)
     print(table(done.results, args.trees))
     if args.out is not None:
-        path = write_results(done.results, args.trees, done.hello, args.out, args.name, args.rounds, done.choices)
+        path = write_results(done.results, args.trees, done.hello, args.out, args.name, args.rounds, done.choices,
+                             args.run)
         print(f"# wrote {path}", file=sys.stderr)
     return 0
 

@@ -440,3 +440,61 @@ def test_warm_l2_ms_times_the_gpu_not_the_host_that_issues_the_calls():
     assert 0.8 < warm / alone < 1.2, (warm, alone)
     slow = warm_l2_ms(slow_to_issue, rep_ms=50)
     assert 0.8 < slow / alone < 1.2 and slow < 0.5, (slow, alone)
+
+
+
+def _env(date: str, command: str) -> dict:
+    return {"device": "GPU X", "date": date, "command": command}
+
+
+def _shown(md: str) -> list[str]:
+    """The lines a Markdown viewer shows (the record of the runs is an HTML comment)."""
+    return [line for line in md.splitlines() if not line.startswith("<!--")]
+
+
+def test_runs_written_into_one_table_keep_each_runs_rows_header_and_notes(tmp_path):
+    """`write_table(run=...)`: each run's rows under a `run` column, kept when the next run is written (their values
+    read back from the CSV as numbers, so the Markdown formats them as before), an entry of the environment listed
+    once where the runs agree and run by run where they differ (a command's `--` kept through the record of the
+    runs), a note all runs share written once and the others under their run's label; a run written again replaces
+    its own rows where they stood."""
+    from benchmarks.harness import write_table
+
+    def rows(ms):
+        return [{"impl": "a", "seq_len": 1024, "causal": True, "ms": ms},
+                {"impl": "b", "seq_len": 1024, "causal": True, "ms": None}]
+
+    write_table(rows(1.23456), tmp_path, "t", "T", ["shared", "only A"], _env("d1", "x --rounds 2"), run="A")
+    path = write_table(rows(2.5), tmp_path, "t", "T", ["shared"], _env("d2", "x --rounds 3"), run="B")
+    md = path.read_text()
+    assert "- device: GPU X\n" in md
+    assert "- date:\n  - run A: d1\n  - run B: d2\n" in md
+    assert "  - run A: `x --rounds 2`\n  - run B: `x --rounds 3`\n" in md
+    shown = _shown(md)
+    assert shown.count("shared") == 1 and "Run A: only A" in shown
+    assert [line for line in shown if line.startswith("| ")] == [
+        "| run | impl | seq_len | causal | ms |", "| A | a | 1024 | True | 1.235 |", "| A | b | 1024 | True | — |",
+        "| B | a | 1024 | True | 2.500 |", "| B | b | 1024 | True | — |"]
+
+    write_table(rows(9.0), tmp_path, "t", "T", ["shared"], _env("d3", "x --rounds 4"), run="A")
+    md = path.read_text()
+    assert [line for line in _shown(md) if line.startswith("| ")][1:] == [
+        "| A | a | 1024 | True | 9.000 |", "| A | b | 1024 | True | — |",
+        "| B | a | 1024 | True | 2.500 |", "| B | b | 1024 | True | — |"]
+    assert "  - run A: d3\n  - run B: d2\n" in md and "only A" not in md
+    csv_rows = (tmp_path / "t.csv").read_text().splitlines()
+    assert csv_rows[0] == "run,impl,seq_len,causal,ms" and len(csv_rows) == 5
+
+
+def test_a_run_is_not_added_to_a_table_of_one_run_nor_given_an_empty_label(tmp_path):
+    """A table written without --run records no runs: adding one would drop its rows, so the suite refuses before it
+    measures anything (the table is left as it was); an empty label is refused by name."""
+    from benchmarks.harness import write_table
+
+    write_table([{"impl": "a", "ms": 1.0}], tmp_path, "attention_cpu", "T", [], _env("d1", "x"))
+    before = (tmp_path / "attention_cpu.md").read_text()
+    for run, message in (("B", "holds a table of one run"), ("", "label cannot be empty")):
+        result = _run("attention", "--out", str(tmp_path), "--run", run, "--seq-lens", "32", "--head-dims", "16",
+                      "--impls", "sdpa-math", "--no-progress")
+        assert result.returncode == 2 and message in result.stderr
+    assert (tmp_path / "attention_cpu.md").read_text() == before

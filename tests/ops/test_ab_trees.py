@@ -96,14 +96,19 @@ def test_a_worker_that_imports_another_trees_flashsys_is_refused(tmp_path):
 
 
 def test_the_arguments_are_refused_by_name(tmp_path):
-    """A folder with no flashsys package, a cell that is not D:MASK:N, one tree alone, no rounds, no heads:
-    argparse's exit 2, naming the argument, before any worker starts."""
+    """A folder with no flashsys package, a cell that is not D:MASK:N, one tree alone, no rounds, no heads, a run label
+    with no table to name it in (--run without --out) or for a table of one run: argparse's exit 2, naming the
+    argument, before any worker starts."""
+    (tmp_path / "one.md").write_text("# a table written without --run\n")
     for args, words in (((str(ROOT), str(tmp_path)), "no flashsys package there"),
                         ((str(ROOT), str(ROOT), "--cells", "32:dense:128"), "want D:MASK:N"),
                         ((str(ROOT),), "give two or more source trees"),
                         ((str(ROOT), str(ROOT), "--rounds", "0"), "argument --rounds"),
                         ((str(ROOT), str(ROOT), "--heads", "0"), "--heads: 1 or more"),
-                        ((str(ROOT), str(ROOT), "--out", str(tmp_path), "--name", "a/b"), "--name 'a/b'")):
+                        ((str(ROOT), str(ROOT), "--out", str(tmp_path), "--name", "a/b"), "--name 'a/b'"),
+                        ((str(ROOT), str(ROOT), "--run", "A"), "--run names this run in --out's table"),
+                        ((str(ROOT), str(ROOT), "--out", str(tmp_path), "--name", "one", "--run", "A"),
+                         "holds a table of one run")):
         done = _run("--trees", *args)
         assert done.returncode == 2 and words in done.stderr, done.stderr
 
