@@ -3,6 +3,7 @@
 # one 10-minute device call; split it):
 #   bash scripts/gpu_bench_single.sh tests                # a call of its own: ~9 minutes on a fresh H100 (cold caches)
 #   bash scripts/gpu_bench_single.sh leaderboard attention
+#   bash scripts/gpu_bench_single.sh attention_check      # two check sweeps in a row, one table (~350 s on an H100)
 #   bash scripts/gpu_bench_single.sh end_to_end attention_long attention_b1
 #   bash scripts/gpu_bench_single.sh attention_small attention_compiled attention_short
 #   bash scripts/gpu_bench_single.sh host_cost mfu attention_features     # host cost, MFU, GQA/window/varlen
@@ -39,6 +40,16 @@ for s in "${sections[@]}"; do
       --impls flash-triton sdpa-flash sdpa-cudnn --head-dims 64 128 --seq-lens 1024 2048 4096 8192 16384 32768 \
       --dtypes bf16 --causal both --rep 30 > "$OUT/attention.log" 2>&1
     echo "attention exit: $?"; grep -E "^\| flash-triton" "$OUT/attention/attention_gpu.md" | cut -d'|' -f3-7,10,13 ;;
+  attention_check)  # ours against cuDNN in two sweeps back to back, each a fresh process, written as runs A and B
+                    # of one table (--run): "no cell above cuDNN in two sweeps in a row" is read off it
+    rm -f "$OUT/attention/attention_gpu_check".{md,csv}
+    for run in A B; do
+      timeout -k 10 ${ATT_TIMEOUT:-200} python3 -m benchmarks.attention --no-progress --out "$OUT/attention" \
+        --name attention_gpu_check --run $run --impls flash-triton sdpa-cudnn --head-dims 64 128 \
+        --seq-lens 1024 2048 4096 8192 16384 --dtypes bf16 --causal both --rep 30 > "$OUT/attention_check_$run.log" 2>&1
+      echo "attention_check $run exit: $?"
+    done
+    grep -E "^\| [AB] \| flash-triton" "$OUT/attention/attention_gpu_check.md" | cut -d'|' -f2,5-8,11,14 ;;
   attention_long)  # the longest sequences, batch 1
     timeout -k 10 120 python3 -m benchmarks.attention --no-progress --out "$OUT/attention_long" \
       --impls flash-triton sdpa-flash sdpa-cudnn --head-dims 64 128 --seq-lens 65536 --dtypes bf16 --rep 20 \
