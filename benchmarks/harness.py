@@ -395,11 +395,18 @@ _RUNS_MARK = "<!-- runs: "
 
 
 def _recorded_runs(md_path: Path) -> list[dict]:
-    """The runs a table of several records ([] where there is no table yet)."""
+    """The runs a table of several records ([] where there is no table yet).
+
+    Raises:
+        ValueError: the table there records no runs (written without a label), or its CSV (the runs' rows) is gone.
+    """
     if not md_path.exists():
         return []
     for line in md_path.read_text().splitlines():
         if line.startswith(_RUNS_MARK) and line.endswith(" -->"):
+            if not md_path.with_suffix(".csv").exists():
+                raise ValueError(f"{md_path} records runs whose rows were in {md_path.with_suffix('.csv').name}, "
+                                 "which is missing: restore it, or move the Markdown away to start a new table")
             return json.loads(line[len(_RUNS_MARK):-len(" -->")])
     raise ValueError(f"{md_path} holds a table of one run (written without a run label), which adding a run would "
                      "lose: give this run another name, or move that table away first")

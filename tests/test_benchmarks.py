@@ -488,7 +488,8 @@ def test_runs_written_into_one_table_keep_each_runs_rows_header_and_notes(tmp_pa
 
 def test_a_run_is_not_added_to_a_table_of_one_run_nor_given_an_empty_label(tmp_path):
     """A table written without --run records no runs: adding one would drop its rows, so the suite refuses before it
-    measures anything (the table is left as it was); an empty label is refused by name."""
+    measures anything (the table is left as it was); an empty label is refused by name; a table of runs whose CSV
+    (their rows) is gone is refused by the file's name."""
     from benchmarks.harness import write_table
 
     write_table([{"impl": "a", "ms": 1.0}], tmp_path, "attention_cpu", "T", [], _env("d1", "x"))
@@ -498,3 +499,8 @@ def test_a_run_is_not_added_to_a_table_of_one_run_nor_given_an_empty_label(tmp_p
                       "--impls", "sdpa-math", "--no-progress")
         assert result.returncode == 2 and message in result.stderr
     assert (tmp_path / "attention_cpu.md").read_text() == before
+
+    write_table([{"impl": "a", "ms": 1.0}], tmp_path, "runs", "T", [], _env("d1", "x"), run="A")
+    (tmp_path / "runs.csv").unlink()
+    with pytest.raises(ValueError, match="runs.csv, which is missing"):
+        write_table([{"impl": "a", "ms": 2.0}], tmp_path, "runs", "T", [], _env("d2", "x"), run="B")
