@@ -444,7 +444,7 @@ def _with_run(rows: list[dict], out_dir: Path, name: str, title: str, run: str, 
     else run by run; a note every run has is written once, any other under its run's label. Returns the Markdown path.
 
     Raises:
-        ValueError: the table there was written without a run label (one run).
+        ValueError: from `_recorded_runs`: the table there was written without a run label, or its CSV is gone.
     """
     env = {k: str(v) for k, v in env.items()}
     md_path, csv_path = out_dir / f"{name}.md", out_dir / f"{name}.csv"
@@ -452,12 +452,12 @@ def _with_run(rows: list[dict], out_dir: Path, name: str, title: str, run: str, 
     kept: list[dict] = []
     if runs:
         with open(csv_path, newline="") as f:
-            kept = [{k: _csv_value(v) for k, v in r.items()} for r in csv.DictReader(f)]
+            kept = [{k: v if k == "run" else _csv_value(v) for k, v in r.items()} for r in csv.DictReader(f)]
     new_rows = [{"run": run, **r} for r in rows]
     labels = [r["run"] for r in runs]
     if run in labels:  # run again: its rows and record take the old ones' place
-        at = next((i for i, r in enumerate(kept) if str(r["run"]) == run), len(kept))
-        kept = [r for r in kept if str(r["run"]) != run]
+        at = next((i for i, r in enumerate(kept) if r["run"] == run), len(kept))
+        kept = [r for r in kept if r["run"] != run]
         kept[at:at] = new_rows
         runs[labels.index(run)] = {"run": run, "env": env, "notes": notes}
     else:
