@@ -11,6 +11,7 @@ runs in its own process. The pytest suite checks each of these; this script give
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -305,6 +306,9 @@ def _ppid(pid: int) -> int | None:
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("only", nargs="?", default="", help="run only the tries whose name contains this")
+    only = ap.parse_args().only
     tries: dict = {}
     tries.update(op_tries("FlashAttention2Torch"))
     tries.update(op_tries("FlashAttention2Triton"))
@@ -321,11 +325,11 @@ def main() -> int:
     tries.update(dist_tries())
     with tempfile.TemporaryDirectory() as tmp:
         tries.update(cli_tries(Path(tmp)))
-        only = sys.argv[1] if len(sys.argv) > 1 else ""  # a substring: run only the tries whose name has it
+        chosen = {name: run for name, run in tries.items() if only in name}
+        if not chosen:
+            ap.error(f"no try's name contains {only!r}")
         results = {}
-        for name, run in tries.items():
-            if only not in name:
-                continue
+        for name, run in chosen.items():
             t0 = time.time()
             results[name] = run()
             print(f"{results[name]:10s} {time.time() - t0:5.1f}s  {name}", flush=True)
