@@ -8,9 +8,9 @@ kernels and collectives inside: torch.profiler over two steps per variant after 
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
-import sys
 from types import SimpleNamespace
 
 import torch
@@ -54,5 +54,16 @@ def worker(rank, world, device, names):
         torch.cuda.empty_cache()
 
 
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("variants", nargs="+", choices=list(VARIANTS), metavar="VARIANT",
+                    help="variants of benchmarks.ddp to profile, one after the other: " + "; ".join(VARIANTS))
+    names = ap.parse_args().variants
+    if torch.cuda.device_count() < 2:
+        ap.error(f"needs 2 CUDA GPUs (NCCL), found {torch.cuda.device_count()}")
+    spawn(worker, 2, names, backend="nccl")
+    return 0
+
+
 if __name__ == "__main__":
-    spawn(worker, 2, sys.argv[1:], backend="nccl")
+    raise SystemExit(main())
