@@ -44,8 +44,8 @@ _DTYPES = (torch.float16, torch.bfloat16)
 # The work (`call_work`) below which a call keeps the `tl` kernels. A replayed Gluon call costs the host what a `tl`
 # one does (the native launcher encodes its TMA descriptors), so the bar follows the kernels' speed: at D 64 under a
 # causal mask or a window the `tl` kernels keep up below 2^34; under a full mask at D 64 the Gluon kernels lead from
-# 2^33 (forward + backward 12-13% faster; at 2^32 one run had them 7% ahead, another 23% behind); at D 128 they lead
-# from 2^31 under any mask (15-31%). Compiled graphs take the same bars: a compiled causal D 64 step was slower with
+# 2^33 (forward + backward 12-13% faster; at 2^32 two runs had them 6-7% ahead, a third 23% behind); at D 128 they
+# lead from 2^31 under any mask (15-31%). Compiled graphs take the same bars: a compiled causal D 64 step was slower with
 # the Gluon kernels below 2^34, a D 128 one faster with them from 2^31 (docs/attention-kernels.md §2 has the
 # measurements). MIN_WORK bars every head dim and mask; MIN_WORK_BY_HEAD_DIM lowers it for one head dim,
 # FULL_MASK_MIN_WORK_BY_HEAD_DIM for one head dim's calls with neither bound (tests and A/B timings set MIN_WORK to 0
