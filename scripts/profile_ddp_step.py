@@ -11,15 +11,18 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import sys
 from types import SimpleNamespace
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.ddp import VARIANTS, train_step
-from benchmarks.harness import distributed_model_config, token_batch
-from flashsys.dist import spawn
-from flashsys.nn import TransformerLM
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this tree's benchmarks, flashsys
+
+from benchmarks.ddp import VARIANTS, train_step  # noqa: E402
+from benchmarks.harness import distributed_model_config, token_batch  # noqa: E402
+from flashsys.dist import spawn  # noqa: E402
+from flashsys.nn import TransformerLM  # noqa: E402
 
 
 def worker(rank, world, device, names):
