@@ -356,14 +356,20 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("source", help="a sharded checkpoint directory, or a checkpoint.pt file")
     convert.add_argument("target", help="the file (from a directory) or directory (from a file) to write")
     args = parser.parse_args(argv)
-    if args.command == "info":
-        return cmd_info()
-    commands = {"convert": cmd_convert, "plan": cmd_plan, "train": cmd_train}
+    commands = {"convert": cmd_convert, "info": lambda _: cmd_info(), "plan": cmd_plan, "train": cmd_train}
     try:
-        return commands[args.command](args)
+        code = commands[args.command](args)
+        sys.stdout.flush()  # a reader that left early shows here, not at the interpreter's exit
+        return code
     except UsageError as e:
         print(f"flashsys {args.command}: error: {e}", file=sys.stderr)
         return 2
     except (SpawnError, TrainingDiverged) as e:
         print(f"flashsys {args.command}: failed: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # The reader closed the pipe (`flashsys info | head -3`): what is left has nowhere to go. Point stdout at
+        # the null device so the interpreter's last flush does not raise again, and exit as a shell reports a
+        # process SIGPIPE ended.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 import tomllib
@@ -88,3 +89,17 @@ def test_cpu_path_works_without_triton():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "flash-triton    unavailable: Triton is not installed" in r.stdout
+
+
+def test_info_into_a_closed_pipe_ends_quietly():
+    """`flashsys info | head -1`: once the reader has gone, the command stops with the shell's SIGPIPE status and no
+    traceback (the reader here is gone before the first line, so every run meets the closed pipe)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        r = subprocess.run([sys.executable, "-m", "flashsys", "info"], stdout=write_end, stderr=subprocess.PIPE,
+                           text=True, timeout=120, cwd=ROOT, check=False)
+    finally:
+        os.close(write_end)
+    assert r.returncode == 141, r.stderr[-2000:]
+    assert r.stderr == ""
