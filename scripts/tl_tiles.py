@@ -1,11 +1,12 @@
 """Every tile of the `tl` kernels (forward, dQ, dK/dV) timed at one shape, beside cuDNN's forward and backward, each
 checked against float64 math (GPU probe; on a CPU it runs under Triton's interpreter, where its times say nothing).
 
-Why: inside a compiled model the `tl` kernels run every attention call (Inductor re-emits them; the Gluon kernels
-stay in eager calls above `dispatch.MIN_WORK`), so at a model's shape (the small preset at context 2048: batch 4,
-12 heads, D 64, causal) the step's attention is as fast as the best `tl` tile there. The autotuner and Inductor
-pick among `triton/configs.py`'s candidates; this shows every candidate's time, the eager autotuner's pick, and any
-tile given with --extra, so that a table change is decided by one run at the shape it is for.
+Why: below the Gluon kernels' size bar (`dispatch.min_work`; 2^34 at D 64 under a causal mask) the `tl` kernels run
+every attention call, in a compiled model too (Inductor re-emits them), so at a model's shape (the small preset at
+context 2048: batch 4, 12 heads, D 64, causal) the step's attention is as fast as the best `tl` tile there. The
+autotuner and Inductor pick among `triton/configs.py`'s candidates; this shows every candidate's time, the eager
+autotuner's pick, and any tile given with --extra, so that a table change is decided by one run at the shape it is
+for.
 
     python scripts/tl_tiles.py                                            # small preset, context 2048
     python scripts/tl_tiles.py --heads 16                                 # medium preset, context 2048

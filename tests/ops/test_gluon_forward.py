@@ -64,7 +64,9 @@ def test_the_size_bar_counts_the_pairs_the_kernels_visit():
     pairs). D 128 has a lower bar of its own, and so do D 64's full-mask calls (eager and compiled calls alike; a
     right or left bound keeps D 64 at MIN_WORK); MIN_WORK, set to 0, lowers every head dim's. The GPU test below asks
     `forward_problem` the same."""
+    assert set(dispatch.SIZE_BARS) == {(d, m) for d in dispatch.HEAD_DIMS for m in ("full", "bounded")}
     bar = dispatch.MIN_WORK
+    assert bar == max(dispatch.SIZE_BARS.values()) == 1 << 34
     full, causal, window = (-1, -1), (-1, 0), (255, 0)
     assert dispatch.min_work(64, causal) == dispatch.min_work(64, window) == dispatch.min_work(64, (-1, 7)) == bar
     assert dispatch.min_work(64, full) == dispatch.min_work(64) == bar >> 1

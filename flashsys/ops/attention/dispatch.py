@@ -41,18 +41,20 @@ from .triton_env import autotune_enabled, env_switch
 Window = tuple[int, int]
 HEAD_DIMS = (64, 128)
 _DTYPES = (torch.float16, torch.bfloat16)
-# The work (`call_work`) below which a call keeps the `tl` kernels. A replayed Gluon call costs the host what a `tl`
-# one does (the native launcher encodes its TMA descriptors), so the bar follows the kernels' speed: at D 64 under a
-# causal mask or a window the `tl` kernels keep up below 2^34; under a full mask at D 64 the Gluon kernels lead from
-# 2^33 (forward + backward 12-13% faster; at 2^32 two runs had them 6-7% ahead, a third 23% behind); at D 128 they
-# lead from 2^31 under any mask (15-31%). Compiled graphs take the same bars: a compiled causal D 64 step was slower with
-# the Gluon kernels below 2^34, a D 128 one faster with them from 2^31 (docs/attention-kernels.md §2 has the
-# measurements). MIN_WORK bars every head dim and mask; MIN_WORK_BY_HEAD_DIM lowers it for one head dim,
-# FULL_MASK_MIN_WORK_BY_HEAD_DIM for one head dim's calls with neither bound (tests and A/B timings set MIN_WORK to 0
-# to send every call to the Gluon kernels).
-MIN_WORK = 1 << 34
-MIN_WORK_BY_HEAD_DIM = {128: 1 << 31}
-FULL_MASK_MIN_WORK_BY_HEAD_DIM = {64: 1 << 33}
+# The size bars: the work (`call_work`) below which a call keeps the `tl` kernels, by head dim and mask ("full": no
+# bound; "bounded": a causal mask or a window). A replayed Gluon call costs the host what a `tl` one does (the native
+# launcher encodes its TMA descriptors), so the bars follow the kernels' speed: at D 64 under a causal mask or a window
+# the `tl` kernels keep up below 2^34; under a full mask at D 64 the Gluon kernels lead from 2^33 (forward + backward
+# 12-13% faster; at 2^32 two runs had them 6-7% ahead, a third 23% behind); at D 128 they lead from 2^31 under any mask
+# (15-31%). Compiled graphs take the same bars: a compiled causal D 64 step was slower with the Gluon kernels below
+# 2^34, or level with the Gluon forward alone, a D 128 one faster with them from 2^31 (docs/attention-kernels.md §2 has
+# the measurements).
+SIZE_BARS: dict[tuple[int, str], int] = {
+    (64, "bounded"): 1 << 34, (64, "full"): 1 << 33,
+    (128, "bounded"): 1 << 31, (128, "full"): 1 << 31,
+}
+# No bar exceeds this: tests and A/B timings set it to 0 to send every call the Gluon kernels can take to them.
+MIN_WORK = max(SIZE_BARS.values())
 ENV = "FLASHSYS_GLUON"
 
 # The forward's candidates per head dim. At D 64 FlashAttention-3's and -4's tile, 192 query rows over three consumer
@@ -178,13 +180,10 @@ def visible_pairs(n_q: int, n_k: int, window: Window) -> int:
 
 
 def min_work(head_dim: int, window: Window = (-1, -1)) -> int:
-    """The size bar at this head dim and mask (`window`: (left, right), -1 unbounded), eager and compiled calls
-    alike: MIN_WORK, or the lower bar MIN_WORK_BY_HEAD_DIM gives the head dim, or FULL_MASK_MIN_WORK_BY_HEAD_DIM a
-    call with neither bound (a full mask)."""
-    bar = min(MIN_WORK, MIN_WORK_BY_HEAD_DIM.get(head_dim, MIN_WORK))
-    if window[0] < 0 and window[1] < 0:
-        return min(bar, FULL_MASK_MIN_WORK_BY_HEAD_DIM.get(head_dim, bar))
-    return bar
+    """The size bar at this head dim (one of HEAD_DIMS) and mask (`window`: (left, right), -1 unbounded), eager and
+    compiled calls alike: SIZE_BARS's, or MIN_WORK where that is lower."""
+    mask = "full" if window[0] < 0 and window[1] < 0 else "bounded"
+    return min(MIN_WORK, SIZE_BARS[head_dim, mask])
 
 
 def call_work(q_shape: tuple[int, ...], k_shape: tuple[int, ...], window: Window) -> int:
