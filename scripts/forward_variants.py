@@ -13,12 +13,16 @@ fastest somewhere.
 
 Each cell: bf16, --heads query heads over --kv-heads K/V heads (grouped-query attention; --heads by default), batch
 --tokens // N (or --batch), q, k, v in (B, N, H, D) memory viewed as (B, H, N, D), as a model's projections hand them
-over. Every implementation is timed with `do_bench` (eager calls:
-each includes its launch's host path, so keep cells large enough to be GPU-bound) in --rounds interleaved rounds, and
-the median of the rounds' medians is printed with its ratio to cuDNN's and to FA4's, and the largest difference of its
-output from cuDNN's (a variant that computes something else shows here before its time means anything). cuDNN and FA4
+over. Every implementation is timed in --rounds interleaved rounds, and the median of the rounds' medians is printed
+with its ratio to cuDNN's and to FA4's, and the largest difference of its output from cuDNN's (a variant that computes something else shows here before its time means anything). cuDNN and FA4
 get inputs that require grad, as in training and as `benchmarks.attention` times them: so they write the logsumexp
 that every flashsys variant writes (without grad, FA4 compiles a forward that writes none).
+
+`--timing gpu` (the default) times each implementation's GPU work alone, the L2 flushed before each run
+(`timed_choice.gpu_ms`, what the dispatch's timed choice measures): each run waits behind a spin kernel longer than
+its host side, so a call whose Python path outlasts its kernels (the `tl` forward through the launcher, SDPA's
+dispatch, FA4's) is timed by its kernels, as inside a compiled model or a CUDA graph. `--timing call` times the eager
+call with `do_bench` instead, host path included: at cells of a tenth of a millisecond that is mostly the host.
 """
 
 from __future__ import annotations
@@ -35,7 +39,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from benchmarks.harness import add_probe_args, bench_ms, environment_variable, kv_heads_of
 from flashsys.ops.attention import ATTENTION_BACKENDS
+from flashsys.ops.attention.timed_choice import gpu_ms
 from flashsys.timing import round_order
+
+# --timing's choices: a timer of (call, rep_ms) -> median milliseconds.
+TIMERS: dict[str, Callable[[Callable[[], object], int], float]] = {"gpu": gpu_ms, "call": bench_ms}
 
 
 def _cell(d: int, causal: bool, n: int, batch: int, heads: int, kv_heads: int
@@ -75,8 +83,10 @@ def _cell(d: int, causal: bool, n: int, batch: int, heads: int, kv_heads: int
     return calls
 
 
-def _time_cell(calls: dict[str, Callable[[], torch.Tensor]], rounds: int, rep_ms: int) -> list[tuple]:
-    """(name, median ms, max |output - cuDNN's|) of each call that runs; those that raise are reported and dropped."""
+def _time_cell(calls: dict[str, Callable[[], torch.Tensor]], rounds: int, rep_ms: int, timing: str = "gpu"
+               ) -> list[tuple]:
+    """(name, median ms, max |output - cuDNN's|) of each call that runs, timed by TIMERS[timing]; those that raise
+    are reported and dropped."""
     reference = calls["sdpa-cudnn"]().float() if "sdpa-cudnn" in calls else None
     errors = {}
     for name, call in list(calls.items()):
@@ -91,7 +101,7 @@ def _time_cell(calls: dict[str, Callable[[], torch.Tensor]], rounds: int, rep_ms
     times = {name: [] for name in calls}
     for r in range(rounds):
         for name in round_order(list(calls), r):
-            times[name].append(bench_ms(calls[name], rep_ms=rep_ms))
+            times[name].append(TIMERS[timing](calls[name], rep_ms))
     return [(name, statistics.median(times[name]), errors[name]) for name in calls]
 
 
@@ -102,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--causal", choices=["yes", "no", "both"], default="both")
     p.add_argument("--tokens", type=int, default=16384, help="batch = tokens // N, unless --batch")
     p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--timing", choices=list(TIMERS), default="gpu",
+                   help="gpu: GPU work alone, L2 flushed (default); call: do_bench of the eager call, host included")
     add_probe_args(p, heads=16)
     args = p.parse_args(argv)
     kv_heads = kv_heads_of(p, args)
@@ -114,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
             for n in args.seq_lens:
                 batch = args.batch or max(1, args.tokens // n)
                 print(f"\nD {d} {'causal' if causal else 'full'} N {n}, batch {batch}, {args.heads} query / "
-                      f"{kv_heads} K/V heads")
-                rows = _time_cell(_cell(d, causal, n, batch, args.heads, kv_heads), args.rounds, args.rep)
+                      f"{kv_heads} K/V heads, --timing {args.timing}")
+                rows = _time_cell(_cell(d, causal, n, batch, args.heads, kv_heads), args.rounds, args.rep,
+                                  args.timing)
                 ms = {name: t for name, t, _ in rows}
                 print("| implementation | ms | × cuDNN | × FA4 | max abs diff from cuDNN |\n|---|---:|---:|---:|---:|")
                 for name, t, err in rows:

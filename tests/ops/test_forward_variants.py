@@ -46,3 +46,21 @@ def test_no_rounds_is_refused_naming_the_option():
 def test_kv_heads_that_do_not_divide_the_heads_are_refused(kv_heads):
     done = _run("--heads", "32", "--kv-heads", kv_heads)
     assert done.returncode == 2 and "argument --kv-heads" in done.stderr and "divisor of --heads (32)" in done.stderr
+
+
+def test_timing_is_the_gpu_work_alone_unless_asked_for_calls():
+    """At a model's cell sizes an eager call's host path outlasts its kernels, so the probe times the GPU work alone
+    by default, as the dispatch's timed choice does; `--timing call` keeps the host-inclusive `do_bench`."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import forward_variants
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    from benchmarks.harness import bench_ms
+    from flashsys.ops.attention.timed_choice import gpu_ms
+
+    assert forward_variants.TIMERS == {"gpu": gpu_ms, "call": bench_ms}
+    done = _run("--help")
+    assert "--timing {gpu,call}" in done.stdout
+    assert "gpu: GPU work alone, L2 flushed (default)" in " ".join(done.stdout.split())
+    assert _run("--timing", "wall").returncode == 2
