@@ -24,9 +24,11 @@ A cell is D:MASK:N (MASK full or causal), with batch = --tokens // N and --heads
 CPU, where the times say nothing about kernels: that is for trying the script, with `--impl flash-torch`). `--impl`
 names the attention backend of each tree's registry (`flashsys.ops.attention.ATTENTION_BACKENDS`; flash-triton by
 default, as the sweep's) or the sweep's flash-triton-nondet (determinism off), timed with each tree's
-`benchmarks.harness.bench_ms`. `--what bwd` (the default) times the backward alone, `fwd` the forward alone (no
-autograd graph), `fwd_bwd` a forward and its backward; `--baseline` also times sdpa-cudnn (GPU only) in the first
-tree's worker.
+`benchmarks.harness.bench_ms` (do_bench of the eager call, its host path included: what an eager model pays), or with
+`--timing gpu` each tree's `timed_choice.gpu_ms` (the GPU work alone, L2 flushed: what a compiled graph or a CUDA
+graph pays, where calls of a tenth of a millisecond would otherwise time the host). `--what bwd` (the default) times
+the backward alone, `fwd` the forward alone (no autograd graph), `fwd_bwd` a forward and its backward; `--baseline`
+also times sdpa-cudnn (GPU only) in the first tree's worker.
 
 `--what step` times a language model's training step instead, in each tree as that tree's `benchmarks.end_to_end`
 builds and times it (bf16 autocast on a GPU, AdamW; `--step-mode compiled` by default): a step cell is
@@ -53,6 +55,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 REPLY = "AB_TREES "  # a worker's answers start with this; anything else it prints goes to the driver's stderr
+CELL_REP_MS = 200  # each attention cell's timing lasts about this long (do_bench's rep, or gpu_ms's)
+# --timing's words in the table's notes.
+TIMING_NOTES = {"call": "each timing `do_bench`'s median of the eager call, its host path included",
+                "gpu": "each timing the GPU work alone, the L2 flushed before each run (`timed_choice.gpu_ms`)"}
 BASELINES = {"sdpa-cudnn": "cuDNN", "sdpa": "SDPA"}  # --baseline's backend (attention cells, steps): its label
 
 
@@ -175,8 +181,8 @@ def _time_step(request: dict, models: dict) -> dict:
 
 
 def _timed_call(what: str, backend, out, leaves: tuple, do, causal: bool):
-    """The call `bench_ms` times for an attention cell: "bwd" the backward of `out` (its graph retained), "fwd" the
-    forward without an autograd graph, "fwd_bwd" a forward and its backward."""
+    """The call `cell_timer`'s timer times for an attention cell: "bwd" the backward of `out` (its graph retained),
+    "fwd" the forward without an autograd graph, "fwd_bwd" a forward and its backward."""
     import torch
 
     if what == "bwd":
@@ -197,10 +203,24 @@ def _kernel_choices() -> str:
         return f"not known ({type(exc).__name__}: {exc})"
 
 
+def cell_timer(timing: str):
+    """The timer of an attention cell, from the worker's own tree: `benchmarks.harness.bench_ms` for "call"
+    (do_bench of the eager call, host path included), `flashsys.ops.attention.timed_choice.gpu_ms` for "gpu" (the GPU
+    work alone, L2 flushed, as the dispatch's timed choice measures it). Each takes (call, rep_ms)."""
+    if timing == "call":
+        from benchmarks.harness import bench_ms
+
+        return bench_ms
+    from flashsys.ops.attention.timed_choice import gpu_ms
+
+    return gpu_ms
+
+
 def worker(tokens: int, heads: int) -> int:
     """Serve the driver: one JSON request a line on stdin ({"cell": [D, causal, N], "impl": a registry backend,
-    "what": "bwd", "fwd" or "fwd_bwd"}, or a step cell's, `_time_step`, or {"choices": true}, `_kernel_choices`),
-    one REPLY line each ({"ms": ..., "digest": ...}, {"choices": ...}, or {"error": ...})."""
+    "what": "bwd", "fwd" or "fwd_bwd", "timing": "call" or "gpu" (`cell_timer`)}, or a step cell's, `_time_step`, or
+    {"choices": true}, `_kernel_choices`), one REPLY line each ({"ms": ..., "digest": ...}, {"choices": ...}, or
+    {"error": ...})."""
     sys.path.insert(0, os.getcwd())  # this tree's flashsys and benchmarks before any other
     import torch
 
@@ -216,7 +236,7 @@ def worker(tokens: int, heads: int) -> int:
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "triton": triton_version, "python": platform.python_version()})
     from benchmarks.attention import NONDETERMINISTIC, implementation
-    from benchmarks.harness import DEVICE, ON_GPU, bench_ms
+    from benchmarks.harness import DEVICE, ON_GPU
     from flashsys.ops.attention import ATTENTION_BACKENDS, set_deterministic_backward
 
     dtype = torch.bfloat16 if ON_GPU else torch.float32
@@ -262,7 +282,12 @@ def worker(tokens: int, heads: int) -> int:
         except Exception as exc:  # noqa: BLE001  the driver stops with it, naming the tree
             _reply({"error": f"--impl {request['impl']} at D {d}, N {n}: {type(exc).__name__}: {exc}"})
             continue
-        _reply({"ms": bench_ms(_timed_call(request["what"], backend, out, leaves, do, causal)),
+        try:
+            timer = cell_timer(request.get("timing", "call"))
+        except ImportError as exc:  # an older tree without the GPU-alone timer
+            _reply({"error": f"--timing {request['timing']}: this tree cannot time so ({exc})"})
+            continue
+        _reply({"ms": timer(_timed_call(request["what"], backend, out, leaves, do, causal), CELL_REP_MS),
                 "digest": _digest(digested)})
         del out, digested, leaves
     return 0
@@ -320,15 +345,16 @@ class Run(NamedTuple):
 
 
 def run(trees: list[Path], cells: list[Cell | StepCell], rounds: int, impl: str, what: str, baseline: bool,
-        tokens: int, heads: int, step_options: dict | None = None) -> Run:
+        tokens: int, heads: int, step_options: dict | None = None, timing: str = "call") -> Run:
     """Each cell's rows: per tree its times (ms, one a round) and digest; the baseline's times where asked. Step
-    cells (`what` "step") are asked for with `step_options` (mode, iters, warmup, batch)."""
+    cells (`what` "step") are asked for with `step_options` (mode, iters, warmup, batch); attention cells are timed
+    as `timing` says (`cell_timer`)."""
     from flashsys.timing import round_order
 
     def request(cell: Cell | StepCell, backend: str) -> dict:
         if isinstance(cell, StepCell):
             return dict(step=list(cell), impl=backend, **(step_options or {}))
-        return dict(cell=list(cell), impl=backend, what=what)
+        return dict(cell=list(cell), impl=backend, what=what, timing=timing)
 
     workers = [Worker(tree, tokens, heads) for tree in trees]
     try:
@@ -337,6 +363,8 @@ def run(trees: list[Path], cells: list[Cell | StepCell], rounds: int, impl: str,
                   flush=True)
         if baseline and workers[0].hello["device"] == "cpu" and any(isinstance(c, Cell) for c in cells):
             raise SystemExit("--baseline times SDPA's cuDNN backend: it needs a GPU")
+        if timing == "gpu" and workers[0].hello["device"] == "cpu":
+            raise SystemExit("--timing gpu times GPU work: it needs a GPU")
         results = []
         for cell in cells:
             if isinstance(cell, StepCell):
@@ -424,19 +452,21 @@ def tree_revision(tree: Path) -> str:
 
 
 def write_results(results: list[dict], trees: list[Path], hello: dict, out: Path, name: str, rounds: int,
-                  choices: list[str], run: str | None = None) -> Path:
+                  choices: list[str], run: str | None = None, timing: str | None = "call") -> Path:
     """`table`'s rows as <out>/<name>.md and .csv (`benchmarks.harness.write_table`) under the run's header: the
     device, versions and date, the command, each tree with its commit, and each tree's kernel choices (`choices`,
-    one a tree); with `run`, as that run of a table of several. Returns the Markdown path."""
+    one a tree); with `run`, as that run of a table of several; `timing`: how the attention cells were timed
+    (`TIMING_NOTES`; None for step cells). Returns the Markdown path."""
     from benchmarks.harness import command_line, write_table
 
     env = {"device": hello["device"], "torch": hello["torch"], "triton": hello["triton"], "python": hello["python"],
            "date": datetime.date.today().isoformat(), "command": command_line()}
     env.update({f"tree {i}": f"{tree} ({tree_revision(tree)})" for i, tree in enumerate(trees)})
     env.update({f"tree {i}'s kernels": chosen for i, chosen in enumerate(choices)})
-    notes = [(f"Medians of {rounds} interleaved rounds (the trees and the baseline in an order changed each round); "
-              "ratios are each tree's median over tree 0's and over the baseline's; \"same bits\": whether every "
-              "tree's digest of its first call's gradients (the output's, for the forward alone) agreed.")]
+    timed = f" ({TIMING_NOTES[timing]})" if timing else ""
+    notes = [(f"Medians of {rounds} interleaved rounds{timed} (the trees and the baseline in an order changed each "
+              "round); ratios are each tree's median over tree 0's and over the baseline's; \"same bits\": whether "
+              "every tree's digest of its first call's gradients (the output's, for the forward alone) agreed.")]
     return write_table([summary(r, len(trees)) for r in results], out, name, "A/B of source trees", notes, env,
                        run=run)
 
@@ -454,6 +484,8 @@ def main() -> int:
     ap.add_argument("--impl", default="flash-triton",
                     help="a backend of the trees' registry (default flash-triton), or flash-triton-nondet")
     ap.add_argument("--what", choices=["bwd", "fwd", "fwd_bwd", "step"], default="bwd")
+    ap.add_argument("--timing", choices=sorted(TIMING_NOTES), default="call",
+                    help="attention cells: call, do_bench of the eager call (default); gpu, the GPU work alone")
     ap.add_argument("--steps", type=step_spec, nargs="+", default=[], metavar="PRESET:CONTEXT[:HEADS]",
                     help="--what step: the models whose training step is timed, e.g. small:2048 (small:2048:6: "
                          "with 6 heads, D 128)")
@@ -480,6 +512,8 @@ def main() -> int:
         ap.error(f"--name {args.name!r}: a file name without a folder (the folder is --out)")
     if (args.what == "step") != bool(args.steps):
         ap.error("--steps goes with --what step, and --what step needs --steps")
+    if args.what == "step" and args.timing != "call":
+        ap.error("--timing times attention cells; a step is timed as a training loop runs it")
     if args.what == "step" and args.impl == "flash-triton-nondet":
         ap.error("--impl flash-triton-nondet times attention cells only; a step's model takes a registry backend")
     if args.run is not None:
@@ -489,11 +523,11 @@ def main() -> int:
     cells = args.steps if args.what == "step" else args.cells
     step_options = dict(mode=args.step_mode, iters=args.iters, warmup=args.warmup, batch=args.batch)
     done = run(args.trees, cells, args.rounds, args.impl, args.what, args.baseline, args.tokens, args.heads,
-               step_options)
+               step_options, args.timing)
     print(table(done.results, args.trees))
     if args.out is not None:
         path = write_results(done.results, args.trees, done.hello, args.out, args.name, args.rounds, done.choices,
-                             args.run)
+                             args.run, None if args.what == "step" else args.timing)
         print(f"# wrote {path}", file=sys.stderr)
     return 0
 

@@ -242,3 +242,26 @@ def test_step_arguments_are_refused_by_name():
                 "--impl", "flash-torch", "--step-mode", "eager")
     assert done.returncode != 0 and "--steps huge:32: no such preset in this tree" in done.stderr
     assert "tiny" in done.stderr
+
+
+def test_cells_are_timed_as_eager_calls_or_as_gpu_work_alone(tmp_path):
+    """`--timing call` (the default) times each tree's eager call with its host path; `--timing gpu` its GPU work
+    alone, as the dispatch's timed choice does, from the worker's own tree. The table's note says which. The GPU
+    timing is refused on a CPU, and for step cells (a step is timed as a training loop runs it)."""
+    from benchmarks.harness import bench_ms
+    from flashsys.ops.attention.timed_choice import gpu_ms
+
+    assert ab_trees.cell_timer("call") is bench_ms and ab_trees.cell_timer("gpu") is gpu_ms
+    done = _run("--trees", str(ROOT), str(ROOT), "--cells", "16:causal:64", "--rounds", "1", "--tokens", "64",
+                "--heads", "1", "--what", "fwd", "--impl", "flash-torch", "--out", str(tmp_path), "--name", "t")
+    assert done.returncode == 0, done.stderr[-2000:]
+    note = "(each timing `do_bench`'s median of the eager call, its host path included)"
+    assert note in (tmp_path / "t.md").read_text()
+    done = _run("--trees", str(ROOT), str(ROOT), "--what", "step", "--steps", "demo:32", "--timing", "gpu")
+    assert done.returncode == 2 and "--timing times attention cells" in done.stderr
+    import torch
+
+    if not torch.cuda.is_available():
+        done = _run("--trees", str(ROOT), str(ROOT), "--cells", "16:causal:64", "--rounds", "1", "--tokens", "64",
+                    "--heads", "1", "--impl", "flash-torch", "--timing", "gpu")
+        assert done.returncode != 0 and "--timing gpu times GPU work: it needs a GPU" in done.stderr
