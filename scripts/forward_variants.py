@@ -23,6 +23,9 @@ that every flashsys variant writes (without grad, FA4 compiles a forward that wr
 its host side, so a call whose Python path outlasts its kernels (the `tl` forward through the launcher, SDPA's
 dispatch, FA4's) is timed by its kernels, as inside a compiled model or a CUDA graph. `--timing call` times the eager
 call with `do_bench` instead, host path included: at cells of a tenth of a millisecond that is mostly the host.
+`--timing warm` times the GPU work of back-to-back calls with their inputs left in the L2 cache
+(`harness.warm_l2_ms`), as a model's attention finds q, k and v just written by its projection; the timed choice
+flushes the L2, so the two show whether that ranks the variants differently.
 """
 
 from __future__ import annotations
@@ -37,13 +40,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this tree's flashsys, benchmarks
 
-from benchmarks.harness import add_probe_args, bench_ms, environment_variable, kv_heads_of
+from benchmarks.harness import add_probe_args, bench_ms, environment_variable, kv_heads_of, warm_l2_ms
 from flashsys.ops.attention import ATTENTION_BACKENDS
 from flashsys.ops.attention.timed_choice import gpu_ms
 from flashsys.timing import round_order
 
 # --timing's choices: a timer of (call, rep_ms) -> median milliseconds.
-TIMERS: dict[str, Callable[[Callable[[], object], int], float]] = {"gpu": gpu_ms, "call": bench_ms}
+TIMERS: dict[str, Callable[[Callable[[], object], int], float]] = {"gpu": gpu_ms, "warm": warm_l2_ms,
+                                                                    "call": bench_ms}
 
 
 def _cell(d: int, causal: bool, n: int, batch: int, heads: int, kv_heads: int
@@ -113,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=16384, help="batch = tokens // N, unless --batch")
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--timing", choices=list(TIMERS), default="gpu",
-                   help="gpu: GPU work alone, L2 flushed (default); call: do_bench of the eager call, host included")
+                   help="gpu: GPU work alone, L2 flushed (default); warm: GPU work alone, inputs left in L2; "
+                        "call: do_bench of the eager call, host included")
     add_probe_args(p, heads=16)
     args = p.parse_args(argv)
     kv_heads = kv_heads_of(p, args)

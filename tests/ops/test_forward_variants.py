@@ -50,17 +50,18 @@ def test_kv_heads_that_do_not_divide_the_heads_are_refused(kv_heads):
 
 def test_timing_is_the_gpu_work_alone_unless_asked_for_calls():
     """At a model's cell sizes an eager call's host path outlasts its kernels, so the probe times the GPU work alone
-    by default, as the dispatch's timed choice does; `--timing call` keeps the host-inclusive `do_bench`."""
+    by default, as the dispatch's timed choice does (L2 flushed); `--timing warm` leaves the inputs in L2, as a
+    model's projection does; `--timing call` keeps the host-inclusive `do_bench`."""
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         import forward_variants
     finally:
         sys.path.remove(str(SCRIPT.parent))
-    from benchmarks.harness import bench_ms
+    from benchmarks.harness import bench_ms, warm_l2_ms
     from flashsys.ops.attention.timed_choice import gpu_ms
 
-    assert forward_variants.TIMERS == {"gpu": gpu_ms, "call": bench_ms}
+    assert forward_variants.TIMERS == {"gpu": gpu_ms, "warm": warm_l2_ms, "call": bench_ms}
     done = _run("--help")
-    assert "--timing {gpu,call}" in done.stdout
+    assert "--timing {gpu,warm,call}" in done.stdout
     assert "gpu: GPU work alone, L2 flushed (default)" in " ".join(done.stdout.split())
     assert _run("--timing", "wall").returncode == 2
