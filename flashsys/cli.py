@@ -325,7 +325,18 @@ def cmd_info() -> int:
     print("attention backends:")
     for name, ok, why in backend_report():
         print(f"  {name:15s} {'works' if ok else 'unavailable'}{': ' + why if why else ''}")
+    print(f"hopper kernels {hopper_kernels_status()}")
     return 0
+
+
+def hopper_kernels_status() -> str:
+    """Whether the Gluon kernels (Hopper) take flashsys's Triton calls here, and from which size: the dispatch's own
+    words (`dispatch.status`), or why not."""
+    try:
+        from .ops.attention import dispatch
+    except ImportError:  # the dispatch is part of the Triton op
+        return "off (Triton is not installed)"
+    return dispatch.status()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -343,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
                                        "AdamW): gloo processes on a CPU, one NCCL process per GPU, ranks from the "
                                        "environment under torchrun.")
     add_train_arguments(train)
-    sub.add_parser("info", help="torch/Triton versions, devices, and which attention backends work here")
+    sub.add_parser("info", help="torch/Triton versions, devices, which attention backends work here, and whether "
+                                "the Hopper kernels run")
     planner = sub.add_parser("plan", help="memory per rank, communication and step time of each strategy, before "
                                           "launching", description="Will it fit, and what will it cost? Per-rank "
                              "memory (parameters, gradients, optimizer state, activations, buffers), bytes sent per "

@@ -89,6 +89,7 @@ def test_cpu_path_works_without_triton():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "flash-triton    unavailable: Triton is not installed" in r.stdout
+    assert "hopper kernels off (Triton is not installed)" in r.stdout
 
 
 def test_info_into_a_closed_pipe_ends_quietly():
@@ -103,3 +104,18 @@ def test_info_into_a_closed_pipe_ends_quietly():
         os.close(write_end)
     assert r.returncode == 141, r.stderr[-2000:]
     assert r.stderr == ""
+
+
+def test_info_says_whether_the_hopper_kernels_run_and_from_which_size():
+    """`flashsys info` ends with the dispatch's own line on the Gluon kernels: off and why on this machine, or on
+    with the size bars from which they take a call."""
+    import torch
+
+    r = subprocess.run([sys.executable, "-m", "flashsys", "info"], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    last = r.stdout.splitlines()[-1]
+    if not torch.cuda.is_available():
+        assert last == "hopper kernels off (not an sm_90 GPU)"
+    else:
+        assert last.startswith("hopper kernels ") and ("2^" in last or "off (" in last)
