@@ -304,7 +304,7 @@ def cmd_convert(a: argparse.Namespace) -> int:
 
 
 def cmd_info() -> int:
-    """Print versions, devices and which attention backends work here."""
+    """Print versions, devices, which attention backends work here and whether the Hopper kernels run."""
     from . import __version__
     from .ops.attention import backend_report
 
