@@ -336,7 +336,10 @@ def hopper_kernels_status() -> str:
         from .ops.attention import dispatch
     except ImportError:  # the dispatch is part of the Triton op
         return "off (Triton is not installed)"
-    return dispatch.status()
+    try:
+        return dispatch.status()
+    except ValueError as e:  # a switch set to neither on nor off: every Triton attention call raises the same
+        return f"misconfigured: {e}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -119,3 +119,14 @@ def test_info_says_whether_the_hopper_kernels_run_and_from_which_size():
         assert last == "hopper kernels off (not an sm_90 GPU)"
     else:
         assert last.startswith("hopper kernels ") and ("2^" in last or "off (" in last)
+
+
+def test_info_names_a_misset_switch_instead_of_failing():
+    """`flashsys info` is where a user looks when attention fails: a FLASHSYS_GLUON that is neither 0 nor 1 (which
+    makes every Triton attention call raise) is reported on its line, and the command still succeeds."""
+    env = dict(os.environ, FLASHSYS_GLUON="maybe")
+    r = subprocess.run([sys.executable, "-m", "flashsys", "info"], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT, env=env, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.splitlines()[-1] == ("hopper kernels misconfigured: FLASHSYS_GLUON='maybe': set it to 0 (off) "
+                                         "or 1 (on)")
