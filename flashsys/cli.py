@@ -334,11 +334,11 @@ def hopper_kernels_status() -> str:
     words (`dispatch.status`), or why not."""
     try:
         from .ops.attention import dispatch
+
+        return dispatch.status()
     except ImportError:  # the dispatch is part of the Triton op
         return "off (Triton is not installed)"
-    try:
-        return dispatch.status()
-    except ValueError as e:  # a switch set to neither on nor off: every Triton attention call raises the same
+    except ValueError as e:  # a switch set to neither 0 nor 1 (read on import, or here): the Triton op raises the same
         return f"misconfigured: {e}"
 
 

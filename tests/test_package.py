@@ -122,11 +122,13 @@ def test_info_says_whether_the_hopper_kernels_run_and_from_which_size():
 
 
 def test_info_names_a_misset_switch_instead_of_failing():
-    """`flashsys info` is where a user looks when attention fails: a FLASHSYS_GLUON that is neither 0 nor 1 (which
-    makes every Triton attention call raise) is reported on its line, and the command still succeeds."""
-    env = dict(os.environ, FLASHSYS_GLUON="maybe")
-    r = subprocess.run([sys.executable, "-m", "flashsys", "info"], capture_output=True, text=True, timeout=120,
-                       cwd=ROOT, env=env, check=False)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.splitlines()[-1] == ("hopper kernels misconfigured: FLASHSYS_GLUON='maybe': set it to 0 (off) "
-                                         "or 1 (on)")
+    """`flashsys info` is where a user looks when attention fails: a FLASHSYS_GLUON or FLASHSYS_TRITON_AUTOTUNE that
+    is neither 0 nor 1 (which makes the Triton attention op raise) is reported on its line, and the command still
+    succeeds."""
+    for switch in ("FLASHSYS_GLUON", "FLASHSYS_TRITON_AUTOTUNE"):  # read on a call, read on import
+        env = dict(os.environ, **{switch: "maybe"})
+        r = subprocess.run([sys.executable, "-m", "flashsys", "info"], capture_output=True, text=True, timeout=120,
+                           cwd=ROOT, env=env, check=False)
+        assert r.returncode == 0, r.stderr[-2000:]
+        last = r.stdout.splitlines()[-1]
+        assert last == f"hopper kernels misconfigured: {switch}='maybe': set it to 0 (off) or 1 (on)"
