@@ -12,6 +12,7 @@
 #   FA4_HEAD_DIMS=128 bash scripts/gpu_bench_single.sh attention_fa4   # beside FlashAttention-4, both with and without determinism
 #   bash scripts/gpu_bench_single.sh forward_trials       # the forward variants on trial: GPU tests, then timed (D 64)
 #   bash scripts/gpu_bench_single.sh tl_tiles             # every `tl` tile at the compiled models' shape, beside cuDNN
+#   bash scripts/gpu_bench_single.sh model_forwards       # every forward at the compiled models' shape, L2 cold and warm
 #   PRESET=small CONTEXT=2048 bash scripts/gpu_bench_single.sh profile_step   # a compiled step's kernels, flash vs SDPA
 #   E2E_PRESETS=small bash scripts/gpu_bench_single.sh end_to_end_compiled   # one preset a call (small: ~300 s on an H200)
 #   E2E_PRESETS=medium E2E_CONTEXTS=512 bash scripts/gpu_bench_single.sh end_to_end_cudagraphs   # compiled vs CUDA graphs
@@ -122,6 +123,17 @@ for s in "${sections[@]}"; do
     timeout -k 10 ${ATT_TIMEOUT:-300} python3 scripts/forward_variants.py --head-dims 64 --seq-lens 4096 16384 \
       --causal both --rounds 3 --rep 40 > "$OUT/forward_trials.log" 2>&1
     echo "forward_variants exit: $?"; grep -E "^D |^\| " "$OUT/forward_trials.log" ;;
+  model_forwards)  # every forward, ours, cuDNN's and FA4's (where importable), at the compiled models' attention
+                  # (batch 4, N 2048, D 64, causal; 12 and 16 heads), timed as GPU work with the L2 flushed (as the
+                  # timed choice times) and with the inputs warm in it (as a model hands them over)
+    for heads in ${FV_HEADS:-12 16}; do
+      for timing in gpu warm; do
+        log="$OUT/model_forwards_h${heads}_$timing.log"
+        timeout -k 10 ${FV_TIMEOUT:-120} python3 scripts/forward_variants.py --head-dims 64 --seq-lens 2048 --batch 4 \
+          --heads $heads --causal yes --rounds 3 --timing $timing > "$log" 2>&1
+        echo "forward_variants H $heads --timing $timing exit: $?"; grep -E "^\| " "$log"
+      done
+    done ;;
   tl_tiles)  # every tile of the `tl` kernels at the compiled models' attention shape (batch 4, N 2048, D 64,
              # causal; the small preset's 12 heads, the medium's 16) beside cuDNN; TILES_EXTRA="fwd:128,64,4,2 ...";
              # TILES_L2=both times each with the L2 flushed and warm in the same rounds (twice as long: one head
