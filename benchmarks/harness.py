@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from flashsys.nn import PRESETS, ModelConfig, preset
-from flashsys.ops.attention.timed_choice import behind_spin_ms
+from flashsys.ops.attention.timed_choice import behind_spin_ms, gpu_ms
 from flashsys.timing import repeat, summarize, synchronize
 
 RESULTS = Path(__file__).parent / "results"
@@ -74,6 +74,12 @@ def warm_l2_ms(fn: Callable[[], object], rep_ms: int = 200, calls: int = 10) -> 
     if not ON_GPU:
         return bench_ms(fn, rep_ms=rep_ms)
     return behind_spin_ms(fn, rep_ms, calls=calls)
+
+
+# The probes' timers by name (scripts/forward_variants.py --timing, scripts/ab_trees.py --timing), each taking
+# (call, rep_ms): "gpu" the GPU work alone with the L2 flushed (as the dispatch's timed choice measures), "warm" the GPU
+# work with the inputs left in L2 (as a model hands them over), "call" do_bench of the call, its host path included.
+TIMERS: dict[str, Callable[[Callable[[], object], int], float]] = {"gpu": gpu_ms, "warm": warm_l2_ms, "call": bench_ms}
 
 
 def graph_ms(fn: Callable[[], object], rep_ms: int = 200, warmup_ms: int = 50) -> float:

@@ -204,16 +204,11 @@ def _kernel_choices() -> str:
 
 
 def cell_timer(timing: str):
-    """The timer of an attention cell, from the worker's own tree: `benchmarks.harness.bench_ms` for "call"
-    (do_bench of the eager call, host path included), `flashsys.ops.attention.timed_choice.gpu_ms` for "gpu" (the GPU
-    work alone, L2 flushed, as the dispatch's timed choice measures it). Each takes (call, rep_ms)."""
-    if timing == "call":
-        from benchmarks.harness import bench_ms
+    """The timer of an attention cell, from the worker's own tree's `benchmarks.harness.TIMERS`: "call" do_bench of
+    the eager call, host path included; "gpu" the GPU work alone, L2 flushed. Each takes (call, rep_ms)."""
+    from benchmarks.harness import TIMERS
 
-        return bench_ms
-    from flashsys.ops.attention.timed_choice import gpu_ms
-
-    return gpu_ms
+    return TIMERS[timing]
 
 
 def worker(tokens: int, heads: int) -> int:

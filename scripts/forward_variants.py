@@ -14,9 +14,10 @@ fastest somewhere.
 Each cell: bf16, --heads query heads over --kv-heads K/V heads (grouped-query attention; --heads by default), batch
 --tokens // N (or --batch), q, k, v in (B, N, H, D) memory viewed as (B, H, N, D), as a model's projections hand them
 over. Every implementation is timed in --rounds interleaved rounds, and the median of the rounds' medians is printed
-with its ratio to cuDNN's and to FA4's, and the largest difference of its output from cuDNN's (a variant that computes something else shows here before its time means anything). cuDNN and FA4
-get inputs that require grad, as in training and as `benchmarks.attention` times them: so they write the logsumexp
-that every flashsys variant writes (without grad, FA4 compiles a forward that writes none).
+with its ratio to cuDNN's and to FA4's, and the largest difference of its output from cuDNN's (a variant that computes
+something else shows here before its time means anything). cuDNN and FA4 get inputs that require grad, as in training
+and as `benchmarks.attention` times them: so they write the logsumexp that every flashsys variant writes (without
+grad, FA4 compiles a forward that writes none).
 
 `--timing gpu` (the default) times each implementation's GPU work alone, the L2 flushed before each run
 (`timed_choice.gpu_ms`, what the dispatch's timed choice measures): each run waits behind a spin kernel longer than
@@ -40,14 +41,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this tree's flashsys, benchmarks
 
-from benchmarks.harness import add_probe_args, bench_ms, environment_variable, kv_heads_of, warm_l2_ms
+from benchmarks.harness import TIMERS, add_probe_args, environment_variable, kv_heads_of
 from flashsys.ops.attention import ATTENTION_BACKENDS
-from flashsys.ops.attention.timed_choice import gpu_ms
 from flashsys.timing import round_order
-
-# --timing's choices: a timer of (call, rep_ms) -> median milliseconds.
-TIMERS: dict[str, Callable[[Callable[[], object], int], float]] = {"gpu": gpu_ms, "warm": warm_l2_ms,
-                                                                    "call": bench_ms}
 
 
 def _cell(d: int, causal: bool, n: int, batch: int, heads: int, kv_heads: int
