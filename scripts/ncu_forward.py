@@ -51,10 +51,11 @@ ALL_SAMPLES = "Warp Stall Sampling (All Samples)"
 
 
 def _number(text: str) -> float:
+    """A counter's value as ncu writes it (thousands separated by commas); 0 for an empty cell."""
     try:
         return float(text.replace(",", ""))
     except ValueError:
-        return float("nan")
+        return 0.0
 
 
 def details_by_kernel(text: str) -> list[dict[str, str]]:
@@ -107,14 +108,11 @@ def stalls(section: list[list[str]], top: int = 12) -> tuple[dict[str, float], l
         opcode = words[0].split(".")[0] if words else ""
         for reason in reasons:
             value = _number(row[col[reason]])
-            if value != value:  # nan: an empty cell
-                continue
             if opcode == "NOP" and reason == "stall_barrier":
                 idle += value
             else:
                 by_reason[reason[len("stall_"):]] += value
-        samples = _number(row[col[ALL_SAMPLES]])
-        by_opcode[opcode] += 0.0 if samples != samples else samples
+        by_opcode[opcode] += _number(row[col[ALL_SAMPLES]])
         executed[opcode] += _number(row[col["Instructions Executed"]]) if "Instructions Executed" in col else 0.0
     total = sum(by_reason.values()) + idle
     if not total:
@@ -147,9 +145,8 @@ def summary(labels: list[str], details: str, raw: str, source: str | None, top: 
 
 
 def run(cells: list[str], impls: list[str], labels_path: Path | None, heads: int, tokens: int) -> int:
-    import torch
-
     import forward_variants
+    import torch
 
     if not torch.cuda.is_available():
         print("ncu_forward run: needs a CUDA GPU", file=sys.stderr)
