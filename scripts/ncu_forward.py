@@ -144,7 +144,8 @@ def summary(labels: list[str], details: str, raw: str, source: str | None, top: 
     return "\n".join(out)
 
 
-def run(cells: list[str], impls: list[str], labels_path: Path | None, heads: int, tokens: int) -> int:
+def run(cells: list[tuple[int, str, int]], impls: list[str], labels_path: Path | None, heads: int, tokens: int
+        ) -> int:
     import forward_variants
     import torch
 
@@ -152,8 +153,8 @@ def run(cells: list[str], impls: list[str], labels_path: Path | None, heads: int
         print("ncu_forward run: needs a CUDA GPU", file=sys.stderr)
         return 2
     labels = []
-    for cell in cells:
-        d, mask, n = forward_variants_cell(cell)
+    for d, mask, n in cells:
+        cell = f"{d}:{mask}:{n}"
         calls = forward_variants._cell(d, mask == "causal", n, max(1, tokens // n), heads, heads)
         chosen = {name: call for name, call in calls.items()
                   if any(name.startswith(impl) for impl in impls) and "(trial)" not in name}
@@ -178,8 +179,8 @@ def run(cells: list[str], impls: list[str], labels_path: Path | None, heads: int
     return 0
 
 
-def forward_variants_cell(text: str) -> tuple[int, str, int]:
-    """A cell written D:MASK:N (MASK causal or full), e.g. 64:causal:16384."""
+def cell_spec(text: str) -> tuple[int, str, int]:
+    """argparse type of a cell written D:MASK:N (MASK causal or full), e.g. 64:causal:16384."""
     parts = text.split(":")
     if len(parts) != 3 or parts[1] not in ("causal", "full") or not (parts[0].isdigit() and parts[2].isdigit()):
         raise argparse.ArgumentTypeError(f"{text!r}: want D:MASK:N with MASK causal or full, e.g. 64:causal:16384")
@@ -190,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="call each implementation once inside the profiler's range (under ncu)")
-    r.add_argument("--cells", nargs="+", default=["64:causal:16384"], help="D:MASK:N, e.g. 64:causal:16384")
+    r.add_argument("--cells", type=cell_spec, nargs="+", default=[cell_spec("64:causal:16384")],
+                   help="D:MASK:N, e.g. 64:causal:16384")
     r.add_argument("--impls", nargs="+", required=True,
                    help="the start of each implementation's label: a Gluon variant's, 'tl forward', 'sdpa-cudnn', "
                         "'fa4'")
@@ -205,11 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--top", type=int, default=12, help="opcodes listed per kernel")
     args = p.parse_args(argv)
     if args.command == "run":
-        for cell in args.cells:
-            try:
-                forward_variants_cell(cell)
-            except argparse.ArgumentTypeError as exc:
-                r.error(f"argument --cells: {exc}")
+        for name in ("heads", "tokens"):
+            if getattr(args, name) < 1:
+                r.error(f"argument --{name}: 1 or more")
         return run(args.cells, args.impls, args.labels, args.heads, args.tokens)
     for name in ("labels", "details", "raw", "source"):
         path = getattr(args, name)

@@ -104,7 +104,11 @@ def test_summary_refuses_a_missing_page(tmp_path):
 
 
 def test_run_refuses_a_bad_cell_and_needs_the_implementations():
-    assert _run("run", "--impls", "fa4", "--cells", "64:sometimes:16384").returncode == 2
+    bad = _run("run", "--impls", "fa4", "--cells", "64:sometimes:16384")
+    assert bad.returncode == 2 and "want D:MASK:N" in bad.stderr
+    for option in ("--heads", "--tokens"):
+        done = _run("run", "--impls", "fa4", option, "0")
+        assert done.returncode == 2 and f"argument {option}: 1 or more" in done.stderr
     done = _run("run", "--cells", "64:causal:16384")
     assert done.returncode == 2 and "--impls" in done.stderr
 
