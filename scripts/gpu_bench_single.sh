@@ -13,6 +13,7 @@
 #   bash scripts/gpu_bench_single.sh forward_trials       # the forward variants on trial: GPU tests, then timed (D 64)
 #   bash scripts/gpu_bench_single.sh tl_tiles             # every `tl` tile at the compiled models' shape, beside cuDNN
 #   bash scripts/gpu_bench_single.sh model_forwards       # every forward at the compiled models' shape, L2 cold and warm
+#   NCU_MORE_IMPLS="sdpa-cudnn fa4" bash scripts/gpu_bench_single.sh ncu_forward   # forwards under Nsight Compute
 #   PRESET=small CONTEXT=2048 bash scripts/gpu_bench_single.sh profile_step   # a compiled step's kernels, flash vs SDPA
 #   E2E_PRESETS=small bash scripts/gpu_bench_single.sh end_to_end_compiled   # one preset a call (small: ~300 s on an H200)
 #   E2E_PRESETS=medium E2E_CONTEXTS=512 bash scripts/gpu_bench_single.sh end_to_end_cudagraphs   # compiled vs CUDA graphs
@@ -134,6 +135,19 @@ for s in "${sections[@]}"; do
         echo "forward_variants H $heads --timing $timing exit: $?"; grep -E "^\| " "$log"
       done
     done ;;
+  ncu_forward)  # forwards of NCU_CELLS side by side under Nsight Compute (NCU_IMPLS: label starts; add fa4 with FA4
+                # importable), then scripts/ncu_forward.py's summary of the counters; the report and CSV pages stay
+                # under $OUT/ncu (a Firecracker machine: ncu reads no counters under gVisor, docs/development.md)
+    mkdir -p "$OUT/ncu"; ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    timeout -k 10 ${NCU_TIMEOUT:-420} "$ncu" --clock-control none --profile-from-start off --set full -f \
+      -o "$OUT/ncu/forward" python3 scripts/ncu_forward.py run --cells ${NCU_CELLS:-64:causal:16384} \
+      --impls "${NCU_IMPLS:-pingpong 192x128 2buf}" ${NCU_MORE_IMPLS:-sdpa-cudnn} --labels "$OUT/ncu/labels.txt" \
+      > "$OUT/ncu/ncu.log" 2>&1
+    echo "ncu exit: $?"
+    for page in details raw; do "$ncu" --import "$OUT/ncu/forward.ncu-rep" --page $page --csv > "$OUT/ncu/$page.csv"; done
+    "$ncu" --import "$OUT/ncu/forward.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu/source.csv"
+    python3 scripts/ncu_forward.py summary --labels "$OUT/ncu/labels.txt" --details "$OUT/ncu/details.csv" \
+      --raw "$OUT/ncu/raw.csv" --source "$OUT/ncu/source.csv" | tee "$OUT/ncu/summary.md" ;;
   tl_tiles)  # every tile of the `tl` kernels at the compiled models' attention shape (batch 4, N 2048, D 64,
              # causal; the small preset's 12 heads, the medium's 16) beside cuDNN; TILES_EXTRA="fwd:128,64,4,2 ...";
              # TILES_L2=both times each with the L2 flushed and warm in the same rounds (twice as long: one head
