@@ -29,7 +29,9 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # forward_variants, beside this script
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # forward_variants, ab_trees, beside this script
+
+from ab_trees import Cell, cell_spec  # the cells D:MASK:N, as ab_trees takes them
 
 # The counters `summary` prints per kernel: (column, ncu section, ncu metric name).
 DETAILS = (
@@ -144,8 +146,7 @@ def summary(labels: list[str], details: str, raw: str, source: str | None, top: 
     return "\n".join(out)
 
 
-def run(cells: list[tuple[int, str, int]], impls: list[str], labels_path: Path | None, heads: int, tokens: int
-        ) -> int:
+def run(cells: list[Cell], impls: list[str], labels_path: Path | None, heads: int, tokens: int) -> int:
     import forward_variants
     import torch
 
@@ -153,9 +154,9 @@ def run(cells: list[tuple[int, str, int]], impls: list[str], labels_path: Path |
         print("ncu_forward run: needs a CUDA GPU", file=sys.stderr)
         return 2
     labels = []
-    for d, mask, n in cells:
-        cell = f"{d}:{mask}:{n}"
-        calls = forward_variants._cell(d, mask == "causal", n, max(1, tokens // n), heads, heads)
+    for d, causal, n in cells:
+        cell = f"{d}:{'causal' if causal else 'full'}:{n}"
+        calls = forward_variants._cell(d, causal, n, max(1, tokens // n), heads, heads)
         chosen = {name: call for name, call in calls.items()
                   if any(name.startswith(impl) for impl in impls) and "(trial)" not in name}
         missing = [impl for impl in impls if not any(name.startswith(impl) for name in chosen)]
@@ -177,14 +178,6 @@ def run(cells: list[tuple[int, str, int]], impls: list[str], labels_path: Path |
     if labels_path is not None:
         labels_path.write_text("\n".join(labels) + "\n")
     return 0
-
-
-def cell_spec(text: str) -> tuple[int, str, int]:
-    """argparse type of a cell written D:MASK:N (MASK causal or full), e.g. 64:causal:16384."""
-    parts = text.split(":")
-    if len(parts) != 3 or parts[1] not in ("causal", "full") or not (parts[0].isdigit() and parts[2].isdigit()):
-        raise argparse.ArgumentTypeError(f"{text!r}: want D:MASK:N with MASK causal or full, e.g. 64:causal:16384")
-    return int(parts[0]), parts[1], int(parts[2])
 
 
 def main(argv: list[str] | None = None) -> int:
