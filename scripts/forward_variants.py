@@ -13,7 +13,9 @@ fastest somewhere.
 
 Each cell: bf16, --heads query heads over --kv-heads K/V heads (grouped-query attention; --heads by default), batch
 --tokens // N (or --batch), q, k, v in (B, N, H, D) memory viewed as (B, H, N, D), as a model's projections hand them
-over. Every implementation is timed in --rounds interleaved rounds, and the median of the rounds' medians is printed
+over (`--layouts bnhd`, FA4's own layout), or dense (B, H, N, D) (`bhnd`); with both, every implementation runs on
+both in the same rounds (the same values), each row named with its layout, so a kernel that reads one layout slower
+than the other shows beside FA4 and cuDNN on both. Every implementation is timed in --rounds interleaved rounds, and the median of the rounds' medians is printed
 with its ratio to cuDNN's and to FA4's, and the largest difference of its output from cuDNN's (a variant that computes
 something else shows here before its time means anything). cuDNN and FA4 get inputs that require grad, as in training
 and as `benchmarks.attention` times them: so they write the logsumexp that every flashsys variant writes (without
@@ -45,17 +47,37 @@ from benchmarks.harness import TIMERS, add_probe_args, environment_variable, kv_
 from flashsys.ops.attention import ATTENTION_BACKENDS
 from flashsys.timing import round_order
 
+LAYOUTS = ("bnhd", "bhnd")  # --layouts: (B, N, H, D) memory viewed as (B, H, N, D); dense (B, H, N, D)
 
-def _cell(d: int, causal: bool, n: int, batch: int, heads: int, kv_heads: int
-          ) -> dict[str, Callable[[], torch.Tensor]]:
-    """The implementations of one cell, each a call that returns its output as (B, H, N, D)."""
+
+def _cell(d: int, causal: bool, n: int, batch: int, heads: int, kv_heads: int,
+          layouts: tuple[str, ...] = ("bnhd",)) -> dict[str, Callable[[], torch.Tensor]]:
+    """The implementations of one cell, each a call that returns its output as (B, H, N, D); with several layouts,
+    each implementation once per layout on the same values, its name followed by the layout's."""
+    g = torch.Generator(device="cuda").manual_seed(n + d)
+    values = [torch.randn(batch, n, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+              for h in (heads, kv_heads, kv_heads)]
+    calls = {}
+    for layout in layouts:
+        if layout == "bnhd":
+            leaves = [t.clone().requires_grad_() for t in values]
+            qkv = [t.transpose(1, 2) for t in leaves]
+        elif layout == "bhnd":
+            qkv = [t.transpose(1, 2).contiguous().requires_grad_() for t in values]
+        else:
+            raise ValueError(f"layout {layout!r}: want one of {LAYOUTS}")
+        suffix = f" [{layout}]" if len(layouts) > 1 else ""
+        calls |= {name + suffix: call for name, call in _layout_calls(d, causal, *qkv).items()}
+    return calls
+
+
+def _layout_calls(d: int, causal: bool, q_grad: torch.Tensor, k_grad: torch.Tensor, v_grad: torch.Tensor
+                  ) -> dict[str, Callable[[], torch.Tensor]]:
+    """`_cell`'s calls on one layout's q, k, v ((B, H, N, D) views that require grad: the baselines' inputs)."""
     from flashsys.ops.attention import dispatch, launcher
     from flashsys.ops.attention.gluon import launch as gluon_launch
 
-    g = torch.Generator(device="cuda").manual_seed(n + d)
-    leaves = [torch.randn(batch, n, h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-              for h in (heads, kv_heads, kv_heads)]
-    q_grad, k_grad, v_grad = (t.transpose(1, 2) for t in leaves)  # the baselines' inputs
+    batch, heads, n, _ = q_grad.shape
     q, k, v = (t.detach() for t in (q_grad, k_grad, v_grad))  # the same memory, for the kernels launched directly
     window, scale = ((-1, 0) if causal else (-1, -1)), d ** -0.5
     o = torch.empty(batch, heads, n, d, device="cuda", dtype=torch.bfloat16)
@@ -87,7 +109,8 @@ def _time_cell(calls: dict[str, Callable[[], torch.Tensor]], rounds: int, rep_ms
                ) -> list[tuple]:
     """(name, median ms, max |output - cuDNN's|) of each call that runs, timed by TIMERS[timing]; those that raise
     are reported and dropped."""
-    reference = calls["sdpa-cudnn"]().float() if "sdpa-cudnn" in calls else None
+    cudnn = next((name for name in calls if name.split(" [")[0] == "sdpa-cudnn"), None)
+    reference = calls[cudnn]().float() if cudnn is not None else None
     errors = {}
     for name, call in list(calls.items()):
         try:
@@ -115,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timing", choices=list(TIMERS), default="gpu",
                    help="gpu: GPU work alone, L2 flushed (default); warm: GPU work alone, inputs left in L2; "
                         "call: do_bench of the eager call, host included")
+    p.add_argument("--layouts", choices=LAYOUTS, nargs="+", default=["bnhd"],
+                   help="the inputs' memory: bnhd, (B, N, H, D) viewed as (B, H, N, D) (default); bhnd, dense "
+                        "(B, H, N, D); both: every implementation on each, in the same rounds")
     add_probe_args(p, heads=16)
     args = p.parse_args(argv)
     kv_heads = kv_heads_of(p, args)
@@ -128,12 +154,15 @@ def main(argv: list[str] | None = None) -> int:
                 batch = args.batch or max(1, args.tokens // n)
                 print(f"\nD {d} {'causal' if causal else 'full'} N {n}, batch {batch}, {args.heads} query / "
                       f"{kv_heads} K/V heads, --timing {args.timing}")
-                rows = _time_cell(_cell(d, causal, n, batch, args.heads, kv_heads), args.rounds, args.rep,
-                                  args.timing)
+                layouts = tuple(dict.fromkeys(args.layouts))
+                rows = _time_cell(_cell(d, causal, n, batch, args.heads, kv_heads, layouts), args.rounds,
+                                  args.rep, args.timing)
                 ms = {name: t for name, t, _ in rows}
                 print("| implementation | ms | × cuDNN | × FA4 | max abs diff from cuDNN |\n|---|---:|---:|---:|---:|")
                 for name, t, err in rows:
-                    vs = [f"{t / ms[base]:.3f}" if base in ms else "—" for base in ("sdpa-cudnn", "fa4")]
+                    suffix = name[len(name.split(" [")[0]):]  # each row against the baselines on its own layout
+                    vs = [f"{t / ms[base + suffix]:.3f}" if base + suffix in ms else "—"
+                          for base in ("sdpa-cudnn", "fa4")]
                     print(f"| {name} | {t:.4f} | {vs[0]} | {vs[1]} | {err:.3g} |")
     return 0
 

@@ -37,6 +37,16 @@ def test_a_bad_mask_choice_is_refused():
     assert done.returncode == 2 and "invalid choice" in done.stderr
 
 
+def test_layouts_are_the_models_and_dense_ones_only():
+    """Both layouts parse (the script then needs its GPU, as any run); a layout it cannot build is refused."""
+    assert "--layouts {bnhd,bhnd}" in _run("--help").stdout
+    if not torch.cuda.is_available():
+        done = _run("--layouts", "bnhd", "bhnd", "--head-dims", "64", "--seq-lens", "1024")
+        assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr
+    done = _run("--layouts", "bshd")
+    assert done.returncode == 2 and "argument --layouts: invalid choice" in done.stderr
+
+
 def test_no_rounds_is_refused_naming_the_option():
     done = _run("--rounds", "0")
     assert done.returncode == 2 and "argument --rounds" in done.stderr
