@@ -21,7 +21,9 @@ the device, versions, date and command, each tree's git commit (marked where its
 it is no checkout (a copy like .ab/main above: its commit goes in your notes), and each tree's kernel choices.
 
 A cell is D:MASK:N (MASK full or causal), with batch = --tokens // N and --heads heads, bf16 on a GPU (float32 on a
-CPU, where the times say nothing about kernels: that is for trying the script, with `--impl flash-torch`). `--impl`
+CPU, where the times say nothing about kernels: that is for trying the script, with `--impl flash-torch`), q, k, v and
+dO dense (B, H, N, D) (`--layout bhnd`, the default) or a model's (B, N, H, D) memory viewed as (B, H, N, D) (`--layout
+bnhd`, the attention sweep's and FA4's layout): the same values either way. `--impl`
 names the attention backend of each tree's registry (`flashsys.ops.attention.ATTENTION_BACKENDS`; flash-triton by
 default, as the sweep's) or the sweep's flash-triton-nondet (determinism off), timed with each tree's
 `benchmarks.harness.bench_ms` (do_bench of the eager call, its host path included: what an eager model pays), or with
@@ -56,6 +58,10 @@ from typing import NamedTuple
 
 REPLY = "AB_TREES "  # a worker's answers start with this; anything else it prints goes to the driver's stderr
 CELL_REP_MS = 200  # each attention cell's timing lasts about this long (do_bench's rep, or gpu_ms's)
+# --layout's words in the table's header.
+LAYOUT_NOTES = {"bhnd": "q, k, v and dO dense (B, H, N, D)",
+                "bnhd": "q, k, v and dO in (B, N, H, D) memory viewed as (B, H, N, D), as a model's projections lay "
+                        "them out"}
 # --timing's words in the table's notes.
 TIMING_NOTES = {"call": "each timing `do_bench`'s median of the eager call, its host path included",
                 "gpu": "each timing the GPU work alone, the L2 flushed before each run (`timed_choice.gpu_ms`)"}
@@ -117,6 +123,19 @@ def tree_path(text: str) -> Path:
 def _reply(obj: dict) -> None:
     sys.stdout.write(REPLY + json.dumps(obj) + "\n")
     sys.stdout.flush()
+
+
+LAYOUTS = ("bhnd", "bnhd")
+
+
+def in_layout(t, layout: str):
+    """(B, H, N, D) tensor t's values in `layout`'s memory (`LAYOUTS`): dense (B, H, N, D), or (B, N, H, D) viewed
+    as (B, H, N, D), as a model's projections hand attention its inputs."""
+    if layout == "bhnd":
+        return t.contiguous()
+    if layout == "bnhd":
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    raise ValueError(f"layout {layout!r}: want one of {LAYOUTS}")
 
 
 def _digest(tensors) -> str:
@@ -213,7 +232,7 @@ def cell_timer(timing: str):
 
 def worker(tokens: int, heads: int) -> int:
     """Serve the driver: one JSON request a line on stdin ({"cell": [D, causal, N], "impl": a registry backend,
-    "what": "bwd", "fwd" or "fwd_bwd", "timing": "call" or "gpu" (`cell_timer`)}, or a step cell's, `_time_step`, or
+    "what": "bwd", "fwd" or "fwd_bwd", "timing": "call" or "gpu" (`cell_timer`), "layout": one of `LAYOUTS`}, or a step cell's, `_time_step`, or
     {"choices": true}, `_kernel_choices`), one REPLY line each ({"ms": ..., "digest": ...}, {"choices": ...}, or
     {"error": ...})."""
     sys.path.insert(0, os.getcwd())  # this tree's flashsys and benchmarks before any other
@@ -259,15 +278,16 @@ def worker(tokens: int, heads: int) -> int:
         backend = implementation(request["impl"])  # as the sweep times it
         set_deterministic_backward(request["impl"] != NONDETERMINISTIC)
         d, causal, n = request["cell"]
-        if made_for != (d, causal, n):
-            made_for, tensors = (d, causal, n), ()
+        layout = request.get("layout", "bhnd")
+        if made_for != (d, causal, n, layout):
+            made_for, tensors = (d, causal, n, layout), ()
             if ON_GPU:
                 torch.cuda.empty_cache()
             g = torch.Generator().manual_seed(1_000_003 * d + 7 * n + causal)  # the same inputs in every tree
-            tensors = tuple(torch.randn(max(1, tokens // n), heads, n, d, generator=g).to(DEVICE, dtype)
-                            for _ in range(4))
+            tensors = tuple(in_layout(torch.randn(max(1, tokens // n), heads, n, d, generator=g).to(DEVICE, dtype),
+                                      layout) for _ in range(4))
         q, k, v, do = tensors
-        leaves = tuple(t.clone().requires_grad_() for t in (q, k, v))
+        leaves = tuple(t.clone().requires_grad_() for t in (q, k, v))  # clone keeps the layout's strides
         # --what fwd: no autograd graph, so no backward kernel is built or timed, and the digest is the output's
         forward_only = request["what"] == "fwd"
         try:
@@ -340,16 +360,17 @@ class Run(NamedTuple):
 
 
 def run(trees: list[Path], cells: list[Cell | StepCell], rounds: int, impl: str, what: str, baseline: bool,
-        tokens: int, heads: int, step_options: dict | None = None, timing: str = "call") -> Run:
+        tokens: int, heads: int, step_options: dict | None = None, timing: str = "call", layout: str = "bhnd"
+        ) -> Run:
     """Each cell's rows: per tree its times (ms, one a round) and digest; the baseline's times where asked. Step
     cells (`what` "step") are asked for with `step_options` (mode, iters, warmup, batch); attention cells are timed
-    as `timing` says (`cell_timer`)."""
+    as `timing` says (`cell_timer`), on inputs in `layout`'s memory (`in_layout`)."""
     from flashsys.timing import round_order
 
     def request(cell: Cell | StepCell, backend: str) -> dict:
         if isinstance(cell, StepCell):
             return dict(step=list(cell), impl=backend, **(step_options or {}))
-        return dict(cell=list(cell), impl=backend, what=what, timing=timing)
+        return dict(cell=list(cell), impl=backend, what=what, timing=timing, layout=layout)
 
     workers = [Worker(tree, tokens, heads) for tree in trees]
     try:
@@ -447,11 +468,12 @@ def tree_revision(tree: Path) -> str:
 
 
 def write_results(results: list[dict], trees: list[Path], hello: dict, out: Path, name: str, rounds: int,
-                  choices: list[str], run: str | None = None, timing: str | None = "call") -> Path:
+                  choices: list[str], run: str | None = None, timing: str | None = "call",
+                  layout: str | None = "bhnd") -> Path:
     """`table`'s rows as <out>/<name>.md and .csv (`benchmarks.harness.write_table`) under the run's header: the
     device, versions and date, the command, each tree with its commit, and each tree's kernel choices (`choices`,
     one a tree); with `run`, as that run of a table of several; `timing`: how the attention cells were timed
-    (`TIMING_NOTES`; None for step cells). Returns the Markdown path."""
+    (`TIMING_NOTES`) and `layout` their inputs' memory (None for step cells). Returns the Markdown path."""
     from benchmarks.harness import command_line, write_table
 
     env = {"device": hello["device"], "torch": hello["torch"], "triton": hello["triton"], "python": hello["python"],
@@ -459,6 +481,8 @@ def write_results(results: list[dict], trees: list[Path], hello: dict, out: Path
     env.update({f"tree {i}": f"{tree} ({tree_revision(tree)})" for i, tree in enumerate(trees)})
     env.update({f"tree {i}'s kernels": chosen for i, chosen in enumerate(choices)})
     timed = f" ({TIMING_NOTES[timing]})" if timing else ""
+    if layout is not None:
+        env["inputs"] = LAYOUT_NOTES[layout]
     notes = [(f"Medians of {rounds} interleaved rounds{timed} (the trees and the baseline in an order changed each "
               "round); ratios are each tree's median over tree 0's and over the baseline's; \"same bits\": whether "
               "every tree's digest of its first call's gradients (the output's, for the forward alone) agreed.")]
@@ -481,6 +505,9 @@ def main() -> int:
     ap.add_argument("--what", choices=["bwd", "fwd", "fwd_bwd", "step"], default="bwd")
     ap.add_argument("--timing", choices=sorted(TIMING_NOTES), default="call",
                     help="attention cells: call, do_bench of the eager call (default); gpu, the GPU work alone")
+    ap.add_argument("--layout", choices=LAYOUTS, default="bhnd",
+                    help="attention cells' inputs: dense (B, H, N, D) (default), or (B, N, H, D) memory viewed as "
+                         "(B, H, N, D), the attention sweep's and FA4's layout")
     ap.add_argument("--steps", type=step_spec, nargs="+", default=[], metavar="PRESET:CONTEXT[:HEADS]",
                     help="--what step: the models whose training step is timed, e.g. small:2048 (small:2048:6: "
                          "with 6 heads, D 128)")
@@ -509,6 +536,8 @@ def main() -> int:
         ap.error("--steps goes with --what step, and --what step needs --steps")
     if args.what == "step" and args.timing != "call":
         ap.error("--timing times attention cells; a step is timed as a training loop runs it")
+    if args.what == "step" and args.layout != "bhnd":
+        ap.error("--layout lays out attention cells' inputs; a step's model lays out its own")
     if args.what == "step" and args.impl == "flash-triton-nondet":
         ap.error("--impl flash-triton-nondet times attention cells only; a step's model takes a registry backend")
     if args.run is not None:
@@ -518,11 +547,11 @@ def main() -> int:
     cells = args.steps if args.what == "step" else args.cells
     step_options = dict(mode=args.step_mode, iters=args.iters, warmup=args.warmup, batch=args.batch)
     done = run(args.trees, cells, args.rounds, args.impl, args.what, args.baseline, args.tokens, args.heads,
-               step_options, args.timing)
+               step_options, args.timing, args.layout)
     print(table(done.results, args.trees))
     if args.out is not None:
         path = write_results(done.results, args.trees, done.hello, args.out, args.name, args.rounds, done.choices,
-                             args.run, None if args.what == "step" else args.timing)
+                             args.run, *((None, None) if args.what == "step" else (args.timing, args.layout)))
         print(f"# wrote {path}", file=sys.stderr)
     return 0
 

@@ -265,3 +265,27 @@ def test_cells_are_timed_as_eager_calls_or_as_gpu_work_alone(tmp_path):
         done = _run("--trees", str(ROOT), str(ROOT), "--cells", "16:causal:64", "--rounds", "1", "--tokens", "64",
                     "--heads", "1", "--impl", "flash-torch", "--timing", "gpu")
         assert done.returncode != 0 and "--timing gpu times GPU work: it needs a GPU" in done.stderr
+
+
+def test_inputs_are_laid_out_dense_or_as_a_models_projections_leave_them(tmp_path):
+    """`--layout bnhd` gives each tree the sweep's and FA4's inputs, (B, N, H, D) memory viewed as (B, H, N, D), with
+    the values dense (B, H, N, D) ones have (the default); the table's header says which. Step cells lay out their
+    own inputs, so the option is refused there."""
+    import torch
+
+    t = torch.randn(2, 3, 5, 4)
+    dense, model = ab_trees.in_layout(t, "bhnd"), ab_trees.in_layout(t.transpose(2, 3).transpose(2, 3), "bnhd")
+    assert dense.is_contiguous() and torch.equal(dense, t)
+    assert model.transpose(1, 2).is_contiguous() and not model.is_contiguous() and torch.equal(model, t)
+    assert model.clone().stride() == model.stride()  # the worker's leaves keep the layout
+    with pytest.raises(ValueError, match="layout 'bshd'"):
+        ab_trees.in_layout(t, "bshd")
+    for layout, words in (("bnhd", "- inputs: q, k, v and dO in (B, N, H, D) memory viewed as (B, H, N, D)"),
+                          ("bhnd", "- inputs: q, k, v and dO dense (B, H, N, D)\n")):
+        done = _run("--trees", str(ROOT), str(ROOT), "--cells", "16:causal:64", "--rounds", "1", "--tokens", "64",
+                    "--heads", "2", "--what", "fwd_bwd", "--impl", "flash-torch", "--layout", layout,
+                    "--out", str(tmp_path), "--name", layout)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert words in (tmp_path / f"{layout}.md").read_text()
+    done = _run("--trees", str(ROOT), str(ROOT), "--what", "step", "--steps", "demo:32", "--layout", "bnhd")
+    assert done.returncode == 2 and "--layout lays out attention cells' inputs" in done.stderr
