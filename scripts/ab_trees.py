@@ -22,15 +22,16 @@ it is no checkout (a copy like .ab/main above: its commit goes in your notes), a
 
 A cell is D:MASK:N (MASK full or causal), with batch = --tokens // N and --heads heads, bf16 on a GPU (float32 on a
 CPU, where the times say nothing about kernels: that is for trying the script, with `--impl flash-torch`), q, k, v and
-dO dense (B, H, N, D) (`--layout bhnd`, the default) or a model's (B, N, H, D) memory viewed as (B, H, N, D) (`--layout
-bnhd`, the attention sweep's and FA4's layout): the same values either way. `--impl`
-names the attention backend of each tree's registry (`flashsys.ops.attention.ATTENTION_BACKENDS`; flash-triton by
-default, as the sweep's) or the sweep's flash-triton-nondet (determinism off), timed with each tree's
-`benchmarks.harness.bench_ms` (do_bench of the eager call, its host path included: what an eager model pays), or with
-`--timing gpu` each tree's `timed_choice.gpu_ms` (the GPU work alone, L2 flushed: what a compiled graph or a CUDA
-graph pays, where calls of a tenth of a millisecond would otherwise time the host). `--what bwd` (the default) times
-the backward alone, `fwd` the forward alone (no autograd graph), `fwd_bwd` a forward and its backward; `--baseline`
-also times sdpa-cudnn (GPU only) in the first tree's worker.
+dO dense (B, H, N, D) (`--layout bhnd`, the default) or a model's (B, N, H, D) memory viewed as (B, H, N, D)
+(`--layout bnhd`, the attention sweep's and FA4's layout): the same values either way (`in_layout`, here and not in a
+tree's `benchmarks`, because the workers run this file against older trees too). `--impl` names the attention backend
+of each tree's registry (`flashsys.ops.attention.ATTENTION_BACKENDS`; flash-triton by default, as the sweep's) or the
+sweep's flash-triton-nondet (determinism off), timed with each tree's `benchmarks.harness.bench_ms` (do_bench of the
+eager call, its host path included: what an eager model pays), or with `--timing gpu` each tree's
+`timed_choice.gpu_ms` (the GPU work alone, L2 flushed: what a compiled graph or a CUDA graph pays, where calls of a
+tenth of a millisecond would otherwise time the host). `--what bwd` (the default) times the backward alone, `fwd` the
+forward alone (no autograd graph), `fwd_bwd` a forward and its backward; `--baseline` also times sdpa-cudnn (GPU only)
+in the first tree's worker.
 
 `--what step` times a language model's training step instead, in each tree as that tree's `benchmarks.end_to_end`
 builds and times it (bf16 autocast on a GPU, AdamW; `--step-mode compiled` by default): a step cell is
@@ -232,9 +233,9 @@ def cell_timer(timing: str):
 
 def worker(tokens: int, heads: int) -> int:
     """Serve the driver: one JSON request a line on stdin ({"cell": [D, causal, N], "impl": a registry backend,
-    "what": "bwd", "fwd" or "fwd_bwd", "timing": "call" or "gpu" (`cell_timer`), "layout": one of `LAYOUTS`}, or a step cell's, `_time_step`, or
-    {"choices": true}, `_kernel_choices`), one REPLY line each ({"ms": ..., "digest": ...}, {"choices": ...}, or
-    {"error": ...})."""
+    "what": "bwd", "fwd" or "fwd_bwd", "timing": "call" or "gpu" (`cell_timer`), "layout": one of `LAYOUTS`}, or a
+    step cell's, `_time_step`, or {"choices": true}, `_kernel_choices`), one REPLY line each ({"ms": ...,
+    "digest": ...}, {"choices": ...}, or {"error": ...})."""
     sys.path.insert(0, os.getcwd())  # this tree's flashsys and benchmarks before any other
     import torch
 

@@ -15,11 +15,11 @@ Each cell: bf16, --heads query heads over --kv-heads K/V heads (grouped-query at
 --tokens // N (or --batch), q, k, v in (B, N, H, D) memory viewed as (B, H, N, D), as a model's projections hand them
 over (`--layouts bnhd`, FA4's own layout), or dense (B, H, N, D) (`bhnd`); with both, every implementation runs on
 both in the same rounds (the same values), each row named with its layout, so a kernel that reads one layout slower
-than the other shows beside FA4 and cuDNN on both. Every implementation is timed in --rounds interleaved rounds, and the median of the rounds' medians is printed
-with its ratio to cuDNN's and to FA4's, and the largest difference of its output from cuDNN's (a variant that computes
-something else shows here before its time means anything). cuDNN and FA4 get inputs that require grad, as in training
-and as `benchmarks.attention` times them: so they write the logsumexp that every flashsys variant writes (without
-grad, FA4 compiles a forward that writes none).
+than the other shows beside FA4 and cuDNN on both. Every implementation is timed in --rounds interleaved rounds, and
+the median of the rounds' medians is printed with its ratio to cuDNN's and to FA4's, and the largest difference of its
+output from cuDNN's (a variant that computes something else shows here before its time means anything). cuDNN and FA4
+get inputs that require grad, as in training and as `benchmarks.attention` times them: so they write the logsumexp
+that every flashsys variant writes (without grad, FA4 compiles a forward that writes none).
 
 `--timing gpu` (the default) times each implementation's GPU work alone, the L2 flushed before each run
 (`timed_choice.gpu_ms`, what the dispatch's timed choice measures): each run waits behind a spin kernel longer than
@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows = _time_cell(_cell(d, causal, n, batch, args.heads, kv_heads, layouts), args.rounds,
                                   args.rep, args.timing)
                 ms = {name: t for name, t, _ in rows}
-                print("| implementation | ms | × cuDNN | × FA4 | max abs diff from cuDNN |\n|---|---:|---:|---:|---:|")
+                print("| implementation | ms | × cuDNN | × FA4 | max abs diff from cuDNN |\n"
+                      "|---|---:|---:|---:|---:|")
                 for name, t, err in rows:
                     suffix = name[len(name.split(" [")[0]):]  # each row against the baselines on its own layout
                     vs = [f"{t / ms[base + suffix]:.3f}" if base + suffix in ms else "—"
