@@ -23,11 +23,11 @@ it is no checkout (a copy like .ab/main above: its commit goes in your notes), a
 A cell is D:MASK:N (MASK full or causal), with batch = --tokens // N and --heads heads, bf16 on a GPU (float32 on a
 CPU, where the times say nothing about kernels: that is for trying the script, with `--impl flash-torch`), q, k, v and
 dO dense (B, H, N, D) (`--layout bhnd`, the default) or a model's (B, N, H, D) memory viewed as (B, H, N, D)
-(`--layout bnhd`, the attention sweep's and FA4's layout): the same values either way (`in_layout`, here and not in a
-tree's `benchmarks`, because the workers run this file against older trees too). `--impl` names the attention backend
-of each tree's registry (`flashsys.ops.attention.ATTENTION_BACKENDS`; flash-triton by default, as the sweep's) or the
-sweep's flash-triton-nondet (determinism off), timed with each tree's `benchmarks.harness.bench_ms` (do_bench of the
-eager call, its host path included: what an eager model pays), or with `--timing gpu` each tree's
+(`--layout bnhd`, FA4's layout and that of the FA4 sweep's tables): the same values either way (`in_layout`, here and
+not in a tree's `benchmarks`, because the workers run this file against older trees too). `--impl` names the attention
+backend of each tree's registry (`flashsys.ops.attention.ATTENTION_BACKENDS`; flash-triton by default, as the sweep's)
+or the sweep's flash-triton-nondet (determinism off), timed with each tree's `benchmarks.harness.bench_ms` (do_bench
+of the eager call, its host path included: what an eager model pays), or with `--timing gpu` each tree's
 `timed_choice.gpu_ms` (the GPU work alone, L2 flushed: what a compiled graph or a CUDA graph pays, where calls of a
 tenth of a millisecond would otherwise time the host). `--what bwd` (the default) times the backward alone, `fwd` the
 forward alone (no autograd graph), `fwd_bwd` a forward and its backward; `--baseline` also times sdpa-cudnn (GPU only)
@@ -508,7 +508,7 @@ def main() -> int:
                     help="attention cells: call, do_bench of the eager call (default); gpu, the GPU work alone")
     ap.add_argument("--layout", choices=LAYOUTS, default="bhnd",
                     help="attention cells' inputs: dense (B, H, N, D) (default), or (B, N, H, D) memory viewed as "
-                         "(B, H, N, D), the attention sweep's and FA4's layout")
+                         "(B, H, N, D), FA4's layout and that of the FA4 sweep's tables")
     ap.add_argument("--steps", type=step_spec, nargs="+", default=[], metavar="PRESET:CONTEXT[:HEADS]",
                     help="--what step: the models whose training step is timed, e.g. small:2048 (small:2048:6: "
                          "with 6 heads, D 128)")

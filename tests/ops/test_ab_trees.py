@@ -268,7 +268,7 @@ def test_cells_are_timed_as_eager_calls_or_as_gpu_work_alone(tmp_path):
 
 
 def test_inputs_are_laid_out_dense_or_as_a_models_projections_leave_them(tmp_path):
-    """`--layout bnhd` gives each tree the sweep's and FA4's inputs, (B, N, H, D) memory viewed as (B, H, N, D), with
+    """`--layout bnhd` gives each tree the FA4 sweep's inputs, (B, N, H, D) memory viewed as (B, H, N, D), with
     the values dense (B, H, N, D) ones have (the default); the table's header says which. Step cells lay out their
     own inputs, so the option is refused there."""
     import torch
