@@ -126,7 +126,7 @@ def _reply(obj: dict) -> None:
     sys.stdout.flush()
 
 
-LAYOUTS = ("bhnd", "bnhd")
+LAYOUTS = tuple(LAYOUT_NOTES)  # --layout's choices, the default first
 
 
 def in_layout(t, layout: str):

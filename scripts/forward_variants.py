@@ -43,6 +43,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this tree's flashsys, benchmarks
 
+from ab_trees import in_layout  # beside this script: the inputs' memory as the A/B lays it out
+
 from benchmarks.harness import TIMERS, add_probe_args, environment_variable, kv_heads_of
 from flashsys.ops.attention import ATTENTION_BACKENDS
 from flashsys.timing import round_order
@@ -59,13 +61,7 @@ def _cell(d: int, causal: bool, n: int, batch: int, heads: int, kv_heads: int,
               for h in (heads, kv_heads, kv_heads)]
     calls = {}
     for layout in layouts:
-        if layout == "bnhd":
-            leaves = [t.clone().requires_grad_() for t in values]
-            qkv = [t.transpose(1, 2) for t in leaves]
-        elif layout == "bhnd":
-            qkv = [t.transpose(1, 2).contiguous().requires_grad_() for t in values]
-        else:
-            raise ValueError(f"layout {layout!r}: want one of {LAYOUTS}")
+        qkv = [in_layout(t.transpose(1, 2), layout).detach().requires_grad_() for t in values]
         suffix = f" [{layout}]" if len(layouts) > 1 else ""
         calls |= {name + suffix: call for name, call in _layout_calls(d, causal, *qkv).items()}
     return calls
